@@ -1,0 +1,59 @@
+"""`Generation`: what `jaxsample.generate` returns (host-side numpy arrays)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Generation:
+    """N sampled continuations for each of B prompts.
+
+    Attributes:
+      tokens: `[B, N, T]` int32 generated token ids; positions at or past
+        `lengths` hold `pad_id`.
+      logprobs: `[B, N, T]` float32 log-probability of each generated token
+        under the raw model distribution (temperature 1, no filters); 0 at padding.
+      lengths: `[B, N]` int32 generated tokens per branch, the stop token included.
+      finish_reason: B lists of N strings, "stop" (a stop token or stop string)
+        or "length" (max_new_tokens reached).
+      texts: B lists of N decoded strings; stop token and stop string excluded.
+      prompt_tokens: B lists of prompt token ids (what was prefilled).
+      prompts: the B prompt strings as rendered (chat template applied), or
+        None for prompts given as token ids.
+      params: the `SamplingParams` used (with the seed actually used).
+      bill: the `jaxsample.cost.Bill` of this request.
+      timings: seconds spent per phase ("compile", "prefill", "decode", "total").
+      pad_id: the id written after a branch stops.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    finish_reason: list[list[str]]
+    texts: list[list[str]]
+    prompt_tokens: list[list[int]]
+    prompts: list[str | None]
+    params: Any
+    bill: Any
+    timings: dict[str, float]
+    pad_id: int
+
+    @property
+    def num_prompts(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.tokens.shape[1]
+
+    def sum_logprob(self) -> np.ndarray:
+        """`[B, N]` float32 sum of the generated tokens' logprobs (padding excluded)."""
+        return self.logprobs.sum(axis=-1)
+
+    def mean_logprob(self) -> np.ndarray:
+        """`[B, N]` float32 length-normalised logprob (sum / length; 0 for empty branches)."""
+        return self.sum_logprob() / np.maximum(self.lengths, 1)

@@ -1,0 +1,86 @@
+"""`LanguageModel`: a model config, its parameters and its tokenizer, bundled.
+
+The engine depends on a model only through the functions of
+`models.llama` (embed, qkv, attn_out_and_mlp, logits, run_layers) and on the
+tokenizer only through `encode`, `decode`, `apply_chat_template`,
+`eos_token_ids`, `pad_token_id` and `vocab_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import llama
+
+
+class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer (see models/tokenizer.py)."""
+
+    vocab_size: int  # number of real token ids; logits rows past it are never sampled
+    eos_token_ids: tuple[int, ...]  # end-of-turn and end-of-text ids: default stop ids
+    pad_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LanguageModel:
+    """A loaded causal language model.
+
+    Attributes:
+      config: the `models.llama.LlamaConfig`.
+      params: the parameter pytree (see `models.llama.param_shapes`).
+      tokenizer: the checkpoint's own tokenizer.
+      name: a short name ("smollm2-135m-instruct" or the file name).
+      source: where the weights came from (a path), for messages and bills.
+    """
+
+    config: llama.LlamaConfig
+    params: Any
+    tokenizer: Tokenizer
+    name: str = "model"
+    source: str = ""
+
+    @property
+    def vocab_limit(self) -> int:
+        """Number of logits rows that may be sampled (the tokenizer's vocabulary)."""
+        return min(int(self.tokenizer.vocab_size), self.config.vocab_size)
+
+    def forward(self, tokens) -> jax.Array:
+        """Plain causal forward without a KV cache.
+
+        Args:
+          tokens: `[B, S]` int (array or nested lists); a `[S]` row is promoted to `[1, S]`.
+        Returns:
+          logits `[B, S, V]` float32.
+        Raises:
+          ValueError: tokens out of range or longer than the context.
+        """
+        tokens = np.asarray(tokens)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be an integer array [B, S], got {tokens.dtype} {tokens.shape}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size):
+            raise ValueError(f"tokens must lie in [0, {self.config.vocab_size}), "
+                             f"got values in [{tokens.min()}, {tokens.max()}]")
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"tokens has {tokens.shape[1]} positions, more than the context "
+                             f"({self.config.max_seq_len})")
+        return _forward(self.config, self.params, jnp.asarray(tokens, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(cfg, params, tokens):
+    return llama.forward(cfg, params, tokens)

@@ -1,0 +1,1 @@
+"""Reference model families and their weight/tokenizer loaders."""

@@ -1,0 +1,393 @@
+"""The Llama family (SmolLM2, Llama 2/3, Mistral, Qwen2) as pure JAX functions.
+
+Letter table (used in every einsum and docstring of the project):
+
+    B prompts (batch)      N branches per prompt   P prefix (prompt) length
+    T new tokens           S positions in one call L layers
+    H query heads          K kv heads              G = H / K query heads per kv head
+    D head dim             E model dim             F MLP hidden dim
+    V vocabulary rows
+
+The model is written for *one sequence* of S positions (`x [S, E]`), so the
+engine can vmap it over branches and prompts. Attention itself is passed in
+as a function (`attend`), so the same layer serves the plain causal forward
+(the test oracle), the shared-prefix prefill and the per-branch decode step;
+the cached model is built from the uncached one and cannot drift from it.
+
+Parameters are a plain pytree of arrays (dicts), stacked over layers so the
+layer loop is one `jax.lax.scan`. Weights are stored as `x @ W`, i.e. `W` is
+`[in, out]` (the transpose of a PyTorch `Linear.weight`).
+
+Reference: Touvron et al. 2023 (Llama), Hugging Face `modeling_llama.py`
+(rotate-half RoPE, RMSNorm, SwiGLU) and `modeling_qwen2.py` (q/k/v bias).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = dict[str, Any]
+# attend(q [S, H, D], k [S, K, D], v [S, K, D]) -> out [S, H, D]
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (`rope_type: llama3`).
+
+    Reference: Hugging Face `modeling_rope_utils._compute_llama3_parameters`.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Shapes and constants of a Llama-family decoder.
+
+    Attributes:
+      vocab_size: V, rows of the embedding (and of the logits).
+      dim: E, the model (residual stream) width.
+      n_layers: L.
+      n_heads: H, query heads.
+      n_kv_heads: K, key/value heads; H must be a multiple of K (GQA/MQA).
+      head_dim: D; usually E / H.
+      ffn_dim: F, the SwiGLU hidden width.
+      norm_eps: RMSNorm epsilon.
+      rope_theta: RoPE base.
+      rope_scaling: Llama-3 scaling, or None.
+      max_seq_len: the context length in tokens (prompt + new tokens).
+      tie_embeddings: the output projection is the embedding transposed.
+      qkv_bias: q/k/v projections carry a bias (Qwen2).
+      dtype: "float32" (default) or "bfloat16" for weights and activations;
+        softmax, norms and logits are always accumulated in float32.
+      arch: the architecture name the checkpoint declared (informational).
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    dtype: str = "float32"
+    arch: str = "llama"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LlamaConfig.n_heads ({self.n_heads}) must be a multiple of "
+                f"n_kv_heads ({self.n_kv_heads})")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"LlamaConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def n_groups(self) -> int:
+        """G = H / K, query heads sharing one kv head."""
+        return self.n_heads // self.n_kv_heads
+
+    def replace(self, **changes) -> "LlamaConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------
+# Parameters
+
+
+def init_params(cfg: LlamaConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random parameters (normal, std `scale`) for tests and benchmarks.
+
+    Returns the same pytree the loaders produce: see `param_shapes`.
+    """
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, shape in zip(keys, leaves):
+        if len(shape) >= 1 and _is_norm_shape(shape, cfg):
+            out.append(jnp.ones(shape, cfg.jnp_dtype))
+        else:
+            out.append((scale * jax.random.normal(k, shape, jnp.float32)).astype(cfg.jnp_dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _is_norm_shape(shape, cfg):
+    return shape == (cfg.dim,) or shape == (cfg.n_layers, cfg.dim)
+
+
+def param_shapes(cfg: LlamaConfig) -> Params:
+    """The parameter pytree's structure with shapes as tuples.
+
+    Keys: `embed [V, E]`, `final_norm [E]`, `lm_head [E, V]` (untied only),
+    and `layers` with arrays stacked over L: `attn_norm [L, E]`,
+    `wq [L, E, H*D]`, `wk [L, E, K*D]`, `wv [L, E, K*D]`, `wo [L, H*D, E]`,
+    `bq [L, H*D]`, `bk [L, K*D]`, `bv [L, K*D]` (qkv_bias only),
+    `mlp_norm [L, E]`, `w_gate [L, E, F]`, `w_up [L, E, F]`, `w_down [L, F, E]`.
+    """
+    L, E, F, V = cfg.n_layers, cfg.dim, cfg.ffn_dim, cfg.vocab_size
+    HD, KD = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    layers = {
+        "attn_norm": (L, E), "wq": (L, E, HD), "wk": (L, E, KD), "wv": (L, E, KD),
+        "wo": (L, HD, E), "mlp_norm": (L, E), "w_gate": (L, E, F), "w_up": (L, E, F),
+        "w_down": (L, F, E),
+    }
+    if cfg.qkv_bias:
+        layers.update(bq=(L, HD), bk=(L, KD), bv=(L, KD))
+    shapes = {"embed": (V, E), "final_norm": (E,), "layers": layers}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (E, V)
+    return shapes
+
+
+def check_params(cfg: LlamaConfig, params: Params, source: str = "params") -> None:
+    """Raises ValueError naming the first missing, unexpected or misshapen tensor."""
+    want = jax.tree_util.tree_flatten_with_path(
+        param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))[0]
+    want = {jax.tree_util.keystr(p): s for p, s in want}
+    have = {jax.tree_util.keystr(p): tuple(a.shape)
+            for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for name, shape in want.items():
+        if name not in have:
+            raise ValueError(f"{source}: missing tensor {name} (expected shape {shape})")
+        if have[name] != shape:
+            raise ValueError(f"{source}: tensor {name} has shape {have[name]}, expected {shape}")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise ValueError(f"{source}: unexpected tensors {extra}")
+
+
+# ---------------------------------------------------------------------------
+# Building blocks (one sequence: x [S, E])
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies `[D/2]` float32, with Llama-3 scaling if configured."""
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    s = cfg.rope_scaling
+    if s is not None:
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(is_mid, mid, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (Hugging Face convention).
+
+    Args:
+      x: `[S, heads, D]`.
+      positions: `[S]` int32 absolute positions.
+      inv_freq: `[D/2]` from `rope_frequencies`.
+    Returns:
+      `[S, heads, D]`, same dtype as x (rotation computed in float32).
+    """
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [S, D/2]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """tokens `[...]` int32 -> hidden `[..., E]`."""
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def qkv(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array):
+    """Pre-attention norm, projections, bias and RoPE for one layer.
+
+    Args:
+      lp: one layer's parameters (the `layers` subtree indexed at l).
+      x: `[S, E]`; positions: `[S]` int32.
+    Returns:
+      q `[S, H, D]`, k `[S, K, D]`, v `[S, K, D]` in the model dtype.
+    """
+    S = x.shape[0]
+    H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    inv_freq = rope_frequencies(cfg)
+    q = apply_rope(q.reshape(S, H, D), positions, inv_freq)
+    k = apply_rope(k.reshape(S, K, D), positions, inv_freq)
+    return q, k, v.reshape(S, K, D)
+
+
+def attn_out_and_mlp(cfg: LlamaConfig, lp: Params, x: jax.Array, o: jax.Array) -> jax.Array:
+    """Output projection, residual, SwiGLU MLP and residual.
+
+    Args:
+      x: `[S, E]` the layer's input; o: `[S, H, D]` the attention output.
+    Returns:
+      `[S, E]`, the layer's output.
+    """
+    S = x.shape[0]
+    x = x + o.reshape(S, -1).astype(x.dtype) @ lp["wo"]
+    h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
+    return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+
+
+def layer(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array, attend: AttendFn):
+    """One decoder block with attention supplied by the caller.
+
+    Returns:
+      (x `[S, E]`, (k `[S, K, D]`, v `[S, K, D]`)): the new residual stream
+      and this call's keys/values, for the caller's KV cache.
+    """
+    q, k, v = qkv(cfg, lp, x, positions)
+    o = attend(q, k, v)
+    return attn_out_and_mlp(cfg, lp, x, o), (k, v)
+
+
+def logits(cfg: LlamaConfig, params: Params, x: jax.Array) -> jax.Array:
+    """Final norm and output projection: x `[..., E]` -> logits `[..., V]` float32."""
+    h = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    return jnp.einsum("...e,ev->...v", h, w, preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------
+# Attention kernels
+
+
+def partial_attention(q, k, v, mask):
+    """Un-normalised attention over one segment of keys (for log-sum-exp merges).
+
+    Args:
+      q: `[S, H, D]`; k, v: `[M, K, D]`; mask: `[S, M]` bool (True = may attend).
+    Returns:
+      (out `[S, H, D]` float32 normalised within the segment,
+       lse `[S, H]` float32 log-sum-exp of the segment's scores, -inf where
+       the segment has no visible key).
+    """
+    S, H, D = q.shape
+    K = k.shape[1]
+    qg = q.reshape(S, K, H // K, D)
+    scores = jnp.einsum("skgd,mkd->skgm", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(D))
+    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m_safe)  # exactly 0 at masked keys
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("skgm,mkd->skgd", p, v.astype(jnp.float32)) / jnp.where(denom > 0, denom, 1.0)
+    lse = jnp.where(denom > 0, jnp.log(jnp.where(denom > 0, denom, 1.0)) + m_safe, -jnp.inf)
+    return out.reshape(S, H, D), lse.reshape(S, H)
+
+
+def merge_attention(parts):
+    """Merge partial attentions `[(out [S, H, D], lse [S, H]), ...]` by log-sum-exp.
+
+    The decomposition of Hydragen (Juravsky et al. 2024) and FlashInfer's
+    cascade attention: softmax over the union of segments equals the
+    lse-weighted average of the per-segment softmaxes.
+    """
+    lses = jnp.stack([lse for _, lse in parts])  # [n, S, H]
+    total = jnp.max(lses, axis=0)
+    total_safe = jnp.where(jnp.isfinite(total), total, 0.0)
+    w = jnp.exp(lses - total_safe)  # [n, S, H]
+    w = w / jnp.maximum(jnp.sum(w, axis=0), 1e-30)
+    return sum(wi[..., None] * out for wi, (out, _) in zip(w, parts))
+
+
+def causal_attend(valid_len: jax.Array | None = None) -> AttendFn:
+    """Plain causal self-attention within the call, keys `< valid_len` only."""
+
+    def attend(q, k, v):
+        S = q.shape[0]
+        pos = jnp.arange(S)
+        mask = pos[None, :] <= pos[:, None]
+        if valid_len is not None:
+            mask = mask & (pos[None, :] < valid_len)
+        out, _ = partial_attention(q, k, v, mask)
+        return out.astype(q.dtype)
+
+    return attend
+
+
+# ---------------------------------------------------------------------------
+# Whole model
+
+
+def run_layers(cfg: LlamaConfig, params: Params, x, positions, attend_for_layer, layer_xs=None):
+    """Scan the decoder blocks.
+
+    Args:
+      x: `[S, E]`; positions: `[S]`.
+      attend_for_layer: `f(layer_xs_l) -> AttendFn`, builds layer l's attention
+        from that layer's slice of `layer_xs` (e.g. its KV cache).
+      layer_xs: a pytree with leading axis L, or None.
+    Returns:
+      (x `[S, E]`, (k `[L, S, K, D]`, v `[L, S, K, D]`)).
+    """
+
+    def body(x, xs):
+        lp, lx = xs
+        x, kv = layer(cfg, lp, x, positions, attend_for_layer(lx))
+        return x, kv
+
+    return jax.lax.scan(body, x, (params["layers"], layer_xs))
+
+
+def forward_one(cfg: LlamaConfig, params: Params, tokens: jax.Array, valid_len=None):
+    """Causal forward of one sequence: tokens `[S]` -> (logits `[S, V]` f32, kv)."""
+    S = tokens.shape[0]
+    positions = jnp.arange(S, dtype=jnp.int32)
+    x = embed(params, tokens)
+    x, kv = run_layers(cfg, params, x, positions, lambda _: causal_attend(valid_len))
+    return logits(cfg, params, x), kv
+
+
+def forward(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Plain causal forward without a cache (scoring, and the oracle of cached decode).
+
+    Args:
+      tokens: `[B, S]` int32.
+    Returns:
+      logits `[B, S, V]` float32.
+    """
+    return jax.vmap(lambda t: forward_one(cfg, params, t)[0])(tokens)
