@@ -1,0 +1,510 @@
+"""Pricing ("price it properly"): what N branches over one shared prompt cost.
+
+Two things live here:
+
+* `estimate` / `table`: an analytic model from a `models.llama.LlamaConfig`
+  and (P prompt tokens, T new tokens, N branches), comparing the shared-prefix
+  engine against N separate retries.
+* `make_bill`: the `Bill` the engine attaches to every `Generation`, with the
+  counts actually measured (prompt tokens prefilled, tokens decoded per branch,
+  the `nbytes` of the KV-cache arrays allocated) and the analytic estimate
+  beside them.
+
+Prefix sharing saves prefill work (the prompt is prefilled once, not N times)
+and prefix memory (its KV cache is held and read once per decode step, not N
+times). It never saves the per-branch decode: every branch still runs its own
+forward pass for each of its tokens, so decode FLOPs are identical for both.
+Every report here shows exactly that.
+
+Counting conventions (letters as in `models/llama.py`):
+
+* One multiply-accumulate is 2 FLOPs. Norms, RoPE, softmax, SiLU, residual
+  adds and biases are not counted (O(E) per token against O(E^2)).
+* Linear FLOPs per token: `2 * linear_params`, where per layer
+  `linear_params = E*H*D (wq) + 2*E*K*D (wk, wv) + H*D*E (wo) + 3*E*F (SwiGLU)`.
+  The embedding lookup is free; the output projection (logits) is `2*E*V`
+  per position whose logits are computed.
+* Attention counts only the visible (unmasked) query-key pairs, i.e. the work
+  of an ideal causal kernel: per pair and layer, `2*H*D` for `q k^T` and
+  `2*H*D` for `p v` (GQA shares K/V heads but every query head still does
+  its own dot products). Causal prefill of P tokens has `P(P+1)/2` pairs, so
+  `attention = 2*L*H*D*P*(P+1)`. A dense kernel that computes the full
+  `P x P` square and masks does about twice that.
+* Prefill computes logits at the last prompt position only (that is where the
+  first new token is sampled from).
+* Decode: each of the T new tokens of a branch is one forward pass of one
+  position (the engine feeds each sampled token back in); new token t
+  (t = 0 .. T-1) attends to `P + t + 1` keys (the prompt, the t tokens before
+  it, itself) and computes one row of logits. Summed over a branch:
+  `T * (2*linear) + 4*L*H*D*(T*P + T(T+1)/2) + T * 2*E*V`.
+* Bytes: weights are `n_params * dtype_bytes` (every parameter, the whole
+  embedding table included: tied models read it for the logits). KV cache:
+  `2*L*K*D*dtype_bytes` per token (keys and values). Activations are ignored.
+* Bytes read by one decode step at context `P + t` (weights once per step in
+  every batched engine):
+    - shared prefix: `weights + P*kv + N*t*kv` (the prefix is read once for
+      all N branches, each branch reads its own tail);
+    - separate retries batched together (the main comparison, what
+      `num_return_sequences=N` does): `weights + N*(P + t)*kv`, the weights
+      are still read once per step but each of the N rows reads its own copy
+      of the prefix;
+    - separate retries run one after another: `N*(weights + (P + t)*kv)`.
+* KV memory held at the end: shared `(P + N*T)*kv` against `N*(P + T)*kv`.
+
+References: Kaplan et al. 2020, "Scaling Laws for Neural Language Models"
+(2 FLOPs per parameter per token); Juravsky et al. 2024, "Hydragen"
+(shared-prefix attention reads the prefix once); Pope et al. 2022,
+"Efficiently Scaling Transformer Inference" (decode is memory-bound: bytes
+read per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ---------------------------------------------------------------------------
+# Per-model constants
+
+
+def _dtype_bytes(config, dtype_bytes: int | None) -> int:
+    if dtype_bytes is None:
+        return _DTYPE_BYTES[getattr(config, "dtype", "float32")]
+    if not isinstance(dtype_bytes, (int, np.integer)) or isinstance(dtype_bytes, bool) \
+            or dtype_bytes < 1:
+        raise ValueError(f"dtype_bytes must be a positive integer, got {dtype_bytes!r}")
+    return int(dtype_bytes)
+
+
+def param_count(config) -> int:
+    """Every parameter of the model (embedding, norms, layers, untied head), in elements."""
+    L, E, F, V = config.n_layers, config.dim, config.ffn_dim, config.vocab_size
+    HD, KD = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    per_layer = 2 * E + E * HD + 2 * E * KD + HD * E + 3 * E * F
+    if config.qkv_bias:
+        per_layer += HD + 2 * KD
+    total = V * E + E + L * per_layer
+    if not config.tie_embeddings:
+        total += E * V
+    return int(total)
+
+
+def linear_params_per_layer(config) -> int:
+    """Weights of one decoder block's matmuls: `E*H*D + 2*E*K*D + H*D*E + 3*E*F`."""
+    E, F = config.dim, config.ffn_dim
+    HD, KD = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    return int(E * HD + 2 * E * KD + HD * E + 3 * E * F)
+
+
+def linear_flops_per_token(config) -> int:
+    """FLOPs of the L decoder blocks' matmuls for one position: `2 * L * linear_params`."""
+    return 2 * config.n_layers * linear_params_per_layer(config)
+
+
+def logits_flops_per_token(config) -> int:
+    """FLOPs of the output projection for one position: `2 * E * V`."""
+    return 2 * config.dim * config.vocab_size
+
+
+def attention_flops_per_pair(config) -> int:
+    """FLOPs of one visible query-key pair over all layers: `4 * L * H * D` (q k^T and p v)."""
+    return 4 * config.n_layers * config.n_heads * config.head_dim
+
+
+def kv_bytes_per_token(config, dtype_bytes: int | None = None) -> int:
+    """KV-cache bytes per token of one sequence: `2 * L * K * D * dtype_bytes`."""
+    b = _dtype_bytes(config, dtype_bytes)
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * b
+
+
+def weight_bytes(config, dtype_bytes: int | None = None) -> int:
+    """Bytes of all parameters: `param_count * dtype_bytes`."""
+    return param_count(config) * _dtype_bytes(config, dtype_bytes)
+
+
+def prefill_flops(config, prompt_tokens: int) -> int:
+    """FLOPs to prefill one prompt of P tokens (causal, logits at the last position).
+
+    `2*L*linear_params*P + 2*L*H*D*P*(P+1) + 2*E*V` (0 for an empty prompt).
+    """
+    P = int(prompt_tokens)
+    if P == 0:
+        return 0
+    attn = attention_flops_per_pair(config) * P * (P + 1) // 2
+    return linear_flops_per_token(config) * P + attn + logits_flops_per_token(config)
+
+
+def decode_flops(config, prompt_tokens, new_tokens):
+    """FLOPs to decode T new tokens of one branch after a P-token prompt.
+
+    `T*(linear + logits) + 4*L*H*D*(T*P + T(T+1)/2)`: token t attends to P + t + 1 keys.
+    Works elementwise on integer arrays (e.g. `P [B, 1]`, `T [B, N]`).
+    """
+    P = np.asarray(prompt_tokens, dtype=np.int64)
+    T = np.asarray(new_tokens, dtype=np.int64)
+    pairs = T * P + T * (T + 1) // 2
+    out = (linear_flops_per_token(config) + logits_flops_per_token(config)) * T \
+        + attention_flops_per_pair(config) * pairs
+    return int(out) if out.ndim == 0 else out
+
+
+# ---------------------------------------------------------------------------
+# The analytic estimate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostEstimate:
+    """Analytic cost of N branches of T new tokens over one P-token prompt.
+
+    "shared" is this library's engine (prefix prefilled, held and read once);
+    "separate" is N independent retries batched together (N prefills, N
+    prefix copies); "sequential" is N retries run one after another.
+    FLOPs are counted as in the module docstring; bytes are bytes.
+
+    Attributes:
+      prompt_tokens, new_tokens, n: P, T, N.
+      dtype_bytes: bytes per weight and per KV element.
+      n_params: parameters of the model (elements).
+      weight_bytes: bytes of all parameters.
+      kv_bytes_per_token: `2*L*K*D*dtype_bytes`.
+      prefill_flops_shared: one prefill of P tokens.
+      prefill_flops_separate: N prefills of P tokens.
+      decode_flops_per_token: mean FLOPs of one decode forward (one branch, one token).
+      decode_flops_last_token: FLOPs of the last one (context P + T).
+      decode_flops_shared, decode_flops_separate: N*T decode forwards; always equal.
+      decode_step_bytes_shared: bytes read by the last decode step (context P + T).
+      decode_step_bytes_separate: same step, N retries batched (weights once, N prefixes).
+      decode_step_bytes_sequential: same step, N retries one after another.
+      decode_bytes_shared, decode_bytes_separate: bytes read over all T decode steps.
+      kv_bytes_shared: KV held at the end, `(P + N*T) * kv_bytes_per_token`.
+      kv_bytes_separate: `N * (P + T) * kv_bytes_per_token`.
+    """
+
+    prompt_tokens: int
+    new_tokens: int
+    n: int
+    dtype_bytes: int
+    n_params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    prefill_flops_shared: int
+    prefill_flops_separate: int
+    decode_flops_per_token: float
+    decode_flops_last_token: int
+    decode_flops_shared: int
+    decode_flops_separate: int
+    decode_step_bytes_shared: int
+    decode_step_bytes_separate: int
+    decode_step_bytes_sequential: int
+    decode_bytes_shared: int
+    decode_bytes_separate: int
+    kv_bytes_shared: int
+    kv_bytes_separate: int
+
+    @property
+    def total_flops_shared(self) -> int:
+        return self.prefill_flops_shared + self.decode_flops_shared
+
+    @property
+    def total_flops_separate(self) -> int:
+        return self.prefill_flops_separate + self.decode_flops_separate
+
+    @property
+    def kv_saving(self) -> float:
+        """Separate over shared KV memory (>= 1; 1 at N = 1)."""
+        return self.kv_bytes_separate / max(self.kv_bytes_shared, 1)
+
+    @property
+    def decode_step_intensity_shared(self) -> float:
+        """FLOPs per byte read by the last decode step, shared prefix (N tokens per step)."""
+        return self.n * self.decode_flops_last_token / max(self.decode_step_bytes_shared, 1)
+
+    @property
+    def decode_step_intensity_separate(self) -> float:
+        """FLOPs per byte read by the last decode step, N retries batched."""
+        return self.n * self.decode_flops_last_token / max(self.decode_step_bytes_separate, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the fields plus the derived totals."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d.update(total_flops_shared=self.total_flops_shared,
+                 total_flops_separate=self.total_flops_separate,
+                 kv_saving=self.kv_saving,
+                 decode_step_intensity_shared=self.decode_step_intensity_shared,
+                 decode_step_intensity_separate=self.decode_step_intensity_separate)
+        return d
+
+
+def _check_count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def estimate(config, prompt_tokens: int, new_tokens: int, n: int,
+             dtype_bytes: int | None = None) -> CostEstimate:
+    """Analytic cost of N branches over one shared prompt against N separate retries.
+
+    Args:
+      config: a `models.llama.LlamaConfig`.
+      prompt_tokens: P, tokens in the prompt (>= 0).
+      new_tokens: T, tokens decoded per branch (>= 0).
+      n: N, branches (>= 1).
+      dtype_bytes: bytes per weight and per KV element; default from `config.dtype`
+        (4 for float32, 2 for bfloat16).
+    Returns:
+      A `CostEstimate` (see the module docstring for the counting conventions).
+    Raises:
+      ValueError: negative token counts, n < 1, or a bad dtype_bytes.
+    """
+    P = _check_count("prompt_tokens", prompt_tokens, 0)
+    T = _check_count("new_tokens", new_tokens, 0)
+    N = _check_count("n", n, 1)
+    b = _dtype_bytes(config, dtype_bytes)
+    W = weight_bytes(config, b)
+    kv = kv_bytes_per_token(config, b)
+    pf = prefill_flops(config, P)
+    df = decode_flops(config, P, T)
+    last = (linear_flops_per_token(config) + logits_flops_per_token(config)
+            + attention_flops_per_pair(config) * (P + T)) if T else 0
+    tail_sum = T * (T + 1) // 2  # tail tokens read, summed over steps t = 0 .. T-1
+    return CostEstimate(
+        prompt_tokens=P, new_tokens=T, n=N, dtype_bytes=b,
+        n_params=param_count(config), weight_bytes=W, kv_bytes_per_token=kv,
+        prefill_flops_shared=pf, prefill_flops_separate=N * pf,
+        decode_flops_per_token=df / T if T else 0.0,
+        decode_flops_last_token=int(last),
+        decode_flops_shared=N * df, decode_flops_separate=N * df,
+        decode_step_bytes_shared=W + P * kv + N * T * kv,
+        decode_step_bytes_separate=W + N * (P + T) * kv,
+        decode_step_bytes_sequential=N * (W + (P + T) * kv),
+        decode_bytes_shared=T * (W + P * kv) + N * tail_sum * kv,
+        decode_bytes_separate=T * W + N * (T * P + tail_sum) * kv,
+        kv_bytes_shared=(P + N * T) * kv,
+        kv_bytes_separate=N * (P + T) * kv,
+    )
+
+
+def table(config, prompt_tokens: int, new_tokens: int, ns: Sequence[int],
+          dtype_bytes: int | None = None) -> list[dict[str, Any]]:
+    """One row per N of the shared-prefix against separate-retries comparison.
+
+    Args:
+      config: a `LlamaConfig`; prompt_tokens: P; new_tokens: T.
+      ns: the branch counts to price (each >= 1).
+    Returns:
+      A list of dicts, one per N, with keys `n`, `prefill_flops_shared`,
+      `prefill_flops_separate`, `decode_flops` (the same for both),
+      `step_bytes_shared`, `step_bytes_separate` (bytes read by the last decode
+      step), `kv_bytes_shared`, `kv_bytes_separate`, `kv_saving` (ratio),
+      `total_flops_shared`, `total_flops_separate`.
+    Raises:
+      ValueError: as `estimate`, or an empty `ns`.
+    """
+    if not ns:
+        raise ValueError("ns must list at least one branch count")
+    rows = []
+    for n in ns:
+        e = estimate(config, prompt_tokens, new_tokens, n, dtype_bytes)
+        rows.append(dict(
+            n=e.n,
+            prefill_flops_shared=e.prefill_flops_shared,
+            prefill_flops_separate=e.prefill_flops_separate,
+            decode_flops=e.decode_flops_shared,
+            step_bytes_shared=e.decode_step_bytes_shared,
+            step_bytes_separate=e.decode_step_bytes_separate,
+            kv_bytes_shared=e.kv_bytes_shared,
+            kv_bytes_separate=e.kv_bytes_separate,
+            kv_saving=e.kv_saving,
+            total_flops_shared=e.total_flops_shared,
+            total_flops_separate=e.total_flops_separate,
+        ))
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# The bill of one request
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Bill:
+    """What one `generate` call cost: measured counts and the analytic estimate.
+
+    Measured (from the engine):
+      num_prompts: B.
+      n: N, branches per prompt.
+      decode_steps: decode-loop iterations run (all B*N branches advance together).
+      prompt_tokens_prefilled: sum of the B prompt lengths, each prefilled once.
+      prompt_tokens_if_separate: N times that (N retries prefill the prompt N times).
+      decoded_tokens_per_branch: B lists of N ints, tokens decoded per branch
+        (the stop token included).
+      decoded_tokens_total: their sum. The same with or without prefix sharing.
+      kv_bytes_shared_prefix: `nbytes` of the prefix cache allocated (padded).
+      kv_bytes_tails: `nbytes` of the branch tails allocated (padded).
+      kv_bytes_held: the two together.
+      kv_bytes_if_separate: N full copies at the same padded sizes,
+        `N * kv_bytes_shared_prefix + kv_bytes_tails` (like for like).
+
+    Analytic (see the module docstring; from the unpadded lengths):
+      prefill_flops_shared / prefill_flops_if_separate: 1x against Nx prefill.
+      decode_flops_shared / decode_flops_if_separate: equal, always.
+      decode_bytes_read_shared / decode_bytes_read_if_separate: weights, prefix
+        and tails read over the decode steps (separate = batched retries: weights
+        once per step, N prefix copies).
+      weight_bytes, kv_bytes_per_token: the model constants used.
+    """
+
+    num_prompts: int
+    n: int
+    decode_steps: int
+    prompt_tokens_prefilled: int
+    prompt_tokens_if_separate: int
+    decoded_tokens_per_branch: list[list[int]]
+    decoded_tokens_total: int
+    kv_bytes_held: int
+    kv_bytes_shared_prefix: int
+    kv_bytes_tails: int
+    kv_bytes_if_separate: int
+    prefill_flops_shared: int
+    prefill_flops_if_separate: int
+    decode_flops_shared: int
+    decode_flops_if_separate: int
+    decode_bytes_read_shared: int
+    decode_bytes_read_if_separate: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+    @property
+    def kv_saving(self) -> float:
+        """kv_bytes_if_separate / kv_bytes_held (>= 1; 1 at N = 1)."""
+        return self.kv_bytes_if_separate / max(self.kv_bytes_held, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (plain ints, floats and lists)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["decoded_tokens_per_branch"] = [list(map(int, row))
+                                          for row in self.decoded_tokens_per_branch]
+        d["kv_saving"] = self.kv_saving
+        return d
+
+    def summary(self) -> str:
+        """A few lines for people: what was shared, what was not."""
+        N = self.n
+        lines = [
+            f"prefill: {self.prompt_tokens_prefilled} prompt tokens once "
+            f"({format_flops(self.prefill_flops_shared)}); {N} separate retries would "
+            f"prefill {self.prompt_tokens_if_separate} "
+            f"({format_flops(self.prefill_flops_if_separate)})",
+            f"decode: {self.decoded_tokens_total} tokens over {self.num_prompts * N} branches "
+            f"in {self.decode_steps} steps ({format_flops(self.decode_flops_shared)}); "
+            f"the same for separate retries: sharing never saves per-branch decode",
+            f"KV cache held: {format_bytes(self.kv_bytes_held)} "
+            f"(shared prefix {format_bytes(self.kv_bytes_shared_prefix)} once + tails "
+            f"{format_bytes(self.kv_bytes_tails)}); separate retries: "
+            f"{format_bytes(self.kv_bytes_if_separate)} ({self.kv_saving:.2f}x)",
+            f"decode reads: {format_bytes(self.decode_bytes_read_shared)} against "
+            f"{format_bytes(self.decode_bytes_read_if_separate)} for batched retries "
+            f"(weights {format_bytes(self.weight_bytes)} read once per step in both)",
+        ]
+        return "\n".join(lines)
+
+
+def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
+              n: int, prefix_cache_bytes: int, tail_cache_bytes: int,
+              decode_steps: int, dtype_bytes: int | None = None) -> Bill:
+    """The bill of one `generate` call (called by the engine).
+
+    Args:
+      config: the model's `LlamaConfig`.
+      prompt_lengths: B ints, tokens of each prompt (each prefilled once).
+      branch_lengths: `[B, N]` ints, tokens decoded per branch, stop token included.
+      n: N, branches per prompt.
+      prefix_cache_bytes: `nbytes` of the prefix KV arrays allocated (k and v,
+        padded buckets included).
+      tail_cache_bytes: `nbytes` of the tail KV arrays allocated (k and v, padded).
+      decode_steps: decode-loop iterations run.
+      dtype_bytes: bytes per element for the analytic part; default from `config.dtype`.
+    Returns:
+      A `Bill`.
+    Raises:
+      ValueError: branch_lengths not `[B, N]`, or negative counts.
+    """
+    prompts = np.asarray(list(prompt_lengths), dtype=np.int64).reshape(-1)
+    lengths = np.asarray(branch_lengths, dtype=np.int64)
+    N = _check_count("n", n, 1)
+    B = prompts.shape[0]
+    if lengths.shape != (B, N):
+        raise ValueError(f"branch_lengths must have shape [B, N] = [{B}, {N}], "
+                         f"got {list(lengths.shape)}")
+    if (prompts < 0).any() or (lengths < 0).any():
+        raise ValueError("prompt_lengths and branch_lengths must be >= 0")
+    prefix_bytes = _check_count("prefix_cache_bytes", prefix_cache_bytes, 0)
+    tail_bytes = _check_count("tail_cache_bytes", tail_cache_bytes, 0)
+    steps = _check_count("decode_steps", decode_steps, 0)
+
+    b = _dtype_bytes(config, dtype_bytes)
+    W = weight_bytes(config, b)
+    kv = kv_bytes_per_token(config, b)
+    prefill = sum(prefill_flops(config, int(p)) for p in prompts)
+    decode = int(np.sum(decode_flops(config, prompts[:, None], lengths)))
+
+    # Bytes read over the decode steps: at step s, branch (b, n) reads the
+    # min(s + 1, length) tail tokens it has; the prefix is read once per
+    # step (shared) or once per branch (separate, batched).
+    s = np.arange(steps, dtype=np.int64)[:, None, None]
+    tail_tokens = int(np.minimum(s + 1, lengths[None]).sum()) if steps else 0
+    prefix_tokens = int(prompts.sum())
+    read_shared = steps * (W + prefix_tokens * kv) + tail_tokens * kv
+    read_separate = steps * (W + N * prefix_tokens * kv) + tail_tokens * kv
+
+    return Bill(
+        num_prompts=B, n=N, decode_steps=steps,
+        prompt_tokens_prefilled=prefix_tokens,
+        prompt_tokens_if_separate=N * prefix_tokens,
+        decoded_tokens_per_branch=lengths.tolist(),
+        decoded_tokens_total=int(lengths.sum()),
+        kv_bytes_held=prefix_bytes + tail_bytes,
+        kv_bytes_shared_prefix=prefix_bytes,
+        kv_bytes_tails=tail_bytes,
+        kv_bytes_if_separate=N * prefix_bytes + tail_bytes,
+        prefill_flops_shared=int(prefill),
+        prefill_flops_if_separate=N * int(prefill),
+        decode_flops_shared=decode,
+        decode_flops_if_separate=decode,
+        decode_bytes_read_shared=int(read_shared),
+        decode_bytes_read_if_separate=int(read_separate),
+        weight_bytes=W,
+        kv_bytes_per_token=kv,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Formatting
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary prefixes)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_flops(n: float) -> str:
+    """2.5e12 -> '2.50 TFLOP' (decimal prefixes)."""
+    n = float(n)
+    if n == 0:
+        return "0 FLOP"
+    exp = min(int(math.log10(abs(n)) // 3), 5)
+    if exp <= 0:
+        return f"{n:.0f} FLOP"
+    prefix = "kMGTP"[exp - 1]
+    return f"{n / 10 ** (3 * exp):.2f} {prefix}FLOP"

@@ -1,0 +1,176 @@
+"""Tests of the analytic cost model and the bill (jaxsample/cost.py)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxsample import cost
+from models.llama import LlamaConfig
+
+# L=2, E=8, H=2, K=1, D=4, F=16, V=10, tied embeddings, float32.
+TINY = LlamaConfig(vocab_size=10, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4,
+                   ffn_dim=16, max_seq_len=64)
+SMOLLM2_135M = LlamaConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                           head_dim=64, ffn_dim=1536, max_seq_len=8192, rope_theta=100000.0)
+
+
+def test_tiny_constants_by_hand():
+    # Per layer linear weights: wq E*H*D = 8*8 = 64, wk = wv = E*K*D = 8*4 = 32 each,
+    # wo H*D*E = 64, gate = up = down = E*F = 128 each: 64 + 64 + 64 + 384 = 576.
+    assert cost.linear_params_per_layer(TINY) == 576
+    # All parameters: embed V*E = 80, final norm 8, per layer 576 + two norms 16 -> 592 * 2.
+    assert cost.param_count(TINY) == 80 + 8 + 2 * 592 == 1272
+    assert cost.weight_bytes(TINY) == 1272 * 4 == 5088
+    assert cost.weight_bytes(TINY, dtype_bytes=2) == 2544
+    # KV per token: 2 (k, v) * L 2 * K 1 * D 4 * 4 bytes = 64.
+    assert cost.kv_bytes_per_token(TINY) == 64
+    # Linear FLOPs per token: 2 * L * 576 = 2304; logits 2 * E * V = 160;
+    # attention per visible pair: 4 * L * H * D = 64.
+    assert cost.linear_flops_per_token(TINY) == 2304
+    assert cost.logits_flops_per_token(TINY) == 160
+    assert cost.attention_flops_per_pair(TINY) == 64
+
+
+def test_tiny_estimate_by_hand():
+    P, T, N = 5, 3, 4
+    e = cost.estimate(TINY, P, T, N)
+    # Prefill: linear 2304 * 5 = 11520; causal pairs 5 * 6 / 2 = 15 -> 64 * 15 = 960;
+    # logits at the last position 160.  11520 + 960 + 160 = 12640.
+    assert e.prefill_flops_shared == 12640
+    assert e.prefill_flops_separate == 4 * 12640
+    # Decode of one branch: 3 tokens attending to 6, 7, 8 keys = 21 pairs -> 64 * 21 = 1344;
+    # linear 3 * 2304 = 6912; logits 3 * 160 = 480.  Total 8736, times N = 4 -> 34944.
+    assert e.decode_flops_shared == e.decode_flops_separate == 4 * 8736 == 34944
+    assert e.decode_flops_per_token == 8736 / 3
+    # Last decode token: 2304 + 160 + 64 * 8 = 2976.
+    assert e.decode_flops_last_token == 2976
+    # KV held: shared (5 + 4 * 3) * 64 = 1088; separate 4 * (5 + 3) * 64 = 2048.
+    assert e.kv_bytes_shared == 1088
+    assert e.kv_bytes_separate == 2048
+    # Last decode step reads: shared 5088 + 5 * 64 + 4 * 3 * 64 = 6176;
+    # batched retries 5088 + 4 * 8 * 64 = 7136; sequential 4 * (5088 + 8 * 64) = 22400.
+    assert e.decode_step_bytes_shared == 6176
+    assert e.decode_step_bytes_separate == 7136
+    assert e.decode_step_bytes_sequential == 22400
+    # Over the 3 steps: tails read 1 + 2 + 3 = 6 tokens per branch.
+    # shared 3 * (5088 + 320) + 4 * 6 * 64 = 17760; separate 3 * 5088 + 4 * (15 + 6) * 64 = 20640.
+    assert e.decode_bytes_shared == 17760
+    assert e.decode_bytes_separate == 20640
+    d = e.to_dict()
+    json.dumps(d)
+    assert d["total_flops_shared"] == 12640 + 34944
+
+
+@pytest.mark.parametrize("P,T", [(0, 0), (1, 1), (5, 3), (4096, 256), (100, 0)])
+@pytest.mark.parametrize("N", [1, 2, 16, 64])
+def test_properties(P, T, N):
+    e = cost.estimate(TINY, P, T, N)
+    assert e.kv_bytes_shared <= e.kv_bytes_separate
+    assert e.decode_step_bytes_shared <= e.decode_step_bytes_separate \
+        <= e.decode_step_bytes_sequential
+    assert e.decode_bytes_shared <= e.decode_bytes_separate
+    assert e.prefill_flops_shared <= e.prefill_flops_separate
+    # Sharing never saves the per-branch decode.
+    assert e.decode_flops_shared == e.decode_flops_separate
+    if N == 1:
+        assert e.kv_bytes_shared == e.kv_bytes_separate
+        assert e.prefill_flops_shared == e.prefill_flops_separate
+        assert e.decode_step_bytes_shared == e.decode_step_bytes_separate \
+            == e.decode_step_bytes_sequential
+        assert e.decode_bytes_shared == e.decode_bytes_separate
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="n must be"):
+        cost.estimate(TINY, 5, 3, 0)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        cost.estimate(TINY, -1, 3, 1)
+    with pytest.raises(ValueError, match="dtype_bytes"):
+        cost.estimate(TINY, 1, 1, 1, dtype_bytes=0)
+    with pytest.raises(ValueError, match="ns"):
+        cost.table(TINY, 1, 1, [])
+
+
+def test_table_rows():
+    rows = cost.table(TINY, 5, 3, [1, 4])
+    assert [r["n"] for r in rows] == [1, 4]
+    assert rows[1]["kv_bytes_shared"] == 1088 and rows[1]["kv_bytes_separate"] == 2048
+    assert rows[0]["kv_saving"] == 1.0
+    json.dumps(rows)
+
+
+def test_smollm2_135m_worked_example():
+    # SmolLM2-135M has 134,515,008 parameters (tied embeddings).
+    e = cost.estimate(SMOLLM2_135M, 4096, 256, 16)
+    assert e.n_params == 134_515_008
+    assert e.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4 == 46080
+    assert e.kv_bytes_shared == (4096 + 16 * 256) * 46080
+    assert e.kv_bytes_separate == 16 * (4096 + 256) * 46080
+    assert e.kv_saving == pytest.approx(8.5)
+
+
+def _bill(n=4, prompt_lengths=(5, 2), lengths=None, steps=3):
+    lengths = np.array([[3, 1, 2, 3], [0, 3, 3, 1]])[:, :n] if lengths is None else lengths
+    kv = cost.kv_bytes_per_token(TINY)
+    # Padded buckets: prefix [L, B=2, P=8, K, D] k and v; tails [B, N, L, T=4, K, D] k and v.
+    prefix_bytes = 2 * 8 * kv
+    tail_bytes = 2 * n * 4 * kv
+    return cost.make_bill(TINY, prompt_lengths=list(prompt_lengths), branch_lengths=lengths,
+                          n=n, prefix_cache_bytes=prefix_bytes, tail_cache_bytes=tail_bytes,
+                          decode_steps=steps)
+
+
+def test_bill_by_hand():
+    b = _bill()
+    kv = 64
+    assert b.num_prompts == 2 and b.n == 4 and b.decode_steps == 3
+    assert b.prompt_tokens_prefilled == 7
+    assert b.prompt_tokens_if_separate == 28
+    assert b.decoded_tokens_per_branch == [[3, 1, 2, 3], [0, 3, 3, 1]]
+    assert b.decoded_tokens_total == 16
+    assert b.kv_bytes_shared_prefix == 16 * kv
+    assert b.kv_bytes_tails == 32 * kv
+    assert b.kv_bytes_held == 48 * kv
+    assert b.kv_bytes_if_separate == 4 * 16 * kv + 32 * kv
+    # Prefill: prompt 5 -> 12640 (as above); prompt 2 -> 2 * 2304 + 64 * 3 + 160 = 4960.
+    assert b.prefill_flops_shared == 12640 + 4960
+    assert b.prefill_flops_if_separate == 4 * (12640 + 4960)
+    # Decode equals the sum of per-branch closed forms, and is the same for separate.
+    want = sum(cost.decode_flops(TINY, p, t)
+               for p, row in zip((5, 2), b.decoded_tokens_per_branch) for t in row)
+    assert b.decode_flops_shared == b.decode_flops_if_separate == want
+    # Reads: tail tokens read over steps s = 0, 1, 2 are sum(min(s + 1, len)):
+    # lengths 3,1,2,3,0,3,3,1 -> 6,3,5,6,0,6,6,3 = 35.
+    assert b.decode_bytes_read_shared == 3 * (5088 + 7 * kv) + 35 * kv
+    assert b.decode_bytes_read_if_separate == 3 * (5088 + 4 * 7 * kv) + 35 * kv
+    d = b.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    s = b.summary()
+    assert "never saves" in s and len(s.splitlines()) >= 3
+
+
+def test_bill_properties_and_n1():
+    b = _bill()
+    assert b.kv_bytes_held <= b.kv_bytes_if_separate
+    assert b.decode_bytes_read_shared <= b.decode_bytes_read_if_separate
+    b1 = _bill(n=1, lengths=np.array([[3], [2]]))
+    assert b1.kv_bytes_held == b1.kv_bytes_if_separate
+    assert b1.prefill_flops_shared == b1.prefill_flops_if_separate
+    assert b1.decode_bytes_read_shared == b1.decode_bytes_read_if_separate
+    assert b1.kv_saving == 1.0
+
+
+def test_bill_bad_shapes():
+    with pytest.raises(ValueError, match=r"\[B, N\]"):
+        _bill(lengths=np.zeros((2, 3), int))
+    with pytest.raises(ValueError, match=">= 0"):
+        _bill(lengths=-np.ones((2, 4), int))
+
+
+def test_formatting():
+    assert cost.format_bytes(1536) == "1.5 KiB"
+    assert cost.format_bytes(10) == "10 B"
+    assert cost.format_flops(2.5e12) == "2.50 TFLOP"
+    assert cost.format_flops(0) == "0 FLOP"
+    assert cost.format_flops(12) == "12 FLOP"
