@@ -1,0 +1,291 @@
+"""Run configurations: small YAML files that map onto frozen dataclasses.
+
+A file in `configs/` names everything a run needs besides the prompt::
+
+    model:    {name: null, dtype: float32}        # null: the embedded model
+    sampling: {n: 16, temperature: 0.8, top_p: 0.95, max_new_tokens: 128, seed: 0}
+    reducer:  {kind: vote, extract: number, weights: null, score: mean_logprob}
+    mesh:     {data: 1, branch: 1}
+    chat: true
+
+Every section and every key is optional; what is missing takes the defaults
+below (the command line's defaults). Unknown keys, wrong types and values
+outside the allowed set raise `ConfigError` naming the file, the key and the
+allowed values. The `sampling` section is validated by
+`jaxsample.sampling.SamplingParams` itself.
+
+Fields of the sections:
+
+    model.name        str or null   a model name or a checkpoint path (null: embedded)
+    model.dtype       float32 | bfloat16
+    sampling.*        the fields of SamplingParams: n, temperature, top_k, top_p,
+                      min_p, max_new_tokens, stop_token_ids, stop, seed
+    reducer.kind      vote (self-consistency) | best (best-of-N) | none
+    reducer.extract   number | boxed | choice | text | auto   (answer extraction, vote)
+    reducer.weights   null | mean_logprob                     (vote weights)
+    reducer.score     mean_logprob | sum_logprob              (best-of-N score)
+    mesh.data         int >= 1, devices along the prompt axis ("data")
+    mesh.branch       int >= 1, devices along the branch axis ("branch")
+    chat              bool, render prompts with the model's chat template
+
+References: gemma and the flax examples (frozen, keyword-only config
+dataclasses); vLLM `SamplingParams` (field names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxsample.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16")
+REDUCER_KINDS = ("vote", "best", "none")
+EXTRACT_KINDS = ("number", "boxed", "choice", "text", "auto")
+VOTE_WEIGHTS = (None, "mean_logprob")
+SCORES = ("mean_logprob", "sum_logprob")
+
+# The command line's sampling defaults; a config's `sampling` section overrides them.
+DEFAULT_SAMPLING = dict(n=16, temperature=0.8, top_k=0, top_p=0.95, min_p=0.0,
+                        max_new_tokens=128, seed=0)
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _sampling_params_cls():
+    from jaxsample.sampling import SamplingParams  # lazily: keeps `import config` cheap
+    return SamplingParams
+
+
+def default_sampling():
+    """`SamplingParams` with the command line's defaults (n=16, temperature=0.8, ...)."""
+    return _sampling_params_cls()(**DEFAULT_SAMPLING)
+
+
+def _fmt(allowed) -> str:
+    return ", ".join("null" if a is None else str(a) for a in allowed)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to load.
+
+    Attributes:
+      name: a model name or checkpoint path; None for the embedded default.
+      dtype: "float32" or "bfloat16" (weights and activations).
+    """
+
+    name: str | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ConfigError(f"model.name must be null or a non-empty string, got {self.name!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype must be one of {_fmt(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReducerConfig:
+    """How the N branches become one answer.
+
+    Attributes:
+      kind: "vote" (self-consistency: majority vote over extracted answers),
+        "best" (best-of-N by `score`) or "none" (keep all branches).
+      extract: answer extraction for the vote: "number", "boxed" (LaTeX
+        \\boxed{}), "choice" (A-E), "text" (the whole stripped text) or "auto".
+      weights: None (one vote per branch) or "mean_logprob" (votes weighted
+        by the branch's length-normalised probability).
+      score: best-of-N score, "mean_logprob" or "sum_logprob".
+    """
+
+    kind: str = "vote"
+    extract: str = "number"
+    weights: str | None = None
+    score: str = "mean_logprob"
+
+    def __post_init__(self):
+        for name, allowed in (("kind", REDUCER_KINDS), ("extract", EXTRACT_KINDS),
+                              ("weights", VOTE_WEIGHTS), ("score", SCORES)):
+            value = getattr(self, name)
+            if value not in allowed or isinstance(value, bool):
+                raise ConfigError(f"reducer.{name} must be one of {_fmt(allowed)}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh: `data` devices along the prompts, `branch` along the branches.
+
+    `data * branch` devices are used; 1 x 1 means no mesh (one device). The
+    number of branches N must be a multiple of `branch`.
+    """
+
+    data: int = 1
+    branch: int = 1
+
+    def __post_init__(self):
+        for name in ("data", "branch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"mesh.{name} must be an integer >= 1, got {value!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.branch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a run needs besides the prompt.
+
+    Attributes:
+      model: `ModelConfig`.
+      sampling: `jaxsample.sampling.SamplingParams`.
+      reducer: `ReducerConfig`.
+      mesh: `MeshConfig`.
+      chat: render prompts with the model's chat template.
+    """
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    sampling: Any = dataclasses.field(default_factory=default_sampling)
+    reducer: ReducerConfig = dataclasses.field(default_factory=ReducerConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    chat: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.chat, bool):
+            raise ConfigError(f"chat must be true or false, got {self.chat!r}")
+
+    def replace(self, **changes) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict in the YAML layout (tuples as lists); `from_dict` inverts it."""
+        def plain(x):
+            d = dataclasses.asdict(x)
+            return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return {"model": plain(self.model), "sampling": plain(self.sampling),
+                "reducer": plain(self.reducer), "mesh": plain(self.mesh), "chat": self.chat}
+
+
+_SECTIONS = {"model": ModelConfig, "reducer": ReducerConfig, "mesh": MeshConfig}
+_TOP_KEYS = ("model", "sampling", "reducer", "mesh", "chat")
+
+
+def from_dict(data: Any, source: str = "config") -> RunConfig:
+    """Build a `RunConfig` from a dict in the YAML layout.
+
+    Args:
+      data: a mapping (None is the empty mapping).
+      source: what to name in error messages (the file path).
+    Returns:
+      The `RunConfig`.
+    Raises:
+      ConfigError: an unknown key, a wrong type or a value outside the allowed
+        set; the message names `source`, the key and the allowed values.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping with keys "
+                          f"{', '.join(_TOP_KEYS)}, got {type(data).__name__}")
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"{source}: unknown key {key!r}; allowed keys: {', '.join(_TOP_KEYS)}")
+    kwargs: dict[str, Any] = {}
+    for key, cls in _SECTIONS.items():
+        if key in data:
+            kwargs[key] = _section(cls, data[key], key, source)
+    if "sampling" in data:
+        kwargs["sampling"] = _sampling(data["sampling"], source)
+    if "chat" in data:
+        kwargs["chat"] = data["chat"]
+    try:
+        return RunConfig(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _section(cls, values: Any, key: str, source: str):
+    names = [f.name for f in dataclasses.fields(cls)]
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: {key} must be a mapping with keys {', '.join(names)}, "
+                          f"got {values!r}")
+    for k in values:
+        if k not in names:
+            raise ConfigError(f"{source}: unknown key {key}.{k}; allowed keys: {', '.join(names)}")
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _sampling(values: Any, source: str):
+    cls = _sampling_params_cls()
+    names = [f.name for f in dataclasses.fields(cls)]
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: sampling must be a mapping with keys {', '.join(names)}, "
+                          f"got {values!r}")
+    for k in values:
+        if k not in names:
+            raise ConfigError(f"{source}: unknown key sampling.{k}; allowed keys: "
+                              f"{', '.join(names)}")
+    merged = {**DEFAULT_SAMPLING, **values}
+    merged = {k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()}
+    try:
+        return cls(**merged)
+    except (ValueError, TypeError) as e:  # ConfigError is a ValueError
+        raise ConfigError(f"{source}: sampling: {e}") from None
+
+
+def resolve_path(name_or_path: str | os.PathLike) -> Path:
+    """A config path, or a bare name looked up in the repository's `configs/`.
+
+    `"vote"` and `"vote.yaml"` find `configs/vote.yaml` when no such file
+    exists in the working directory.
+    """
+    path = Path(name_or_path)
+    if path.exists() or path.parent != Path("."):
+        return path
+    stem = path.name[:-5] if path.name.endswith(".yaml") else path.name
+    candidate = CONFIG_DIR / f"{stem}.yaml"
+    return candidate if candidate.exists() else path
+
+
+def load_config(path: str | os.PathLike) -> RunConfig:
+    """Read a YAML run configuration.
+
+    Args:
+      path: a `.yaml` file, or the name of one in `configs/` (e.g. "vote").
+    Returns:
+      The `RunConfig`; missing sections and keys take the defaults.
+    Raises:
+      ConfigError: the file is missing or unreadable, is not valid YAML, or
+        has an unknown key, a wrong type or a value outside the allowed set
+        (the message names the file, the key and the allowed values).
+    """
+    p = resolve_path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        names = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+        hint = f" (named configs: {', '.join(names)})" if names else ""
+        raise ConfigError(f"{path}: config file not found{hint}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read config file: {e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{p}: invalid YAML{at}: {problem}") from None
+    return from_dict(data, source=str(p))

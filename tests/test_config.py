@@ -1,0 +1,109 @@
+"""Tests of the YAML run configurations (jaxsample/config.py, configs/)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxsample import config
+from jaxsample.errors import ConfigError
+from jaxsample.sampling import SamplingParams
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+def test_configs_dir_has_the_named_files():
+    names = {p.stem for p in CONFIGS}
+    assert {"vote", "best_of_n", "sample", "gpu_1b"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_loads(path):
+    cfg = config.load_config(path)
+    assert isinstance(cfg, config.RunConfig)
+    assert isinstance(cfg.sampling, SamplingParams)
+    assert cfg.sampling.n % cfg.mesh.branch == 0
+    # to_dict round-trips through JSON and from_dict.
+    d = cfg.to_dict()
+    assert config.from_dict(json.loads(json.dumps(d))) == cfg
+
+
+def test_named_configs():
+    vote = config.load_config("vote")
+    assert vote.reducer.kind == "vote" and vote.sampling.n == 16
+    best = config.load_config("best_of_n.yaml")
+    assert best.reducer.kind == "best" and best.reducer.score == "mean_logprob"
+    assert config.load_config("sample").reducer.kind == "none"
+    gpu = config.load_config("gpu_1b")
+    assert gpu.model.dtype == "bfloat16" and gpu.mesh.branch > 1 and gpu.sampling.n >= 32
+
+
+def test_defaults_and_partial_files(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    cfg = config.load_config(empty)
+    assert cfg == config.RunConfig()
+    assert cfg.sampling == SamplingParams(**config.DEFAULT_SAMPLING)
+    assert cfg.chat is True and cfg.reducer.kind == "vote" and cfg.mesh.devices == 1
+    part = tmp_path / "part.yaml"
+    part.write_text('sampling: {n: 3, stop: ["\\n\\n"]}\nchat: false\n')
+    cfg = config.load_config(part)
+    assert cfg.sampling.n == 3 and cfg.sampling.stop == ("\n\n",)
+    assert cfg.sampling.temperature == config.DEFAULT_SAMPLING["temperature"]
+    assert cfg.chat is False
+
+
+@pytest.mark.parametrize("text,needles", [
+    ("modle: {}", ["unknown key 'modle'", "model, sampling"]),
+    ("model: {nmae: x}", ["model.nmae", "name, dtype"]),
+    ("model: {dtype: float16}", ["model.dtype", "float32, bfloat16", "float16"]),
+    ("sampling: {temprature: 1}", ["sampling.temprature", "temperature"]),
+    ("sampling: {top_p: 1.5}", ["top_p", "(0, 1]", "1.5"]),
+    ("sampling: {n: 0}", ["n must be", ">= 1"]),
+    ("sampling: {n: sixteen}", ["SamplingParams.n", "sixteen"]),
+    ("sampling: {temperature: -1}", ["temperature", ">= 0"]),
+    ("reducer: {kind: mean}", ["reducer.kind", "vote, best, none", "mean"]),
+    ("reducer: {extract: words}", ["reducer.extract", "number, boxed"]),
+    ("reducer: {weights: uniform}", ["reducer.weights", "null, mean_logprob"]),
+    ("reducer: {score: max}", ["reducer.score", "sum_logprob"]),
+    ("mesh: {branch: 0}", ["mesh.branch", ">= 1"]),
+    ("mesh: {data: true}", ["mesh.data"]),
+    ("mesh: {devices: 8}", ["mesh.devices", "data, branch"]),
+    ("chat: maybe", ["chat", "true or false"]),
+    ("sampling: 16", ["sampling must be a mapping"]),
+    ("- a\n- b", ["top level must be a mapping"]),
+    ("model: {name: [unclosed", ["invalid YAML", "line"]),
+])
+def test_bad_files_name_the_file_and_key(tmp_path, text, needles):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        config.load_config(path)
+    msg = str(info.value)
+    assert str(path) in msg
+    assert "\n" not in msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_missing_and_unreadable(tmp_path):
+    with pytest.raises(ConfigError, match="not found.*named configs: .*vote"):
+        config.load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not found"):
+        config.load_config("no_such_config_name")
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(ConfigError, match="bin.yaml"):
+        config.load_config(binary)
+    with pytest.raises(ConfigError, match="cannot read"):
+        config.load_config(tmp_path)  # a directory
+
+
+def test_dataclasses_are_frozen_and_validate():
+    cfg = config.RunConfig()
+    with pytest.raises(Exception):
+        cfg.chat = False  # type: ignore[misc]
+    with pytest.raises(ConfigError):
+        config.ReducerConfig(kind="vote", extract="auto", weights="x")
+    assert config.MeshConfig(data=2, branch=4).devices == 8
+    assert cfg.replace(chat=False).chat is False
