@@ -1,0 +1,47 @@
+"""jaxsample: parallel sampling from language models in JAX.
+
+One prompt, N branches that share the prompt's KV cache (prefilled once,
+stored once, read once per decode step for all branches), then a jitted
+reducer picks one branch (best-of-N) or votes (self-consistency).
+
+The public names are imported lazily, so `import jaxsample` stays cheap and
+`jaxsample.cli --help` answers before JAX is initialised.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "load": "jaxsample.loading",
+    "LanguageModel": "jaxsample.lm",
+    "SamplingParams": "jaxsample.sampling",
+    "generate": "jaxsample.engine",
+    "Generation": "jaxsample.generation",
+    "best_of_n": "jaxsample.reducers",
+    "majority_vote": "jaxsample.reducers",
+    "Vote": "jaxsample.reducers",
+    "self_consistency": "jaxsample.reducers",
+    "pass_at_k": "jaxsample.estimators",
+    "maj_at_k": "jaxsample.estimators",
+    "best_of_k": "jaxsample.estimators",
+    "JaxsampleError": "jaxsample.errors",
+}
+_SUBMODULES = {"answers", "bridge", "cost", "engine", "errors", "estimators", "reducers",
+               "sampling", "config", "loading", "lm", "generation", "sharding"}
+
+__all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"jaxsample.{name}")
+    raise AttributeError(f"module 'jaxsample' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,64 @@
+"""Shared fixtures: the embedded model (loaded once per session) and a tiny random model.
+
+Mesh tests need several CPU devices: XLA_FLAGS is set here, before JAX is
+imported by any test module, never in library code.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxsample.lm import LanguageModel  # noqa: E402
+from models import llama  # noqa: E402
+
+
+class ByteTokenizer:
+    """A toy tokenizer for the tiny random model: one id per UTF-8 byte.
+
+    Ids 0-255 are bytes, 256 is end-of-text (the stop id), 257 is padding;
+    the tiny model has more logits rows than this (padding rows never sampled).
+    """
+
+    vocab_size = 258
+    eos_token_ids = (256,)
+    pad_token_id = 257
+    bos_token_id = None
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        body = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return body + ("<assistant>" if add_generation_prompt else "")
+
+
+TINY = llama.LlamaConfig(vocab_size=264, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         head_dim=8, ffn_dim=64, rope_theta=10000.0, max_seq_len=512)
+
+
+def make_tiny_lm(cfg=TINY, seed=0, scale=0.3) -> LanguageModel:
+    """A random tiny model with a peaked enough distribution to make sampling interesting."""
+    return LanguageModel(config=cfg, params=llama.init_params(cfg, jax.random.key(seed), scale),
+                         tokenizer=ByteTokenizer(), name="tiny", source="random")
+
+
+@pytest.fixture(scope="session")
+def tiny_lm() -> LanguageModel:
+    return make_tiny_lm()
+
+
+@pytest.fixture(scope="session")
+def lm():
+    """The embedded SmolLM2-135M-Instruct, loaded once per test session."""
+    from jaxsample.loading import load
+
+    return load()

@@ -1,0 +1,217 @@
+"""The shared-prefix engine against independent oracles.
+
+Oracles: `LanguageModel.forward` (a plain causal forward without cache) for
+logprobs and greedy tokens; the naive engine (N materialised prefix copies)
+for sampled tokens; `sampling.keep_mask` on the forward's logits for the
+filters; the same prompt run alone for batching.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsample import engine, sampling
+from jaxsample.errors import InputError
+from jaxsample.sampling import SamplingParams
+
+PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?"]
+
+
+def raw_logprobs(lm, prompt_ids, gen_ids):
+    """log_softmax over the real vocabulary of forward(prompt + generated): [T, V']."""
+    seq = np.array(list(prompt_ids) + list(gen_ids), np.int32)[None]
+    logits = np.asarray(lm.forward(seq))[0, len(prompt_ids) - 1: len(seq[0]) - 1]
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits[:, :lm.vocab_limit]), axis=-1))
+
+
+def branches(gen):
+    B, N, _ = gen.tokens.shape
+    for b in range(B):
+        for n in range(N):
+            L = int(gen.lengths[b, n])
+            yield b, n, gen.prompt_tokens[b], gen.tokens[b, n, :L]
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_lm):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=7)
+    return engine.generate(tiny_lm, PROMPTS, params)
+
+
+def test_shapes_and_fields(sampled):
+    g = sampled
+    assert g.tokens.shape == (3, 4, 12) and g.tokens.dtype == np.int32
+    assert g.logprobs.shape == (3, 4, 12) and g.logprobs.dtype == np.float32
+    assert g.lengths.shape == (3, 4) and g.lengths.dtype == np.int32
+    assert len(g.texts) == 3 and all(len(r) == 4 for r in g.texts)
+    assert all(r in ("stop", "length") for row in g.finish_reason for r in row)
+    assert g.params.seed == 7
+
+
+def test_logprobs_equal_forward_pass(tiny_lm, sampled):
+    """Cached shared-prefix decode against a full forward pass, every branch, every token."""
+    checked = 0
+    for b, n, prompt, gen in branches(sampled):
+        ref = raw_logprobs(tiny_lm, prompt, gen)
+        np.testing.assert_allclose(sampled.logprobs[b, n, :len(gen)],
+                                   ref[np.arange(len(gen)), gen], atol=1e-4, rtol=0)
+        assert np.all(sampled.logprobs[b, n, len(gen):] == 0)
+        checked += len(gen)
+    assert checked > 30
+
+
+def test_shared_prefix_equals_naive_copies(tiny_lm, sampled):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=7)
+    naive = engine.generate(tiny_lm, PROMPTS, params, naive=True)
+    np.testing.assert_array_equal(naive.tokens, sampled.tokens)
+    np.testing.assert_array_equal(naive.lengths, sampled.lengths)
+    np.testing.assert_allclose(naive.logprobs, sampled.logprobs, atol=1e-5)
+    # Naive holds N prefix copies, the shared engine one.
+    assert naive.bill.kv_bytes_shared_prefix == 4 * sampled.bill.kv_bytes_shared_prefix
+
+
+def test_branches_differ_and_identical_prompts_differ(tiny_lm, sampled):
+    assert len({tuple(t) for t in sampled.tokens[0]}) > 1
+    g = engine.generate(tiny_lm, ["same", "same"], SamplingParams(n=2, max_new_tokens=10, seed=1))
+    assert not np.array_equal(g.tokens[0], g.tokens[1])
+
+
+def test_same_seed_same_output_other_seed_differs(tiny_lm, sampled):
+    again = engine.generate(tiny_lm, PROMPTS, SamplingParams(n=4, max_new_tokens=12, seed=7))
+    np.testing.assert_array_equal(again.tokens, sampled.tokens)
+    other = engine.generate(tiny_lm, PROMPTS, SamplingParams(n=4, max_new_tokens=12, seed=8))
+    assert not np.array_equal(other.tokens, sampled.tokens)
+
+
+def test_batch_rows_do_not_depend_on_each_other(tiny_lm, sampled):
+    """Row 0 alone equals row 0 in a batch of prompts of different lengths."""
+    alone = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=4, max_new_tokens=12, seed=7))
+    np.testing.assert_array_equal(alone.tokens[0], sampled.tokens[0])
+    np.testing.assert_allclose(alone.logprobs[0], sampled.logprobs[0], atol=1e-5)
+    # Swapping another row keeps row 1 (same prompt index) unchanged too.
+    swapped = engine.generate(tiny_lm, ["x" * 40, PROMPTS[1]],
+                              SamplingParams(n=4, max_new_tokens=12, seed=7))
+    np.testing.assert_array_equal(swapped.tokens[1], sampled.tokens[1])
+    assert np.all(np.isfinite(sampled.logprobs))
+
+
+def test_greedy_matches_forward_and_copies(tiny_lm):
+    one = engine.generate(tiny_lm, PROMPTS, SamplingParams(n=1, temperature=0.0,
+                                                           max_new_tokens=10, seed=0))
+    four = engine.generate(tiny_lm, PROMPTS, SamplingParams(n=4, temperature=0.0,
+                                                            max_new_tokens=10, seed=3))
+    for n in range(4):
+        np.testing.assert_array_equal(four.tokens[:, n], one.tokens[:, 0])
+    for b, _, prompt, gen in branches(one):  # greedy by repeated full forward passes
+        seq = list(prompt)
+        for _ in range(len(gen)):
+            logits = np.asarray(tiny_lm.forward(np.array([seq], np.int32)))[0, -1]
+            seq.append(int(np.argmax(logits[:tiny_lm.vocab_limit])))
+        assert seq[len(prompt):] == list(gen)
+
+
+@pytest.mark.parametrize("knobs", [dict(top_k=5), dict(top_p=0.6), dict(min_p=0.2),
+                                   dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05)])
+def test_sampled_tokens_stay_in_filter_set(tiny_lm, knobs):
+    params = SamplingParams(n=4, max_new_tokens=10, seed=11, **knobs)
+    g = engine.generate(tiny_lm, PROMPTS[:2], params)
+    for b, n, prompt, gen in branches(g):
+        seq = np.array(list(prompt) + list(gen), np.int32)[None]
+        logits = np.asarray(tiny_lm.forward(seq))[0, len(prompt) - 1: seq.shape[1] - 1]
+        for t, tok in enumerate(gen):
+            keep = np.asarray(sampling.keep_mask(
+                jnp.asarray(logits[t]), jnp.float32(params.temperature), jnp.int32(params.top_k),
+                jnp.float32(params.top_p), jnp.float32(params.min_p), tiny_lm.vocab_limit))
+            assert keep[tok], (b, n, t, tok)
+
+
+def test_stop_token_ends_branch_and_pads(tiny_lm):
+    free = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=4, max_new_tokens=12, seed=5))
+    stop = int(free.tokens[0, 0, 3])  # a token that branch 0 samples at t = 3
+    g = engine.generate(tiny_lm, PROMPTS[:1],
+                        SamplingParams(n=4, max_new_tokens=12, seed=5, stop_token_ids=[stop]))
+    for n in range(4):
+        row = list(free.tokens[0, n])
+        first = row.index(stop) if stop in row else None
+        if first is None:
+            assert g.finish_reason[0][n] == "length" and g.lengths[0, n] == 12
+            np.testing.assert_array_equal(g.tokens[0, n], free.tokens[0, n])
+        else:
+            assert g.finish_reason[0][n] == "stop" and g.lengths[0, n] == first + 1
+            np.testing.assert_array_equal(g.tokens[0, n, :first + 1], row[:first + 1])
+            assert np.all(g.tokens[0, n, first + 1:] == g.pad_id)
+            assert np.all(g.logprobs[0, n, first + 1:] == 0)
+    assert g.finish_reason[0][0] == "stop" and g.lengths[0, 0] <= 4
+    assert g.bill.decoded_tokens_total == int(g.lengths.sum())
+
+
+def test_stop_string_truncates_text(tiny_lm):
+    free = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=2, max_new_tokens=12, seed=5))
+    text = free.texts[0][0]
+    needle = text[4:6]
+    assert len(needle) == 2
+    g = engine.generate(tiny_lm, PROMPTS[:1],
+                        SamplingParams(n=2, max_new_tokens=12, seed=5, stop=[needle]))
+    assert g.texts[0][0] == text[:text.find(needle)]
+    assert g.finish_reason[0][0] == "stop"
+    assert g.lengths[0, 0] < free.lengths[0, 0]
+
+
+def test_knobs_do_not_recompile(tiny_lm):
+    base = SamplingParams(n=2, max_new_tokens=9, seed=0)
+    engine.generate(tiny_lm, PROMPTS, base)
+    before = engine.PROGRAMS.compilations
+    for change in [dict(temperature=0.3), dict(top_k=3), dict(top_p=0.5), dict(min_p=0.1),
+                   dict(seed=99), dict(max_new_tokens=13), dict(temperature=0.0)]:
+        engine.generate(tiny_lm, PROMPTS, base.replace(**change))
+    assert engine.PROGRAMS.compilations == before
+
+
+def test_max_new_tokens_respected(tiny_lm):
+    g = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=3, max_new_tokens=5, seed=2,
+                                                             stop_token_ids=[]))
+    assert g.tokens.shape[-1] == 5 and np.all(g.lengths <= 5)
+
+
+def test_limits_raise_before_compute(tiny_lm):
+    ctx = tiny_lm.config.max_seq_len
+    with pytest.raises(InputError, match="context"):
+        engine.generate(tiny_lm, ["x" * (ctx - 4)], SamplingParams(max_new_tokens=8))
+    with pytest.raises(InputError, match="empty"):
+        engine.generate(tiny_lm, [""], SamplingParams())
+    with pytest.raises(InputError, match="empty"):
+        engine.generate(tiny_lm, [[]], SamplingParams())
+    with pytest.raises(InputError, match="outside"):
+        engine.generate(tiny_lm, [[1, 2, 10_000]], SamplingParams())
+    with pytest.raises(InputError):
+        engine.generate(tiny_lm, [], SamplingParams())
+
+
+def test_token_id_prompts_equal_text_prompts(tiny_lm, sampled):
+    ids = [tiny_lm.tokenizer.encode(p) for p in PROMPTS]
+    g = engine.generate(tiny_lm, ids, SamplingParams(n=4, max_new_tokens=12, seed=7))
+    np.testing.assert_array_equal(g.tokens, sampled.tokens)
+
+
+def test_bucket():
+    assert [engine.bucket(x) for x in (1, 16, 17, 25, 1024, 1030, 1537)] == \
+        [16, 16, 24, 32, 1024, 1536, 2048]
+    for x in range(1, 5000, 37):
+        assert x <= engine.bucket(x) < 2 * max(x, 16)
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (2, 4), (1, 8), (2, 2)])
+def test_sharded_equals_unsharded(tiny_lm, shape):
+    """Same seed, same tokens on a ("data", "branch") mesh of CPU devices."""
+    if jax.device_count() < shape[0] * shape[1]:
+        pytest.skip("needs --xla_force_host_platform_device_count (tests/conftest.py)")
+    mesh = jax.make_mesh(shape, ("data", "branch"))
+    params = SamplingParams(n=8, max_new_tokens=10, seed=3, top_p=0.9)
+    ref = engine.generate(tiny_lm, PROMPTS, params)
+    got = engine.generate(tiny_lm, PROMPTS, params, mesh=mesh)
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+    np.testing.assert_array_equal(got.lengths, ref.lengths)
+    np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
