@@ -407,7 +407,7 @@ class Bill:
             f"KV cache held: {format_bytes(self.kv_bytes_held)} "
             f"(shared prefix {format_bytes(self.kv_bytes_shared_prefix)} once + tails "
             f"{format_bytes(self.kv_bytes_tails)}); separate retries: "
-            f"{format_bytes(self.kv_bytes_if_separate)} ({self.kv_saving:.2f}x)",
+            f"{format_bytes(self.kv_bytes_if_separate)} ({self.kv_saving:.2f}x as much)",
             f"decode reads: {format_bytes(self.decode_bytes_read_shared)} against "
             f"{format_bytes(self.decode_bytes_read_if_separate)} for batched retries "
             f"(weights {format_bytes(self.weight_bytes)} read once per step in both)",

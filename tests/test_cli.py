@@ -1,0 +1,218 @@
+"""Tests of the command line (jaxsample/cli.py), in-process through `main(argv)`."""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from jaxsample import cli, cost
+from jaxsample.config import DEFAULT_SAMPLING
+
+QUESTION = "What is 3 + 4? Answer with a number."
+
+
+def _one_line_error(capsys, argv):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (argv, out, err)
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in err and "error:" in err
+    return err
+
+
+# ---------------------------------------------------------------------------
+# Errors that need no model
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "--prompt", "x", "--n", "0"], "--n"),
+    (["run", "--prompt", "x", "--top-p", "1.5"], "top_p"),
+    (["run", "--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["run", "--prompt", "x", "--min-p", "2"], "min_p"),
+    (["run", "--prompt", "x", "--seed", "-3"], "seed"),
+    (["run", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["run", "--prompt", "x", "--n", "abc"], "--n"),
+    (["run", "--prompt", "x", "--reduce", "mean"], "--reduce"),
+    (["run", "--prompt", "   \n"], "prompt is empty"),
+    (["run", "--prompt-file", "/no/such/prompt.txt"], "no such file"),
+    (["run", "--prompt", "x", "--config", "/no/such/config.yaml"], "config file not found"),
+    (["run", "--prompt", "x", "--config", "no_such_named_config"], "config file not found"),
+    (["run", "--prompt", "x", "--prompt-file", "f"], "not allowed"),
+    (["run"], "required"),
+    ([], "required"),
+    (["frobnicate"], "invalid choice"),
+    (["price", "--n", "0,4"], ">= 1"),
+    (["price", "--n", "1,x"], "comma-separated"),
+    (["price", "--prompt-tokens", "-5"], ">= 0"),
+    (["price", "--model", "no-such-model-xyz"], "no-such-model-xyz"),
+    (["price", "--model", "tiny", "--plot", "/no/such/dir/p.png"], "does not exist"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    err = _one_line_error(capsys, argv)
+    assert needle in err
+
+
+def test_bad_config_file(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sampling: {top_p: 7}\n")
+    err = _one_line_error(capsys, ["run", "--prompt", "x", "--config", str(bad)])
+    assert str(bad) in err and "top_p" in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("reducer: [unclosed\n")
+    err = _one_line_error(capsys, ["run", "--prompt", "x", "--config", str(broken)])
+    assert "invalid YAML" in err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert "empty" in _one_line_error(capsys, ["run", "--prompt-file", str(empty)])
+
+
+def test_help_exits_0(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "run" in capsys.readouterr().out
+    assert cli.main(["price", "--help"]) == 0
+    assert "--prompt-tokens" in capsys.readouterr().out
+
+
+def test_flags_override_config():
+    args = cli.build_parser().parse_args(
+        ["run", "--prompt", "x", "--config", "best_of_n", "--n", "3", "--no-chat",
+         "--extract", "boxed", "--dtype", "bfloat16", "--stop", "\n\n"])
+    cfg = cli.resolve_run_config(args)
+    assert cfg.sampling.n == 3  # flag
+    assert cfg.sampling.temperature == 0.7  # from configs/best_of_n.yaml
+    assert cfg.sampling.stop == ("\n\n",)
+    assert cfg.reducer.kind == "best" and cfg.reducer.extract == "boxed"
+    assert cfg.chat is False and cfg.model.dtype == "bfloat16"
+    # No config: the documented defaults (embedded model, chat on, vote on numbers).
+    cfg = cli.resolve_run_config(cli.build_parser().parse_args(["run", "--prompt", "x"]))
+    assert cfg.model.name is None and cfg.chat is True
+    assert cfg.reducer.kind == "vote" and cfg.reducer.extract == "number"
+    assert {k: getattr(cfg.sampling, k) for k in DEFAULT_SAMPLING} == DEFAULT_SAMPLING
+
+
+# ---------------------------------------------------------------------------
+# price
+
+
+def test_price_table(capsys):
+    assert cli.main(["price", "--model", "smollm2-135m", "--prompt-tokens", "4096",
+                     "--new-tokens", "256", "--n", "1,4,16,64"]) == 0
+    out = capsys.readouterr().out
+    assert "134.5M parameters" in out
+    rows = [line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("1", "4", "16", "64")]
+    assert [r[0] for r in rows] == ["1", "4", "16", "64"]
+    # N = 16: prefill once (1.45 TFLOP) vs 16 times; KV saving (16 * 4352) / (4096 + 16 * 256).
+    assert rows[2][1] == "1.45T" and rows[2][2] == "23.20T" and rows[2][-1] == "8.5x"
+    assert rows[0][1] == rows[0][2] and rows[0][-1] == "1.0x"
+    assert "decode FLOPs are the same" in " ".join(out.split())
+
+
+def test_price_json_matches_cost_model(capsys):
+    assert cli.main(["price", "--model", "smollm2-135m", "--prompt-tokens", "4096",
+                     "--new-tokens", "256", "--n", "1,16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_params"] == 134_515_008 and out["kv_bytes_per_token"] == 46080
+    assert [r["n"] for r in out["rows"]] == [1, 16]
+    cfg, _ = cli.resolve_model_config("smollm2-135m")
+    want = cost.table(cfg, 4096, 256, [1, 16])
+    assert out["rows"] == json.loads(json.dumps(want))
+    r1, r16 = out["rows"]
+    assert r1["kv_bytes_shared"] == r1["kv_bytes_separate"]
+    assert r16["kv_bytes_shared"] < r16["kv_bytes_separate"]
+    assert r16["decode_flops"] == 16 * r1["decode_flops"]
+    assert out["estimates"][1]["decode_flops_shared"] == out["estimates"][1]["decode_flops_separate"]
+
+
+def test_price_bfloat16_and_plot(capsys, tmp_path):
+    png = tmp_path / "price.png"
+    assert cli.main(["price", "--model", "tiny", "--prompt-tokens", "64", "--new-tokens", "16",
+                     "--n", "1,2,8", "--dtype", "bfloat16", "--plot", str(png), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dtype_bytes"] == 2 and out["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------
+# run (the embedded model and the engine)
+
+RUN = ["run", "--prompt", QUESTION, "--n", "4", "--max-new-tokens", "8", "--seed", "0"]
+
+
+def _main_captured(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def run_json():
+    pytest.importorskip("jaxsample.engine")
+    code, out, err = _main_captured(RUN + ["--json"])
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.slow
+def test_run_json(run_json):
+    d = run_json
+    assert set(d) == {"model", "prompt", "params", "branches", "result", "bill", "timings"}
+    assert d["prompt"] == QUESTION and d["params"]["n"] == 4 and d["params"]["seed"] == 0
+    assert len(d["branches"]) == 4
+    for b in d["branches"]:
+        assert set(b) == {"text", "answer", "tokens", "mean_logprob", "finish_reason"}
+        assert 1 <= b["tokens"] <= 8 and b["finish_reason"] in ("stop", "length")
+        assert isinstance(b["text"], str)
+    assert {"answer", "share", "branch"} <= set(d["result"])
+    bill = d["bill"]
+    assert bill["decoded_tokens_total"] == sum(b["tokens"] for b in d["branches"])
+    assert bill["kv_bytes_held"] < bill["kv_bytes_if_separate"]
+    assert bill["prompt_tokens_if_separate"] == 4 * bill["prompt_tokens_prefilled"]
+    assert bill["decode_flops_shared"] == bill["decode_flops_if_separate"]
+    assert set(d["timings"]) == {"load", "compile", "prefill", "decode", "total"}
+    assert all(v >= 0 for v in d["timings"].values())
+
+
+@pytest.mark.slow
+def test_run_is_deterministic_and_table(run_json):
+    # Same shapes: no recompilation; same seed: same branches.
+    code, out, _ = _main_captured(RUN + ["--json"])
+    assert code == 0
+    again = json.loads(out)
+    assert [b["text"] for b in again["branches"]] == [b["text"] for b in run_json["branches"]]
+    code, out, err = _main_captured(RUN)
+    assert code == 0, err
+    assert "branches" in out and "vote" in out and "bill" in out
+    assert "never saves per-branch decode" in " ".join(out.split())
+    assert "compile (first call)" in out
+
+
+@pytest.mark.slow
+def test_run_best_and_none(run_json):
+    code, out, err = _main_captured(RUN + ["--reduce", "best", "--json"])
+    assert code == 0, err
+    d = json.loads(out)
+    best = max(range(4), key=lambda i: (d["branches"][i]["mean_logprob"], -i))
+    assert d["result"]["branch"] == best and d["result"]["share"] is None
+    code, out, err = _main_captured(["run", "--prompt", QUESTION, "--config", "sample",
+                                     "--n", "4", "--max-new-tokens", "8", "--json"])
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["params"]["reducer"]["kind"] == "none" and d["result"]["branch"] is None
+
+
+@pytest.mark.slow
+def test_run_prompt_too_long(capsys, run_json):
+    err = _one_line_error(capsys, ["run", "--prompt", "word " * 9000, "--n", "2",
+                                   "--max-new-tokens", "8"])
+    assert "context" in err
+
+
+@pytest.mark.slow
+def test_run_unknown_model(capsys):
+    pytest.importorskip("jaxsample.engine")
+    err = _one_line_error(capsys, ["run", "--prompt", "x", "--model", "no-such-model-xyz"])
+    assert "no-such-model-xyz" in err and "known names" in err
