@@ -43,11 +43,8 @@ from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling import SamplingParams
+from jaxsample.sharding import BRANCH_AXIS, DATA_AXIS, LOCAL_BRANCH_AXIS
 from models import llama
-
-BRANCH_AXIS = "branch"  # vmap axis of the branches (and mesh axis when sharded)
-DATA_AXIS = "data"  # mesh axis of the prompts
-LOCAL_BRANCH_AXIS = "branch_local"  # vmap axis name when BRANCH_AXIS is a mesh axis
 MAX_STOP_IDS = 16  # stop ids are a fixed-size traced array (padded with -1)
 
 
@@ -111,7 +108,17 @@ class _Static:
     vocab_limit: int
     pad_id: int
     axes: tuple[str, ...] = ()  # mesh axes to reduce "all done" over
-    branch_axis: str = BRANCH_AXIS
+    branch_axis: str = BRANCH_AXIS  # the vmap axis of the branches
+    branch_axes: tuple[str, ...] = (BRANCH_AXIS,)  # all branch axes, innermost first
+    bridge: Any = None  # a jaxsample.bridge.BridgeConfig, or None
+
+    def post_layer(self, alive, axes):
+        """The Bridge hook for `llama.run_layers` (None without a Bridge)."""
+        if self.bridge is None:
+            return None
+        from jaxsample import bridge as bridge_lib
+
+        return lambda x, p_l: bridge_lib.apply_block(self.bridge, p_l, x, alive, axes)
 
 
 # ---------------------------------------------------------------------------
@@ -133,11 +140,18 @@ def bucket(length: int, minimum: int = 16) -> int:
 # Prefill
 
 
-def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Array):
+def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Array,
+            post_layer=None, bridge_params=None):
     """Prefill B right-padded prompts, once each.
+
+    With a Bridge, every branch holds the same hidden state at prompt
+    positions, and attention over N identical copies equals attention over
+    one, so the prompt is still run once, with each Bridge block attending to
+    this single copy (`post_layer` built with no branch axes).
 
     Args:
       tokens: `[B, P]` int32, right-padded; lengths: `[B]` int32, each >= 1.
+      post_layer, bridge_params: the optional Bridge hook and its `[L, ...]` params.
     Returns:
       (PrefixCache with k, v `[L, B, P, K, D]`, last-position logits `[B, V]` float32).
     """
@@ -146,7 +160,8 @@ def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Arra
         positions = jnp.arange(toks.shape[0], dtype=jnp.int32)
         x = llama.embed(params, toks)
         x, (k, v) = llama.run_layers(cfg, params, x, positions,
-                                     lambda _: llama.causal_attend(length))
+                                     lambda _: llama.causal_attend(length),
+                                     post_layer=post_layer, post_xs=bridge_params)
         last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
         return llama.logits(cfg, params, last), k, v
 
@@ -158,7 +173,8 @@ def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Arra
 # Decode
 
 
-def _branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, bridge=None):
+def _branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, post_layer=None,
+                 bridge_params=None):
     """One decode step of one branch (vmapped over branches and prompts).
 
     Args:
@@ -167,6 +183,8 @@ def _branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, br
       pk, pv: `[L, P, K, D]` the shared prefix (unbatched over branches).
       prefix_len: `[]` int32 valid prefix positions.
       tk, tv: `[L, T, K, D]` this branch's tail.
+      post_layer, bridge_params: the optional Bridge hook (collectives over the
+        branch axes) and its `[L, ...]` params.
     Returns:
       (logits `[V]` float32, new k `[L, K, D]`, new v `[L, K, D]`).
     """
@@ -190,12 +208,13 @@ def _branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, br
 
     x = llama.embed(params, token[None])
     x, (k, v) = llama.run_layers(cfg, params, x, position[None], attend_for_layer,
-                                 (pk, pv, tk, tv))
+                                 (pk, pv, tk, tv), post_layer, bridge_params)
     return llama.logits(cfg, params, x[0]), k[:, 0], v[:, 0]
 
 
 def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, knobs: Knobs,
-                 prompt_index: jax.Array, branch_base: jax.Array) -> DecodeState:
+                 prompt_index: jax.Array, branch_base: jax.Array,
+                 bridge_params=None) -> DecodeState:
     """Run the decode `lax.while_loop` until every branch is done or the budget is spent.
 
     Args:
@@ -203,6 +222,7 @@ def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, k
       state: the initial DecodeState (`[R, N, ...]`).
       prompt_index: `[R]` int32 global prompt index of each row (for keys).
       branch_base: `[R]` int32 global index of each row's first branch.
+      bridge_params: `[L, ...]` Bridge parameters when `st.bridge` is set.
     """
     cfg, N = st.cfg, st.n
     base = jax.random.key(knobs.seed)
@@ -215,11 +235,13 @@ def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, k
                                      knobs.min_p, st.vocab_limit)
 
     # Row-level vmap: prefix per row (in_axes 0); branch-level vmap: prefix unbatched.
-    step_branches = jax.vmap(
-        lambda tok, pos, t, pk, pv, plen, tk, tv: _branch_step(cfg, params, tok, pos, t, pk, pv,
-                                                               plen, tk, tv),
-        in_axes=(0, None, None, None, None, None, 0, 0), axis_name=st.branch_axis)
-    step_rows = jax.vmap(step_branches, in_axes=(0, 0, None, 1, 1, 0, 0, 0))
+    def one_branch(tok, pos, t, pk, pv, plen, tk, tv, alive):
+        return _branch_step(cfg, params, tok, pos, t, pk, pv, plen, tk, tv,
+                            st.post_layer(alive, st.branch_axes), bridge_params)
+
+    step_branches = jax.vmap(one_branch, in_axes=(0, None, None, None, None, None, 0, 0, 0),
+                             axis_name=st.branch_axis)
+    step_rows = jax.vmap(step_branches, in_axes=(0, 0, None, 1, 1, 0, 0, 0, 0))
 
     def all_done(done):
         flag = jnp.all(done).astype(jnp.int32)
@@ -245,8 +267,9 @@ def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, k
 
         def forward(_):
             positions = prefix.lengths + s.t  # [R]
+            # A branch that just stopped no longer influences the others (Bridge).
             logits, k, v = step_rows(tok, positions, s.t, prefix.k, prefix.v, prefix.lengths,
-                                     s.tail_k, s.tail_v)
+                                     s.tail_k, s.tail_v, ~done)
             # k, v: [R, N, L, K, D] -> tail slot t (t < t_cap: guaranteed by the host check).
             tail_k = jax.lax.dynamic_update_index_in_dim(s.tail_k, k, s.t, axis=3)
             tail_v = jax.lax.dynamic_update_index_in_dim(s.tail_v, v, s.t, axis=3)
@@ -322,13 +345,16 @@ def _mesh_programs(st: _Static, mesh, data_axis: str | None):
         stopped=Ps(d, BRANCH_AXIS), tail_k=Ps(d, BRANCH_AXIS), tail_v=Ps(d, BRANCH_AXIS))
     knob_spec = Knobs(*([Ps()] * len(Knobs._fields)))
 
-    def run(params, tokens, lengths, knobs, prompt_index, branch_base):
-        prefix, last = prefill(st.cfg, params, tokens, lengths)
+    def run(params, tokens, lengths, knobs, prompt_index, branch_base, bridge_params):
+        prefix, last = prefill(st.cfg, params, tokens, lengths, st.post_layer(True, ()),
+                               bridge_params)
         state = init_state(st, last)
         base = branch_base + jax.lax.axis_index(BRANCH_AXIS) * st.n
-        return _decode_loop(st, params, prefix, state, knobs, prompt_index, base), prefix
+        return _decode_loop(st, params, prefix, state, knobs, prompt_index, base,
+                            bridge_params), prefix
 
-    kwargs = dict(mesh=mesh, in_specs=(Ps(), row_spec, row_spec, knob_spec, row_spec, row_spec),
+    kwargs = dict(mesh=mesh, in_specs=(Ps(), row_spec, row_spec, knob_spec, row_spec, row_spec,
+                                       Ps()),
                   out_specs=(state_spec, prefix_spec))
     try:
         return shard_map(run, check_vma=False, **kwargs)
@@ -394,7 +420,7 @@ def _resolve_mesh(mesh, B: int, N: int):
 
 
 def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
-             chat: bool = False, mesh=None, naive: bool = False) -> Generation:
+             chat: bool = False, mesh=None, bridge=None, naive: bool = False) -> Generation:
     """Sample `params.n` continuations of each prompt, sharing each prompt's KV cache.
 
     Args:
@@ -405,6 +431,9 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
       mesh: optional `jax.sharding.Mesh` with a "branch" axis (branches split across
         devices; weights and prefix cache replicated) and optionally a "data" axis
         (prompts split). Same seed, same tokens as the unsharded run.
+      bridge: optional `jaxsample.bridge.Bridge` (config + params): cross-branch
+        layers after every block (arXiv 2510.01143). A zero-initialised Bridge
+        gives exactly the tokens of `bridge=None`.
       naive: baseline only: copy each prompt N times (N prefills, N prefix caches).
     Returns:
       `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
@@ -431,8 +460,11 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     if len(stop_ids) > MAX_STOP_IDS:
         raise InputError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {len(stop_ids)}")
     mesh, data_axis, nb, nd = _resolve_mesh(mesh, B, N)
-    if naive and mesh is not None:
-        raise InputError("naive=True is a single-device baseline; pass mesh=None")
+    if naive and (mesh is not None or bridge is not None):
+        raise InputError("naive=True is a single-device baseline without Bridge; "
+                         "pass mesh=None and bridge=None")
+    bridge_cfg = None if bridge is None else bridge.config
+    bridge_params = None if bridge is None else bridge.params
 
     # Rows: one per prompt (shared) or one per (prompt, branch) copy (naive).
     rows = [r for r in range(B) for _ in range(N)] if naive else list(range(B))
@@ -451,7 +483,9 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     st = _Static(cfg=cfg, n=n_row // nb, t_cap=bucket(T), vocab_limit=lm.vocab_limit,
                  pad_id=int(lm.tokenizer.pad_token_id),
                  axes=((BRANCH_AXIS,) + ((data_axis,) if data_axis else ())) if mesh else (),
-                 branch_axis=LOCAL_BRANCH_AXIS if mesh else BRANCH_AXIS)
+                 branch_axis=LOCAL_BRANCH_AXIS if mesh else BRANCH_AXIS,
+                 branch_axes=(LOCAL_BRANCH_AXIS, BRANCH_AXIS) if mesh else (BRANCH_AXIS,),
+                 bridge=bridge_cfg)
     assert T <= st.t_cap  # tail writes stay in range: dynamic_update_slice would clamp
     knobs = Knobs(
         temperature=jnp.float32(params.temperature), top_k=jnp.int32(params.top_k),
@@ -461,8 +495,10 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     timings = {"compile": 0.0}
 
     if mesh is None:
-        args_p = (lm.params, jnp.asarray(tokens), jnp.asarray(lengths))
-        prog, dt = PROGRAMS.get(("prefill", cfg), functools.partial(prefill, cfg), args_p)
+        args_p = (lm.params, jnp.asarray(tokens), jnp.asarray(lengths), bridge_params)
+        prog, dt = PROGRAMS.get(
+            ("prefill", cfg, bridge_cfg),
+            lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b), args_p)
         timings["compile"] += dt
         t0 = time.perf_counter()
         prefix, last = jax.block_until_ready(prog(*args_p))
@@ -471,7 +507,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         timings["compile"] += dt
         state = init(last)
         args_d = (lm.params, prefix, state, knobs, jnp.asarray(prompt_index),
-                  jnp.asarray(branch_base))
+                  jnp.asarray(branch_base), bridge_params)
         prog, dt = PROGRAMS.get(("decode", st), functools.partial(_decode_loop, st), args_d,
                                 donate=(2,))
         timings["compile"] += dt
@@ -485,7 +521,8 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         rows_sh, rep = NamedSharding(mesh, Ps(data_axis)), NamedSharding(mesh, Ps())
         args = (jax.device_put(lm.params, rep), jax.device_put(tokens, rows_sh),
                 jax.device_put(lengths, rows_sh), jax.device_put(knobs, rep),
-                jax.device_put(prompt_index, rows_sh), jax.device_put(branch_base, rows_sh))
+                jax.device_put(prompt_index, rows_sh), jax.device_put(branch_base, rows_sh),
+                jax.device_put(bridge_params, rep))
         prog, dt = PROGRAMS.get(("mesh", st, mesh, data_axis), fn, args)
         timings["compile"] += dt
         t0 = time.perf_counter()

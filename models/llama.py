@@ -353,7 +353,8 @@ def causal_attend(valid_len: jax.Array | None = None) -> AttendFn:
 # Whole model
 
 
-def run_layers(cfg: LlamaConfig, params: Params, x, positions, attend_for_layer, layer_xs=None):
+def run_layers(cfg: LlamaConfig, params: Params, x, positions, attend_for_layer, layer_xs=None,
+               post_layer=None, post_xs=None):
     """Scan the decoder blocks.
 
     Args:
@@ -361,16 +362,21 @@ def run_layers(cfg: LlamaConfig, params: Params, x, positions, attend_for_layer,
       attend_for_layer: `f(layer_xs_l) -> AttendFn`, builds layer l's attention
         from that layer's slice of `layer_xs` (e.g. its KV cache).
       layer_xs: a pytree with leading axis L, or None.
+      post_layer: optional `f(x [S, E], post_xs_l) -> x [S, E]` applied after each
+        block (Bridge layers, arXiv 2510.01143, hook in here).
+      post_xs: a pytree with leading axis L for `post_layer`, or None.
     Returns:
       (x `[S, E]`, (k `[L, S, K, D]`, v `[L, S, K, D]`)).
     """
 
     def body(x, xs):
-        lp, lx = xs
+        lp, lx, px = xs
         x, kv = layer(cfg, lp, x, positions, attend_for_layer(lx))
+        if post_layer is not None:
+            x = post_layer(x, px)
         return x, kv
 
-    return jax.lax.scan(body, x, (params["layers"], layer_xs))
+    return jax.lax.scan(body, x, (params["layers"], layer_xs, post_xs))
 
 
 def forward_one(cfg: LlamaConfig, params: Params, tokens: jax.Array, valid_len=None):
