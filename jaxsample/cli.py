@@ -529,7 +529,7 @@ def _price(args) -> int:
     from rich.table import Table
 
     console = _stdout_console()
-    fb, ff = cost.format_bytes, cost.format_flops
+    fb = cost.format_bytes
     console.print(f"{label}: {head.n_params / 1e6:.1f}M parameters, weights "
                   f"{fb(head.weight_bytes)}, KV {fb(head.kv_bytes_per_token)}/token "
                   f"({dtype_bytes} bytes per element); P={P} prompt tokens, T={T} new tokens "

@@ -417,7 +417,8 @@ class Bill:
 
 def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
               n: int, prefix_cache_bytes: int, tail_cache_bytes: int,
-              decode_steps: int, dtype_bytes: int | None = None) -> Bill:
+              decode_steps: int, dtype_bytes: int | None = None,
+              prefix_copies: int = 1) -> Bill:
     """The bill of one `generate` call (called by the engine).
 
     Args:
@@ -430,10 +431,15 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
       tail_cache_bytes: `nbytes` of the tail KV arrays allocated (k and v, padded).
       decode_steps: decode-loop iterations run.
       dtype_bytes: bytes per element for the analytic part; default from `config.dtype`.
+      prefix_copies: how many times each prompt was prefilled and stored: 1 for
+        the shared-prefix engine, N for the naive baseline that copies each
+        prompt N times (then `prefix_cache_bytes` holds all the copies and the
+        "shared" fields report what the baseline actually did).
     Returns:
       A `Bill`.
     Raises:
-      ValueError: branch_lengths not `[B, N]`, or negative counts.
+      ValueError: branch_lengths not `[B, N]`, negative counts, or
+        prefix_copies outside [1, N].
     """
     prompts = np.asarray(list(prompt_lengths), dtype=np.int64).reshape(-1)
     lengths = np.asarray(branch_lengths, dtype=np.int64)
@@ -447,6 +453,9 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
     prefix_bytes = _check_count("prefix_cache_bytes", prefix_cache_bytes, 0)
     tail_bytes = _check_count("tail_cache_bytes", tail_cache_bytes, 0)
     steps = _check_count("decode_steps", decode_steps, 0)
+    copies = _check_count("prefix_copies", prefix_copies, 1)
+    if copies > N:
+        raise ValueError(f"prefix_copies must be in [1, n={N}], got {copies}")
 
     b = _dtype_bytes(config, dtype_bytes)
     W = weight_bytes(config, b)
@@ -460,20 +469,20 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
     s = np.arange(steps, dtype=np.int64)[:, None, None]
     tail_tokens = int(np.minimum(s + 1, lengths[None]).sum()) if steps else 0
     prefix_tokens = int(prompts.sum())
-    read_shared = steps * (W + prefix_tokens * kv) + tail_tokens * kv
+    read_shared = steps * (W + copies * prefix_tokens * kv) + tail_tokens * kv
     read_separate = steps * (W + N * prefix_tokens * kv) + tail_tokens * kv
 
     return Bill(
         num_prompts=B, n=N, decode_steps=steps,
-        prompt_tokens_prefilled=prefix_tokens,
+        prompt_tokens_prefilled=copies * prefix_tokens,
         prompt_tokens_if_separate=N * prefix_tokens,
         decoded_tokens_per_branch=lengths.tolist(),
         decoded_tokens_total=int(lengths.sum()),
         kv_bytes_held=prefix_bytes + tail_bytes,
         kv_bytes_shared_prefix=prefix_bytes,
         kv_bytes_tails=tail_bytes,
-        kv_bytes_if_separate=N * prefix_bytes + tail_bytes,
-        prefill_flops_shared=int(prefill),
+        kv_bytes_if_separate=N * prefix_bytes // copies + tail_bytes,
+        prefill_flops_shared=copies * int(prefill),
         prefill_flops_if_separate=N * int(prefill),
         decode_flops_shared=decode,
         decode_flops_if_separate=decode,

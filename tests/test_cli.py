@@ -216,3 +216,19 @@ def test_run_unknown_model(capsys):
     pytest.importorskip("jaxsample.engine")
     err = _one_line_error(capsys, ["run", "--prompt", "x", "--model", "no-such-model-xyz"])
     assert "no-such-model-xyz" in err and "known names" in err
+
+
+@pytest.mark.slow
+def test_run_on_a_branch_mesh(tmp_path, run_json):
+    jax = pytest.importorskip("jax")
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (conftest sets 8 CPU devices)")
+    mesh = tmp_path / "mesh.yaml"
+    mesh.write_text("mesh: {data: 1, branch: 2}\n")
+    code, out, err = _main_captured(RUN + ["--config", str(mesh), "--json"])
+    assert code == 0, err
+    d = json.loads(out)
+    # Same seed, same tokens as the unsharded run.
+    assert [b["text"] for b in d["branches"]] == [b["text"] for b in run_json["branches"]]
+    code, _, err = _main_captured(RUN + ["--config", str(mesh), "--n", "3"])
+    assert code == 2 and "multiple of mesh.branch" in err

@@ -174,3 +174,21 @@ def test_formatting():
     assert cost.format_flops(2.5e12) == "2.50 TFLOP"
     assert cost.format_flops(0) == "0 FLOP"
     assert cost.format_flops(12) == "12 FLOP"
+
+
+def test_bill_of_the_naive_baseline():
+    # The naive baseline prefills and stores each prompt N times: its bill says so,
+    # and its "if separate" numbers are the same as the shared engine's.
+    shared = _bill()
+    kv = 64
+    naive = cost.make_bill(TINY, prompt_lengths=[5, 2], branch_lengths=shared.decoded_tokens_per_branch,
+                           n=4, prefix_cache_bytes=4 * 16 * kv, tail_cache_bytes=32 * kv,
+                           decode_steps=3, prefix_copies=4)
+    assert naive.prompt_tokens_prefilled == naive.prompt_tokens_if_separate == 28
+    assert naive.kv_bytes_held == naive.kv_bytes_if_separate == shared.kv_bytes_if_separate
+    assert naive.prefill_flops_shared == naive.prefill_flops_if_separate
+    assert naive.decode_bytes_read_shared == naive.decode_bytes_read_if_separate
+    assert naive.decode_flops_shared == shared.decode_flops_shared
+    with pytest.raises(ValueError, match="prefix_copies"):
+        cost.make_bill(TINY, prompt_lengths=[5], branch_lengths=[[1, 2]], n=2,
+                       prefix_cache_bytes=0, tail_cache_bytes=0, decode_steps=2, prefix_copies=3)
