@@ -1,0 +1,356 @@
+"""Final-answer extraction and normalisation for votes and grading (host side).
+
+`extract(text, kind)` finds the final answer in a model's output and returns
+it normalised; `normalize(answer)` maps equivalent spellings of one answer to
+one string, so that a vote (`jaxsample.reducers.self_consistency`) counts
+"1,000", "1000" and "$1{,}000$" as the same answer.
+
+Conventions follow the usual math-reasoning graders: the last `\\boxed{...}`
+wins (Hendrycks et al. 2021, MATH, arXiv 2103.03874), GSM8K's "#### X"
+(Cobbe et al. 2021, arXiv 2110.14168), "The answer is X" (Wei et al. 2022,
+chain-of-thought prompting, arXiv 2201.11903; Wang et al. 2022,
+self-consistency, arXiv 2203.11171).
+
+Neither function ever raises on any string: a text with no answer gives None.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+
+__all__ = ["KINDS", "extract", "normalize"]
+
+KINDS = ("auto", "boxed", "number", "choice", "text")
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_GSM8K_RE = re.compile(r"####[ \t]*([^\n]*)")
+_ANSWER_IS_RE = re.compile(r"\banswer\s*(?:is|:|=)[ \t]*:?[ \t]*", re.IGNORECASE)
+# A number: optional sign (not glued to a preceding word/digit/closing
+# bracket, so "5-3" is 5 and 3), digits with optional thousands separators
+# (",", LaTeX "{,}", "\\,"), optional decimals, optional "/denominator".
+_NUM = r"(?:\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?![\d])|\d+)(?:\.\d+)?|\.\d+"
+_NUMBER_RE = re.compile(
+    r"(?:(?<![\w)}\]])[-+])?(?:" + _NUM + r")(?:[ \t]*/[ \t]*(?:" + _NUM + r"))?(?![\d])"
+)
+_CHOICE_LETTERS = "ABCDE"
+_CHOICE_AFTER_KEYWORD_RE = re.compile(
+    r"\b(?:answer|option|choice)\s*(?:is|:|=)?\s*(?:option|choice)?\s*:?\s*\(?([A-Ea-e])\)?(?![A-Za-z0-9])",
+    re.IGNORECASE,
+)
+_CHOICE_PAREN_RE = re.compile(r"\(([A-E])\)")
+_CHOICE_LINE_RE = re.compile(r"^[ \t]*\(?([A-E])\)?[ \t]*[.):]?[ \t]*$", re.MULTILINE)
+_WRAPPERS = ("text", "textbf", "textit", "mathrm", "mathbf", "mbox", "boxed", "fbox", "operatorname")
+_SPACING_RE = re.compile(r"\\[,;:! ]|\\quad|\\qquad|\\left|\\right|\\displaystyle")
+_DEC_RE = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)$")
+_THOUSANDS_RE = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_INT_FRAC_RE = re.compile(r"^([-+]?\d+)/([-+]?\d+)$")
+_SIMPLE_RE = re.compile(r"^[-+]?[\\\w.{}]+$")
+
+
+# ----------------------------------------------------------------------------
+# Braces
+# ----------------------------------------------------------------------------
+
+
+def _braced(text: str, open_at: int) -> tuple[str, int] | None:
+    """Content of the balanced group whose "{" is at `open_at`, and the index after "}"."""
+    depth = 0
+    for i in range(open_at, len(text)):
+        ch = text[i]
+        if ch == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
+            continue  # \{ and \} are literal braces
+        if ch == "{" and (i == 0 or text[i - 1] != "\\"):
+            depth += 1
+        elif ch == "}" and (i == 0 or text[i - 1] != "\\"):
+            depth -= 1
+            if depth == 0:
+                return text[open_at + 1 : i], i + 1
+    return None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last complete `\\boxed{...}` / `\\fbox{...}`; nested braces allowed."""
+    for m in reversed(list(_BOX_RE.finditer(text))):
+        got = _braced(text, m.end() - 1)
+        if got is not None:
+            return got[0]
+    return None
+
+
+def _unwrap_commands(s: str) -> str:
+    """`\\text{X}` -> X for every wrapper command (innermost groups kept intact)."""
+    pattern = re.compile(r"\\(?:" + "|".join(_WRAPPERS) + r")\s*\{")
+    for _ in range(64):
+        m = pattern.search(s)
+        if m is None:
+            break
+        got = _braced(s, m.end() - 1)
+        if got is None:
+            s = s[: m.start()] + s[m.end() :]  # unbalanced: drop the command
+            continue
+        s = s[: m.start()] + got[0] + s[got[1] :]
+    return s
+
+
+def _convert_fracs(s: str) -> str:
+    """`\\frac{a}{b}`, `\\dfrac`, `\\tfrac`, `\\frac12` -> `a/b` (parenthesised when compound)."""
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
+    for _ in range(64):
+        m = re.search(r"\\frac\s*\{", s)
+        if m is None:
+            break
+        num = _braced(s, m.end() - 1)
+        if num is None:
+            break
+        rest = num[1]
+        while rest < len(s) and s[rest].isspace():
+            rest += 1
+        den = _braced(s, rest) if rest < len(s) and s[rest] == "{" else None
+        if den is None:
+            break
+        a, b = num[0].strip(), den[0].strip()
+        a = a if _SIMPLE_RE.match(a) else f"({a})"
+        b = b if _SIMPLE_RE.match(b) else f"({b})"
+        s = s[: m.start()] + f"{a}/{b}" + s[den[1] :]
+    return s
+
+
+# ----------------------------------------------------------------------------
+# Normalisation
+# ----------------------------------------------------------------------------
+
+
+def _canonical_number(s: str) -> str | None:
+    """Canonical decimal text of a plain number ("-3.0" -> "-3", "0.50" -> "0.5"), else None."""
+    if _THOUSANDS_RE.match(s):
+        s = s.replace(",", "")
+    if not _DEC_RE.match(s):
+        return None
+    try:
+        d = Decimal(s)
+    except InvalidOperation:
+        return None
+    if d == 0:
+        return "0"
+    out = format(d.normalize(), "f")
+    if "." in out:
+        out = out.rstrip("0").rstrip(".")
+    return out
+
+
+def _normalize_once(s: str) -> str:
+    s = s.strip()
+    s = _unwrap_commands(s)
+    s = s.replace("{,}", ",")
+    s = _SPACING_RE.sub(lambda m: "" if m.group(0) in ("\\,", "\\!", "\\left", "\\right", "\\displaystyle") else " ", s)
+    s = s.replace("\\$", "").replace("$", "")
+    s = s.replace("\\%", "").replace("%", "")
+    s = s.replace("\\(", "").replace("\\)", "").replace("\\[", "").replace("\\]", "")
+    s = _convert_fracs(s)
+    s = re.sub(r"\s+", " ", s).strip()
+    s = re.sub(r"[.,;:]+$", "", s).strip()
+    # Drop spaces next to symbols: "x = 5" -> "x=5", "1 / 2" -> "1/2" (words keep theirs).
+    s = re.sub(r"\s*([^\w\s])\s*", r"\1", s)
+    # "x=5" -> "5": a lone variable assigned a value.
+    m = re.match(r"^[A-Za-z]=([^=]+)$", s)
+    if m:
+        s = m.group(1)
+    # "(B)" -> "B": a parenthesised choice letter.
+    m = re.match(r"^\(([A-E])\)$", s)
+    if m:
+        s = m.group(1)
+    # Drop a group of braces around the whole answer: "{5}" -> "5".
+    if s.startswith("{") and s.endswith("}"):
+        got = _braced(s, 0)
+        if got is not None and got[1] == len(s):
+            s = got[0]
+    # Numbers and integer fractions.
+    num = _canonical_number(s)
+    if num is not None:
+        return num
+    m = _INT_FRAC_RE.match(s)
+    if m:
+        a, b = int(m.group(1)), int(m.group(2))
+        if b != 0:
+            f = Fraction(a, b)
+            return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
+    m = re.match(r"^([-+]?)\((.+)\)$", s)
+    if m:  # "-(3/4)" or "(3/4)": parentheses around a plain number or fraction
+        inner = _normalize_once(m.group(2))
+        if _canonical_number(inner) is not None or _INT_FRAC_RE.match(inner):
+            return _normalize_once("-" + inner) if m.group(1) == "-" else inner
+    return s
+
+
+def normalize(answer: object) -> str:
+    """Canonical text of an answer, so equal answers compare equal as strings.
+
+    Removes: surrounding whitespace, `$...$`, `\\(...\\)`, `\\boxed{}`,
+    `\\text{}` (and `\\textbf`, `\\mathrm`, `\\mbox`, ...), `$` and `%`
+    signs, LaTeX spacing (`\\,`, `\\!`, `\\left`, `\\right`), trailing
+    periods/commas, spaces next to symbols, a leading `x=` assignment.
+    Numbers: thousands separators (`1,000`, `9{,}500`), a leading `+`, and
+    trailing zeros go (`-3.0` -> `-3`, `29.00` -> `29`, `0.50` -> `0.5`).
+    Fractions: `\\frac{a}{b}`, `\\dfrac{a}{b}`, `\\tfrac`, `\\frac12` and
+    `a/b` all become `a/b`, integer fractions reduced (`2/4` -> `1/2`,
+    `6/3` -> `2`). A parenthesised choice letter `(B)` becomes `B`.
+    Not done: case folding, unit removal, decimal <-> fraction (`0.5` and
+    `1/2` stay different).
+
+    The result is a fixed point: `normalize(normalize(x)) == normalize(x)`.
+
+    Args:
+      answer: the answer; non-strings are converted with `str`.
+
+    Returns:
+      The normalised answer; "" when nothing is left. Never raises.
+    """
+    try:
+        s = answer if isinstance(answer, str) else str(answer)
+        for _ in range(8):
+            new = _normalize_once(s)
+            if new == s:
+                break
+            s = new
+        return s
+    except Exception:  # the contract is "never raise"; keep the text as is
+        return answer.strip() if isinstance(answer, str) else ""
+
+
+# ----------------------------------------------------------------------------
+# Extraction
+# ----------------------------------------------------------------------------
+
+
+def _prepare_numbers(text: str) -> str:
+    text = re.sub(r"\\[dt]frac", r"\\frac", text)
+    text = re.sub(r"\\frac\s*\{\s*([-+]?[\d.]+)\s*\}\s*\{\s*([-+]?[\d.]+)\s*\}", r"\1/\2", text)
+    return re.sub(r"\\frac\s*(\d)\s*(\d)", r"\1/\2", text)
+
+
+def _last_number(text: str) -> str | None:
+    matches = list(_NUMBER_RE.finditer(_prepare_numbers(text)))
+    return normalize(matches[-1].group(0)) or None if matches else None
+
+
+def _first_number(segment: str) -> str | None:
+    """The number the segment starts with (after `$` / `\\$` / spaces), else None."""
+    seg = _prepare_numbers(segment)
+    m = re.match(r"^[\s$\\]*(?:\\\$)?\s*", seg)
+    start = m.end() if m else 0
+    nm = _NUMBER_RE.match(seg, start)
+    if nm is None:
+        return None
+    after = seg[nm.end() :]
+    if after[:1].isalpha() and not after[:1].isspace():
+        return None  # "3x" is not the number 3
+    return normalize(nm.group(0)) or None
+
+
+def _from_segment(segment: str) -> str | None:
+    """The answer stated at the start of `segment` (text after "answer is" / "####")."""
+    seg = segment.strip()
+    if not seg:
+        return None
+    boxed = _last_boxed(seg)
+    if boxed is not None:
+        return normalize(boxed) or None
+    if seg.startswith("$") and not seg.startswith("$$") and seg.count("$") >= 2:
+        inner = seg[1 : seg.index("$", 1)]
+        if inner.strip():
+            return normalize(inner) or None
+    m = re.match(r"^\(?([A-E])\)?(?![A-Za-z0-9])", seg)
+    if m:
+        return m.group(1)
+    num = _first_number(seg)
+    if num is not None:
+        return num
+    m = re.match(r"^(.+?)(?:[.;,!?](?:\s|$)|$)", seg)
+    return (normalize(m.group(1)) or None) if m else None
+
+
+def _extract_choice(text: str) -> str | None:
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        b = normalize(boxed)
+        if len(b) == 1 and b.upper() in _CHOICE_LETTERS:
+            return b.upper()
+    found = list(_CHOICE_AFTER_KEYWORD_RE.finditer(text))
+    if found:
+        return found[-1].group(1).upper()
+    found = list(_CHOICE_PAREN_RE.finditer(text))
+    if found:
+        return found[-1].group(1)
+    found = list(_CHOICE_LINE_RE.finditer(text))
+    if found:
+        return found[-1].group(1)
+    return None
+
+
+def _extract(text: str, kind: str) -> str | None:
+    if kind == "boxed":
+        boxed = _last_boxed(text)
+        return (normalize(boxed) or None) if boxed is not None else None
+    if kind == "number":
+        return _last_number(text)
+    if kind == "choice":
+        return _extract_choice(text)
+    if kind == "text":
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return (normalize(lines[-1]) or None) if lines else None
+    # auto: boxed, then GSM8K "####", then "the answer is", then the last number.
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        got = normalize(boxed)
+        if got:
+            return got
+    for m in reversed(list(_GSM8K_RE.finditer(text))):
+        got = _from_segment(m.group(1))
+        if got is not None:
+            return got
+    for m in reversed(list(_ANSWER_IS_RE.finditer(text))):
+        line_end = text.find("\n", m.end())
+        got = _from_segment(text[m.end() : line_end if line_end >= 0 else len(text)])
+        if got is not None:
+            return got
+    return _last_number(text)
+
+
+def extract(text: object, kind: str = "auto") -> str | None:
+    """The final answer in a model's output, normalised (see `normalize`).
+
+    Kinds:
+      * "boxed": the last complete `\\boxed{...}` or `\\fbox{...}` (nested
+        braces balanced; a `\\boxed` without a brace group is not an answer).
+      * "number": the last number (integers, decimals, thousands separators,
+        signs, `a/b` and `\\frac{a}{b}` with numeric parts).
+      * "choice": a multiple-choice letter A-E: a boxed letter, then
+        "answer: C" / "the answer is (C)" / "option C", then the last "(B)",
+        then a line holding only a letter; returns the upper-case letter.
+      * "text": the last non-empty line, stripped (free-form answers).
+      * "auto": the last boxed answer; else GSM8K's last "#### X"; else the
+        last "The answer is X" / "Answer: X"; else the last number.
+
+    Args:
+      text: the generated text (anything else gives None).
+      kind: one of `KINDS`.
+
+    Returns:
+      The normalised answer, or None when none is found (also for a
+      non-string text). Never raises on any text.
+
+    Raises:
+      ValueError: `kind` is not one of `KINDS` (a programming error, not a
+        property of the text).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
+    if not isinstance(text, str):
+        return None
+    try:
+        return _extract(text, kind)
+    except Exception:  # the contract is "never raise": no answer found
+        return None

@@ -1,0 +1,428 @@
+"""Reducers: turn N sampled branches per prompt into one answer (jitted).
+
+Two families, both written for static shapes so they can run under `jit`,
+`vmap` and inside the decode loop:
+
+* **best-of-N** picks the branch with the highest score (sum or mean logprob,
+  or any external reward/verifier score `[B, N]`): `best_of_n`.
+* **majority vote / self-consistency** (Wang et al. 2022, "Self-Consistency
+  Improves Chain of Thought Reasoning in Language Models", arXiv 2203.11171)
+  maps each branch to an answer id and returns the most frequent (optionally
+  weighted) answer: `majority_vote`, and on the host, from a `Generation`'s
+  texts, `self_consistency`.
+
+Letters (see `models/llama.py`): B prompts, N branches per prompt.
+
+Conventions shared by every reducer here:
+
+* A branch marked invalid (`valid=False`) never wins and is never counted.
+* Ties go to the lowest branch index: for best-of-N, the lowest index among
+  the tied top scores; for a vote, the answer whose *first occurrence* has the
+  lowest branch index (the `collections.Counter.most_common` convention).
+* A row with nothing valid gives `-1` (index, answer id, first branch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsample import answers as answers_lib
+
+__all__ = [
+    "Vote",
+    "SelfConsistency",
+    "best_of_n",
+    "majority_vote",
+    "self_consistency",
+    "score_sum_logprob",
+    "score_mean_logprob",
+    "weights_from_mean_logprob",
+    "weights_from_scores",
+]
+
+
+# ----------------------------------------------------------------------------
+# Boundary checks (shapes are static, so these also run under jit/vmap).
+# ----------------------------------------------------------------------------
+
+
+def _check_2d(name: str, x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"{name} must have shape [B, N] (prompts, branches); got shape {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{name} must have at least one branch (N >= 1); got shape {tuple(x.shape)}")
+    return x
+
+
+def _check_like(name: str, x: Any, shape: tuple[int, ...], ref: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have the shape of {ref} {tuple(shape)}; got shape {tuple(x.shape)}")
+    return x
+
+
+def _check_valid(valid: Any, shape: tuple[int, ...], ref: str) -> jax.Array:
+    if valid is None:
+        return jnp.ones(shape, dtype=bool)
+    valid = _check_like("valid", valid, shape, ref)
+    if valid.dtype != jnp.bool_:
+        raise ValueError(f"valid must be a bool array; got dtype {valid.dtype}")
+    return valid
+
+
+def _check_real(name: str, x: jax.Array) -> None:
+    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+        raise ValueError(f"{name} must be a real (float or int) array; got dtype {x.dtype}")
+
+
+# ----------------------------------------------------------------------------
+# best-of-N
+# ----------------------------------------------------------------------------
+
+
+@jax.jit
+def _best_of_n(scores: jax.Array, valid: jax.Array) -> jax.Array:
+    ok = valid & ~jnp.isnan(scores)
+    low = jnp.array(-jnp.inf, dtype=scores.dtype) if jnp.issubdtype(scores.dtype, jnp.floating) else jnp.iinfo(scores.dtype).min
+    top = jnp.max(jnp.where(ok, scores, low), axis=-1, keepdims=True)
+    # `== top` keeps a row whose valid scores are all -inf selectable.
+    winners = ok & (scores == top)
+    first = jnp.argmax(winners, axis=-1).astype(jnp.int32)  # first True wins ties
+    return jnp.where(jnp.any(ok, axis=-1), first, jnp.int32(-1))
+
+
+def best_of_n(scores: Any, valid: Any = None) -> jax.Array:
+    """Best-of-N: the branch with the highest score, per prompt (jitted).
+
+    Scores can be anything per branch where higher is better: the sum or mean
+    token logprob (`score_sum_logprob`, `score_mean_logprob`), or an external
+    reward-model / verifier output (Cobbe et al. 2021, "Training Verifiers to
+    Solve Math Word Problems", arXiv 2110.14168).
+
+    Args:
+      scores: `[B, N]` float (or int) score per branch; NaN never wins.
+      valid: `[B, N]` bool, or None (every branch valid). Invalid branches
+        never win, whatever their score.
+
+    Returns:
+      `[B]` int32 index of the winning branch; ties go to the lowest branch
+      index; -1 for a row with no valid (non-NaN) branch.
+
+    Raises:
+      ValueError: `scores` is not `[B, N]` with N >= 1 or not real-valued,
+        or `valid` is not a bool array of the same shape.
+    """
+    scores = _check_2d("scores", scores)
+    _check_real("scores", scores)
+    valid = _check_valid(valid, scores.shape, "scores")
+    return _best_of_n(scores, valid)
+
+
+def score_sum_logprob(gen: Any) -> np.ndarray:
+    """Sum of the generated tokens' logprobs, a best-of-N score.
+
+    Args:
+      gen: a `jaxsample.generation.Generation`.
+
+    Returns:
+      `[B, N]` float32; favours short branches (every token costs logprob).
+    """
+    return np.asarray(gen.sum_logprob(), dtype=np.float32)
+
+
+def score_mean_logprob(gen: Any) -> np.ndarray:
+    """Length-normalised logprob (sum / generated tokens), a best-of-N score.
+
+    Args:
+      gen: a `jaxsample.generation.Generation`.
+
+    Returns:
+      `[B, N]` float32; 0 for empty branches (see `Generation.mean_logprob`).
+    """
+    return np.asarray(gen.mean_logprob(), dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------
+# Majority vote
+# ----------------------------------------------------------------------------
+
+
+class Vote(NamedTuple):
+    """Outcome of a (weighted) majority vote over N branches per prompt; a pytree.
+
+    Attributes:
+      winner: `[B]` int32 winning answer id; -1 when the row has no valid answer.
+      support: `[B]` float32 votes for the winner: a count for plain voting,
+        the summed weight for weighted voting; 0 when there is no winner.
+      share: `[B]` float32 winner's fraction of the valid total
+        (support / total count or weight), in [0, 1]; 0 when there is no
+        winner or the valid total is 0.
+      first_branch: `[B]` int32 lowest branch index that gave the winner; -1 if none.
+    """
+
+    winner: jax.Array
+    support: jax.Array
+    share: jax.Array
+    first_branch: jax.Array
+
+
+@jax.jit
+def _majority_vote(answer_ids: jax.Array, valid: jax.Array, weights: jax.Array) -> Vote:
+    n = answer_ids.shape[-1]
+    ok = valid & (answer_ids >= 0) & ~jnp.isnan(weights)
+    w = jnp.where(ok, weights, 0.0)
+    # same[b, i, j]: branches i and j are valid and gave the same answer.
+    same = ok[:, :, None] & ok[:, None, :] & (answer_ids[:, :, None] == answer_ids[:, None, :])
+    # Every branch of one answer sums the same weights in the same order, so
+    # equal answers get bit-identical support.
+    support = jnp.einsum("bij,bj->bi", same.astype(w.dtype), w)
+    branch = jnp.arange(n, dtype=jnp.int32)
+    first = jnp.min(jnp.where(same, branch[None, None, :], n), axis=-1)  # [B, N] first occurrence
+    any_ok = jnp.any(ok, axis=-1)
+    top = jnp.max(jnp.where(ok, support, -jnp.inf), axis=-1, keepdims=True)
+    tied = ok & (support == top)
+    first_branch = jnp.min(jnp.where(tied, first, n), axis=-1)
+    first_branch = jnp.where(any_ok, first_branch, -1).astype(jnp.int32)
+    safe = jnp.maximum(first_branch, 0)[:, None]
+    winner = jnp.where(any_ok, jnp.take_along_axis(answer_ids, safe, axis=-1)[:, 0], -1).astype(jnp.int32)
+    win_support = jnp.where(any_ok, jnp.take_along_axis(support, safe, axis=-1)[:, 0], 0.0)
+    total = jnp.sum(w, axis=-1)
+    share = jnp.where(total > 0, win_support / jnp.where(total > 0, total, 1.0), 0.0)
+    return Vote(winner=winner, support=win_support, share=share, first_branch=first_branch)
+
+
+def majority_vote(answer_ids: Any, valid: Any = None, weights: Any = None) -> Vote:
+    """Majority vote (self-consistency) over N branches per prompt (jitted).
+
+    Self-consistency (Wang et al. 2022, arXiv 2203.11171) samples N reasoning
+    paths and returns the most frequent final answer. With `weights` it is the
+    paper's weighted variant: each answer's support is the sum of its
+    branches' weights, and `share` normalises it by the total valid weight.
+    The paper's best weighting is the length-normalised sequence probability,
+    `weights = exp(mean logprob)` (`weights_from_mean_logprob`); reward or
+    verifier scores can be turned into weights with `weights_from_scores`.
+
+    The vote runs on static shapes with an `[N, N]` answer-equality matrix per
+    row (no sort, no host round trip): O(B N^2) work and memory.
+
+    Args:
+      answer_ids: `[B, N]` int answer id per branch (answers already mapped
+        to integers per prompt, e.g. by `self_consistency`). Negative ids
+        mean "no answer" and are treated as invalid.
+      valid: `[B, N]` bool, or None (all branches valid). Invalid branches are
+        excluded: never counted, never winners.
+      weights: `[B, N]` float non-negative weight per branch, or None (each
+        valid branch counts 1). Branches with NaN weight are excluded.
+
+    Returns:
+      A `Vote` of `[B]` arrays (`winner`, `support`, `share`,
+      `first_branch`). Ties in support go to the answer whose first
+      occurrence has the lowest branch index (`Counter.most_common`). With
+      weights that are all 0 the first valid answer wins with support 0 and
+      share 0.
+
+    Raises:
+      ValueError: `answer_ids` is not an int `[B, N]` array with N >= 1, or
+        `valid` / `weights` do not have its shape (or the right dtype), or
+        concrete `weights` contain negative or infinite values.
+    """
+    answer_ids = _check_2d("answer_ids", answer_ids)
+    if not jnp.issubdtype(answer_ids.dtype, jnp.integer):
+        raise ValueError(f"answer_ids must be an int array (answers mapped to ids); got dtype {answer_ids.dtype}")
+    answer_ids = answer_ids.astype(jnp.int32)
+    valid = _check_valid(valid, answer_ids.shape, "answer_ids")
+    if weights is None:
+        weights = jnp.ones(answer_ids.shape, dtype=jnp.float32)
+    else:
+        concrete = None if isinstance(weights, jax.core.Tracer) else np.asarray(weights)
+        weights = _check_like("weights", weights, answer_ids.shape, "answer_ids")
+        if not jnp.issubdtype(weights.dtype, jnp.floating):
+            if not jnp.issubdtype(weights.dtype, jnp.integer) and weights.dtype != jnp.bool_:
+                raise ValueError(f"weights must be a float array; got dtype {weights.dtype}")
+            weights = weights.astype(jnp.float32)
+        if concrete is not None:
+            c = concrete.astype(np.float64)
+            if np.any(c < 0) or np.any(np.isinf(c)):
+                raise ValueError("weights must be finite and non-negative (NaN excludes a branch)")
+    return _majority_vote(answer_ids, valid, weights)
+
+
+def weights_from_mean_logprob(gen: Any) -> np.ndarray:
+    """Vote weights `exp(mean token logprob)` per branch.
+
+    This is the "normalized weighted sum" of Wang et al. 2022 (arXiv
+    2203.11171, Table 1): each branch weighs its length-normalised
+    probability, the geometric mean of its tokens' probabilities.
+
+    Args:
+      gen: a `jaxsample.generation.Generation`.
+
+    Returns:
+      `[B, N]` float32 weights in (0, 1].
+    """
+    return np.exp(np.asarray(gen.mean_logprob(), dtype=np.float64)).astype(np.float32)
+
+
+def weights_from_scores(scores: Any, valid: Any = None, temperature: float | None = None) -> jax.Array:
+    """Vote weights from reward-model / verifier scores `[B, N]`.
+
+    Args:
+      scores: `[B, N]` float score per branch (higher is better).
+      valid: `[B, N]` bool or None; invalid branches get weight 0.
+      temperature: None to use the scores themselves as weights (they must
+        then be non-negative, e.g. a verifier's probability of "correct");
+        a positive float to use a softmax over the row's valid branches,
+        `softmax(scores / temperature)` (small temperatures approach
+        best-of-N, large ones plain counting).
+
+    Returns:
+      `[B, N]` float32 weights for `majority_vote(..., weights=...)`.
+
+    Raises:
+      ValueError: wrong shapes, or a temperature that is not positive.
+    """
+    scores = _check_2d("scores", scores)
+    _check_real("scores", scores)
+    valid = _check_valid(valid, scores.shape, "scores")
+    scores = scores.astype(jnp.float32)
+    if temperature is None:
+        return jnp.where(valid, scores, 0.0)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive or None; got {temperature}")
+    mask = valid & ~jnp.isnan(scores)
+    logits = jnp.where(mask, scores / temperature, -jnp.inf)
+    any_ok = jnp.any(mask, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(jnp.where(any_ok, logits, 0.0), axis=-1)
+    return jnp.where(mask, probs, 0.0)
+
+
+# ----------------------------------------------------------------------------
+# Self-consistency from texts (host side)
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SelfConsistency:
+    """Result of `self_consistency`.
+
+    Attributes:
+      answers: B lists of N normalised answers (`str`, or None where nothing
+        was extracted or the branch was marked invalid).
+      answer_ids: `[B, N]` int32 id per branch; equal answers share an id
+        within a prompt, numbered in first-seen branch order; -1 for None.
+      winner: B winning answers (`str`, or None when no branch gave one).
+      share: `[B]` float32 winner's fraction of the valid votes (or weight).
+      support: `[B]` float32 votes (or summed weight) for the winner.
+      first_branch: `[B]` int32 lowest branch index that gave the winner; -1 if none.
+      vote: the `Vote` (numpy arrays) returned by `majority_vote`.
+    """
+
+    answers: list[list[str | None]]
+    answer_ids: np.ndarray
+    winner: list[str | None]
+    share: np.ndarray
+    support: np.ndarray
+    first_branch: np.ndarray
+    vote: Vote
+
+
+def self_consistency(
+    generation: Any,
+    extract: str | Callable[[str], str | None] = "auto",
+    weights: Any = None,
+    valid: Any = None,
+) -> SelfConsistency:
+    """Self-consistency: extract each branch's answer and take the majority vote.
+
+    Wang et al. 2022 ("Self-Consistency Improves Chain of Thought Reasoning
+    in Language Models", arXiv 2203.11171). Extraction and normalisation run
+    on the host (`jaxsample.answers`); the vote is `majority_vote` (jitted).
+
+    Args:
+      generation: a `Generation` (its `texts`, B lists of N strings), or B
+        lists of N strings directly (then `weights="mean_logprob"` is not
+        available).
+      extract: an `answers.extract` kind ("auto", "boxed", "number",
+        "choice", "text"), or a callable `text -> str | None`. Whatever it
+        returns is passed through `answers.normalize`, so "1,000" and
+        "1000" are the same answer; empty answers count as None.
+      weights: None (plain counting), "mean_logprob" (weights
+        `exp(generation.mean_logprob())`, the paper's normalised weighted
+        sum), or a `[B, N]` float array (e.g. `weights_from_scores`).
+      valid: optional `[B, N]` bool; False excludes a branch (e.g. branches
+        cut at `max_new_tokens`).
+
+    Returns:
+      A `SelfConsistency`.
+
+    Raises:
+      ValueError: unknown `extract` kind or `weights` string, texts that are
+        not B lists of the same number N >= 1 of strings, or arrays whose
+        shape is not `[B, N]`.
+    """
+    texts = generation.texts if hasattr(generation, "texts") else generation
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+        raise ValueError("generation must be a Generation or B lists of N strings")
+    rows = [list(r) for r in texts]
+    if not rows:
+        raise ValueError("generation has no prompts (B = 0)")
+    n = len(rows[0])
+    if n == 0 or any(len(r) != n for r in rows):
+        raise ValueError(f"texts must be B lists of the same number N >= 1 of strings; got lengths {[len(r) for r in rows]}")
+    if isinstance(extract, str):
+        if extract not in answers_lib.KINDS:
+            raise ValueError(f"extract must be one of {answers_lib.KINDS} or a callable; got {extract!r}")
+        kind = extract
+        extract_fn = lambda t: answers_lib.extract(t, kind)  # noqa: E731
+    elif callable(extract):
+        extract_fn = extract
+    else:
+        raise ValueError(f"extract must be a kind string or a callable; got {type(extract).__name__}")
+
+    if valid is not None:
+        valid_np = np.asarray(valid)
+        if valid_np.shape != (len(rows), n) or valid_np.dtype != np.bool_:
+            raise ValueError(f"valid must be a bool array of shape {(len(rows), n)}; got {valid_np.dtype} {valid_np.shape}")
+    else:
+        valid_np = np.ones((len(rows), n), dtype=bool)
+
+    answers: list[list[str | None]] = []
+    ids = np.full((len(rows), n), -1, dtype=np.int32)
+    vocab: list[list[str]] = []
+    for b, row in enumerate(rows):
+        seen: dict[str, int] = {}
+        row_answers: list[str | None] = []
+        for i, text in enumerate(row):
+            ans = extract_fn(text) if valid_np[b, i] else None
+            if ans is not None:
+                ans = answers_lib.normalize(ans) or None
+            if ans is not None:
+                ids[b, i] = seen.setdefault(ans, len(seen))
+            row_answers.append(ans)
+        answers.append(row_answers)
+        vocab.append(list(seen))
+
+    if isinstance(weights, str):
+        if weights != "mean_logprob":
+            raise ValueError(f"weights must be None, 'mean_logprob' or a [B, N] array; got {weights!r}")
+        if not hasattr(generation, "mean_logprob"):
+            raise ValueError("weights='mean_logprob' needs a Generation (with logprobs), not bare texts")
+        weights = weights_from_mean_logprob(generation)
+
+    vote = jax.device_get(majority_vote(ids, ids >= 0, weights))
+    winner = [vocab[b][int(w)] if w >= 0 else None for b, w in enumerate(vote.winner)]
+    return SelfConsistency(
+        answers=answers,
+        answer_ids=ids,
+        winner=winner,
+        share=np.asarray(vote.share),
+        support=np.asarray(vote.support),
+        first_branch=np.asarray(vote.first_branch),
+        vote=Vote(*(np.asarray(x) for x in vote)),
+    )

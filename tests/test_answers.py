@@ -1,0 +1,176 @@
+"""Answer extraction and normalisation: handed cases, edge cases, fuzzing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxsample import answers
+
+CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
+
+# A copy of shared/cases/answers.json ("extract" and "equal"), so the cases
+# run when shared/ is absent.
+EXTRACT_CASES = [
+    ("so we get $\\boxed{\\frac{1}{2}}$.", "1/2"),
+    ("the answer is \\boxed{2}. wait, actually \\boxed{3}", "3"),
+    ("Put the final answer in \\boxed . So the answer is $\\boxed{42}$.", "42"),
+    ("Total: \\boxed{8,000}", "8000"),
+    ("The answer is 72, in total, so the farmer earns that much.", "72"),
+    ("So the total cost is $29.00.", "29"),
+    ("Natalia sold 48/2 = 24 clips in May.\n#### -3", "-3"),
+    ("I am not sure.", None),
+]
+EQUAL_CASES = [("1,000", "1000"), ("-3.0", "-3"), ("+7", "7"), ("\\dfrac{3}{4}", "3/4")]
+
+
+def _shared_cases() -> dict:
+    path = CASES_DIR / "answers.json"
+    if not path.exists():
+        pytest.skip(f"shared cases not found at {path} (the literal copies above still run)")
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("text,expected", EXTRACT_CASES)
+def test_extract_handed_cases(text, expected):
+    assert answers.extract(text) == expected
+
+
+@pytest.mark.parametrize("a,b", EQUAL_CASES)
+def test_equal_handed_cases(a, b):
+    assert answers.normalize(a) == answers.normalize(b)
+
+
+def test_shared_cases_file():
+    cases = _shared_cases()
+    for case in cases["extract"]:
+        assert answers.extract(case["text"]) == case["answer"], case
+    for a, b in cases["equal"]:
+        assert answers.normalize(a) == answers.normalize(b), (a, b)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\sqrt{3}/2"),  # nested braces
+        ("so \\fbox{9{,}500} dollars", "9500"),  # \fbox, LaTeX thousands separator
+        ("\\boxed{x = 5}", "5"),
+        ("\\boxed{\\text{(B)}}", "B"),
+        ("$\\boxed{-\\dfrac{3}{4}}$", "-3/4"),
+        ("\\boxed{2/4}", "1/2"),
+        ("\\boxed{50\\%}", "50"),
+        ("\\boxed{1,234,567.50}", "1234567.5"),
+        ("\\boxed {7}", "7"),  # LaTeX allows space before the group
+        ("unterminated \\boxed{3 and then \\boxed{4}", "4"),
+        ("first \\boxed{1}, then an unterminated \\boxed{2", "1"),
+        ("The answer is $\\frac{1}{2}$.", "1/2"),
+        ("The answer is: Paris.", "Paris"),
+        ("The answer is (C).", "C"),
+        ("The answer is \\$1,200.", "1200"),
+        ("We have 5-3=2", "2"),
+        ("It costs $5.\n#### 1,234", "1234"),
+        ("Result is 0.50", "0.5"),
+        ("the value is -0.0", "0"),
+        ("", None),
+        ("no digits at all", None),
+    ],
+)
+def test_extract_auto(text, expected):
+    assert answers.extract(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text,kind,expected",
+    [
+        ("so \\boxed{12} and 13", "boxed", "12"),
+        ("no box: 13", "boxed", None),
+        ("\\boxed . nothing", "boxed", None),
+        ("first 12 then 1,300 apples.", "number", "1300"),
+        ("so x = \\frac{3}{6}", "number", "1/2"),
+        ("ratio 3 / 4", "number", "3/4"),
+        ("items 1,2,3", "number", "3"),
+        ("temperature -4 degrees", "number", "-4"),
+        ("Answer: C", "choice", "C"),
+        ("the answer is (b)", "choice", "B"),
+        ("I think (A) is wrong, (D) is right", "choice", "D"),
+        ("Reasoning...\nB\n", "choice", "B"),
+        ("\\boxed{E}", "choice", "E"),
+        ("A cat sat.", "choice", None),
+        ("line one\n  The capital is Paris.  \n\n", "text", "The capital is Paris"),
+        ("   \n  ", "text", None),
+    ],
+)
+def test_extract_kinds(text, kind, expected):
+    assert answers.extract(text, kind) == expected
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        ("$29.00$", "29"),
+        ("\\text{29}", "29"),
+        ("1{,}000", "1,000"),
+        ("1\\,000", "1000"),
+        ("\\frac{1}{2}", "1/2"),
+        ("\\tfrac12", "1/2"),
+        ("\\frac{-1}{2}", "-1/2"),
+        ("6/3", "2"),
+        ("50%", "50"),
+        ("(B)", "B"),
+        ("7.", "7"),
+        ("x = 1 / 2", "1/2"),
+        ("  5  ", "5"),
+    ],
+)
+def test_normalize_equal(a, b):
+    assert answers.normalize(a) == answers.normalize(b)
+
+
+@pytest.mark.parametrize("a,b", [("0.5", "1/2"), ("New York", "NewYork"), ("3", "30"), ("-3", "3")])
+def test_normalize_distinct(a, b):
+    assert answers.normalize(a) != answers.normalize(b)
+
+
+def test_unknown_kind_raises():
+    with pytest.raises(ValueError, match="kind"):
+        answers.extract("42", kind="latex")
+
+
+def test_non_string_text_gives_none():
+    assert answers.extract(None) is None
+    assert answers.extract(42) is None
+
+
+_TOKENS = list("0123456789-+.,/ $%{}()\\#:=abcdexABCDE\n") + [
+    "\\boxed{", "\\fbox{", "\\frac", "\\dfrac", "{,}", "\\text{", "answer is ", "####", "Answer: "]
+_LATEXY = st.lists(st.sampled_from(_TOKENS), max_size=40).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=80), _LATEXY), st.sampled_from(answers.KINDS))
+def test_extract_never_raises(text, kind):
+    out = answers.extract(text, kind)
+    assert out is None or (isinstance(out, str) and out != "")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=60), _LATEXY))
+def test_normalize_never_raises_and_is_idempotent(text):
+    once = answers.normalize(text)
+    assert isinstance(once, str)
+    assert answers.normalize(once) == once
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(-10**9, 10**9))
+def test_number_spellings_agree(x):
+    plain = str(x)
+    assert answers.normalize(f"{x:,}") == plain
+    assert answers.normalize(f"{x}.00") == plain
+    assert answers.normalize(f"${x:,}$") == plain
+    assert answers.extract(f"so the total is \\boxed{{{x:,}}}.") == plain
+    assert answers.extract(f"Work...\n#### {x:,}") == plain

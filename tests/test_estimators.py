@@ -1,0 +1,195 @@
+"""pass@k, best-of-k and maj@k against exact fractions and brute-force enumeration."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxsample import estimators, reducers
+
+CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
+
+# A copy of shared/cases/answers.json "pass_at_k", so it runs when shared/ is absent.
+PASS_AT_K_CASES = [
+    {"n": 200, "c": 1, "k": 1, "value": 0.005},
+    {"n": 10, "c": 0, "k": 5, "value": 0.0},
+    {"n": 10, "c": 8, "k": 5, "value": 1.0},
+    {"n": 2, "c": 0, "k": 5, "error": "ValueError"},
+]
+
+
+def _check_pass_case(case):
+    if "error" in case:
+        with pytest.raises(ValueError):
+            estimators.pass_at_k(case["n"], case["c"], case["k"])
+    else:
+        assert estimators.pass_at_k(case["n"], case["c"], case["k"]) == pytest.approx(case["value"], abs=1e-12)
+
+
+@pytest.mark.parametrize("case", PASS_AT_K_CASES)
+def test_pass_at_k_handed_cases(case):
+    _check_pass_case(case)
+
+
+def test_pass_at_k_shared_cases_file():
+    path = CASES_DIR / "answers.json"
+    if not path.exists():
+        pytest.skip(f"shared cases not found at {path} (the literal copies above still run)")
+    for case in json.loads(path.read_text())["pass_at_k"]:
+        _check_pass_case(case)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 300).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
+def test_pass_at_k_matches_exact_binomial(nck):
+    n, c, k = nck
+    exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+    assert estimators.pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-12, abs=1e-12)
+
+
+def test_pass_at_k_broadcast_and_large_n():
+    got = estimators.pass_at_k(np.array([[2000], [1500]]), np.array([1, 10, 1000]), 64)
+    assert got.shape == (2, 3)
+    exact = 1 - Fraction(math.comb(2000 - 10, 64), math.comb(2000, 64))
+    assert got[0, 1] == pytest.approx(float(exact), rel=1e-12)
+    assert got[0, 2] == pytest.approx(1 - float(Fraction(math.comb(1000, 64), math.comb(2000, 64))), rel=1e-12)
+    assert np.all(np.isfinite(got)) and np.all((0 <= got) & (got <= 1))
+    assert isinstance(estimators.pass_at_k(2000, 3, 1000), np.floating)
+
+
+def test_pass_at_k_broadcast_rejects_c_above_n_anywhere():
+    with pytest.raises(ValueError, match="c .* <= n"):
+        estimators.pass_at_k(np.array([2000, 100]), 1000, 64)
+
+
+@pytest.mark.parametrize("n,c,k,match", [
+    (5, 2, 6, "k must be <= n"), (5, 6, 1, "c .* <= n"), (5, -1, 1, "non-negative"),
+    (-5, 0, 1, "non-negative"), (5, 1, 0, "k must be >= 1"), (5.5, 1, 1, "integer"), (True, 0, 1, "integer"),
+])
+def test_pass_at_k_errors(n, c, k, match):
+    with pytest.raises(ValueError, match=match):
+        estimators.pass_at_k(n, c, k)
+
+
+# ----------------------------------------------------------------------------
+# best-of-k
+# ----------------------------------------------------------------------------
+
+
+def brute_best_of_k(scores, correct, k, valid):
+    n = len(scores)
+    hits = 0
+    for subset in itertools.combinations(range(n), k):
+        s = np.array([[scores[i] for i in subset]], np.float32)
+        v = np.array([[valid[i] for i in subset]])
+        winner = int(reducers.best_of_n(s, v)[0]) if len(subset) else -1
+        hits += winner >= 0 and bool(correct[subset[winner]])
+    return Fraction(hits, math.comb(n, k))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 7).flatmap(lambda n: st.tuples(
+    st.lists(st.sampled_from([0.0, 1.0, 2.0, np.nan]), min_size=n, max_size=n),
+    st.lists(st.booleans(), min_size=n, max_size=n),
+    st.lists(st.booleans(), min_size=n, max_size=n),
+    st.integers(1, n))))
+def test_best_of_k_matches_brute_force(args):
+    scores, correct, valid, k = args
+    got = estimators.best_of_k(np.array(scores), np.array(correct), k, valid=np.array(valid))
+    assert got == pytest.approx(float(brute_best_of_k(scores, correct, k, valid)), abs=1e-12)
+
+
+def test_best_of_k_edges_and_large_n():
+    rng = np.random.default_rng(0)
+    scores, correct = rng.normal(size=2000), rng.random(2000) < 0.3
+    assert estimators.best_of_k(scores, correct, 1) == pytest.approx(correct.mean())
+    assert estimators.best_of_k(scores, correct, 2000) == float(correct[np.argmax(scores)])
+    v = estimators.best_of_k(scores, correct, 64)
+    assert 0 <= v <= 1 and np.isfinite(v)
+    # Exact reference for the best-ranked sample's weight, C(n-1, k-1)/C(n, k) = k/n.
+    order = np.argsort(-scores, kind="stable")
+    one = np.zeros(2000, bool)
+    one[order[5]] = True
+    assert estimators.best_of_k(scores, one, 64) == pytest.approx(
+        float(Fraction(math.comb(2000 - 1 - 5, 63), math.comb(2000, 64))), rel=1e-10)
+    with pytest.raises(ValueError, match="k must satisfy"):
+        estimators.best_of_k(scores, correct, 2001)
+    with pytest.raises(ValueError, match="correct must be"):
+        estimators.best_of_k(scores, correct[:5], 3)
+
+
+# ----------------------------------------------------------------------------
+# maj@k
+# ----------------------------------------------------------------------------
+
+
+def brute_maj_at_k(pool, correct, k, tie):
+    n = len(pool)
+    total = Fraction(0)
+    for subset in itertools.combinations(range(n), k):
+        votes = [pool[i] for i in subset if pool[i] is not None]
+        if not votes:
+            continue
+        counts = Counter(votes)
+        top = max(counts.values())
+        tied = [a for a in counts if counts[a] == top]
+        if tie == "first":
+            total += Counter(votes).most_common(1)[0][0] == correct
+        else:
+            total += Fraction(int(correct in tied), len(tied))
+    return total / math.comb(n, k)
+
+
+_pools = st.integers(1, 9).flatmap(lambda n: st.tuples(
+    st.lists(st.sampled_from([None, "a", "b", "c", "d"]), min_size=n, max_size=n), st.integers(1, n)))
+
+
+@settings(max_examples=120, deadline=None)
+@given(_pools, st.sampled_from(["first", "random"]))
+def test_maj_at_k_matches_brute_force(args, tie):
+    pool, k = args
+    assert estimators.maj_at_k(pool, "a", k, tie=tie, exact=True) == brute_maj_at_k(pool, "a", k, tie)
+
+
+@settings(max_examples=30, deadline=None)
+@given(_pools)
+def test_maj_at_k_full_pool_is_the_vote(args):
+    pool, _ = args
+    seen: dict = {}
+    ids = np.array([[-1 if a is None else seen.setdefault(a, len(seen)) for a in pool]], np.int32)
+    winner = int(reducers.majority_vote(ids).winner[0])
+    expected = float(winner >= 0 and seen.get("a") == winner)
+    assert estimators.maj_at_k(pool, "a", len(pool)) == expected
+
+
+def test_maj_at_k_simple_values_and_large_n():
+    assert estimators.maj_at_k(["a", "b", "a", None], "a", 1) == pytest.approx(0.5)
+    assert estimators.maj_at_k(["b", "b"], "a", 1) == 0.0
+    # Tie rules differ on a tie that involves the correct answer.
+    assert estimators.maj_at_k(["b", "a"], "a", 2, tie="first") == 0.0
+    assert estimators.maj_at_k(["b", "a"], "a", 2, tie="random") == 0.5
+    rng = np.random.default_rng(0)
+    pool = [None if x == 5 else int(x) for x in rng.integers(0, 6, size=2000)]
+    v = estimators.maj_at_k(pool, 0, 64, tie="random")
+    assert 0 <= v <= 1
+    small = pool[:200]
+    assert estimators.maj_at_k(small, 0, 16, tie="first") == pytest.approx(
+        estimators.maj_at_k(small, 0, 16, tie="random"), abs=0.02)
+
+
+@pytest.mark.parametrize("pool,correct,k,tie,match", [
+    ([], "a", 1, "first", "at least one"), (["a"], "a", 2, "first", "k must satisfy"),
+    (["a"], None, 1, "first", "reference answer"), (["a"], "a", 1, "uniform", "tie must be"),
+])
+def test_maj_at_k_errors(pool, correct, k, tie, match):
+    with pytest.raises(ValueError, match=match):
+        estimators.maj_at_k(pool, correct, k, tie=tie)

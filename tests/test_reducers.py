@@ -1,0 +1,324 @@
+"""Reducers: best-of-N and (weighted) majority vote against numpy references."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from jaxsample import reducers
+from jaxsample.generation import Generation
+
+CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
+
+# A copy of shared/cases/answers.json "votes", so they run when shared/ is absent.
+VOTE_CASES = [
+    {"answers": ["18", "[none]", "[none]"], "valid": [True, False, False], "winner": "18", "share": 1.0},
+    {"answers": ["5", "7", "7", "5"], "valid": [True] * 4, "winner": "5", "share": 0.5},
+    {"answers": ["5", "7", "7"], "valid": [True] * 3, "weights": [0.9, 0.2, 0.3], "winner": "5"},
+]
+
+
+# ----------------------------------------------------------------------------
+# numpy references
+# ----------------------------------------------------------------------------
+
+
+def ref_best_of_n(scores, valid):
+    out = []
+    for s, v in zip(scores, valid):
+        ok = [i for i in range(len(s)) if v[i] and not np.isnan(s[i])]
+        out.append(max(ok, key=lambda i: (s[i], -i)) if ok else -1)
+    return np.array(out)
+
+
+def ref_vote(ids, valid, weights=None):
+    """(winner, support, share, first_branch) per row with Counter.most_common ties."""
+    rows = []
+    for b in range(len(ids)):
+        tally: dict[int, float] = {}
+        first: dict[int, int] = {}
+        for i, (a, v) in enumerate(zip(ids[b], valid[b])):
+            if v and a >= 0:
+                tally[a] = tally.get(a, 0.0) + (1.0 if weights is None else float(weights[b][i]))
+                first.setdefault(a, i)
+        if not tally:
+            rows.append((-1, 0.0, 0.0, -1))
+            continue
+        # dicts keep insertion (first-occurrence) order; max keeps the first of equals.
+        win = max(tally, key=lambda a: tally[a])
+        total = sum(tally.values())
+        rows.append((win, tally[win], tally[win] / total if total > 0 else 0.0, first[win]))
+    return rows
+
+
+def _vote_rows(vote):
+    return list(zip(np.asarray(vote.winner).tolist(), np.asarray(vote.support).tolist(),
+                    np.asarray(vote.share).tolist(), np.asarray(vote.first_branch).tolist()))
+
+
+def _assert_vote(vote, ref):
+    for got, want in zip(_vote_rows(vote), ref):
+        assert got[0] == want[0] and got[3] == want[3], (got, want)
+        np.testing.assert_allclose(got[1:3], want[1:3], rtol=1e-5, atol=1e-6)
+
+
+def make_generation(texts, logprobs=None, lengths=None):
+    b, n = len(texts), len(texts[0])
+    t = 4
+    if logprobs is None:
+        logprobs = np.full((b, n, t), -0.5, np.float32)
+    if lengths is None:
+        lengths = np.full((b, n), t, np.int32)
+    return Generation(tokens=np.zeros((b, n, t), np.int32), logprobs=np.asarray(logprobs, np.float32),
+                      lengths=np.asarray(lengths, np.int32), finish_reason=[["stop"] * n for _ in range(b)],
+                      texts=texts, prompt_tokens=[[1]] * b, prompts=[None] * b, params=None, bill=None,
+                      timings={}, pad_id=0)
+
+
+# ----------------------------------------------------------------------------
+# best-of-N
+# ----------------------------------------------------------------------------
+
+
+def test_best_of_n_basic_ties_invalid_nan():
+    scores = np.array([[0.1, 0.9, 0.9, 0.2],     # tie -> lowest index 1
+                       [5.0, 1.0, np.nan, 2.0],  # 0 invalid, NaN never wins -> 3
+                       [np.nan, np.nan, 1.0, 1.0],  # all valid ones NaN or invalid -> -1
+                       [-np.inf, -np.inf, 3.0, 1.0]], np.float32)  # -inf can win if alone
+    valid = np.array([[True] * 4, [False, True, True, True], [True, True, False, False],
+                      [True, True, False, False]])
+    got = reducers.best_of_n(scores, valid)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, [1, 3, -1, 0])
+    np.testing.assert_array_equal(reducers.best_of_n(scores[:1]), [1])
+
+
+@pytest.mark.parametrize("scores,valid,match", [
+    (np.zeros(4), None, "scores must have shape"),
+    (np.zeros((2, 0)), None, "at least one branch"),
+    (np.zeros((2, 3)), np.ones((2, 4), bool), "valid must have the shape"),
+    (np.zeros((2, 3)), np.ones((2, 3), np.int32), "valid must be a bool"),
+    (np.zeros((2, 3), bool), None, "scores must be a real"),
+])
+def test_best_of_n_errors(scores, valid, match):
+    with pytest.raises(ValueError, match=match):
+        reducers.best_of_n(scores, valid)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 9), st.data())
+def test_best_of_n_matches_numpy(b, n, data):
+    # Small integer scores make ties common; NaN and invalid branches mixed in.
+    vals = data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.0, -1.0, np.nan, -np.inf]),
+                              min_size=b * n, max_size=b * n))
+    mask = data.draw(st.lists(st.booleans(), min_size=b * n, max_size=b * n))
+    scores = np.array(vals, np.float32).reshape(b, n)
+    valid = np.array(mask).reshape(b, n)
+    np.testing.assert_array_equal(reducers.best_of_n(scores, valid), ref_best_of_n(scores, valid))
+
+
+def test_best_of_n_under_jit_and_vmap():
+    scores = jnp.array([[[0.0, 2.0, 1.0]], [[3.0, 3.0, 1.0]]])
+    got = jax.jit(jax.vmap(reducers.best_of_n))(scores)
+    np.testing.assert_array_equal(got, [[1], [0]])
+
+
+def test_score_helpers_on_generation():
+    lp = np.zeros((1, 2, 4), np.float32)
+    lp[0, 0, :2] = -1.0          # 2 tokens, sum -2, mean -1
+    lp[0, 1, :4] = -0.75         # 4 tokens, sum -3, mean -0.75
+    gen = make_generation([["a", "b"]], logprobs=lp, lengths=[[2, 4]])
+    np.testing.assert_allclose(reducers.score_sum_logprob(gen), [[-2.0, -3.0]])
+    np.testing.assert_allclose(reducers.score_mean_logprob(gen), [[-1.0, -0.75]])
+    assert int(reducers.best_of_n(reducers.score_sum_logprob(gen))[0]) == 0
+    assert int(reducers.best_of_n(reducers.score_mean_logprob(gen))[0]) == 1
+    np.testing.assert_allclose(reducers.weights_from_mean_logprob(gen), np.exp([[-1.0, -0.75]]), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# majority vote
+# ----------------------------------------------------------------------------
+
+
+def _ids(answers, valid):
+    seen: dict[str, int] = {}
+    return np.array([[seen.setdefault(a, len(seen)) if v else -1 for a, v in zip(answers, valid)]], np.int32), seen
+
+
+def _check_vote_case(case):
+    ids, seen = _ids(case["answers"], case["valid"])
+    weights = None if "weights" not in case else np.array([case["weights"]], np.float32)
+    vote = reducers.majority_vote(ids, np.array([case["valid"]]), weights)
+    names = {v: k for k, v in seen.items()}
+    assert names[int(vote.winner[0])] == case["winner"], case
+    if "share" in case:
+        assert float(vote.share[0]) == pytest.approx(case["share"]), case
+
+
+@pytest.mark.parametrize("case", VOTE_CASES)
+def test_vote_handed_cases(case):
+    _check_vote_case(case)
+
+
+def test_vote_shared_cases_file():
+    path = CASES_DIR / "answers.json"
+    if not path.exists():
+        pytest.skip(f"shared cases not found at {path} (the literal copies above still run)")
+    for case in json.loads(path.read_text())["votes"]:
+        _check_vote_case(case)
+
+
+def test_vote_fields():
+    ids = np.array([[3, 1, 1, 3, 1],     # 1 wins 3 votes of 5, first at branch 1
+                    [4, 2, 2, 4, 9],     # tie 4 vs 2 -> 4 (seen first)
+                    [7, 7, 7, 7, 7],     # all invalid
+                    [-1, 5, -1, -1, -1]])  # negative ids are "no answer"
+    valid = np.ones_like(ids, bool)
+    valid[2] = False
+    vote = reducers.majority_vote(ids, valid)
+    assert isinstance(vote, reducers.Vote)
+    np.testing.assert_array_equal(vote.winner, [1, 4, -1, 5])
+    np.testing.assert_allclose(vote.support, [3, 2, 0, 1])
+    np.testing.assert_allclose(vote.share, [0.6, 0.4, 0.0, 1.0])
+    np.testing.assert_array_equal(vote.first_branch, [1, 0, -1, 1])
+    assert vote.winner.dtype == jnp.int32 and vote.first_branch.dtype == jnp.int32
+
+
+def test_vote_weighted_and_zero_weights():
+    ids = np.array([[5, 7, 7], [5, 7, 7]])
+    w = np.array([[0.9, 0.2, 0.3], [0.0, 0.0, 0.0]], np.float32)
+    vote = reducers.majority_vote(ids, None, w)
+    np.testing.assert_array_equal(vote.winner, [5, 5])  # all-zero weights: first valid answer
+    np.testing.assert_allclose(vote.support, [0.9, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(vote.share, [0.9 / 1.4, 0.0], rtol=1e-6)
+    # NaN weight excludes its branch.
+    vote = reducers.majority_vote(np.array([[5, 7, 7]]), None, np.array([[1.0, np.nan, 0.5]]))
+    np.testing.assert_array_equal(vote.winner, [5])
+    np.testing.assert_allclose(vote.share, [1 / 1.5], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"answer_ids": np.zeros(3, np.int32)}, "answer_ids must have shape"),
+    ({"answer_ids": np.zeros((1, 3), np.float32)}, "answer_ids must be an int"),
+    ({"answer_ids": np.zeros((1, 3), np.int32), "valid": np.ones((1, 2), bool)}, "valid must have the shape"),
+    ({"answer_ids": np.zeros((1, 3), np.int32), "weights": np.ones((3,))}, "weights must have the shape"),
+    ({"answer_ids": np.zeros((1, 3), np.int32), "weights": -np.ones((1, 3))}, "non-negative"),
+])
+def test_vote_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        reducers.majority_vote(**kwargs)
+
+
+_vote_inputs = st.integers(1, 3).flatmap(lambda b: st.integers(1, 8).flatmap(lambda n: st.tuples(
+    st.lists(st.lists(st.integers(-1, 3), min_size=n, max_size=n), min_size=b, max_size=b),
+    st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=b, max_size=b),
+    st.lists(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0]), min_size=n, max_size=n),
+             min_size=b, max_size=b))))
+
+
+@settings(max_examples=80, deadline=None)
+@given(_vote_inputs, st.booleans())
+def test_vote_matches_reference(inputs, weighted):
+    ids, valid, weights = (np.array(x) for x in inputs)
+    w = weights.astype(np.float32) if weighted else None
+    _assert_vote(reducers.majority_vote(ids.astype(np.int32), valid, w), ref_vote(ids, valid, w))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_vote_inputs)
+def test_unit_weights_reproduce_counting(inputs):
+    ids, valid, _ = (np.array(x, dtype=t) for x, t in zip(inputs, (np.int32, bool, np.float32)))
+    plain = reducers.majority_vote(ids, valid)
+    ones = reducers.majority_vote(ids, valid, np.ones(ids.shape, np.float32))
+    for a, b in zip(plain, ones):
+        np.testing.assert_array_equal(a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_vote_inputs, st.randoms(use_true_random=False))
+def test_vote_permutation_invariant_without_ties(inputs, rnd):
+    ids, valid, _ = (np.array(x, dtype=t) for x, t in zip(inputs, (np.int32, bool, np.float32)))
+    for b in range(ids.shape[0]):  # no ties for the top spot in any row
+        counts = Counter(int(a) for a, v in zip(ids[b], valid[b]) if v and a >= 0).most_common(2)
+        assume(len(counts) < 2 or counts[0][1] > counts[1][1])
+    perm = list(range(ids.shape[1]))
+    rnd.shuffle(perm)
+    v1 = reducers.majority_vote(ids, valid)
+    v2 = reducers.majority_vote(ids[:, perm], valid[:, perm])
+    np.testing.assert_array_equal(v1.winner, v2.winner)
+    np.testing.assert_allclose(v1.support, v2.support)
+    np.testing.assert_allclose(v1.share, v2.share)
+
+
+def test_vote_under_jit_and_vmap():
+    ids = jnp.array([[[1, 2, 2]], [[3, 3, 1]]], jnp.int32)
+    vote = jax.jit(jax.vmap(lambda x: reducers.majority_vote(x, weights=jnp.ones(x.shape))))(ids)
+    np.testing.assert_array_equal(vote.winner, [[2], [3]])
+
+
+def test_weights_from_scores():
+    scores = np.array([[0.0, np.log(3.0), 5.0]], np.float32)
+    valid = np.array([[True, True, False]])
+    w = reducers.weights_from_scores(scores, valid, temperature=1.0)
+    np.testing.assert_allclose(w, [[0.25, 0.75, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(reducers.weights_from_scores(scores, valid), [[0.0, np.log(3.0), 0.0]], rtol=1e-6)
+    with pytest.raises(ValueError, match="temperature"):
+        reducers.weights_from_scores(scores, temperature=0.0)
+
+
+# ----------------------------------------------------------------------------
+# self-consistency
+# ----------------------------------------------------------------------------
+
+
+def test_self_consistency_on_generation():
+    texts = [["so \\boxed{1,000}", "#### 1000", "The answer is 7.", "hmm"],
+             ["no idea", "nothing", "still nothing", "?"]]
+    sc = reducers.self_consistency(make_generation(texts))
+    assert sc.answers == [["1000", "1000", "7", None], [None, None, None, None]]
+    np.testing.assert_array_equal(sc.answer_ids, [[0, 0, 1, -1], [-1, -1, -1, -1]])
+    assert sc.winner == ["1000", None]
+    np.testing.assert_allclose(sc.share, [2 / 3, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(sc.support, [2.0, 0.0])
+    np.testing.assert_array_equal(sc.first_branch, [0, -1])
+    np.testing.assert_array_equal(sc.vote.winner, [0, -1])
+
+
+def test_self_consistency_tie_first_seen_and_texts_input():
+    sc = reducers.self_consistency([["#### 5", "#### 7", "#### 7", "#### 5"]], extract="number")
+    assert sc.winner == ["5"] and float(sc.share[0]) == pytest.approx(0.5)
+
+
+def test_self_consistency_weights():
+    texts = [["#### 5", "#### 7", "#### 7"]]
+    lp = np.zeros((1, 3, 4), np.float32)
+    lp[0, 0] = -0.01          # confident
+    lp[0, 1:] = -3.0          # unsure
+    gen = make_generation(texts, logprobs=lp)
+    assert reducers.self_consistency(gen).winner == ["7"]
+    assert reducers.self_consistency(gen, weights="mean_logprob").winner == ["5"]
+    assert reducers.self_consistency(gen, weights=np.array([[0.9, 0.2, 0.3]])).winner == ["5"]
+    with pytest.raises(ValueError, match="weights"):
+        reducers.self_consistency(gen, weights="reward")
+    with pytest.raises(ValueError, match="Generation"):
+        reducers.self_consistency(texts, weights="mean_logprob")
+
+
+def test_self_consistency_callable_valid_and_errors():
+    texts = [["Paris", "paris", "London", "PARIS"]]
+    sc = reducers.self_consistency(texts, extract=lambda t: t.lower() if t != "London" else None)
+    assert sc.answers == [["paris", "paris", None, "paris"]] and sc.winner == ["paris"]
+    sc = reducers.self_consistency(texts, extract="text", valid=np.array([[False, False, True, True]]))
+    assert sc.answers == [[None, None, "London", "PARIS"]] and sc.winner == ["London"]
+    with pytest.raises(ValueError, match="extract"):
+        reducers.self_consistency(texts, extract="latex")
+    with pytest.raises(ValueError, match="same number"):
+        reducers.self_consistency([["a", "b"], ["c"]])
