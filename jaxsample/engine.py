@@ -519,10 +519,9 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         from jax.sharding import NamedSharding, PartitionSpec as Ps
 
         rows_sh, rep = NamedSharding(mesh, Ps(data_axis)), NamedSharding(mesh, Ps())
-        args = (jax.device_put(lm.params, rep), jax.device_put(tokens, rows_sh),
-                jax.device_put(lengths, rows_sh), jax.device_put(knobs, rep),
-                jax.device_put(prompt_index, rows_sh), jax.device_put(branch_base, rows_sh),
-                jax.device_put(bridge_params, rep))
+        args = (_put(lm.params, rep), _put(tokens, rows_sh), _put(lengths, rows_sh),
+                _put(knobs, rep), _put(prompt_index, rows_sh), _put(branch_base, rows_sh),
+                _put(bridge_params, rep))
         prog, dt = PROGRAMS.get(("mesh", st, mesh, data_axis), fn, args)
         timings["compile"] += dt
         t0 = time.perf_counter()
@@ -530,11 +529,11 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         timings["prefill"] = 0.0  # fused with decode in one sharded program
         timings["decode"] = time.perf_counter() - t0
 
-    steps = int(state.t)
-    tok = np.asarray(state.tokens)[:R, :, :T]
-    lp = np.asarray(state.logprobs)[:R, :, :T]
-    lens = np.asarray(state.lengths)[:R]
-    stopped = np.asarray(state.stopped)[:R]
+    steps = int(_host(state.t))
+    tok = _host(state.tokens)[:R, :, :T]
+    lp = _host(state.logprobs)[:R, :, :T]
+    lens = _host(state.lengths)[:R]
+    stopped = _host(state.stopped)[:R]
     prefix_bytes = int(prefix.k.nbytes + prefix.v.nbytes)
     tail_bytes = int(state.tail_k.nbytes + state.tail_v.nbytes)
     del state, prefix
@@ -543,6 +542,26 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         lens, stopped = lens.reshape(B, N), stopped.reshape(B, N)
     return _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start,
                    prefix_bytes, tail_bytes, steps, st.pad_id)
+
+
+def _put(tree, sharding):
+    """Host values -> global arrays on a mesh (works across processes: each
+    process passes the same values and provides its own devices' shards)."""
+
+    def one(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _host(x) -> np.ndarray:
+    """A (possibly multi-process) global array as one numpy array on every process."""
+    if jax.process_count() > 1 and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start, prefix_bytes,
