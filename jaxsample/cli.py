@@ -296,19 +296,17 @@ def _load_model(name: str | None, dtype: str):
 
 
 def _make_mesh(mesh_cfg: config_lib.MeshConfig, n: int):
+    """The ("data", "branch") mesh of the config, or None for one device."""
     if mesh_cfg.devices == 1:
         return None
-    import jax
-    import numpy as np
-
     if n % mesh_cfg.branch:
         raise InputError(f"--n {n} must be a multiple of mesh.branch ({mesh_cfg.branch})")
-    devices = jax.devices()
-    if len(devices) < mesh_cfg.devices:
-        raise InputError(f"mesh {mesh_cfg.data} x {mesh_cfg.branch} needs {mesh_cfg.devices} "
-                         f"devices; {len(devices)} available ({devices[0].platform})")
-    grid = np.array(devices[:mesh_cfg.devices]).reshape(mesh_cfg.data, mesh_cfg.branch)
-    return jax.sharding.Mesh(grid, ("data", "branch"))
+    from jaxsample import sharding
+
+    try:
+        return sharding.make_mesh(branch=mesh_cfg.branch, data=mesh_cfg.data)
+    except ValueError as e:
+        raise InputError(f"mesh: {e}") from None
 
 
 def _finite(x) -> float | None:
