@@ -1,0 +1,465 @@
+"""Sampling parameters and token choice (temperature, top-k, top-p, min-p).
+
+`SamplingParams` is the per-request, host-side description of how to sample
+(vLLM's `SamplingParams` field names). `choose_token` and `keep_mask` are the
+device-side token choice for *one* distribution `logits [V]`; the decode
+engine vmaps them over the branch axis N (and the prompt axis B) inside its
+jitted `lax.while_loop`. `is_stop` tests a token against the stop ids.
+
+Letter table: see `models/llama.py` (V = vocabulary rows, N = branches).
+
+Semantics of the token choice (Hugging Face's `LogitsProcessor` order: the
+`TemperatureLogitsWarper`, then `TopKLogitsWarper`, `TopPLogitsWarper` and
+`MinPLogitsWarper`, each applied to the already tempered and filtered
+scores):
+
+    step         | rule
+    -------------+---------------------------------------------------------------
+    padding      | rows >= vocab_limit (vocabulary padding of the embedding) are
+                 | never sampled and excluded from every step, including the
+                 | reported logprob. Tokens whose logit is -inf are never kept
+                 | (except as the single token of an all -inf row).
+    temperature  | z = (logits - max(logits)) / temperature. temperature == 0
+                 | means greedy: the argmax of the raw logits (first index on
+                 | ties), whatever the filters say; there is no division by
+                 | zero and no NaN.
+    top-k        | keep the k highest tempered logits; k == 0 or k >= V is off.
+                 | Ties at the k-th value: exactly k tokens are kept, by rank;
+                 | among equal logits the lower token index ranks first
+                 | (`lax.top_k`'s convention).
+    top-p        | on softmax(z) renormalised over the top-k survivors, keep the
+                 | smallest rank prefix whose mass reaches p (cumulative >= p);
+                 | the top token is always kept; p >= 1 is off. A token is kept
+                 | iff the mass ranked strictly above it is < p - 1e-6: the
+                 | tolerance absorbs float32 rounding of the cumulative sum, so
+                 | that e.g. probs [0.3, 0.1, 0.1, 0.5], p = 0.8 keeps {0, 3}
+                 | (0.5 + 0.3 may round to 0.79999995). Mass within 1e-6 below
+                 | p counts as reaching p. Ties rank as in top-k.
+    min-p        | keep tokens with prob >= min_p * max prob on the distribution
+                 | after top-k/top-p (the ratio is renormalisation-free:
+                 | z_i - z_max >= log(min_p)); inclusive, with a relative
+                 | tolerance of 1e-6 on the ratio for the same float32 reason;
+                 | min_p == 0 is off.
+    sample       | Gumbel-max over the kept tokens' tempered logits with `key`:
+                 | each kept token is drawn with probability proportional to
+                 | exp(z). The top-ranked token is always in the kept set, so
+                 | it is never empty.
+    logprob      | log_softmax of the *raw* logits (temperature 1, no filters,
+                 | padding rows excluded) at the chosen token, as vLLM reports
+                 | by default.
+
+Cost: no sort. The rank-based rules above are computed without sorting:
+top-k and top-p each find their cut-off value by an exact bisection over the
+int32 order keys of the tempered logits (32 passes of O(V) counting or
+summing), then break ties at the cut-off by token index with one cumsum.
+On CPU a full `lax.sort` of 16 x 49152 logits costs ~160 ms, the bisection
+~20 ms per active filter. Min-p is a single O(V) comparison. Top-k and top-p
+each sit behind a `lax.cond` on the scalar parameters (also skipped when
+temperature == 0), so an inactive filter costs nothing. Under `vmap` a
+`cond` whose predicate is batched becomes a `select` that runs both sides,
+so the engine should keep temperature, top_k, top_p and min_p *unbatched*
+(`vmap(..., in_axes=(0, 0, None, None, None, None))`): they come from one
+`SamplingParams` and are shared by all branches. Per-branch values still give
+correct results, only without the skipping.
+
+The filter parameters are traced scalars: changing them never recompiles.
+Only `vocab_limit` (and the shape of `logits`) is static.
+
+References: Hugging Face transformers `generation/logits_process.py`
+(`TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`); vLLM
+`SamplingParams` and its sampler (raw logprobs by default); Nguyen et al.
+2024, "Min-p sampling" (arXiv 2407.01082); Holtzman et al. 2020, "The
+curious case of neural text degeneration" (nucleus sampling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsample.errors import ConfigError
+
+# Tolerance on the top-p cumulative mass (absolute) and on the min-p
+# probability ratio (relative); see the module docstring.
+TOP_P_TOL = 1e-6
+MIN_P_TOL = 1e-6
+
+_SEED_LIMIT = 2**32
+
+
+# --------------------------------------------------------------------------
+# SamplingParams (host side)
+# --------------------------------------------------------------------------
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample N branches for one request (vLLM's field names).
+
+    All fields are validated in `__post_init__`; numpy scalars become Python
+    scalars and lists become tuples, so instances are hashable.
+
+    Attributes:
+      n: branches per prompt (N), >= 1.
+      temperature: >= 0 and finite; 0 means greedy decoding (argmax).
+      top_k: keep the k most likely tokens; 0 (default) is off. vLLM's -1 for
+        "off" is not accepted: use 0.
+      top_p: nucleus mass in (0, 1]; 1 (default) is off.
+      min_p: in [0, 1]; keep tokens with prob >= min_p * max prob; 0 is off.
+      max_new_tokens: the decode budget per branch in tokens, >= 1.
+      stop_token_ids: extra token ids (>= 0) that end a branch, added to the
+        model's own end-of-sequence ids. The stop token is kept in the output.
+      stop: stop strings (non-empty); a single string is accepted and wrapped
+        in a tuple, as vLLM does. The stop string is excluded from the text.
+      seed: the PRNG seed in [0, 2**32), or None to draw a random one (the
+        engine records the seed it used in `Generation.params`).
+
+    Raises:
+      ConfigError (a ValueError): a field is out of range or of the wrong
+        type; the message names the field, the allowed values and the value.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        def fail(name: str, allowed: str, value: Any):
+            raise ConfigError(
+                f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+        def set_(name: str, value: Any):
+            object.__setattr__(self, name, value)
+
+        def check_int(name: str, lo: int, allowed: str):
+            v = getattr(self, name)
+            if not _is_int(v) or int(v) < lo:
+                fail(name, allowed, v)
+            set_(name, int(v))
+
+        def check_float(name: str, ok, allowed: str):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(float(v)) or not ok(float(v)):
+                fail(name, allowed, v)
+            set_(name, float(v))
+
+        check_int("n", 1, "an int >= 1")
+        check_float("temperature", lambda t: t >= 0.0,
+                    "a finite float >= 0 (0 is greedy)")
+        if _is_int(self.top_k) and int(self.top_k) < 0:
+            fail("top_k", "an int >= 0 (0 is off; vLLM's -1 is not accepted)",
+                 self.top_k)
+        check_int("top_k", 0, "an int >= 0 (0 is off)")
+        check_float("top_p", lambda p: 0.0 < p <= 1.0,
+                    "a float in (0, 1] (1 is off)")
+        check_float("min_p", lambda p: 0.0 <= p <= 1.0,
+                    "a float in [0, 1] (0 is off)")
+        check_int("max_new_tokens", 1, "an int >= 1")
+
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+            fail("stop_token_ids", "a sequence of ints >= 0", ids)
+        for i in ids:
+            if not _is_int(i) or int(i) < 0:
+                fail("stop_token_ids", "a sequence of ints >= 0", ids)
+        set_("stop_token_ids", tuple(int(i) for i in ids))
+
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, Sequence):
+            fail("stop", "a sequence of non-empty strings", self.stop)
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                fail("stop", "a sequence of non-empty strings", self.stop)
+        set_("stop", tuple(stop))
+
+        if self.seed is not None:
+            if not _is_int(self.seed) or not 0 <= int(self.seed) < _SEED_LIMIT:
+                fail("seed", "None or an int in [0, 2**32)", self.seed)
+            set_("seed", int(self.seed))
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A copy with `changes` applied (validated again).
+
+        Raises:
+          ConfigError: as the constructor; TypeError for an unknown field.
+        """
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def greedy(self) -> bool:
+        """True when temperature is 0 (argmax decoding)."""
+        return self.temperature == 0.0
+
+    def choice_args(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The traced filter arguments of `choose_token`, with fixed dtypes.
+
+        Returns:
+          (temperature float32, top_k int32, top_p float32, min_p float32),
+          0-d numpy arrays. Pass them to the jitted decode loop as arguments
+          (not closed-over constants), so changing them never recompiles.
+        """
+        return (np.asarray(self.temperature, np.float32),
+                np.asarray(self.top_k, np.int32),
+                np.asarray(self.top_p, np.float32),
+                np.asarray(self.min_p, np.float32))
+
+
+# --------------------------------------------------------------------------
+# Token choice (device side, pure JAX)
+# --------------------------------------------------------------------------
+
+
+def _prepare(logits: jax.Array, temperature: jax.Array, vocab_limit: int):
+    """Raw masked logits, tempered logits and the greedy token.
+
+    Returns:
+      raw: [V] float32, padding rows at -inf.
+      z: [V] float32, (raw - max raw) / temperature (temperature 0 -> 1),
+        so the max is 0 and nothing overflows; padding rows at -inf.
+      greedy_tok: int32 scalar, argmax of raw (first index on ties).
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    if logits.ndim != 1:
+        raise ValueError(f"logits must be [V], got shape {logits.shape}; vmap over "
+                         "branches instead")
+    v = logits.shape[0]
+    if not 1 <= vocab_limit <= v:
+        raise ValueError(f"vocab_limit must be in [1, V={v}], got {vocab_limit}")
+    valid = jnp.arange(v) < vocab_limit
+    raw = jnp.where(valid, logits, -jnp.inf)
+    greedy_tok = jnp.argmax(raw).astype(jnp.int32)
+    m = raw[greedy_tok]
+    temperature = jnp.asarray(temperature, jnp.float32)
+    t = jnp.where(temperature > 0, temperature, 1.0)
+    z = jnp.where(valid, (raw - m) / t, -jnp.inf)
+    return raw, z, greedy_tok
+
+
+_KEY_NEG_INF = -0x7F800000  # _order_keys(-inf)
+_BISECT_STEPS = 32  # the key range spans < 2**31 values
+
+
+def _order_keys(z: jax.Array) -> jax.Array:
+    """int32 keys in the order of z <= 0: z_i < z_j iff key_i < key_j.
+
+    For x >= 0 the bits of a float32 read as an int32 grow with x, so
+    -bits(|z|) grows with z; the sign bit is cleared, so -0.0 and 0.0 share
+    the key 0.
+    """
+    return -(jax.lax.bitcast_convert_type(z, jnp.int32) & 0x7FFFFFFF)
+
+
+def _largest_key(holds, lo: int, hi: int) -> jax.Array:
+    """The largest int32 tau in [lo, hi] with holds(tau), for monotone `holds`.
+
+    `holds` must be non-increasing in tau and true at `lo`. Exact bisection
+    over the integers (a radix-free "select"), _BISECT_STEPS passes.
+    """
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo + 1) // 2
+        ok = holds(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, body,
+                              (jnp.int32(lo), jnp.int32(hi)))
+    return lo
+
+
+def _first_of_ties(ties: jax.Array, count: jax.Array) -> jax.Array:
+    """[V] bool, the first `count` True entries of `ties` by index."""
+    rank = jnp.cumsum(ties.astype(jnp.int32)) - 1
+    return ties & (rank < count)
+
+
+def _top_k_mask(z: jax.Array, kz: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Exactly k tokens by rank (z descending, lower index first on ties)."""
+    tau = _largest_key(lambda t: jnp.sum(kz >= t) >= top_k, _KEY_NEG_INF, 0)
+    above = kz > tau
+    need = top_k - jnp.sum(above)
+    return above | _first_of_ties(kz == tau, need)
+
+
+def _top_p_mask(z: jax.Array, kz: jax.Array, keep_k: jax.Array,
+                top_p: jax.Array) -> jax.Array:
+    """Smallest rank prefix of the top-k survivors with mass >= top_p - tol."""
+    e = jnp.where(keep_k, jnp.exp(z), 0.0)  # max z is 0: no overflow
+    total = jnp.sum(e)
+    q = (top_p - TOP_P_TOL) * total  # the mass to reach, unnormalised
+    # Mass of {key >= tau} is non-increasing in tau (also in float32: the
+    # reduction order is fixed and rounding is monotone).
+    tau = _largest_key(lambda t: jnp.sum(jnp.where(kz >= t, e, 0.0)) >= q,
+                       _KEY_NEG_INF, 0)
+    above = keep_k & (kz > tau)
+    base = jnp.sum(jnp.where(above, e, 0.0))
+    ties = keep_k & (kz == tau)
+    e_tie = jnp.max(jnp.where(ties, e, 0.0))  # equal z, equal mass
+    rank = jnp.cumsum(ties.astype(jnp.int32)) - 1
+    # a tie is kept iff the mass ranked above it is < q
+    return above | (ties & (base + rank.astype(jnp.float32) * e_tie < q))
+
+
+def _keep(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
+          min_p, vocab_limit: int) -> jax.Array:
+    """[V] bool keep set of the sampling (temperature > 0) path.
+
+    Top-k and top-p each run behind a `lax.cond` on the scalar parameters,
+    so an inactive filter costs nothing.
+    """
+    v = z.shape[0]
+    kz = _order_keys(z)
+    sampling = jnp.asarray(temperature, jnp.float32) > 0
+    top_k = jnp.asarray(top_k, jnp.int32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    min_p = jnp.asarray(min_p, jnp.float32)
+
+    def no_top_k(z, kz, top_k):
+        return jnp.ones((v,), bool)
+
+    def no_top_p(z, kz, keep_k, top_p):
+        return keep_k
+
+    k_on = sampling & (top_k > 0) & (top_k < vocab_limit)
+    keep = jax.lax.cond(k_on, _top_k_mask, no_top_k, z, kz, top_k)
+    p_on = sampling & (top_p < 1.0)
+    keep = jax.lax.cond(p_on, _top_p_mask, no_top_p, z, kz, keep, top_p)
+    # min-p: prob_i / prob_max = exp(z_i - max z) = exp(z_i), the max token is
+    # never filtered; log(0) = -inf keeps everything.
+    keep &= z >= jnp.log(min_p) + jnp.log1p(-MIN_P_TOL)
+    keep &= z > -jnp.inf
+    return keep | (jnp.arange(v) == greedy_tok)
+
+
+def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+              top_p: jax.Array, min_p: jax.Array, vocab_limit: int) -> jax.Array:
+    """The set of tokens `choose_token` may sample (see the module table).
+
+    Args:
+      logits: [V] float32 raw logits of one distribution.
+      temperature: float32 scalar >= 0 (traced); 0 is greedy.
+      top_k: int32 scalar >= 0 (traced); 0 or >= V is off.
+      top_p: float32 scalar in (0, 1] (traced); 1 is off.
+      min_p: float32 scalar in [0, 1] (traced); 0 is off.
+      vocab_limit: static int in [1, V]; rows >= vocab_limit are padding.
+
+    Returns:
+      [V] bool; never empty; for temperature 0 exactly the greedy token.
+
+    Raises:
+      ValueError: logits is not 1-D or vocab_limit is out of range.
+    """
+    _, z, greedy_tok = _prepare(logits, temperature, vocab_limit)
+    keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
+    greedy = jnp.arange(z.shape[0]) == greedy_tok
+    return jnp.where(jnp.asarray(temperature) == 0, greedy, keep)
+
+
+def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
+                 top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                 vocab_limit: int) -> tuple[jax.Array, jax.Array]:
+    """Sample one token from one distribution (see the module table).
+
+    Works under `jit`, `vmap` and inside `lax.while_loop`; the filter
+    parameters are traced, so new values never recompile. Keep them
+    unbatched under `vmap` (in_axes=None) so that inactive filters are
+    skipped by a real `lax.cond`.
+
+    The Gumbel noise is drawn per token index from `key` whatever the
+    filters, so filters that keep every token (e.g. top_k = V) sample the
+    same token as no filter, and tightening a filter only changes the draw
+    when it removes the token that was drawn.
+
+    Args:
+      logits: [V] float32 raw logits (other float dtypes are cast).
+      key: a PRNG key (typed `jax.random.key` or legacy uint32[2]).
+      temperature: float32 scalar >= 0; 0 is greedy (argmax, first on ties).
+      top_k: int32 scalar >= 0; 0 or >= V is off.
+      top_p: float32 scalar in (0, 1]; 1 is off.
+      min_p: float32 scalar in [0, 1]; 0 is off.
+      vocab_limit: static int in [1, V]; rows >= vocab_limit are never sampled.
+
+    Returns:
+      token: int32 scalar in [0, vocab_limit).
+      logprob: float32 scalar, log_softmax of the raw logits (temperature 1,
+        no filters, padding excluded) at `token`.
+
+    Raises:
+      ValueError: logits is not 1-D or vocab_limit is out of range.
+    """
+    raw, z, greedy_tok = _prepare(logits, temperature, vocab_limit)
+    keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
+    g = jax.random.gumbel(key, z.shape, jnp.float32)
+    sampled = jnp.argmax(jnp.where(keep, z + g, -jnp.inf)).astype(jnp.int32)
+    token = jnp.where(jnp.asarray(temperature) == 0, greedy_tok, sampled)
+    # log_softmax(raw)[token]; raw[greedy_tok] is the max.
+    m = raw[greedy_tok]
+    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m)))
+    logprob = raw[token] - lse
+    return token, logprob.astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------
+# Stops
+# --------------------------------------------------------------------------
+
+
+def pad_stop_ids(ids: Sequence[int], size: int | None = None) -> np.ndarray:
+    """Stop ids as the fixed-size int32 array `is_stop` expects.
+
+    Args:
+      ids: token ids >= 0 (duplicates are removed, order kept).
+      size: the array length (static across requests to avoid recompiling);
+        default len(unique ids), at least 1.
+
+    Returns:
+      [size] int32, the ids followed by -1 padding.
+
+    Raises:
+      ValueError: an id is negative or there are more ids than `size`.
+    """
+    uniq = list(dict.fromkeys(int(i) for i in ids))
+    if any(i < 0 for i in uniq):
+        raise ValueError(f"stop ids must be >= 0, got {uniq}")
+    size = max(len(uniq), 1) if size is None else size
+    if len(uniq) > size:
+        raise ValueError(f"{len(uniq)} stop ids do not fit in size {size}")
+    out = np.full((size,), -1, np.int32)
+    out[:len(uniq)] = uniq
+    return out
+
+
+def is_stop(token: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """Whether `token` is one of `stop_ids`.
+
+    Args:
+      token: int32 scalar (>= 0).
+      stop_ids: [S] int32 stop ids padded with -1 (see `pad_stop_ids`).
+
+    Returns:
+      bool scalar. Padding (-1) never matches a real token.
+    """
+    token = jnp.asarray(token, jnp.int32)
+    stop_ids = jnp.asarray(stop_ids, jnp.int32)
+    return jnp.any((stop_ids == token) & (stop_ids >= 0))

@@ -1,0 +1,483 @@
+"""Tests of jaxsample.sampling: SamplingParams, keep_mask, choose_token, is_stop.
+
+The handed cases live in shared/cases/sampling.json; a literal copy below
+keeps them running without shared/. Property tests compare `keep_mask` with
+a float64 numpy reference of the documented semantics (HF order, exact-k
+top-k with lower index first on ties, minimal top-p prefix, inclusive min-p).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+
+from jaxsample.errors import ConfigError
+from jaxsample.sampling import SamplingParams, choose_token, is_stop, keep_mask, pad_stop_ids
+
+CASES_JSON = Path(__file__).parents[2] / "shared" / "cases" / "sampling.json"
+
+# Literal copy of shared/cases/sampling.json ("cases" and "stops").
+CASES = [
+    {"name": "top_p keeps the token that crosses p", "probs": [0.50, 0.35, 0.10, 0.05], "top_p": 0.9, "keep": [0, 1, 2]},
+    {"name": "top_p exact boundary keeps exactly the set reaching p", "probs": [0.3, 0.1, 0.1, 0.5], "top_p": 0.8, "keep": [0, 3]},
+    {"name": "tiny top_p keeps the argmax, never an empty set", "probs": [0.2, 0.5, 0.3], "top_p": 1e-6, "keep": [1]},
+    {"name": "top_k larger than the vocabulary is no filter", "logits": [1.0, 2.0, 3.0, 4.0], "top_k": 10, "keep": [0, 1, 2, 3]},
+    {"name": "top_k 0 means off", "logits": [1.0, 2.0, 3.0, 4.0], "top_k": 0, "keep": [0, 1, 2, 3]},
+    {"name": "greedy picks the first index on ties", "logits": [2.0, 2.0, 1.0], "temperature": 0.0, "token": 0},
+    {"name": "temperature 0 is argmax, no division by zero", "logits": [1.0, 3.0], "temperature": 0.0, "token": 1},
+    {"name": "min_p threshold is min_p times the top probability", "probs": [0.0625, 0.5, 0.25, 0.125, 0.0625], "min_p": 0.25, "keep": [1, 2, 3]},
+    {"name": "temperature is applied before top_p", "logits": [3.0, 2.0, 1.0], "temperature": 0.5, "top_p": 0.8, "keep": [0]},
+    {"name": "reported logprob is the raw model distribution", "logits": [1.0, 0.0, -1.0, -2.0], "temperature": 0.5, "top_p": 0.9, "sampled": 0, "logprob": -0.4402},
+]
+STOPS = [
+    {"name": "the stop token is kept, what follows is padding", "stop_token_ids": [2], "sampled": [5, 2, 7, 7], "tokens": [5, 2, "pad", "pad"], "length": 2, "finish_reason": "stop"},
+    {"name": "any of several stop ids ends the branch", "stop_token_ids": [1, 106], "sampled": [5, 106, 7], "tokens": [5, 106, "pad"], "length": 2, "finish_reason": "stop"},
+    {"name": "no stop within the budget", "stop_token_ids": [2], "max_new_tokens": 3, "sampled": [5, 6, 7], "tokens": [5, 6, 7], "length": 3, "finish_reason": "length"},
+]
+
+LOGPROB_TOL = 1e-4
+
+# Jitted entry points shared by all tests (filters traced, vocab_limit static).
+_keep_jit = jax.jit(keep_mask, static_argnames="vocab_limit")
+_choose_jit = jax.jit(choose_token, static_argnames="vocab_limit")
+# many draws from one distribution: vmap over keys only, parameters unbatched
+_choose_keys = jax.jit(
+    jax.vmap(choose_token, in_axes=(None, 0, None, None, None, None, None)),
+    static_argnames="vocab_limit")
+
+
+def _args(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    return (np.float32(temperature), np.int32(top_k), np.float32(top_p), np.float32(min_p))
+
+
+CASE_V = 8  # cases are padded with -inf logits to one shape: one compile
+
+
+def _case_logits(case) -> np.ndarray:
+    if "probs" in case:
+        logits = np.log(np.asarray(case["probs"], np.float64)).astype(np.float32)
+    else:
+        logits = np.asarray(case["logits"], np.float32)
+    return np.pad(logits, (0, CASE_V - logits.shape[0]), constant_values=-np.inf)
+
+
+def _check_case(case):
+    logits = _case_logits(case)
+    v = logits.shape[0]
+    args = _args(case.get("temperature", 1.0), case.get("top_k", 0),
+                 case.get("top_p", 1.0), case.get("min_p", 0.0))
+    keep = np.asarray(_keep_jit(logits, *args, vocab_limit=v))
+    keys = jax.random.split(jax.random.key(0), 64)
+    tokens, logprobs = _choose_keys(logits, keys, *args, v)
+    tokens = np.asarray(tokens)
+    assert keep.any(), case["name"]
+    assert keep[tokens].all(), case["name"]
+    if "keep" in case:
+        assert np.flatnonzero(keep).tolist() == case["keep"], case["name"]
+    if "token" in case:
+        assert np.flatnonzero(keep).tolist() == [case["token"]], case["name"]
+        assert (tokens == case["token"]).all(), case["name"]
+    if "sampled" in case:
+        # The case names the token; the logprob is reported for it whatever
+        # the filters, so check it on draws that chose that token.
+        assert case["sampled"] in np.flatnonzero(keep)
+        hit = tokens == case["sampled"]
+        assert hit.any(), case["name"]
+        np.testing.assert_allclose(np.asarray(logprobs)[hit], case["logprob"],
+                                   atol=LOGPROB_TOL)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_handed_cases_literal(case):
+    _check_case(case)
+
+
+def _shared():
+    if not CASES_JSON.exists():
+        pytest.skip(f"{CASES_JSON} not found (shared/ is not checked out next to the repo)")
+    return json.loads(CASES_JSON.read_text())
+
+
+def test_handed_cases_shared_json():
+    data = _shared()
+    for case in data["cases"]:
+        _check_case(case)
+
+
+def test_literal_copy_matches_shared_json():
+    data = _shared()
+    assert data["cases"] == CASES
+    assert data["stops"] == STOPS
+
+
+def _length_by_is_stop(stop_token_ids, sampled, max_new_tokens):
+    stop_ids = pad_stop_ids(stop_token_ids, size=4)
+    hits = [bool(is_stop(jnp.int32(t), stop_ids)) for t in sampled[:max_new_tokens]]
+    if any(hits):
+        return hits.index(True) + 1, "stop"
+    return min(len(sampled), max_new_tokens), "length"
+
+
+@pytest.mark.parametrize("case", STOPS, ids=[c["name"] for c in STOPS])
+def test_is_stop_on_stop_cases(case):
+    length, reason = _length_by_is_stop(case["stop_token_ids"], case["sampled"],
+                                        case.get("max_new_tokens", 64))
+    assert (length, reason) == (case["length"], case["finish_reason"])
+
+
+def test_is_stop_padding_and_jit():
+    stop_ids = pad_stop_ids([7, 3, 7], size=5)
+    assert stop_ids.dtype == np.int32
+    assert stop_ids.tolist() == [7, 3, -1, -1, -1]
+    f = jax.jit(jax.vmap(is_stop, in_axes=(0, None)))
+    out = f(jnp.arange(9, dtype=jnp.int32), stop_ids)
+    assert np.flatnonzero(np.asarray(out)).tolist() == [3, 7]
+    assert not bool(is_stop(jnp.int32(0), pad_stop_ids([])))
+    with pytest.raises(ValueError):
+        pad_stop_ids([1, 2, 3], size=2)
+    with pytest.raises(ValueError):
+        pad_stop_ids([-1])
+
+
+# --------------------------------------------------------------------------
+# float64 reference of the documented semantics
+# --------------------------------------------------------------------------
+
+
+def _reference(logits, temperature, top_k, top_p, min_p, vocab_limit, eps=1e-4):
+    """(keep [V] bool, ambiguous [V] bool): ambiguous tokens have a top-p or
+    min-p decision within eps of its boundary, where float32 may differ."""
+    v = logits.shape[0]
+    x = logits[:vocab_limit].astype(np.float64)
+    keep = np.zeros(v, bool)
+    ambiguous = np.zeros(v, bool)
+    if temperature == 0:
+        keep[int(np.argmax(x))] = True
+        return keep, ambiguous
+    z = (x - x.max()) / temperature
+    order = np.argsort(-z, kind="stable")
+    zs = z[order]
+    n = zs.shape[0]
+    k_keep = np.ones(n, bool)
+    if 0 < top_k < n:
+        k_keep[top_k:] = False
+    e = np.exp(zs) * k_keep
+    probs = e / e.sum()
+    above = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
+    keep_s = k_keep.copy()
+    amb_s = np.zeros(n, bool)
+    if top_p < 1:
+        keep_s &= above < top_p
+        amb_s |= k_keep & (np.abs(above - top_p) < eps)
+    ratio = np.exp(zs - zs[0])
+    if min_p > 0:
+        amb_s |= keep_s & (np.abs(ratio - min_p) < eps * min_p)
+        keep_s &= ratio >= min_p
+    keep_s[0] = True
+    amb_s[0] = False
+    keep[order[keep_s]] = True
+    ambiguous[order[amb_s]] = True
+    return keep, ambiguous
+
+
+V_SMALL = 8
+_values = st.sampled_from([-3.0, -1.5, -1.0, -0.5, 0.0, 0.0, 0.5, 1.0, 2.0])  # ties likely
+
+
+@st.composite
+def _problems(draw):
+    logits = np.asarray(draw(st.lists(
+        st.one_of(_values, st.floats(-5, 5, width=32)), min_size=V_SMALL,
+        max_size=V_SMALL)), np.float32)
+    vocab_limit = draw(st.sampled_from([5, V_SMALL]))
+    logits[vocab_limit:] = 50.0  # padding rows with huge logits
+    temperature = draw(st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.05, 3.0)))
+    top_k = draw(st.integers(0, V_SMALL + 2))
+    top_p = draw(st.one_of(st.just(1.0), st.floats(0.01, 1.0)))
+    min_p = draw(st.one_of(st.just(0.0), st.floats(0.0, 1.0)))
+    return logits, (temperature, top_k, top_p, min_p), vocab_limit
+
+
+_PROP = settings(max_examples=60, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow])
+
+
+@_PROP
+@given(_problems(), st.integers(0, 2**31 - 1))
+def test_sampled_tokens_are_always_kept(problem, seed):
+    logits, params, vocab_limit = problem
+    args = _args(*params)
+    keep = np.asarray(_keep_jit(logits, *args, vocab_limit=vocab_limit))
+    assert keep.any()
+    assert not keep[vocab_limit:].any()
+    keys = jax.random.split(jax.random.key(seed), 128)
+    tokens, logprobs = _choose_keys(logits, keys, *args, vocab_limit)
+    tokens = np.asarray(tokens)
+    assert tokens.dtype == np.int32
+    assert keep[tokens].all()
+    assert (tokens < vocab_limit).all()
+    raw = logits[:vocab_limit].astype(np.float64)
+    lsm = raw - (raw.max() + np.log(np.exp(raw - raw.max()).sum()))
+    np.testing.assert_allclose(np.asarray(logprobs), lsm[tokens], atol=1e-5)
+
+
+@_PROP
+@given(_problems())
+def test_keep_mask_matches_reference(problem):
+    logits, params, vocab_limit = problem
+    ref, ambiguous = _reference(logits, *params, vocab_limit)
+    assume(not ambiguous.any())  # float32 vs float64 at a boundary: not this test's job
+    keep = np.asarray(_keep_jit(logits, *_args(*params), vocab_limit=vocab_limit))
+    np.testing.assert_array_equal(keep, ref)
+
+
+@_PROP
+@given(st.lists(st.floats(0.001, 1.0), min_size=2, max_size=V_SMALL),
+       st.floats(0.01, 1.0))
+def test_top_p_keeps_the_minimal_prefix_reaching_p(weights, top_p):
+    probs = np.asarray(weights, np.float64) / np.sum(weights)
+    logits = np.log(probs).astype(np.float32)
+    padded = np.pad(logits, (0, V_SMALL - logits.shape[0]), constant_values=-np.inf)
+    keep = np.asarray(_keep_jit(padded, *_args(top_p=top_p), vocab_limit=V_SMALL))
+    assert not keep[logits.shape[0]:].any()
+    keep = keep[:logits.shape[0]]
+    p32 = np.exp(logits.astype(np.float64))
+    p32 /= p32.sum()
+    kept = np.sort(p32[keep])[::-1]
+    dropped = p32[~keep]
+    # every kept token is at least as likely as every dropped one
+    assert dropped.size == 0 or kept.min() >= dropped.max()
+    # the kept mass reaches p (up to the documented tolerance) ...
+    assert kept.sum() >= top_p - 2e-6
+    # ... and the set is minimal: without its least likely token it does not
+    if kept.size > 1:
+        assert kept[:-1].sum() < top_p + 2e-6
+
+
+@_PROP
+@given(st.lists(_values, min_size=V_SMALL, max_size=V_SMALL), st.integers(0, 2**31 - 1))
+def test_greedy_is_first_argmax(values, seed):
+    logits = np.asarray(values, np.float32)
+    tok, lp = _choose_jit(logits, jax.random.key(seed), *_args(0.0, 2, 0.5, 0.3),
+                          vocab_limit=V_SMALL)
+    assert int(tok) == int(np.argmax(logits))
+    assert np.isfinite(float(lp))
+
+
+def test_keep_mask_at_vocabulary_scale_matches_reference():
+    rng = np.random.default_rng(0)
+    v = 4096
+    logits = (rng.standard_normal(v) * 3).astype(np.float32)
+    for params in [(1.0, 0, 0.9, 0.0), (0.7, 50, 0.95, 0.0), (1.3, 0, 0.5, 0.02),
+                   (1.0, 1000, 0.99, 0.001), (0.5, 7, 1.0, 0.0)]:
+        ref, ambiguous = _reference(logits, *params, v - 96, eps=1e-5)
+        assert ambiguous.sum() <= 2
+        keep = np.asarray(_keep_jit(logits, *_args(*params), vocab_limit=v - 96))
+        np.testing.assert_array_equal(keep[~ambiguous], ref[~ambiguous], err_msg=str(params))
+        assert 1 <= keep.sum() < v - 96
+
+
+def test_padding_rows_never_chosen():
+    logits = np.array([0.0, 1.0, 0.5, 1e30, 80.0, np.inf], np.float32)
+    keys = jax.random.split(jax.random.key(1), 256)
+    for params in [(1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (2.0, 2, 0.9, 0.1)]:
+        tokens, logprobs = _choose_keys(logits, keys, *_args(*params), 3)
+        assert (np.asarray(tokens) < 3).all()
+        assert np.isfinite(np.asarray(logprobs)).all()
+        keep = np.asarray(_keep_jit(logits, *_args(*params), vocab_limit=3))
+        assert not keep[3:].any()
+
+
+def test_minus_inf_logits_are_never_kept():
+    logits = np.array([-np.inf, 0.0, -np.inf, 0.0], np.float32)
+    keep = np.asarray(_keep_jit(logits, *_args(), vocab_limit=4))
+    assert np.flatnonzero(keep).tolist() == [1, 3]
+
+
+def test_tiny_and_huge_temperatures_have_no_nan():
+    logits = np.array([0.0, 1.0, 0.999, -2.0], np.float32)
+    keys = jax.random.split(jax.random.key(2), 64)
+    for t in [1e-30, 1e-6, 1e6, 3e38]:
+        for params in [(t, 0, 1.0, 0.0), (t, 2, 0.9, 0.1)]:
+            tokens, logprobs = _choose_keys(logits, keys, *_args(*params), 4)
+            assert np.isfinite(np.asarray(logprobs)).all()
+            if t <= 1e-6:
+                assert (np.asarray(tokens) == 1).all()
+
+
+def _binomial_interval(n: int, p: float, alpha: float) -> tuple[int, int]:
+    """Acceptance region [lo, hi] of a two-sided exact binomial test."""
+    pmf = [math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n + 1)]
+    lo, tail = 0, 0.0
+    while tail + pmf[lo] <= alpha / 2:
+        tail += pmf[lo]
+        lo += 1
+    hi, tail = n, 0.0
+    while tail + pmf[hi] <= alpha / 2:
+        tail += pmf[hi]
+        hi -= 1
+    return lo, hi
+
+
+@pytest.mark.parametrize("params", [(1.0, 0, 1.0, 0.0), (1.0, 2, 0.99, 0.5)],
+                         ids=["no filter", "filters on"])
+def test_two_equally_likely_tokens_are_binomial(params):
+    n = 1024
+    logits = np.array([0.0, -30.0, 0.0, -30.0], np.float32)
+    keys = jax.random.split(jax.random.key(1234), n)
+    tokens = np.asarray(_choose_keys(logits, keys, *_args(*params), 4)[0])
+    if params[1] == 2:
+        assert set(tokens.tolist()) <= {0, 2}
+    count = int(np.sum(tokens == 0))
+    lo, hi = _binomial_interval(n, 0.5, 1e-6)
+    assert lo <= count <= hi, (count, lo, hi)
+    assert count + int(np.sum(tokens == 2)) >= n - 1
+
+
+def test_sampling_is_proportional_to_tempered_probs_after_top_k():
+    n = 1024
+    probs = np.array([0.5, 0.3, 0.2])
+    logits = np.log(probs).astype(np.float32)
+    keys = jax.random.split(jax.random.key(99), n)
+    tokens = np.asarray(_choose_keys(logits, keys, *_args(0.5, 2, 1.0, 0.0), 3)[0])
+    assert set(tokens.tolist()) <= {0, 1}
+    p0 = 0.5**2 / (0.5**2 + 0.3**2)  # temperature 0.5 squares the probabilities
+    lo, hi = _binomial_interval(n, p0, 1e-6)
+    assert lo <= int(np.sum(tokens == 0)) <= hi
+
+
+def test_filters_that_keep_everything_draw_like_no_filter():
+    logits = (np.random.default_rng(3).standard_normal(32) * 2).astype(np.float32)
+    keys = jax.random.split(jax.random.key(5), 64)
+    off = np.asarray(_choose_keys(logits, keys, *_args(0.8, 0, 1.0, 0.0), 32)[0])
+    on = np.asarray(_choose_keys(logits, keys, *_args(0.8, 32, 1.0, 1e-30), 32)[0])
+    np.testing.assert_array_equal(on, off)
+
+
+def test_new_filter_values_do_not_recompile():
+    traces = []
+
+    @jax.jit
+    def step(logits, key, temperature, top_k, top_p, min_p):
+        traces.append(1)
+        return jax.vmap(choose_token, in_axes=(0, 0, None, None, None, None, None))(
+            logits, key, temperature, top_k, top_p, min_p, 10)
+
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, 12)), jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 3)
+    for params in [(1.0, 0, 1.0, 0.0), (0.0, 3, 0.5, 0.1), (0.7, 9, 0.95, 0.0),
+                   (2.0, 1, 0.2, 0.9)]:
+        jax.block_until_ready(step(logits, keys, *SamplingParams(
+            temperature=params[0], top_k=params[1], top_p=params[2],
+            min_p=params[3]).choice_args()))
+    assert len(traces) == 1
+
+
+def test_unbatched_parameters_keep_a_real_cond_under_vmap():
+    def branch_step(logits, key, t, k, p, m):
+        return choose_token(logits, key, t, k, p, m, 16)
+
+    args = (jnp.zeros((4, 16)), jax.random.split(jax.random.key(0), 4), *_args(1.0, 3, 0.9, 0.0))
+    shared = jax.make_jaxpr(jax.vmap(branch_step, in_axes=(0, 0, None, None, None, None)))(*args)
+    assert "cond[" in str(shared)
+
+
+def test_inside_jitted_while_loop_vmapped_over_branches():
+    n_branches, steps, v, vocab_limit = 4, 6, 20, 17
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((steps, n_branches, v)),
+                         jnp.float32)
+    stop_ids = pad_stop_ids([16], size=2)
+
+    @jax.jit
+    def loop(key, temperature, top_k, top_p, min_p):
+        choose = jax.vmap(choose_token, in_axes=(0, 0, None, None, None, None, None))
+
+        def body(state):
+            i, toks, done = state
+            keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, b), i))(
+                jnp.arange(n_branches))
+            tok, _ = choose(logits[i], keys, temperature, top_k, top_p, min_p, vocab_limit)
+            stop = jax.vmap(is_stop, in_axes=(0, None))(tok, stop_ids)
+            return i + 1, toks.at[:, i].set(jnp.where(done, -1, tok)), done | stop
+
+        init = (0, jnp.zeros((n_branches, steps), jnp.int32), jnp.zeros(n_branches, bool))
+        return jax.lax.while_loop(lambda s: (s[0] < steps) & ~s[2].all(), body, init)[1]
+
+    toks = np.asarray(loop(jax.random.key(7), *_args(0.9, 5, 0.9, 0.05)))
+    keeps = jax.jit(jax.vmap(lambda x, *a: keep_mask(x, *a, vocab_limit),
+                             in_axes=(0, None, None, None, None)))
+    keep = np.asarray(keeps(logits.reshape(-1, v), *_args(0.9, 5, 0.9, 0.05)))
+    keep = keep.reshape(steps, n_branches, v)
+    assert toks[:, 0].min() >= 0
+    for i in range(steps):
+        for b in range(n_branches):
+            if toks[b, i] >= 0:
+                assert keep[i, b, toks[b, i]]
+
+
+# --------------------------------------------------------------------------
+# SamplingParams
+# --------------------------------------------------------------------------
+
+
+def test_sampling_params_defaults_and_conversions():
+    sp = SamplingParams()
+    assert (sp.n, sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.max_new_tokens,
+            sp.stop_token_ids, sp.stop, sp.seed) == (1, 1.0, 0, 1.0, 0.0, 64, (), (), None)
+    sp = SamplingParams(n=np.int64(4), top_k=np.int32(5), temperature=1, seed=np.uint32(7),
+                        stop_token_ids=[2, np.int64(3)], stop=["\n\n"])
+    assert type(sp.n) is int and type(sp.top_k) is int and type(sp.seed) is int
+    assert type(sp.temperature) is float
+    assert sp.stop_token_ids == (2, 3) and sp.stop == ("\n\n",)
+    assert SamplingParams(stop="###").stop == ("###",)
+    hash(sp)
+    assert sp.replace(n=8).n == 8 and sp.n == 4
+    assert SamplingParams(temperature=0).greedy
+    with pytest.raises(TypeError):
+        SamplingParams(1)  # keyword-only
+    with pytest.raises(dataclasses_frozen_error()):
+        sp.n = 2
+
+
+def dataclasses_frozen_error():
+    import dataclasses
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 0), ("n", 2.0), ("n", True),
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("temperature", "1"), ("temperature", True),
+    ("top_k", -1), ("top_k", 1.5), ("top_k", False),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_p", float("nan")),
+    ("min_p", -0.01), ("min_p", 1.5),
+    ("max_new_tokens", 0), ("max_new_tokens", 3.0),
+    ("stop_token_ids", [1, -2]), ("stop_token_ids", [1.0]), ("stop_token_ids", 3),
+    ("stop", [""]), ("stop", [1]), ("stop", 5),
+    ("seed", -1), ("seed", 2**32), ("seed", 1.0), ("seed", True),
+])
+def test_sampling_params_errors_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b") as info:
+        SamplingParams(**{field: value})
+    assert isinstance(info.value, ConfigError)
+    assert repr(value) in str(info.value)
+
+
+def test_replace_validates():
+    with pytest.raises(ConfigError, match="top_p"):
+        SamplingParams().replace(top_p=0.0)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="vocab_limit"):
+        keep_mask(jnp.zeros(4), *_args(), vocab_limit=5)
+    with pytest.raises(ValueError, match=r"\[V\]"):
+        choose_token(jnp.zeros((2, 4)), jax.random.key(0), *_args(), vocab_limit=4)
