@@ -541,7 +541,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         tok, lp = tok.reshape(B, N, T), lp.reshape(B, N, T)
         lens, stopped = lens.reshape(B, N), stopped.reshape(B, N)
     return _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start,
-                   prefix_bytes, tail_bytes, steps, st.pad_id)
+                   prefix_bytes, tail_bytes, steps, st.pad_id, prefix_copies=N if naive else 1)
 
 
 def _put(tree, sharding):
@@ -565,7 +565,7 @@ def _host(x) -> np.ndarray:
 
 
 def _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start, prefix_bytes,
-            tail_bytes, steps, pad_id) -> Generation:
+            tail_bytes, steps, pad_id, prefix_copies=1) -> Generation:
     """Host-side post-processing: stop strings, detokenisation, bill."""
     B, N, T = tok.shape
     tok, lp, lens = tok.copy(), lp.copy(), lens.copy()
@@ -589,7 +589,7 @@ def _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start, pr
         out_texts.append(row)
     bill = cost.make_bill(lm.config, prompt_lengths=[len(x) for x in ids], branch_lengths=lens,
                           n=N, prefix_cache_bytes=prefix_bytes, tail_cache_bytes=tail_bytes,
-                          decode_steps=steps)
+                          decode_steps=steps, prefix_copies=prefix_copies)
     timings["total"] = time.perf_counter() - t_start
     return Generation(tokens=tok, logprobs=lp, lengths=lens, finish_reason=reasons,
                       texts=out_texts, prompt_tokens=ids, prompts=texts, params=params,
