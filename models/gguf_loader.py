@@ -1,0 +1,302 @@
+"""Load a Llama-family GGUF file (llama.cpp's format) into `models.llama` params.
+
+Every tensor is dequantised to float32 with `gguf.quants.dequantize` (any
+quantisation the `gguf` package implements: F32, F16, BF16, Q4_0/1, Q5_0/1,
+Q8_0, K-quants, ...) and mapped into the stacked parameter pytree of
+`models.llama.param_shapes`, transposed from GGUF's `[out, in]` rows to our
+`[in, out]`.
+
+RoPE permutation: llama.cpp's converter (`convert_hf_to_gguf.py`,
+`LlamaModel.permute`) reorders the rows of `attn_q` / `attn_k` of the
+`llama` architecture so that each head's rotary pairs are interleaved
+(`[x0, x_{D/2}, x1, x_{D/2+1}, ...]`, llama.cpp's "normal" RoPE) instead of
+split in halves (Hugging Face's rotate-half). `unpermute_rope_rows` undoes
+it, with the query-head count H for Q and the kv-head count K for K. Qwen2
+files are written unpermuted (llama.cpp runs them with NEOX RoPE, which is
+rotate-half), so nothing is undone for them.
+
+Llama-3 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor
+of per-frequency divisors, not as parameters; the parameters are recovered
+by matching the divisors against the Llama-3 formula (`_llama3_from_factors`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pathlib
+import re
+from typing import Any
+
+import numpy as np
+
+from jaxsample.errors import ModelLoadError, UnsupportedModelError
+from models import llama
+from models.tokenizer import CheckpointTokenizer
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+
+# GGUF per-layer tensor name -> (our `layers` key, is a matrix to transpose)
+_LAYER_TENSORS = {
+    "attn_norm.weight": ("attn_norm", False),
+    "attn_q.weight": ("wq", True),
+    "attn_k.weight": ("wk", True),
+    "attn_v.weight": ("wv", True),
+    "attn_output.weight": ("wo", True),
+    "attn_q.bias": ("bq", False),
+    "attn_k.bias": ("bk", False),
+    "attn_v.bias": ("bv", False),
+    "ffn_norm.weight": ("mlp_norm", False),
+    "ffn_gate.weight": ("w_gate", True),
+    "ffn_up.weight": ("w_up", True),
+    "ffn_down.weight": ("w_down", True),
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `LlamaModel.permute` on the rows of a Q or K projection.
+
+    Args:
+      w: `[n_heads*D, ...]` rows in GGUF order (interleaved rotary pairs per
+        head); a weight `[n_heads*D, E]` or a bias `[n_heads*D]`.
+      n_heads: H for Q, K (kv heads) for K.
+    Returns:
+      `[n_heads*D, ...]` in Hugging Face order (rotate-half halves per head).
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"{rows} rows cannot be split into {n_heads} heads of even size")
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's `LlamaModel.permute` (Hugging Face order -> GGUF order); inverse of the above."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: str | os.PathLike):
+    """Open a GGUF file and check that every tensor's bytes are present.
+
+    Returns:
+      (reader `gguf.GGUFReader`, metadata dict key -> Python value).
+    Raises:
+      ModelLoadError: missing, unreadable, not GGUF, truncated or corrupt.
+    """
+    import gguf  # deferred: the package is slow-ish to import
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such file")
+    size = path.stat().st_size
+    try:
+        reader = gguf.GGUFReader(path)
+        meta = {k: f.contents() for k, f in reader.fields.items()}
+    except Exception as e:  # noqa: BLE001  (the reader raises ValueError, IndexError, struct/numpy errors)
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(
+                f"{path}: truncated: tensor {t.name} needs bytes up to "
+                f"{t.data_offset + t.n_bytes}, the file has {size}")
+    return reader, meta
+
+
+def _llama3_from_factors(factors: np.ndarray, base: llama.LlamaConfig) -> llama.RopeScaling | None:
+    """Llama-3 scaling parameters whose per-frequency divisors equal `factors` `[D/2]`, or None."""
+    plain = llama.rope_frequencies(base.replace(rope_scaling=None)).astype(np.float64)
+    factor = float(np.max(factors))
+    if np.allclose(factors, 1.0):
+        return None
+    # (orig, low, high) and (c*orig, c*low, c*high) give the same frequencies: prefer low = 1,
+    # then Llama 3.1/3.2's high = 4 and orig = 8192.
+    for low, high, orig in itertools.product(
+            (1.0, 2.0, 0.5), (4.0, 2.0, 8.0, 1.0), [8192] + [2 ** k for k in range(4, 21)]):
+        if high <= low:
+            continue
+        cand = llama.RopeScaling(factor=factor, low_freq_factor=low, high_freq_factor=high,
+                                 original_max_position_embeddings=orig)
+        scaled = llama.rope_frequencies(base.replace(rope_scaling=cand)).astype(np.float64)
+        if np.allclose(plain / scaled, factors, rtol=1e-3, atol=1e-4):
+            return cand
+    raise ValueError("rope_freqs.weight does not match any Llama-3 scaling")
+
+
+def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: str,
+                         dtype: str = "float32") -> llama.LlamaConfig:
+    """Build the `LlamaConfig` a GGUF file describes.
+
+    Args:
+      meta: key -> value from `read_gguf`.
+      tensors: tensor name -> `gguf.ReaderTensor` (for shapes and rope_freqs).
+      source: the file, for messages.
+    Raises:
+      UnsupportedModelError: unknown architecture or an option we do not
+        implement (rope scaling type, partial rotary, ...).
+      ModelLoadError: a required key is missing or inconsistent.
+    """
+    import gguf
+
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(
+            f"{source}: architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHS)}")
+
+    def get(key, default=KeyError):
+        v = meta.get(f"{arch}.{key}")
+        if v is None:
+            if default is KeyError:
+                raise ModelLoadError(f"{source}: missing metadata key {arch}.{key}")
+            return default
+        return v
+
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{source}: missing tensor token_embd.weight")
+    n_vocab = int(tensors["token_embd.weight"].shape[-1])  # gguf shape is (E, V)
+    dim = int(get("embedding_length"))
+    n_heads = int(get("attention.head_count"))
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):
+        raise UnsupportedModelError(f"{source}: per-layer kv-head counts are not supported")
+    head_dim = int(get("attention.key_length", dim // n_heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedModelError(f"{source}: key and value head sizes differ")
+    rot = int(get("rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise UnsupportedModelError(
+            f"{source}: partial rotary embeddings ({arch}.rope.dimension_count = {rot}, head dim "
+            f"{head_dim}) are not supported")
+    meta_vocab = meta.get(f"{arch}.vocab_size")
+    if meta_vocab is not None and int(meta_vocab) != n_vocab:
+        raise ModelLoadError(f"{source}: {arch}.vocab_size = {meta_vocab} but token_embd.weight "
+                             f"has {n_vocab} rows")
+    ctx = int(get("context_length"))
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window and int(window) < ctx:
+        ctx = int(window)  # full attention equals sliding-window attention within the window
+
+    scaling_type = get("rope.scaling.type", "none")
+    if scaling_type == "linear" and float(get("rope.scaling.factor", 1.0)) == 1.0:
+        scaling_type = "none"
+    if scaling_type != "none":
+        raise UnsupportedModelError(
+            f"{source}: rope scaling type {scaling_type!r} is not supported (only none and "
+            "Llama-3 rope_freqs)")
+    try:
+        cfg = llama.LlamaConfig(
+            vocab_size=n_vocab, dim=dim, n_layers=int(get("block_count")), n_heads=n_heads,
+            n_kv_heads=int(n_kv), head_dim=head_dim, ffn_dim=int(get("feed_forward_length")),
+            norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 10000.0)), max_seq_len=ctx,
+            tie_embeddings="output.weight" not in tensors,
+            qkv_bias="blk.0.attn_q.bias" in tensors, dtype=dtype, arch=arch)
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
+    if "rope_freqs.weight" in tensors:
+        t = tensors["rope_freqs.weight"]
+        factors = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+        if factors.shape != (head_dim // 2,):
+            raise ModelLoadError(f"{source}: rope_freqs.weight has shape {factors.shape}, expected "
+                                 f"({head_dim // 2},)")
+        try:
+            cfg = cfg.replace(rope_scaling=_llama3_from_factors(factors, cfg))
+        except ValueError as e:
+            raise UnsupportedModelError(f"{source}: {e}") from e
+    if cfg.qkv_bias and arch != "qwen2":
+        raise UnsupportedModelError(f"{source}: q/k/v biases are only supported for qwen2")
+    return cfg
+
+
+def load_gguf_params(reader, cfg: llama.LlamaConfig, source: str) -> dict[str, Any]:
+    """Dequantise and map every tensor into the stacked `[in, out]` pytree (numpy float32).
+
+    Raises:
+      ModelLoadError: a tensor is missing, misshapen, or an output head does
+        not match the embedding; UnsupportedModelError: an unknown tensor.
+    """
+    import gguf
+
+    shapes = llama.param_shapes(cfg)
+    layers = {k: np.empty(s, np.float32) for k, s in shapes["layers"].items()}
+    filled: set[tuple[str, int]] = set()
+    params: dict[str, Any] = {"layers": layers}
+    permute = cfg.arch in ("llama", "mistral")
+
+    for t in reader.tensors:
+        name = t.name
+        try:
+            a = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"{source}: cannot dequantise tensor {name} "
+                                 f"({t.tensor_type.name}): {type(e).__name__}: {e}") from e
+        if name == "token_embd.weight":
+            params["embed"] = a
+        elif name == "output_norm.weight":
+            params["final_norm"] = a
+        elif name == "output.weight":
+            if a.shape != (cfg.vocab_size, cfg.dim):
+                raise ModelLoadError(
+                    f"{source}: output.weight has shape {a.shape}, expected "
+                    f"({cfg.vocab_size}, {cfg.dim}) to match token_embd.weight")
+            params["lm_head"] = a.T
+        elif name == "rope_freqs.weight":
+            continue
+        else:
+            m = _BLOCK_RE.match(name)
+            if not m or m.group(2) not in _LAYER_TENSORS:
+                raise UnsupportedModelError(f"{source}: unexpected tensor {name}; the model has no "
+                                            "place for it")
+            i, (key, matrix) = int(m.group(1)), _LAYER_TENSORS[m.group(2)]
+            if key not in layers or i >= cfg.n_layers:
+                raise UnsupportedModelError(f"{source}: unexpected tensor {name}")
+            if permute and key in ("wq", "bq"):
+                a = unpermute_rope_rows(a, cfg.n_heads)
+            elif permute and key in ("wk", "bk"):
+                a = unpermute_rope_rows(a, cfg.n_kv_heads)
+            if matrix:
+                a = a.T
+            if a.shape != layers[key].shape[1:]:
+                raise ModelLoadError(f"{source}: tensor {name} has shape {a.shape} after transposing "
+                                     f"to [in, out], expected {layers[key].shape[1:]}")
+            layers[key][i] = a
+            filled.add((key, i))
+    for key in layers:
+        for i in range(cfg.n_layers):
+            if (key, i) not in filled:
+                gguf_name = next(k for k, v in _LAYER_TENSORS.items() if v[0] == key)
+                raise ModelLoadError(f"{source}: missing tensor blk.{i}.{gguf_name}")
+    for key, gguf_name in (("embed", "token_embd.weight"), ("final_norm", "output_norm.weight")):
+        if key not in params:
+            raise ModelLoadError(f"{source}: missing tensor {gguf_name}")
+    try:
+        llama.check_params(cfg, params, source)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    return params
+
+
+def load_gguf(path: str | os.PathLike, *, dtype: str = "float32"):
+    """Load a GGUF checkpoint: config, dequantised parameters and tokenizer.
+
+    Args:
+      path: the `.gguf` file.
+      dtype: "float32" or "bfloat16" for the parameters.
+    Returns:
+      (cfg `LlamaConfig`, params pytree of numpy float32 `[in, out]` arrays,
+       tokenizer `CheckpointTokenizer`).
+    Raises:
+      ModelLoadError / UnsupportedModelError: see `read_gguf`,
+        `config_from_metadata`, `load_gguf_params`; every message names the file.
+    """
+    source = str(path)
+    reader, meta = read_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = config_from_metadata(meta, tensors, source, dtype=dtype)
+    tokenizer = CheckpointTokenizer.from_gguf_metadata(meta, source)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the "
+                             f"embedding only {cfg.vocab_size} rows")
+    params = load_gguf_params(reader, cfg, source)
+    return cfg, params, tokenizer

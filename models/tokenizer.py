@@ -1,0 +1,330 @@
+"""The checkpoint's own tokenizer, built with the `tokenizers` package.
+
+Two sources:
+
+* a GGUF file's `tokenizer.*` metadata (`tokenizer.ggml.tokens`, `merges`,
+  `token_type`, the special-token ids, `add_bos_token` and
+  `tokenizer.chat_template`): byte-level BPE (`tokenizer.ggml.model ==
+  "gpt2"`) with the pre-tokenizer named by `tokenizer.ggml.pre`, mirroring
+  llama.cpp's `llama-vocab.cpp` (e.g. `smollm` splits every digit, then the
+  GPT-2 regex);
+* a Hugging Face directory's `tokenizer.json` (+ `tokenizer_config.json` for
+  the chat template, the special tokens and `add_bos_token`, and
+  `generation_config.json` for extra stop ids).
+
+Chat templates are rendered with jinja2 the way `transformers` does
+(sandboxed, `trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+from typing import Any, Mapping, Sequence
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+from jaxsample.errors import ModelLoadError, UnsupportedModelError
+
+# llama.cpp token types (gguf.TokenType).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Tokens that end a turn or a text in the families we load; each one present
+# in the vocabulary as a special token is a default stop id.
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
+               "</s>", "<|end|>")
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# tokenizer.ggml.pre -> (pre-tokenizer factory, normalizer factory or None)
+_PRE_TOKENIZERS = {
+    **dict.fromkeys(("gpt2", "default", "mpt", "olmo", "jais"), "gpt2"),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r"), "digits+gpt2"),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"), "llama3"),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), "qwen2"),
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _pre_tokenizer(kind: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if kind == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if kind == "digits+gpt2":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    split = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}[kind]
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"), byte_level])
+
+
+class CheckpointTokenizer:
+    """A checkpoint's tokenizer; satisfies `jaxsample.lm.Tokenizer`.
+
+    Attributes:
+      vocab_size: number of token ids (base vocabulary and added tokens).
+      bos_token_id: the beginning-of-sequence id, or None.
+      eos_token_ids: default stop ids (end-of-turn and end-of-text), in order
+        of preference; the first is the checkpoint's declared EOS.
+      pad_token_id: the padding id (the checkpoint's, else the first stop id).
+      add_bos: `encode` prepends `bos_token_id` (GGUF `add_bos_token`, or
+        the Hugging Face post-processor's own rule).
+      chat_template: the checkpoint's jinja2 chat template, or None.
+      source: the file or directory the tokenizer came from (for messages).
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token_id: int | None,
+                 eos_token_ids: Sequence[int], pad_token_id: int | None, add_bos: bool,
+                 chat_template: str | None, source: str, use_post_processor: bool = False):
+        self._tok = tokenizer
+        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        if not self.eos_token_ids:
+            raise ModelLoadError(f"{source}: the tokenizer declares no end-of-sequence token")
+        self.pad_token_id = int(pad_token_id) if pad_token_id is not None else self.eos_token_ids[0]
+        self.add_bos = bool(add_bos) and bos_token_id is not None
+        self.chat_template = chat_template
+        self.source = source
+        self._use_post_processor = use_post_processor
+        self._template = None
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tok
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self._tok.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str:
+        return self._tok.id_to_token(self.eos_token_ids[0])
+
+    # -- the Tokenizer protocol ------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> token ids; special tokens written in the text (e.g. `<|im_start|>`) map to their ids.
+
+        A BOS is prepended when the checkpoint asks for one (and the text
+        does not already start with it, e.g. from a chat template).
+        """
+        ids = self._tok.encode(text, add_special_tokens=self._use_post_processor).ids
+        if self.add_bos and not self._use_post_processor and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text (byte-level pieces joined, invalid UTF-8 replaced by U+FFFD)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the checkpoint's template.
+
+        Raises:
+          ModelLoadError: the checkpoint has no chat template, or the template
+            fails to render (the message names the source).
+        """
+        if self.chat_template is None:
+            raise ModelLoadError(f"{self.source}: the checkpoint has no chat template; "
+                                 "pass raw prompts instead of messages")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template, self.source)
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token)
+        except jinja2.TemplateError as e:
+            raise ModelLoadError(f"{self.source}: chat template failed: {e}") from e
+
+    def __repr__(self):
+        return (f"CheckpointTokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
+                f"eos={self.eos_token_ids}, pad={self.pad_token_id}, add_bos={self.add_bos}, "
+                f"source={self.source!r})")
+
+    # -- constructors ----------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str) -> "CheckpointTokenizer":
+        """Build from a GGUF file's metadata.
+
+        Args:
+          meta: key -> Python value for the file's `tokenizer.*` keys
+            (`tokenizer.ggml.tokens` a list of str, `merges` a list of
+            "left right" str, `token_type` a list of int, ids as int).
+          source: the file, for messages.
+        Raises:
+          ModelLoadError: the vocabulary is missing or inconsistent.
+          UnsupportedModelError: a tokenizer model or pre-tokenizer we do not
+            implement (only byte-level BPE, `tokenizer.ggml.model == "gpt2"`).
+        """
+        model = meta.get("tokenizer.ggml.model")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ModelLoadError(f"{source}: no tokenizer.ggml.tokens (the file carries no vocabulary)")
+        if model != "gpt2":
+            raise UnsupportedModelError(
+                f"{source}: tokenizer.ggml.model = {model!r}; only byte-level BPE ('gpt2') is "
+                "supported (load the Hugging Face directory with its tokenizer.json instead)")
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        kind = _PRE_TOKENIZERS.get(pre)
+        if kind is None:
+            raise UnsupportedModelError(
+                f"{source}: tokenizer.ggml.pre = {pre!r} is not supported; known: "
+                f"{sorted(_PRE_TOKENIZERS)}")
+        merges = meta.get("tokenizer.ggml.merges")
+        if merges is None:
+            raise ModelLoadError(f"{source}: byte-level BPE vocabulary without tokenizer.ggml.merges")
+        types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        if len(types) != len(tokens):
+            raise ModelLoadError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
+
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {}
+        for i, tok in enumerate(tokens):
+            if not set(tok) <= alphabet:  # respell raw UTF-8 into the byte alphabet
+                tok = "".join(spelling[b] for b in tok.encode("utf-8"))
+            vocab.setdefault(tok, i)
+        try:
+            bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                             fuse_unk=False, ignore_merges=(kind == "llama3"))
+        except Exception as e:  # noqa: BLE001  (tokenizers raises bare Exceptions)
+            raise ModelLoadError(f"{source}: inconsistent BPE vocabulary/merges: {e}") from e
+        tok = tokenizers.Tokenizer(bpe)
+        if kind == "qwen2":
+            tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = _pre_tokenizer(kind)
+        tok.decoder = decoders.ByteLevel()
+        added = []
+        for i, (t, ty) in enumerate(zip(tokens, types)):
+            if ty in (_CONTROL, _USER_DEFINED) and vocab.get(t) == i:
+                added.append(tokenizers.AddedToken(t, special=(ty == _CONTROL), normalized=False))
+        tok.add_special_tokens([a for a in added if a.special])
+        tok.add_tokens([a for a in added if not a.special])
+
+        n = len(tokens)
+
+        def tid(key):
+            v = meta.get(f"tokenizer.ggml.{key}")
+            return int(v) if v is not None and 0 <= int(v) < n else None
+
+        bos, eos, pad = tid("bos_token_id"), tid("eos_token_id"), tid("padding_token_id")
+        stops = [i for i in (eos, tid("eot_token_id"), tid("eom_token_id")) if i is not None]
+        specials = {t for t, ty in zip(tokens, types) if ty == _CONTROL}
+        stops += [tok.token_to_id(t) for t in _END_TOKENS if t in specials]
+        return cls(tok, bos_token_id=bos, eos_token_ids=stops, pad_token_id=pad,
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=meta.get("tokenizer.chat_template"), source=source)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | pathlib.Path) -> "CheckpointTokenizer":
+        """Build from a Hugging Face directory (tokenizer.json + tokenizer_config.json).
+
+        Raises:
+          ModelLoadError: tokenizer.json is missing or unreadable, or a
+            special token named in tokenizer_config.json is not in it.
+        """
+        path = pathlib.Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise ModelLoadError(f"{path}: no tokenizer.json (needed to build the tokenizer)")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tj))
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"{tj}: cannot read tokenizer: {e}") from e
+        cfg = _read_json(path / "tokenizer_config.json") or {}
+        gen = _read_json(path / "generation_config.json") or {}
+        model_cfg = _read_json(path / "config.json") or {}
+
+        def token_id(key):
+            v = cfg.get(key)
+            if isinstance(v, dict):
+                v = v.get("content")
+            if v is None:
+                return None
+            i = tok.token_to_id(v)
+            if i is None:
+                raise ModelLoadError(f"{path / 'tokenizer_config.json'}: {key} {v!r} is not in tokenizer.json")
+            return i
+
+        def ids(v):
+            return [] if v is None else [int(x) for x in (v if isinstance(v, list) else [v])]
+
+        bos = token_id("bos_token")
+        if bos is None and model_cfg.get("bos_token_id") is not None:
+            bos = ids(model_cfg["bos_token_id"])[0]
+        eos = token_id("eos_token")
+        stops = ([eos] if eos is not None else []) + ids(gen.get("eos_token_id")) + ids(
+            model_cfg.get("eos_token_id"))
+        specials = {a.content for a in tok.get_added_tokens_decoder().values() if a.special}
+        stops += [tok.token_to_id(t) for t in _END_TOKENS if t in specials]
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(tok, bos_token_id=bos, eos_token_ids=stops, pad_token_id=token_id("pad_token"),
+                   add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template,
+                   source=str(path), use_post_processor=True)
+
+
+def _read_json(path: pathlib.Path):
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON: {e}") from e
+
+
+def _compile_template(source_text: str, source: str) -> jinja2.Template:
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    try:
+        return env.from_string(source_text)
+    except jinja2.TemplateError as e:
+        raise ModelLoadError(f"{source}: chat template does not compile: {e}") from e
