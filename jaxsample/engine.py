@@ -3,14 +3,14 @@
 Data flow of one request (letters: see models/llama.py):
 
     prompts --tokenizer--> tokens [B, P] (right-padded to a bucket) + lengths [B]
-      --prefill (jit, once per prompt)--> PrefixCache k, v [L, B, P, K, D]
+      --prefill (jit, once per prompt)--> PrefixCache k, v [L, B, K, P, D]
                                           last-position logits [B, V]
       --decode (jit, one lax.while_loop)--> per step, the one-branch step is
             vmapped over the N branches (axis_name="branch") with the prefix
             cache passed with in_axes=None: XLA turns the prefix half of the
             attention into one batched matmul that reads the prefix K/V once
             for all branches. Each branch owns its tail: TailCache k, v
-            [B, N, L, T, K, D]. Prefix and tail partial attentions are merged
+            [B, N, L, K, T, D]. Prefix and tail partial attentions are merged
             by log-sum-exp (Hydragen, arXiv 2402.05099; FlashInfer cascade).
       --> Generation (host): tokens/logprobs [B, N, T], lengths [B, N], texts, bill.
 
@@ -55,7 +55,9 @@ MAX_STOP_IDS = 16  # stop ids are a fixed-size traced array (padded with -1)
 class PrefixCache(NamedTuple):
     """The prompts' KV cache, stored once (no branch axis).
 
-    k, v: `[L, B, P, K, D]` in the model dtype; positions `>= lengths[b]` are padding.
+    k, v: `[L, B, K, P, D]` in the model dtype (kv-head-major, the layout the
+      attention matmuls read without a transpose); positions `>= lengths[b]`
+      are padding.
     lengths: `[B]` int32 prompt lengths.
     """
 
@@ -72,7 +74,7 @@ class DecodeState(NamedTuple):
     tokens: `[B, N, T]` int32; logprobs: `[B, N, T]` float32.
     lengths: `[B, N]` int32 tokens generated so far (stop token included).
     done: `[B, N]` bool; stopped: `[B, N]` bool (ended by a stop token).
-    tail_k, tail_v: `[B, N, L, T, K, D]` the branches' own KV (TailCache).
+    tail_k, tail_v: `[B, N, L, K, T, D]` the branches' own KV (TailCache).
     """
 
     t: jax.Array
@@ -153,7 +155,7 @@ def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Arra
       tokens: `[B, P]` int32, right-padded; lengths: `[B]` int32, each >= 1.
       post_layer, bridge_params: the optional Bridge hook and its `[L, ...]` params.
     Returns:
-      (PrefixCache with k, v `[L, B, P, K, D]`, last-position logits `[B, V]` float32).
+      (PrefixCache with k, v `[L, B, K, P, D]`, last-position logits `[B, V]` float32).
     """
 
     def one(toks, length):
@@ -163,7 +165,8 @@ def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Arra
                                      lambda _: llama.causal_attend(length),
                                      post_layer=post_layer, post_xs=bridge_params)
         last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
-        return llama.logits(cfg, params, last), k, v
+        # [L, P, K, D] -> [L, K, P, D], once per prompt.
+        return llama.logits(cfg, params, last), k.swapaxes(1, 2), v.swapaxes(1, 2)
 
     logits, k, v = jax.vmap(one, out_axes=(0, 1, 1))(tokens, lengths)
     return PrefixCache(k, v, lengths), logits
@@ -180,15 +183,15 @@ def _branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, po
     Args:
       token: `[]` int32 the token to feed; position: `[]` int32 its position.
       t: `[]` int32 its index in the tail (tail slots `< t` are valid).
-      pk, pv: `[L, P, K, D]` the shared prefix (unbatched over branches).
+      pk, pv: `[L, K, P, D]` the shared prefix (unbatched over branches).
       prefix_len: `[]` int32 valid prefix positions.
-      tk, tv: `[L, T, K, D]` this branch's tail.
+      tk, tv: `[L, K, T, D]` this branch's tail.
       post_layer, bridge_params: the optional Bridge hook (collectives over the
         branch axes) and its `[L, ...]` params.
     Returns:
       (logits `[V]` float32, new k `[L, K, D]`, new v `[L, K, D]`).
     """
-    P, T = pk.shape[1], tk.shape[1]
+    P, T = pk.shape[2], tk.shape[2]
     prefix_mask = (jnp.arange(P) < prefix_len)[None, :]
     tail_mask = (jnp.arange(T) < t)[None, :]
     self_mask = jnp.ones((1, 1), bool)
@@ -200,7 +203,7 @@ def _branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, po
             out = llama.merge_attention([
                 llama.partial_attention(q, lpk, lpv, prefix_mask),
                 llama.partial_attention(q, ltk, ltv, tail_mask),
-                llama.partial_attention(q, k, v, self_mask),
+                llama.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask),
             ])
             return out.astype(q.dtype)
 
@@ -218,7 +221,7 @@ def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, k
     """Run the decode `lax.while_loop` until every branch is done or the budget is spent.
 
     Args:
-      prefix: the rows' PrefixCache (`[L, R, P, K, D]`).
+      prefix: the rows' PrefixCache (`[L, R, K, P, D]`).
       state: the initial DecodeState (`[R, N, ...]`).
       prompt_index: `[R]` int32 global prompt index of each row (for keys).
       branch_base: `[R]` int32 global index of each row's first branch.
@@ -271,8 +274,8 @@ def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, k
             logits, k, v = step_rows(tok, positions, s.t, prefix.k, prefix.v, prefix.lengths,
                                      s.tail_k, s.tail_v, ~done)
             # k, v: [R, N, L, K, D] -> tail slot t (t < t_cap: guaranteed by the host check).
-            tail_k = jax.lax.dynamic_update_index_in_dim(s.tail_k, k, s.t, axis=3)
-            tail_v = jax.lax.dynamic_update_index_in_dim(s.tail_v, v, s.t, axis=3)
+            tail_k = jax.lax.dynamic_update_index_in_dim(s.tail_k, k, s.t, axis=4)
+            tail_v = jax.lax.dynamic_update_index_in_dim(s.tail_v, v, s.t, axis=4)
             return logits, tail_k, tail_v
 
         def skip(_):
@@ -289,7 +292,7 @@ def init_state(st: _Static, last_logits: jax.Array) -> DecodeState:
     """Fresh decode buffers for R rows of N branches; last_logits `[R, V]`."""
     cfg = st.cfg
     R, N, T = last_logits.shape[0], st.n, st.t_cap
-    tail = jnp.zeros((R, N, cfg.n_layers, T, cfg.n_kv_heads, cfg.head_dim), cfg.jnp_dtype)
+    tail = jnp.zeros((R, N, cfg.n_layers, cfg.n_kv_heads, T, cfg.head_dim), cfg.jnp_dtype)
     return DecodeState(
         t=jnp.zeros((), jnp.int32),
         logits=jnp.broadcast_to(last_logits[:, None], (R, N, last_logits.shape[-1])),

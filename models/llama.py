@@ -297,26 +297,34 @@ def logits(cfg: LlamaConfig, params: Params, x: jax.Array) -> jax.Array:
 def partial_attention(q, k, v, mask):
     """Un-normalised attention over one segment of keys (for log-sum-exp merges).
 
+    Keys and values are in kv-head-major layout `[K, M, D]` (the KV caches'
+    layout), so both products are canonical batched matmuls with K as the
+    batch dimension and no transpose of the cache is ever needed.
+
     Args:
-      q: `[S, H, D]`; k, v: `[M, K, D]`; mask: `[S, M]` bool (True = may attend).
+      q: `[S, H, D]`; k, v: `[K, M, D]`; mask: `[S, M]` bool (True = may attend).
     Returns:
       (out `[S, H, D]` float32 normalised within the segment,
        lse `[S, H]` float32 log-sum-exp of the segment's scores, -inf where
        the segment has no visible key).
     """
     S, H, D = q.shape
-    K = k.shape[1]
-    qg = q.reshape(S, K, H // K, D)
-    scores = jnp.einsum("skgd,mkd->skgm", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(D))
-    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+    K, M = k.shape[0], k.shape[1]
+    G = H // K
+    # [S, H, D] -> [K, G*S, D]: query heads sharing a kv head are one matmul's rows.
+    qg = q.reshape(S, K, G, D).transpose(1, 2, 0, 3).reshape(K, G * S, D)
+    qg = qg * jnp.asarray(1.0 / math.sqrt(D), qg.dtype)
+    scores = jnp.einsum("kqd,kmd->kqm", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[None, None], scores.reshape(K, G, S, M), -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(scores - m_safe)  # exactly 0 at masked keys
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("skgm,mkd->skgd", p, v.astype(jnp.float32)) / jnp.where(denom > 0, denom, 1.0)
-    lse = jnp.where(denom > 0, jnp.log(jnp.where(denom > 0, denom, 1.0)) + m_safe, -jnp.inf)
-    return out.reshape(S, H, D), lse.reshape(S, H)
+    denom = jnp.sum(p, axis=-1, keepdims=True)  # [K, G, S, 1]
+    out = jnp.einsum("kqm,kmd->kqd", p.reshape(K, G * S, M), v.astype(jnp.float32))
+    safe = jnp.where(denom > 0, denom, 1.0)
+    out = out.reshape(K, G, S, D) / safe
+    lse = jnp.where(denom > 0, jnp.log(safe) + m_safe, -jnp.inf)[..., 0]  # [K, G, S]
+    return out.transpose(2, 0, 1, 3).reshape(S, H, D), lse.transpose(2, 0, 1).reshape(S, H)
 
 
 def merge_attention(parts):
@@ -343,7 +351,7 @@ def causal_attend(valid_len: jax.Array | None = None) -> AttendFn:
         mask = pos[None, :] <= pos[:, None]
         if valid_len is not None:
             mask = mask & (pos[None, :] < valid_len)
-        out, _ = partial_attention(q, k, v, mask)
+        out, _ = partial_attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), mask)
         return out.astype(q.dtype)
 
     return attend
