@@ -1,0 +1,228 @@
+"""Bridge: optional cross-branch layers that let N parallel generations talk.
+
+From "Generalized Parallel Scaling with Interdependent Generations" (Dong et
+al., arXiv 2510.01143). After a transformer block's feed-forward, a residual
+block mixes the hidden states of the N branches of the same prompt at the
+same token position:
+
+    h <- h + gate_l * W_O . Attn_over_branches(RMSNorm(h))
+
+Letters as in models/llama.py; Bridge-only letters:
+
+    d  the Bridge's inner width (`BridgeConfig.dim`)
+    h  Bridge heads (`BridgeConfig.n_heads`), c = d / h the Bridge head dim
+
+Properties (each is tested in tests/test_bridge.py):
+
+- Attention runs over the branches only, at one position (an N x N attention
+  per position): no KV cache, no position encoding on the branch axis, so the
+  block is permutation-equivariant in the branches and runs at any width N.
+- Finished branches are masked as keys (a branch stops influencing the others
+  once it has emitted its stop token). A query always sees itself, so the
+  softmax is never empty and never produces NaN.
+- Other prompts' branches are never in the attention: prompts are an outer
+  `vmap` and the gather (`jaxsample.sharding.gather_branches`) runs over the
+  branch axes only.
+- `W_O` starts at zero, so an untrained Bridge is exactly the base model.
+- Layers that are not selected by `BridgeConfig.layers` are exact no-ops: each
+  layer carries a 0/1 `gate` (not trained: it sits behind `stop_gradient`),
+  and an unselected layer adds `0 * y` (y is always finite) to h. The block
+  is still computed there (the layer scan needs one body for all layers); if
+  you select few layers and care about that compute, use a narrow `dim`.
+
+Parameters (`Bridge.params`, every leaf stacked over L so the engine's
+`lax.scan` over layers slices them; float32 whatever the model dtype):
+
+    norm [L, E]   wq, wk, wv [L, E, d]   wo [L, d, E] (zeros at init)   gate [L]
+
+`BridgeConfig.cross_branch=False` is the paper's control: the same block and
+parameter count with attention restricted to the branch itself (the block
+becomes a per-token adapter `h + W_O W_V norm(h)`, no cross-branch signal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxsample.sharding import branch_index, gather_branches
+from models import llama
+
+__all__ = ["BridgeConfig", "Bridge", "init", "apply_block", "param_count", "param_fraction",
+           "zeros_like_output"]
+
+_MASKED = -1e30  # score of a masked key: exp(_MASKED - max) is exactly 0 in float32
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BridgeConfig:
+    """Shape of the Bridge blocks (frozen and hashable: part of the compiled program's key).
+
+    Attributes:
+      dim: d, the inner width of the cross-branch attention (q/k/v width).
+      n_heads: h, heads of the cross-branch attention; must divide `dim`.
+      layers: indices of the blocks followed by a Bridge block; None = every
+        block (the paper's default). Unselected layers are exact no-ops.
+      cross_branch: True attends over the branches; False restricts each branch
+        to itself (the control with the same parameters and no communication).
+      norm_eps: epsilon of the block's RMSNorm.
+    """
+
+    dim: int = 64
+    n_heads: int = 2
+    layers: tuple[int, ...] | None = None
+    cross_branch: bool = True
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if not isinstance(self.dim, (int, np.integer)) or self.dim < 1:
+            raise ValueError(f"BridgeConfig.dim must be a positive integer, got {self.dim!r}")
+        if not isinstance(self.n_heads, (int, np.integer)) or self.n_heads < 1 or self.dim % self.n_heads:
+            raise ValueError(f"BridgeConfig.n_heads ({self.n_heads!r}) must be a positive "
+                             f"divisor of dim ({self.dim})")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(sorted({int(i) for i in self.layers})))
+
+    def gates(self, n_layers: int) -> np.ndarray:
+        """`[L]` float32: 1 at selected layers, 0 elsewhere.
+
+        Raises:
+          ValueError: a selected layer index outside [0, n_layers).
+        """
+        if self.layers is None:
+            return np.ones((n_layers,), np.float32)
+        bad = [i for i in self.layers if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"BridgeConfig.layers {bad} out of range for a {n_layers}-layer model")
+        g = np.zeros((n_layers,), np.float32)
+        g[list(self.layers)] = 1.0
+        return g
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (for checkpoints)."""
+        d = dataclasses.asdict(self)
+        d["layers"] = None if self.layers is None else list(self.layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BridgeConfig":
+        d = dict(d)
+        if d.get("layers") is not None:
+            d["layers"] = tuple(d["layers"])
+        return cls(**d)
+
+
+@struct.dataclass
+class Bridge:
+    """A Bridge: its config (static) and its parameters (a pytree, leaves `[L, ...]`).
+
+    Pass it to `jaxsample.engine.generate(..., bridge=bridge)`.
+    """
+
+    config: BridgeConfig = struct.field(pytree_node=False)
+    params: dict[str, jax.Array]
+
+    def replace_params(self, params) -> "Bridge":
+        return Bridge(config=self.config, params=params)
+
+
+def init(lm, config: BridgeConfig | None = None, key: jax.Array | None = None) -> Bridge:
+    """Fresh Bridge parameters for a model: exactly the base model until trained.
+
+    Args:
+      lm: a `LanguageModel` (or anything with a `.config` `LlamaConfig`).
+      config: the `BridgeConfig` (default `BridgeConfig()`).
+      key: PRNG key for wq/wk/wv (normal, std 1/sqrt(E)); default key(0).
+    Returns:
+      A `Bridge` with float32 params `norm [L, E]` (ones), `wq, wk, wv [L, E, d]`,
+      `wo [L, d, E]` (zeros) and `gate [L]` (0/1).
+    Raises:
+      ValueError: a selected layer outside the model.
+    """
+    config = BridgeConfig() if config is None else config
+    key = jax.random.key(0) if key is None else key
+    cfg: llama.LlamaConfig = lm.config
+    L, E, d = cfg.n_layers, cfg.dim, config.dim
+    kq, kk, kv = jax.random.split(key, 3)
+    std = 1.0 / math.sqrt(E)
+    params = {
+        "norm": jnp.ones((L, E), jnp.float32),
+        "wq": std * jax.random.normal(kq, (L, E, d), jnp.float32),
+        "wk": std * jax.random.normal(kk, (L, E, d), jnp.float32),
+        "wv": std * jax.random.normal(kv, (L, E, d), jnp.float32),
+        "wo": jnp.zeros((L, d, E), jnp.float32),
+        "gate": jnp.asarray(config.gates(L)),
+    }
+    return Bridge(config=config, params=params)
+
+
+def apply_block(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[str]) -> jax.Array:
+    """One Bridge block after one transformer block, for one branch.
+
+    Called by the engine (`_Static.post_layer`) and by the training forward
+    (`jaxsample.bridge_train.group_forward`) inside the branch vmap.
+
+    Args:
+      config: the `BridgeConfig`.
+      p_l: one layer's slice of `Bridge.params` (`norm [E]`, `wq/wk/wv [E, d]`,
+        `wo [d, E]`, `gate []`).
+      x: `[S, E]` this branch's hidden states (model dtype).
+      alive: bool `[]` or `[S]`: this branch is not finished (per position in
+        teacher-forced training). Dead branches are masked as keys; a query
+        always sees its own branch.
+      axes: branch axis names, innermost first: `()` = this branch alone
+        (prefill: all branches are identical there), `("branch",)` unsharded,
+        `("branch_local", "branch")` under shard_map.
+    Returns:
+      `[S, E]`, same dtype as x: `x + gate * W_O . Attn_over_branches(RMSNorm(x))`.
+    """
+    S, E = x.shape
+    hb, d = config.n_heads, config.dim
+    c = d // hb
+    h = llama.rms_norm(x.astype(jnp.float32), p_l["norm"], config.norm_eps)
+    q = (h @ p_l["wq"]).reshape(S, hb, c)
+    v = (h @ p_l["wv"]).reshape(S, hb, c)
+    if config.cross_branch and axes:
+        k = (h @ p_l["wk"]).reshape(S, hb, c)
+        ks = gather_branches(k, axes)  # [N, S, h, c]
+        vs = gather_branches(v, axes)
+        N = ks.shape[0]
+        al = gather_branches(jnp.broadcast_to(jnp.asarray(alive, bool), (S,)), axes)  # [N, S]
+        me = jnp.arange(N) == branch_index(axes)  # [N]
+        visible = (al | me[:, None]).T  # [S, N]
+        scores = jnp.einsum("shc,nshc->shn", q, ks) * (1.0 / math.sqrt(c))
+        scores = jnp.where(visible[:, None, :], scores, _MASKED)
+        w = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("shn,nshc->shc", w, vs)
+    else:
+        # One visible key (the branch itself): softmax weight 1, output = v.
+        # With all branches identical (prefill), attention over N copies equals this.
+        out = v
+    y = out.reshape(S, d) @ p_l["wo"]
+    gate = jax.lax.stop_gradient(p_l["gate"])
+    return x + (gate * y).astype(x.dtype)
+
+
+def param_count(bridge: Bridge) -> int:
+    """New trainable parameters: norm, wq, wk, wv, wo of the selected layers (gates excluded)."""
+    p = bridge.params
+    n_sel = int(bridge.config.gates(p["wo"].shape[0]).sum())  # works on abstract shapes too
+    per_layer = sum(int(np.prod(p[name].shape[1:])) for name in ("norm", "wq", "wk", "wv", "wo"))
+    return n_sel * per_layer
+
+
+def param_fraction(bridge: Bridge, base_params) -> float:
+    """`param_count(bridge)` / the number of parameters of the base model."""
+    base = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(base_params))
+    return param_count(bridge) / base
+
+
+def zeros_like_output(bridge: Bridge) -> Bridge:
+    """The same Bridge with W_O zeroed: exactly the base model again."""
+    return bridge.replace_params(dict(bridge.params, wo=jnp.zeros_like(bridge.params["wo"])))
