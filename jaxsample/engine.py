@@ -3,14 +3,14 @@
 Data flow of one request (letters: see models/llama.py):
 
     prompts --tokenizer--> tokens [B, P] (right-padded to a bucket) + lengths [B]
-      --prefill (jit, once per prompt)--> PrefixCache k, v [L, B, K, P, D]
+      --prefill (jit, once per prompt)--> PrefixCache k, v L x [B, K, P, D]
                                           last-position logits [B, V]
       --decode (jit, one lax.while_loop)--> per step, the one-branch step is
             vmapped over the N branches (axis_name="branch") with the prefix
             cache passed with in_axes=None: XLA turns the prefix half of the
             attention into one batched matmul that reads the prefix K/V once
             for all branches. Each branch owns its tail: TailCache k, v
-            [B, N, L, K, T, D]. Prefix and tail partial attentions are merged
+            L x [B, N, K, T, D]. Prefix and tail partial attentions are merged
             by log-sum-exp (Hydragen, arXiv 2402.05099; FlashInfer cascade).
       --> Generation (host): tokens/logprobs [B, N, T], lengths [B, N], texts, bill.
 
@@ -32,6 +32,7 @@ import functools
 import math
 import secrets
 import time
+import weakref
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -55,9 +56,10 @@ MAX_STOP_IDS = 16  # stop ids are a fixed-size traced array (padded with -1)
 class PrefixCache(NamedTuple):
     """The prompts' KV cache, stored once (no branch axis).
 
-    k, v: `[L, B, K, P, D]` in the model dtype (kv-head-major, the layout the
-      attention matmuls read without a transpose); positions `>= lengths[b]`
-      are padding.
+    k, v: tuples of L arrays `[B, K, P, D]` in the model dtype (per layer, so
+      the unrolled layer loop reads each layer's cache without a slice copy;
+      kv-head-major, the layout the attention matmuls read without a
+      transpose); positions `>= lengths[b]` are padding.
     lengths: `[B]` int32 prompt lengths.
     """
 
@@ -74,7 +76,8 @@ class DecodeState(NamedTuple):
     tokens: `[B, N, T]` int32; logprobs: `[B, N, T]` float32.
     lengths: `[B, N]` int32 tokens generated so far (stop token included).
     done: `[B, N]` bool; stopped: `[B, N]` bool (ended by a stop token).
-    tail_k, tail_v: `[B, N, L, K, T, D]` the branches' own KV (TailCache).
+    tail_k, tail_v: tuples of L arrays `[B, N, K, T, D]`, the branches' own KV
+      (TailCache).
     """
 
     t: jax.Array
@@ -155,7 +158,7 @@ def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Arra
       tokens: `[B, P]` int32, right-padded; lengths: `[B]` int32, each >= 1.
       post_layer, bridge_params: the optional Bridge hook and its `[L, ...]` params.
     Returns:
-      (PrefixCache with k, v `[L, B, K, P, D]`, last-position logits `[B, V]` float32).
+      (PrefixCache with k, v L x `[B, K, P, D]`, last-position logits `[B, V]` float32).
     """
 
     def one(toks, length):
@@ -165,10 +168,11 @@ def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Arra
                                      lambda _: llama.causal_attend(length),
                                      post_layer=post_layer, post_xs=bridge_params)
         last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
-        # [L, P, K, D] -> [L, K, P, D], once per prompt.
-        return llama.logits(cfg, params, last), k.swapaxes(1, 2), v.swapaxes(1, 2)
+        # L x [P, K, D] -> L x [K, P, D], once per prompt.
+        return (llama.logits(cfg, params, last), tuple(a.swapaxes(0, 1) for a in k),
+                tuple(a.swapaxes(0, 1) for a in v))
 
-    logits, k, v = jax.vmap(one, out_axes=(0, 1, 1))(tokens, lengths)
+    logits, k, v = jax.vmap(one)(tokens, lengths)
     return PrefixCache(k, v, lengths), logits
 
 
@@ -183,15 +187,15 @@ def _branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, po
     Args:
       token: `[]` int32 the token to feed; position: `[]` int32 its position.
       t: `[]` int32 its index in the tail (tail slots `< t` are valid).
-      pk, pv: `[L, K, P, D]` the shared prefix (unbatched over branches).
+      pk, pv: L x `[K, P, D]` the shared prefix (unbatched over branches).
       prefix_len: `[]` int32 valid prefix positions.
-      tk, tv: `[L, K, T, D]` this branch's tail.
+      tk, tv: L x `[K, T, D]` this branch's tail.
       post_layer, bridge_params: the optional Bridge hook (collectives over the
         branch axes) and its `[L, ...]` params.
     Returns:
-      (logits `[V]` float32, new k `[L, K, D]`, new v `[L, K, D]`).
+      (logits `[V]` float32, new k L x `[K, D]`, new v L x `[K, D]`).
     """
-    P, T = pk.shape[2], tk.shape[2]
+    P, T = pk[0].shape[1], tk[0].shape[1]
     prefix_mask = (jnp.arange(P) < prefix_len)[None, :]
     tail_mask = (jnp.arange(T) < t)[None, :]
     self_mask = jnp.ones((1, 1), bool)
@@ -211,8 +215,8 @@ def _branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, po
 
     x = llama.embed(params, token[None])
     x, (k, v) = llama.run_layers(cfg, params, x, position[None], attend_for_layer,
-                                 (pk, pv, tk, tv), post_layer, bridge_params)
-    return llama.logits(cfg, params, x[0]), k[:, 0], v[:, 0]
+                                 list(zip(pk, pv, tk, tv)), post_layer, bridge_params)
+    return llama.logits(cfg, params, x[0]), [a[0] for a in k], [a[0] for a in v]
 
 
 def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, knobs: Knobs,
@@ -221,7 +225,8 @@ def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, k
     """Run the decode `lax.while_loop` until every branch is done or the budget is spent.
 
     Args:
-      prefix: the rows' PrefixCache (`[L, R, K, P, D]`).
+      params: model parameters in the list layout (`llama.unstack_layers`).
+      prefix: the rows' PrefixCache (L x `[R, K, P, D]`).
       state: the initial DecodeState (`[R, N, ...]`).
       prompt_index: `[R]` int32 global prompt index of each row (for keys).
       branch_base: `[R]` int32 global index of each row's first branch.
@@ -244,7 +249,7 @@ def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, k
 
     step_branches = jax.vmap(one_branch, in_axes=(0, None, None, None, None, None, 0, 0, 0),
                              axis_name=st.branch_axis)
-    step_rows = jax.vmap(step_branches, in_axes=(0, 0, None, 1, 1, 0, 0, 0, 0))
+    step_rows = jax.vmap(step_branches, in_axes=(0, 0, None, 0, 0, 0, 0, 0, 0))
 
     def all_done(done):
         flag = jnp.all(done).astype(jnp.int32)
@@ -273,9 +278,11 @@ def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, k
             # A branch that just stopped no longer influences the others (Bridge).
             logits, k, v = step_rows(tok, positions, s.t, prefix.k, prefix.v, prefix.lengths,
                                      s.tail_k, s.tail_v, ~done)
-            # k, v: [R, N, L, K, D] -> tail slot t (t < t_cap: guaranteed by the host check).
-            tail_k = jax.lax.dynamic_update_index_in_dim(s.tail_k, k, s.t, axis=4)
-            tail_v = jax.lax.dynamic_update_index_in_dim(s.tail_v, v, s.t, axis=4)
+            # k, v: L x [R, N, K, D] -> tail slot t (t < t_cap: guaranteed by the host check).
+            tail_k = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t, axis=3)
+                           for c, a in zip(s.tail_k, k))
+            tail_v = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t, axis=3)
+                           for c, a in zip(s.tail_v, v))
             return logits, tail_k, tail_v
 
         def skip(_):
@@ -292,7 +299,8 @@ def init_state(st: _Static, last_logits: jax.Array) -> DecodeState:
     """Fresh decode buffers for R rows of N branches; last_logits `[R, V]`."""
     cfg = st.cfg
     R, N, T = last_logits.shape[0], st.n, st.t_cap
-    tail = jnp.zeros((R, N, cfg.n_layers, cfg.n_kv_heads, T, cfg.head_dim), cfg.jnp_dtype)
+    tail = tuple(jnp.zeros((R, N, cfg.n_kv_heads, T, cfg.head_dim), cfg.jnp_dtype)
+                 for _ in range(cfg.n_layers))
     return DecodeState(
         t=jnp.zeros((), jnp.int32),
         logits=jnp.broadcast_to(last_logits[:, None], (R, N, last_logits.shape[-1])),
@@ -341,7 +349,7 @@ def _mesh_programs(st: _Static, mesh, data_axis: str | None):
         from jax.experimental.shard_map import shard_map  # type: ignore
     d = data_axis
     row_spec = Ps(d)
-    prefix_spec = PrefixCache(Ps(None, d), Ps(None, d), Ps(d))
+    prefix_spec = PrefixCache(Ps(d), Ps(d), Ps(d))
     state_spec = DecodeState(
         t=Ps(), logits=Ps(d, BRANCH_AXIS), tokens=Ps(d, BRANCH_AXIS),
         logprobs=Ps(d, BRANCH_AXIS), lengths=Ps(d, BRANCH_AXIS), done=Ps(d, BRANCH_AXIS),
@@ -367,6 +375,22 @@ def _mesh_programs(st: _Static, mesh, data_axis: str | None):
 
 # ---------------------------------------------------------------------------
 # Host API
+
+
+_SERVING: "weakref.WeakKeyDictionary[LanguageModel, Any]" = weakref.WeakKeyDictionary()
+
+
+def serving_params(lm: LanguageModel):
+    """The model's parameters in the list layout (one dict per layer), made once per model.
+
+    `jaxsample.load` already returns this layout; stacked parameters (random
+    test models) are split once here and cached for the model's lifetime.
+    """
+    if isinstance(lm.params["layers"], (list, tuple)):
+        return lm.params
+    if lm not in _SERVING:
+        _SERVING[lm] = llama.unstack_layers(lm.params)
+    return _SERVING[lm]
 
 
 def _encode_prompts(lm: LanguageModel, prompts, chat: bool):
@@ -452,6 +476,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     if params.seed is None:
         params = params.replace(seed=secrets.randbits(31))
     cfg = lm.config
+    model_params = serving_params(lm)
     ids, texts = _encode_prompts(lm, prompts, chat)
     B, N, T = len(ids), params.n, params.max_new_tokens
     for i, toks in enumerate(ids):
@@ -498,7 +523,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     timings = {"compile": 0.0}
 
     if mesh is None:
-        args_p = (lm.params, jnp.asarray(tokens), jnp.asarray(lengths), bridge_params)
+        args_p = (model_params, jnp.asarray(tokens), jnp.asarray(lengths), bridge_params)
         prog, dt = PROGRAMS.get(
             ("prefill", cfg, bridge_cfg),
             lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b), args_p)
@@ -509,7 +534,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         init, dt = PROGRAMS.get(("init", st), functools.partial(init_state, st), (last,))
         timings["compile"] += dt
         state = init(last)
-        args_d = (lm.params, prefix, state, knobs, jnp.asarray(prompt_index),
+        args_d = (model_params, prefix, state, knobs, jnp.asarray(prompt_index),
                   jnp.asarray(branch_base), bridge_params)
         prog, dt = PROGRAMS.get(("decode", st), functools.partial(_decode_loop, st), args_d,
                                 donate=(2,))
@@ -522,7 +547,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         from jax.sharding import NamedSharding, PartitionSpec as Ps
 
         rows_sh, rep = NamedSharding(mesh, Ps(data_axis)), NamedSharding(mesh, Ps())
-        args = (_put(lm.params, rep), _put(tokens, rows_sh), _put(lengths, rows_sh),
+        args = (_put(model_params, rep), _put(tokens, rows_sh), _put(lengths, rows_sh),
                 _put(knobs, rep), _put(prompt_index, rows_sh), _put(branch_base, rows_sh),
                 _put(bridge_params, rep))
         prog, dt = PROGRAMS.get(("mesh", st, mesh, data_axis), fn, args)
@@ -537,8 +562,8 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     lp = _host(state.logprobs)[:R, :, :T]
     lens = _host(state.lengths)[:R]
     stopped = _host(state.stopped)[:R]
-    prefix_bytes = int(prefix.k.nbytes + prefix.v.nbytes)
-    tail_bytes = int(state.tail_k.nbytes + state.tail_v.nbytes)
+    prefix_bytes = sum(int(a.nbytes) for a in prefix.k + prefix.v)
+    tail_bytes = sum(int(a.nbytes) for a in state.tail_k + state.tail_v)
     del state, prefix
     if naive:  # rows were (prompt, branch) copies
         tok, lp = tok.reshape(B, N, T), lp.reshape(B, N, T)

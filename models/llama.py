@@ -167,9 +167,18 @@ def param_shapes(cfg: LlamaConfig) -> Params:
 
 
 def check_params(cfg: LlamaConfig, params: Params, source: str = "params") -> None:
-    """Raises ValueError naming the first missing, unexpected or misshapen tensor."""
+    """Raises ValueError naming the first missing, unexpected or misshapen tensor.
+
+    Accepts both the stacked and the list layout of `params["layers"]`.
+    """
+    shapes = param_shapes(cfg)
+    if isinstance(params.get("layers"), (list, tuple)):
+        if len(params["layers"]) != cfg.n_layers:
+            raise ValueError(f"{source}: {len(params['layers'])} layers, expected {cfg.n_layers}")
+        shapes["layers"] = [{k: s[1:] for k, s in shapes["layers"].items()}
+                            for _ in range(cfg.n_layers)]
     want = jax.tree_util.tree_flatten_with_path(
-        param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple))[0]
+        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]
     want = {jax.tree_util.keystr(p): s for p, s in want}
     have = {jax.tree_util.keystr(p): tuple(a.shape)
             for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -363,19 +372,39 @@ def causal_attend(valid_len: jax.Array | None = None) -> AttendFn:
 
 def run_layers(cfg: LlamaConfig, params: Params, x, positions, attend_for_layer, layer_xs=None,
                post_layer=None, post_xs=None):
-    """Scan the decoder blocks.
+    """Run the decoder blocks.
+
+    Two parameter layouts are accepted (see `unstack_layers`): `params["layers"]`
+    as a dict of arrays stacked over L (run with one `lax.scan`; compact
+    programs, the loaders' layout) or as a list of L per-layer dicts (run as
+    an unrolled Python loop; the serving layout: on CPU a scan slices every
+    weight out of the stacked array with a copy per step, which made a
+    SmolLM2 decode step 3x slower).
 
     Args:
       x: `[S, E]`; positions: `[S]`.
       attend_for_layer: `f(layer_xs_l) -> AttendFn`, builds layer l's attention
         from that layer's slice of `layer_xs` (e.g. its KV cache).
-      layer_xs: a pytree with leading axis L, or None.
+      layer_xs: per-layer inputs: a sequence of L items (list layout) or a
+        pytree with leading axis L (stacked layout), or None.
       post_layer: optional `f(x [S, E], post_xs_l) -> x [S, E]` applied after each
         block (Bridge layers, arXiv 2510.01143, hook in here).
       post_xs: a pytree with leading axis L for `post_layer`, or None.
     Returns:
-      (x `[S, E]`, (k `[L, S, K, D]`, v `[L, S, K, D]`)).
+      (x `[S, E]`, (k, v)): with stacked params k, v are `[L, S, K, D]`; with
+      list params they are lists of L arrays `[S, K, D]`.
     """
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        ks, vs = [], []
+        for l, lp in enumerate(layers):
+            lx = None if layer_xs is None else layer_xs[l]
+            x, (k, v) = layer(cfg, lp, x, positions, attend_for_layer(lx))
+            if post_layer is not None:
+                x = post_layer(x, jax.tree_util.tree_map(lambda a: a[l], post_xs))
+            ks.append(k)
+            vs.append(v)
+        return x, (ks, vs)
 
     def body(x, xs):
         lp, lx, px = xs
@@ -384,11 +413,35 @@ def run_layers(cfg: LlamaConfig, params: Params, x, positions, attend_for_layer,
             x = post_layer(x, px)
         return x, kv
 
-    return jax.lax.scan(body, x, (params["layers"], layer_xs, post_xs))
+    return jax.lax.scan(body, x, (layers, layer_xs, post_xs))
+
+
+def unstack_layers(params: Params) -> Params:
+    """Stacked layout (`layers` leaves `[L, ...]`) -> list layout (L dicts); idempotent."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    out = dict(params)
+    out["layers"] = [jax.tree_util.tree_map(lambda a: a[l], layers) for l in range(n)]
+    return out
+
+
+def stack_layers(params: Params) -> Params:
+    """List layout -> stacked layout (leaves `[L, ...]`); idempotent."""
+    layers = params["layers"]
+    if not isinstance(layers, (list, tuple)):
+        return params
+    out = dict(params)
+    out["layers"] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
+    return out
 
 
 def forward_one(cfg: LlamaConfig, params: Params, tokens: jax.Array, valid_len=None):
-    """Causal forward of one sequence: tokens `[S]` -> (logits `[S, V]` f32, kv)."""
+    """Causal forward of one sequence: tokens `[S]` -> (logits `[S, V]` f32, kv).
+
+    Either parameter layout (see `run_layers`).
+    """
     S = tokens.shape[0]
     positions = jnp.arange(S, dtype=jnp.int32)
     x = embed(params, tokens)

@@ -20,10 +20,24 @@ from jaxsample.sampling import SamplingParams
 PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?"]
 
 
+WIDTH = 64  # oracle sequences are right-padded to one width: one compilation
+
+
+def forward_logits(lm, seq):
+    """Causal forward of one sequence padded to WIDTH: logits [len(seq), V].
+
+    Padding at the end cannot change earlier positions of a causal model.
+    """
+    assert len(seq) <= WIDTH
+    row = np.zeros((1, WIDTH), np.int32)
+    row[0, :len(seq)] = seq
+    return np.asarray(lm.forward(row))[0, :len(seq)]
+
+
 def raw_logprobs(lm, prompt_ids, gen_ids):
     """log_softmax over the real vocabulary of forward(prompt + generated): [T, V']."""
-    seq = np.array(list(prompt_ids) + list(gen_ids), np.int32)[None]
-    logits = np.asarray(lm.forward(seq))[0, len(prompt_ids) - 1: len(seq[0]) - 1]
+    seq = list(prompt_ids) + list(gen_ids)
+    logits = forward_logits(lm, seq)[len(prompt_ids) - 1: len(seq) - 1]
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits[:, :lm.vocab_limit]), axis=-1))
 
 
@@ -108,9 +122,13 @@ def test_greedy_matches_forward_and_copies(tiny_lm):
     for b, _, prompt, gen in branches(one):  # greedy by repeated full forward passes
         seq = list(prompt)
         for _ in range(len(gen)):
-            logits = np.asarray(tiny_lm.forward(np.array([seq], np.int32)))[0, -1]
+            logits = forward_logits(tiny_lm, seq)[-1]
             seq.append(int(np.argmax(logits[:tiny_lm.vocab_limit])))
         assert seq[len(prompt):] == list(gen)
+
+
+_keep_rows = jax.jit(jax.vmap(sampling.keep_mask, in_axes=(0, None, None, None, None, None)),
+                     static_argnums=5)
 
 
 @pytest.mark.parametrize("knobs", [dict(top_k=5), dict(top_p=0.6), dict(min_p=0.2),
@@ -119,13 +137,13 @@ def test_sampled_tokens_stay_in_filter_set(tiny_lm, knobs):
     params = SamplingParams(n=4, max_new_tokens=10, seed=11, **knobs)
     g = engine.generate(tiny_lm, PROMPTS[:2], params)
     for b, n, prompt, gen in branches(g):
-        seq = np.array(list(prompt) + list(gen), np.int32)[None]
-        logits = np.asarray(tiny_lm.forward(seq))[0, len(prompt) - 1: seq.shape[1] - 1]
-        for t, tok in enumerate(gen):
-            keep = np.asarray(sampling.keep_mask(
-                jnp.asarray(logits[t]), jnp.float32(params.temperature), jnp.int32(params.top_k),
-                jnp.float32(params.top_p), jnp.float32(params.min_p), tiny_lm.vocab_limit))
-            assert keep[tok], (b, n, t, tok)
+        seq = list(prompt) + list(gen)
+        logits = forward_logits(tiny_lm, seq)[len(prompt) - 1: len(seq) - 1]
+        keep = np.asarray(_keep_rows(
+            jnp.asarray(logits), jnp.float32(params.temperature), jnp.int32(params.top_k),
+            jnp.float32(params.top_p), jnp.float32(params.min_p), tiny_lm.vocab_limit))
+        assert keep[np.arange(len(gen)), gen].all(), (b, n, knobs)
+        assert keep.sum(axis=1).max() < tiny_lm.vocab_limit  # the filter did filter
 
 
 def test_stop_token_ends_branch_and_pads(tiny_lm):

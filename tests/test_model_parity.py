@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxsample.loading import load
-from models import gguf_loader
+from models import gguf_loader, llama
 
 DATA = pathlib.Path(__file__).parent / "data"
 REF = json.loads((DATA / "smollm2_reference.json").read_text())
@@ -132,8 +132,8 @@ def test_tiny_gguf_unpermute_direction_matters():
 
     model = load(DATA / "tiny_llama.gguf")
     cfg = model.config
-    wrong = {k: v for k, v in model.params.items()}
-    layers = dict(model.params["layers"])
+    wrong = llama.stack_layers(model.params)
+    layers = dict(wrong["layers"])
     for key, heads in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads)):
         w = np.asarray(layers[key])  # [L, E, H*D] in HF order; undo then apply the permutation twice
         back = np.stack([gguf_loader.permute_rope_rows(x.T, heads) for x in w])
@@ -145,7 +145,7 @@ def test_tiny_gguf_unpermute_direction_matters():
 
 def test_tiny_bfloat16_smoke():
     model = load(DATA / "tiny_llama", dtype="bfloat16")
-    assert model.params["layers"]["wq"].dtype.name == "bfloat16"
+    assert model.params["layers"][0]["wq"].dtype.name == "bfloat16"
     ref = TINY["tiny_llama/logits"]
     got = _tiny_logits(model)
     assert np.isfinite(got).all()
