@@ -185,32 +185,6 @@ def _prompt_ids(seed, P, vocab):
 # jaxsample side (imported only in workers)
 
 
-class DummyTokenizer:
-    """ByteTokenizer-like stand-in for the random 1B model (copied, not imported, from tests).
-
-    Ids 0-255 decode as bytes, every other id decodes to nothing. The whole
-    vocabulary may be sampled (vocab_size = the model's rows), and there is
-    no eos, so branches run to max_new_tokens.
-    """
-
-    eos_token_ids = ()
-    pad_token_id = 0
-    bos_token_id = None
-
-    def __init__(self, vocab_size):
-        self.vocab_size = vocab_size
-
-    def encode(self, text):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        body = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return body + ("<assistant>" if add_generation_prompt else "")
-
-
 class NoEosTokenizer:
     """A view of a tokenizer with no eos ids, so no branch stops before T tokens."""
 
@@ -252,11 +226,12 @@ def load_jax_model(model, dtype):
     elif model == "llama-1b":
         from jaxsample.lm import LanguageModel
         from models import llama
+        from models.tokenizer import ByteTokenizer
 
         cfg = llama.LlamaConfig(**LLAMA_1B, dtype=dtype)
         params = jax.jit(lambda k: llama.init_params(cfg, k, 0.02))(jax.random.key(0))
         jax.block_until_ready(params)
-        lm = LanguageModel(config=cfg, params=params, tokenizer=DummyTokenizer(cfg.vocab_size),
+        lm = LanguageModel(config=cfg, params=params, tokenizer=ByteTokenizer(cfg.vocab_size),
                            name="llama-1b-random", source="random")
     else:
         raise ValueError(f"unknown model {model!r}")

@@ -276,19 +276,22 @@ def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, k
         def forward(_):
             positions = prefix.lengths + s.t  # [R]
             # A branch that just stopped no longer influences the others (Bridge).
-            logits, k, v = step_rows(tok, positions, s.t, prefix.k, prefix.v, prefix.lengths,
-                                     s.tail_k, s.tail_v, ~done)
-            # k, v: L x [R, N, K, D] -> tail slot t (t < t_cap: guaranteed by the host check).
-            tail_k = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t, axis=3)
-                           for c, a in zip(s.tail_k, k))
-            tail_v = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t, axis=3)
-                           for c, a in zip(s.tail_v, v))
-            return logits, tail_k, tail_v
+            return step_rows(tok, positions, s.t, prefix.k, prefix.v, prefix.lengths,
+                             s.tail_k, s.tail_v, ~done)
 
         def skip(_):
-            return s.logits, s.tail_k, s.tail_v
+            zeros = [jnp.zeros(c.shape[:3] + c.shape[4:], c.dtype) for c in s.tail_k]
+            return s.logits, zeros, zeros
 
-        logits, tail_k, tail_v = jax.lax.cond(all_done(done), skip, forward, None)
+        # The cond returns only the new K/V: tails updated inside a cond branch
+        # would be copied whole every step (a branch cannot update its operand
+        # in place). Slot t is written unconditionally; a skipped step's slot is
+        # never read. k, v: L x [R, N, K, D]; t < t_cap is guaranteed by the host.
+        logits, k, v = jax.lax.cond(all_done(done), skip, forward, None)
+        tail_k = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t, axis=3)
+                       for c, a in zip(s.tail_k, k))
+        tail_v = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t, axis=3)
+                       for c, a in zip(s.tail_v, v))
         return DecodeState(s.t + 1, logits, tokens, logprobs, lengths, done,
                            s.stopped | hit_stop, tail_k, tail_v)
 

@@ -328,3 +328,35 @@ def _compile_template(source_text: str, source: str) -> jinja2.Template:
         return env.from_string(source_text)
     except jinja2.TemplateError as e:
         raise ModelLoadError(f"{source}: chat template does not compile: {e}") from e
+
+
+class ByteTokenizer:
+    """A toy byte-level tokenizer for random-weight models (tests, benchmarks, demos).
+
+    Ids 0-255 are UTF-8 bytes; other ids decode to nothing. It satisfies the
+    `jaxsample.lm.Tokenizer` protocol, so the engine can run a random model
+    without a checkpoint's vocabulary.
+
+    Args:
+      vocab_size: real token ids (logits rows past it are never sampled).
+      eos_token_ids: stop ids (default: none, so branches run to max_new_tokens).
+      pad_token_id: the id written after a branch stops.
+    """
+
+    bos_token_id = None
+
+    def __init__(self, vocab_size: int = 258, eos_token_ids: tuple[int, ...] = (),
+                 pad_token_id: int = 0):
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        body = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return body + ("<assistant>" if add_generation_prompt else "")

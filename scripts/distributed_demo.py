@@ -40,20 +40,12 @@ def main() -> None:
     from jaxsample.lm import LanguageModel
     from jaxsample.sampling import SamplingParams
     from models import llama
-
-    class Bytes:
-        vocab_size, eos_token_ids, pad_token_id = 258, (256,), 257
-
-        def encode(self, text):
-            return list(text.encode())
-
-        def decode(self, ids, skip_special_tokens=True):
-            return bytes(i for i in ids if i < 256).decode(errors="replace")
+    from models.tokenizer import ByteTokenizer
 
     cfg = llama.LlamaConfig(vocab_size=264, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                             head_dim=8, ffn_dim=64, max_seq_len=256)
     lm = LanguageModel(config=cfg, params=llama.init_params(cfg, jax.random.key(0), 0.3),
-                       tokenizer=Bytes(), name="tiny")
+                       tokenizer=ByteTokenizer(258, (256,), 257), name="tiny")
     mesh = None
     if not args.single:
         n_dev = len(jax.devices())

@@ -16,29 +16,13 @@ import pytest  # noqa: E402
 
 from jaxsample.lm import LanguageModel  # noqa: E402
 from models import llama  # noqa: E402
+from models.tokenizer import ByteTokenizer  # noqa: E402
 
 
-class ByteTokenizer:
-    """A toy tokenizer for the tiny random model: one id per UTF-8 byte.
-
-    Ids 0-255 are bytes, 256 is end-of-text (the stop id), 257 is padding;
-    the tiny model has more logits rows than this (padding rows never sampled).
-    """
-
-    vocab_size = 258
-    eos_token_ids = (256,)
-    pad_token_id = 257
-    bos_token_id = None
-
-    def encode(self, text):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        body = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return body + ("<assistant>" if add_generation_prompt else "")
+def byte_tokenizer() -> ByteTokenizer:
+    """Ids 0-255 are bytes, 256 is end-of-text (the stop id), 257 is padding; the
+    tiny model has more logits rows than this (padding rows are never sampled)."""
+    return ByteTokenizer(vocab_size=258, eos_token_ids=(256,), pad_token_id=257)
 
 
 TINY = llama.LlamaConfig(vocab_size=264, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -48,7 +32,7 @@ TINY = llama.LlamaConfig(vocab_size=264, dim=32, n_layers=2, n_heads=4, n_kv_hea
 def make_tiny_lm(cfg=TINY, seed=0, scale=0.3) -> LanguageModel:
     """A random tiny model with a peaked enough distribution to make sampling interesting."""
     return LanguageModel(config=cfg, params=llama.init_params(cfg, jax.random.key(seed), scale),
-                         tokenizer=ByteTokenizer(), name="tiny", source="random")
+                         tokenizer=byte_tokenizer(), name="tiny", source="random")
 
 
 @pytest.fixture(scope="session")

@@ -233,3 +233,52 @@ def test_sharded_equals_unsharded(tiny_lm, shape):
     np.testing.assert_array_equal(got.tokens, ref.tokens)
     np.testing.assert_array_equal(got.lengths, ref.lengths)
     np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# The real embedded model (SmolLM2-135M-Instruct): engine against transformers' greedy
+# continuations (tests/data, made by scripts/make_reference.py) and against a full
+# forward pass, on prompts of up to 800 tokens (short prompts miss RoPE offset bugs).
+
+
+@pytest.mark.slow
+def test_smollm2_engine_greedy_equals_transformers(lm):
+    import json
+    from pathlib import Path
+
+    ref = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
+    names = [n for n, p in ref["prompts"].items() if "greedy" in p]
+    prompts = [ref["prompts"][n]["ids"] for n in names]
+    steps = len(ref["prompts"][names[0]]["greedy"]["ids"])
+    g = engine.generate(lm, prompts, SamplingParams(n=2, temperature=0.0, max_new_tokens=steps,
+                                                    seed=0))
+    for b, n in enumerate(names):
+        want = ref["prompts"][n]["greedy"]["ids"]
+        for branch in range(2):
+            L = int(g.lengths[b, branch])
+            assert list(g.tokens[b, branch, :L]) == want[:L], n
+            assert L == len(want) or want[L - 1] in lm.tokenizer.eos_token_ids
+
+
+@pytest.mark.slow
+def test_smollm2_sampled_logprobs_equal_forward_on_a_long_prompt(lm):
+    import json
+    from pathlib import Path
+
+    ref = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
+    long_ids = max((p["ids"] for p in ref["prompts"].values()), key=len)
+    assert len(long_ids) >= 500
+    g = engine.generate(lm, [long_ids], SamplingParams(n=3, temperature=1.0, top_p=0.95,
+                                                       max_new_tokens=8, seed=4))
+    width = len(long_ids) + 8
+    rows = np.zeros((3, width), np.int32)
+    for n in range(3):
+        L = int(g.lengths[0, n])
+        rows[n, :len(long_ids) + L] = list(long_ids) + list(g.tokens[0, n, :L])
+    logits = np.asarray(lm.forward(rows))
+    for n in range(3):
+        L = int(g.lengths[0, n])
+        lp = np.asarray(jax.nn.log_softmax(
+            jnp.asarray(logits[n, len(long_ids) - 1: len(long_ids) - 1 + L, :lm.vocab_limit]), -1))
+        np.testing.assert_allclose(g.logprobs[0, n, :L], lp[np.arange(L), g.tokens[0, n, :L]],
+                                   atol=1e-4, rtol=0)
