@@ -27,11 +27,12 @@ Properties (each is tested in tests/test_bridge.py):
 - Layers that are not selected by `BridgeConfig.layers` are exact no-ops: each
   layer carries a 0/1 `gate` (not trained: it sits behind `stop_gradient`),
   and an unselected layer adds `0 * y` (y is always finite) to h. The block
-  is still computed there (the layer scan needs one body for all layers); if
-  you select few layers and care about that compute, use a narrow `dim`.
+  is still computed there (one body for all layers); if you select few
+  layers and care about that compute, use a narrow `dim`.
 
-Parameters (`Bridge.params`, every leaf stacked over L so the engine's
-`lax.scan` over layers slices them; float32 whatever the model dtype):
+Parameters (`Bridge.params`, every leaf stacked over L; `models.llama.run_layers`
+takes layer l's slice, in its scan or its unrolled loop; float32 whatever the
+model dtype):
 
     norm [L, E]   wq, wk, wv [L, E, d]   wo [L, d, E] (zeros at init)   gate [L]
 
