@@ -276,7 +276,8 @@ def _naive_tiled(lm, ids, params):
                    pad_id=int(lm.tokenizer.pad_token_id))
     timings = {"compile": 0.0, "prefill": None}
     t_start = time.perf_counter()
-    args_p = (lm.params, jnp.asarray(tokens), jnp.asarray(lengths), None)
+    model_params = E.serving_params(lm)
+    args_p = (model_params, jnp.asarray(tokens), jnp.asarray(lengths), None)
     prog, dt = E.PROGRAMS.get(("prefill", cfg, None),
                               lambda p, t, n, b: E.prefill(cfg, p, t, n, None, b), args_p)
     timings["compile"] += dt
@@ -296,7 +297,7 @@ def _naive_tiled(lm, ids, params):
                     top_p=jnp.float32(1.0), min_p=jnp.float32(0.0), seed=jnp.uint32(params.seed),
                     max_new_tokens=jnp.int32(T),
                     stop_ids=jnp.full((E.MAX_STOP_IDS,), -1, jnp.int32))
-    args_d = (lm.params, prefix, state, knobs, jnp.zeros((N,), jnp.int32),
+    args_d = (model_params, prefix, state, knobs, jnp.zeros((N,), jnp.int32),
               jnp.arange(N, dtype=jnp.int32), None)
     import functools
 
