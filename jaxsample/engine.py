@@ -450,7 +450,8 @@ def _resolve_mesh(mesh, B: int, N: int):
 
 
 def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
-             chat: bool = False, mesh=None, bridge=None, naive: bool = False) -> Generation:
+             chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
+             naive: bool = False) -> Generation:
     """Sample `params.n` continuations of each prompt, sharing each prompt's KV cache.
 
     Args:
@@ -464,6 +465,11 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
       bridge: optional `jaxsample.bridge.Bridge` (config + params): cross-branch
         layers after every block (arXiv 2510.01143). A zero-initialised Bridge
         gives exactly the tokens of `bridge=None`.
+      prompt_index_offset: the global index of the first prompt, for the keys
+        (`fold_in(key(seed), prompt_index)`): when a data set is split into
+        several calls with one seed, pass each call's start so that prompts of
+        different calls draw independent streams (and a prompt's samples do not
+        depend on how the data set was batched).
       naive: baseline only: copy each prompt N times (N prefills, N prefix caches).
     Returns:
       `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
@@ -491,6 +497,10 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     if len(stop_ids) > MAX_STOP_IDS:
         raise InputError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {len(stop_ids)}")
     mesh, data_axis, nb, nd = _resolve_mesh(mesh, B, N)
+    if isinstance(prompt_index_offset, bool) or not isinstance(
+            prompt_index_offset, (int, np.integer)) or not 0 <= prompt_index_offset < 2**31 - B:
+        raise InputError(f"prompt_index_offset must be an int in [0, 2**31 - B), "
+                         f"got {prompt_index_offset!r}")
     if naive and (mesh is not None or bridge is not None):
         raise InputError("naive=True is a single-device baseline without Bridge; "
                          "pass mesh=None and bridge=None")
@@ -508,7 +518,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     for j, r in enumerate(rows):
         tokens[j, :len(ids[r])] = ids[r]
         lengths[j] = len(ids[r])
-    prompt_index = np.array(rows + [0] * (R_pad - R), np.int32)
+    prompt_index = np.array([prompt_index_offset + r for r in rows] + [0] * (R_pad - R), np.int32)
     branch_base = np.array([j % N if naive else 0 for j in range(R)] + [0] * (R_pad - R), np.int32)
 
     st = _Static(cfg=cfg, n=n_row // nb, t_cap=bucket(T), vocab_limit=lm.vocab_limit,

@@ -112,6 +112,15 @@ def test_batch_rows_do_not_depend_on_each_other(tiny_lm, sampled):
     assert np.all(np.isfinite(sampled.logprobs))
 
 
+def test_prompt_index_offset_continues_the_batch(tiny_lm, sampled):
+    """Row b of one call equals the same prompt sent alone with prompt_index_offset=b."""
+    params = SamplingParams(n=4, max_new_tokens=12, seed=7)
+    second = engine.generate(tiny_lm, PROMPTS[1:], params, prompt_index_offset=1)
+    np.testing.assert_array_equal(second.tokens, sampled.tokens[1:])
+    with pytest.raises(InputError, match="prompt_index_offset"):
+        engine.generate(tiny_lm, PROMPTS, params, prompt_index_offset=-1)
+
+
 def test_greedy_matches_forward_and_copies(tiny_lm):
     one = engine.generate(tiny_lm, PROMPTS, SamplingParams(n=1, temperature=0.0,
                                                            max_new_tokens=10, seed=0))
