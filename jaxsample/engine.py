@@ -396,11 +396,34 @@ def serving_params(lm: LanguageModel):
     return _SERVING[lm]
 
 
+def _token_ids(lm: LanguageModel, p, i: int) -> list[int]:
+    """One prompt given as token ids -> list of ints in [0, vocab_limit), or InputError."""
+    arr = np.asarray(p, dtype=object) if not isinstance(p, np.ndarray) else p
+    if arr.ndim != 1:
+        raise InputError(f"prompt {i}: token ids must be a flat sequence of ints, "
+                         f"got shape {arr.shape}")
+    bad = [t for t in arr.tolist() if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+    if bad:
+        raise InputError(f"prompt {i}: token ids must be ints, got {bad[:3]!r}")
+    toks = [int(t) for t in arr.tolist()]
+    limit = lm.vocab_limit
+    out = [t for t in toks if not 0 <= t < limit]
+    if out:
+        raise InputError(f"prompt {i} has token ids outside the vocabulary [0, {limit}): {out[:5]}")
+    return toks
+
+
 def _encode_prompts(lm: LanguageModel, prompts, chat: bool):
+    """Prompts -> (B token-id lists, B rendered texts or None). Raises InputError."""
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim not in (1, 2):
+            raise InputError(f"prompts as an array must be [S] or [B, S] token ids, "
+                             f"got shape {prompts.shape}")
+        prompts = [prompts] if prompts.ndim == 1 else list(prompts)
     if isinstance(prompts, str):
         prompts = [prompts]
     elif isinstance(prompts, (list, tuple)) and prompts and all(
-            isinstance(t, (int, np.integer)) for t in prompts):
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
         prompts = [list(prompts)]  # one prompt given as token ids
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise InputError("prompts must be a non-empty string, list of strings or list of "
@@ -415,19 +438,15 @@ def _encode_prompts(lm: LanguageModel, prompts, chat: bool):
             toks = list(lm.tokenizer.encode(text))
             texts.append(text)
         elif isinstance(p, (list, tuple, np.ndarray)):
-            toks = [int(t) for t in p]
             if chat:
                 raise InputError(f"prompt {i}: chat=True needs text prompts, got token ids")
+            toks = _token_ids(lm, p, i)
             texts.append(None)
         else:
             raise InputError(f"prompt {i} must be a string or a list of token ids, "
                              f"got {type(p).__name__}")
         if not toks:
             raise InputError(f"prompt {i} is empty (0 tokens)")
-        bad = [t for t in toks if not 0 <= t < lm.config.vocab_size]
-        if bad:
-            raise InputError(f"prompt {i} has token ids outside [0, {lm.config.vocab_size}): "
-                             f"{bad[:5]}")
         ids.append(toks)
     return ids, texts
 
@@ -435,6 +454,8 @@ def _encode_prompts(lm: LanguageModel, prompts, chat: bool):
 def _resolve_mesh(mesh, B: int, N: int):
     if mesh is None:
         return None, None, 1, 1
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise InputError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
     names = tuple(mesh.axis_names)
     if BRANCH_AXIS not in names:
         raise InputError(f"mesh must have a {BRANCH_AXIS!r} axis, got axes {names}")
@@ -529,7 +550,8 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
                  bridge=bridge_cfg)
     assert T <= st.t_cap  # tail writes stay in range: dynamic_update_slice would clamp
     knobs = Knobs(
-        temperature=jnp.float32(params.temperature), top_k=jnp.int32(params.top_k),
+        temperature=jnp.float32(params.temperature),
+        top_k=jnp.int32(min(params.top_k, lm.vocab_limit)),  # k >= V is off either way
         top_p=jnp.float32(params.top_p), min_p=jnp.float32(params.min_p),
         seed=jnp.uint32(params.seed), max_new_tokens=jnp.int32(T),
         stop_ids=jnp.asarray(stop_ids + [-1] * (MAX_STOP_IDS - len(stop_ids)), jnp.int32))
@@ -609,6 +631,7 @@ def _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start, pr
             tail_bytes, steps, pad_id, prefix_copies=1) -> Generation:
     """Host-side post-processing: stop strings, detokenisation, bill."""
     B, N, T = tok.shape
+    decoded = lens.copy()  # what the device decoded: the bill counts it, stop strings or not
     tok, lp, lens = tok.copy(), lp.copy(), lens.copy()
     reasons = [["stop" if stopped[b, n] else "length" for n in range(N)] for b in range(B)]
     out_texts = []
@@ -616,21 +639,22 @@ def _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start, pr
         row = []
         for n in range(N):
             L = int(lens[b, n])
-            body = tok[b, n, :L - 1] if stopped[b, n] else tok[b, n, :L]
-            text = lm.tokenizer.decode([int(t) for t in body])
-            cut = _first_stop(text, params.stop)
-            if cut is not None:
-                text = text[:cut]
-                keep = _tokens_covering(lm, tok[b, n, :L], cut, params.stop)
+            body = [int(t) for t in (tok[b, n, :L - 1] if stopped[b, n] else tok[b, n, :L])]
+            text = lm.tokenizer.decode(body)
+            if params.stop and _first_stop(text, params.stop) is not None:
+                keep = _tokens_covering(lm, body, params.stop)
+                text = lm.tokenizer.decode(body[:keep])  # the same tokens the arrays keep
+                text = text[:_first_stop(text, params.stop)]
                 tok[b, n, keep:] = pad_id
                 lp[b, n, keep:] = 0.0
                 lens[b, n] = keep
                 reasons[b][n] = "stop"
             row.append(text)
         out_texts.append(row)
-    bill = cost.make_bill(lm.config, prompt_lengths=[len(x) for x in ids], branch_lengths=lens,
-                          n=N, prefix_cache_bytes=prefix_bytes, tail_cache_bytes=tail_bytes,
-                          decode_steps=steps, prefix_copies=prefix_copies)
+    bill = cost.make_bill(lm.config, prompt_lengths=[len(x) for x in ids],
+                          branch_lengths=decoded, n=N, prefix_cache_bytes=prefix_bytes,
+                          tail_cache_bytes=tail_bytes, decode_steps=steps,
+                          prefix_copies=prefix_copies)
     timings["total"] = time.perf_counter() - t_start
     return Generation(tokens=tok, logprobs=lp, lengths=lens, finish_reason=reasons,
                       texts=out_texts, prompt_tokens=ids, prompts=texts, params=params,
@@ -642,10 +666,18 @@ def _first_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
-def _tokens_covering(lm, toks, cut: int, stops) -> int:
-    """Fewest leading tokens whose text contains the stop string that ends at `cut`."""
-    for k in range(1, len(toks) + 1):
-        text = lm.tokenizer.decode([int(t) for t in toks[:k]])
-        if _first_stop(text, stops) is not None:
-            return k
-    return len(toks)
+def _tokens_covering(lm, toks: list[int], stops) -> int:
+    """Fewest leading tokens whose decoded text contains a stop string.
+
+    Bisection (O(log T) decodes): containment only grows with the prefix, up to
+    a multi-byte character split across tokens, which is why the caller
+    re-decodes exactly the tokens it keeps.
+    """
+    lo, hi = 1, len(toks)  # decode(toks[:hi]) contains a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _first_stop(lm.tokenizer.decode(toks[:mid]), stops) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi

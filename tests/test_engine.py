@@ -185,6 +185,12 @@ def test_stop_string_truncates_text(tiny_lm):
     assert g.texts[0][0] == text[:text.find(needle)]
     assert g.finish_reason[0][0] == "stop"
     assert g.lengths[0, 0] < free.lengths[0, 0]
+    kept = g.tokens[0, 0, :g.lengths[0, 0]]
+    assert needle in tiny_lm.tokenizer.decode(kept)  # tokens and text agree
+    assert needle not in tiny_lm.tokenizer.decode(kept[:-1])
+    assert np.all(g.tokens[0, 0, g.lengths[0, 0]:] == g.pad_id)
+    # Stop strings are applied on the host: the device decoded as much, and the bill says so.
+    assert g.bill.decoded_tokens_total == free.bill.decoded_tokens_total
 
 
 def test_knobs_do_not_recompile(tiny_lm):
@@ -215,12 +221,23 @@ def test_limits_raise_before_compute(tiny_lm):
         engine.generate(tiny_lm, [[1, 2, 10_000]], SamplingParams())
     with pytest.raises(InputError):
         engine.generate(tiny_lm, [], SamplingParams())
+    for bad in ([[1.7, 2.9]], [[True, False]], [["5", "6"]], [[[1, 2]]],
+                [[1, tiny_lm.vocab_limit]]):  # a padding row of the embedding is not a token
+        with pytest.raises(InputError, match="prompt 0"):
+            engine.generate(tiny_lm, bad, SamplingParams())
+    with pytest.raises(InputError, match="mesh"):
+        engine.generate(tiny_lm, ["ab"], SamplingParams(), mesh="x")
 
 
 def test_token_id_prompts_equal_text_prompts(tiny_lm, sampled):
     ids = [tiny_lm.tokenizer.encode(p) for p in PROMPTS]
-    g = engine.generate(tiny_lm, ids, SamplingParams(n=4, max_new_tokens=12, seed=7))
+    params = SamplingParams(n=4, max_new_tokens=12, seed=7)
+    g = engine.generate(tiny_lm, ids, params)
     np.testing.assert_array_equal(g.tokens, sampled.tokens)
+    as_arrays = engine.generate(tiny_lm, [np.array(i, np.int64) for i in ids], params)
+    np.testing.assert_array_equal(as_arrays.tokens, sampled.tokens)
+    one = engine.generate(tiny_lm, np.array(ids[0]), params)  # [S] array: one prompt
+    np.testing.assert_array_equal(one.tokens[0], sampled.tokens[0])
 
 
 def test_bucket():
