@@ -98,6 +98,9 @@ _SEED_LIMIT = 2**32
 # --------------------------------------------------------------------------
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
@@ -114,14 +117,17 @@ class SamplingParams:
     scalars and lists become tuples, so instances are hashable.
 
     Attributes:
-      n: branches per prompt (N), >= 1.
+      n: branches per prompt (N), in [1, 2**31 - 1].
       temperature: >= 0 and finite; 0 means greedy decoding (argmax).
-      top_k: keep the k most likely tokens; 0 (default) is off. vLLM's -1 for
-        "off" is not accepted: use 0.
+      top_k: keep the k most likely tokens; 0 (default) is off, and so is any
+        k >= V (the vocabulary size). Must fit int32: in [0, 2**31 - 1].
+        vLLM's -1 for "off" is not accepted: use 0.
       top_p: nucleus mass in (0, 1]; 1 (default) is off.
       min_p: in [0, 1]; keep tokens with prob >= min_p * max prob; 0 is off.
-      max_new_tokens: the decode budget per branch in tokens, >= 1.
-      stop_token_ids: extra token ids (>= 0) that end a branch, added to the
+      max_new_tokens: the decode budget per branch in tokens, in
+        [1, 2**31 - 1].
+      stop_token_ids: extra token ids in [0, 2**31 - 1) (they must fit
+        int32) that end a branch, added to the
         model's own end-of-sequence ids. The stop token is kept in the output.
       stop: stop strings (non-empty); a single string is accepted and wrapped
         in a tuple, as vLLM does. The stop string is excluded from the text.
@@ -153,7 +159,7 @@ class SamplingParams:
 
         def check_int(name: str, lo: int, allowed: str):
             v = getattr(self, name)
-            if not _is_int(v) or int(v) < lo:
+            if not _is_int(v) or not lo <= int(v) <= _INT32_MAX:
                 fail(name, allowed, v)
             set_(name, int(v))
 
@@ -163,25 +169,25 @@ class SamplingParams:
                 fail(name, allowed, v)
             set_(name, float(v))
 
-        check_int("n", 1, "an int >= 1")
+        check_int("n", 1, "an int in [1, 2**31 - 1]")
         check_float("temperature", lambda t: t >= 0.0,
                     "a finite float >= 0 (0 is greedy)")
         if _is_int(self.top_k) and int(self.top_k) < 0:
             fail("top_k", "an int >= 0 (0 is off; vLLM's -1 is not accepted)",
                  self.top_k)
-        check_int("top_k", 0, "an int >= 0 (0 is off)")
+        check_int("top_k", 0, "an int in [0, 2**31 - 1] (0 or >= vocab size is off)")
         check_float("top_p", lambda p: 0.0 < p <= 1.0,
                     "a float in (0, 1] (1 is off)")
         check_float("min_p", lambda p: 0.0 <= p <= 1.0,
                     "a float in [0, 1] (0 is off)")
-        check_int("max_new_tokens", 1, "an int >= 1")
+        check_int("max_new_tokens", 1, "an int in [1, 2**31 - 1]")
 
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
-            fail("stop_token_ids", "a sequence of ints >= 0", ids)
+            fail("stop_token_ids", "a sequence of ints in [0, 2**31 - 1)", ids)
         for i in ids:
-            if not _is_int(i) or int(i) < 0:
-                fail("stop_token_ids", "a sequence of ints >= 0", ids)
+            if not _is_int(i) or not 0 <= int(i) < _INT32_MAX:
+                fail("stop_token_ids", "a sequence of ints in [0, 2**31 - 1)", ids)
         set_("stop_token_ids", tuple(int(i) for i in ids))
 
         stop = self.stop

@@ -471,6 +471,20 @@ def test_sampling_params_errors_name_the_field(field, value):
     assert repr(value) in str(info.value)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 2**31), ("top_k", 2**63), ("n", 2**31), ("max_new_tokens", 2**40),
+    ("stop_token_ids", [2**40]), ("stop_token_ids", [2**31 - 1]), ("stop_token_ids", [np.int64(2**31)]),
+])
+def test_sampling_params_rejects_values_that_overflow_int32(field, value):
+    with pytest.raises(ConfigError, match=rf"SamplingParams\.{field}\b.*2\*\*31 - 1"):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_int32_edges_are_accepted():
+    sp = SamplingParams(top_k=2**31 - 1, stop_token_ids=[2**31 - 2], max_new_tokens=2**31 - 1)
+    assert sp.top_k == 2**31 - 1 and sp.stop_token_ids == (2**31 - 2,)
+
+
 def test_replace_validates():
     with pytest.raises(ConfigError, match="top_p"):
         SamplingParams().replace(top_p=0.0)
