@@ -217,8 +217,11 @@ class CostEstimate:
 
     @property
     def kv_saving(self) -> float:
-        """Separate over shared KV memory (>= 1; 1 at N = 1)."""
-        return self.kv_bytes_separate / max(self.kv_bytes_shared, 1)
+        """Separate over shared KV memory (>= 1; 1 at N = 1, and 1 when P = T = 0:
+        nothing is held either way)."""
+        if self.kv_bytes_shared == 0:
+            return 1.0
+        return self.kv_bytes_separate / self.kv_bytes_shared
 
     @property
     def decode_step_intensity_shared(self) -> float:
@@ -241,9 +244,18 @@ class CostEstimate:
         return d
 
 
-def _check_count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+MAX_COUNT = 2**40
+"""Upper bound (exclusive) on every token and branch count this module prices.
+
+Far beyond any real request (about 10**12 tokens), and small enough that
+every derived count, ratio and float conversion stays finite and exact."""
+
+
+def _check_count(name: str, value, minimum: int, maximum: int = MAX_COUNT,
+                 maximum_text: str = "2**40") -> int:
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+            or not minimum <= value < maximum):
+        raise ValueError(f"{name} must be an integer in [{minimum}, {maximum_text}), got {value!r}")
     return int(value)
 
 
@@ -253,15 +265,16 @@ def estimate(config, prompt_tokens: int, new_tokens: int, n: int,
 
     Args:
       config: a `models.llama.LlamaConfig`.
-      prompt_tokens: P, tokens in the prompt (>= 0).
-      new_tokens: T, tokens decoded per branch (>= 0).
-      n: N, branches (>= 1).
+      prompt_tokens: P, tokens in the prompt, an int in [0, 2**40) (`MAX_COUNT`).
+      new_tokens: T, tokens decoded per branch, an int in [0, 2**40).
+      n: N, branches, an int in [1, 2**40).
       dtype_bytes: bytes per weight and per KV element; default from `config.dtype`
         (4 for float32, 2 for bfloat16).
     Returns:
       A `CostEstimate` (see the module docstring for the counting conventions).
     Raises:
-      ValueError: negative token counts, n < 1, or a bad dtype_bytes.
+      ValueError: a token count outside [0, 2**40), n outside [1, 2**40),
+        a non-integer count, or a bad dtype_bytes.
     """
     P = _check_count("prompt_tokens", prompt_tokens, 0)
     T = _check_count("new_tokens", new_tokens, 0)
@@ -441,8 +454,14 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
       ValueError: branch_lengths not `[B, N]`, negative counts, or
         prefix_copies outside [1, N].
     """
-    prompts = np.asarray(list(prompt_lengths), dtype=np.int64).reshape(-1)
-    lengths = np.asarray(branch_lengths, dtype=np.int64)
+    try:
+        prompts = np.asarray(list(prompt_lengths), dtype=np.int64).reshape(-1)
+        lengths = np.asarray(branch_lengths, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise ValueError("prompt_lengths and branch_lengths must be integers in "
+                         f"[0, 2**40) ({e})") from None
+    if (prompts >= MAX_COUNT).any() or (lengths >= MAX_COUNT).any():
+        raise ValueError("prompt_lengths and branch_lengths must be integers in [0, 2**40)")
     N = _check_count("n", n, 1)
     B = prompts.shape[0]
     if lengths.shape != (B, N):
@@ -450,8 +469,8 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
                          f"got {list(lengths.shape)}")
     if (prompts < 0).any() or (lengths < 0).any():
         raise ValueError("prompt_lengths and branch_lengths must be >= 0")
-    prefix_bytes = _check_count("prefix_cache_bytes", prefix_cache_bytes, 0)
-    tail_bytes = _check_count("tail_cache_bytes", tail_cache_bytes, 0)
+    prefix_bytes = _check_count("prefix_cache_bytes", prefix_cache_bytes, 0, 2**62, "2**62")
+    tail_bytes = _check_count("tail_cache_bytes", tail_cache_bytes, 0, 2**62, "2**62")
     steps = _check_count("decode_steps", decode_steps, 0)
     copies = _check_count("prefix_copies", prefix_copies, 1)
     if copies > N:

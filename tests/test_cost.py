@@ -1,6 +1,7 @@
 """Tests of the analytic cost model and the bill (jaxsample/cost.py)."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -90,6 +91,33 @@ def test_bad_arguments():
         cost.estimate(TINY, 1, 1, 1, dtype_bytes=0)
     with pytest.raises(ValueError, match="ns"):
         cost.table(TINY, 1, 1, [])
+
+
+@pytest.mark.parametrize("field", ["prompt_tokens", "new_tokens", "n"])
+@pytest.mark.parametrize("value", [10**32, 2**40, 2.0, np.bool_(True)])
+def test_estimate_rejects_huge_or_non_integer_counts(field, value):
+    args = dict(prompt_tokens=5, new_tokens=3, n=2)
+    args[field] = value
+    with pytest.raises(ValueError, match=rf"{field} must be an integer in \[\d, 2\*\*40\)"):
+        cost.estimate(TINY, **args)
+
+
+def test_estimate_at_the_count_bound_is_finite():
+    e = cost.estimate(TINY, 2**40 - 1, 2**40 - 1, 2**40 - 1)
+    d = e.to_dict()
+    assert all(math.isfinite(v) for v in d.values())
+
+
+def test_kv_saving_with_nothing_held_is_one():
+    e = cost.estimate(TINY, 0, 0, 1)
+    assert e.kv_bytes_shared == e.kv_bytes_separate == 0
+    assert e.kv_saving == 1.0
+    assert cost.estimate(TINY, 0, 0, 4).kv_saving == 1.0
+
+
+def test_bill_rejects_huge_lengths():
+    with pytest.raises(ValueError, match="branch_lengths"):
+        _bill(lengths=np.full((2, 4), 10**32, dtype=object))
 
 
 def test_table_rows():
