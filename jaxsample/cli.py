@@ -178,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             return _run(args)
         return _price(args)
-    except (_UsageError, JaxsampleError, ValueError, OSError) as e:
+    except (_UsageError, JaxsampleError, ValueError, OSError, OverflowError) as e:
+        # OverflowError: a user value too large for a fixed-width type (int32,
+        # float) that slipped past validation; still bad input, not a crash.
         _fail(e)
         return EXIT_USAGE
     except KeyboardInterrupt:

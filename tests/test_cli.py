@@ -46,12 +46,25 @@ def _one_line_error(capsys, argv):
     (["price", "--n", "0,4"], ">= 1"),
     (["price", "--n", "1,x"], "comma-separated"),
     (["price", "--prompt-tokens", "-5"], ">= 0"),
+    (["price", "--model", "tiny", "--prompt-tokens", str(10**32)], "prompt_tokens"),
+    (["price", "--model", "tiny", "--new-tokens", str(2**40)], "new_tokens"),
+    (["price", "--model", "tiny", "--n", f"1,{10**20}"], "n must be"),
+    (["run", "--prompt", "x", "--top-k", str(2**31)], "top_k"),
+    (["run", "--prompt", "x", "--max-new-tokens", str(2**40)], "max_new_tokens"),
     (["price", "--model", "no-such-model-xyz"], "no-such-model-xyz"),
     (["price", "--model", "tiny", "--plot", "/no/such/dir/p.png"], "does not exist"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     err = _one_line_error(capsys, argv)
     assert needle in err
+
+
+def test_overflow_error_is_one_line_and_exit_2(capsys, monkeypatch):
+    def boom(args):
+        raise OverflowError("Python int too large to convert to C long")
+    monkeypatch.setattr(cli, "_price", boom)
+    err = _one_line_error(capsys, ["price"])
+    assert "too large" in err
 
 
 def test_bad_config_file(capsys, tmp_path):
