@@ -46,6 +46,19 @@ _LAYER_TENSORS = {
 }
 
 
+def _json_kind(value: Any) -> str:
+    """'array', 'string', ... : the JSON name of a parsed value's type."""
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return "null" if value is None else type(value).__name__
+
+
 def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> llama.LlamaConfig:
     """Build a `LlamaConfig` from a parsed config.json.
 
@@ -56,7 +69,15 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> l
       UnsupportedModelError: unknown architecture, activation, biases or
         rope scaling type; ModelLoadError: a required key is missing.
     """
+    if not isinstance(hf, dict):
+        raise ModelLoadError(f"{source}: config.json: the top level must be a JSON object, "
+                             f"got a JSON {_json_kind(hf)}")
     archs = hf.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelLoadError(f"{source}: config.json 'architectures' must be a list of "
+                             f"strings, got {archs!r}")
     arch_name = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch_name is None:
         raise UnsupportedModelError(f"{source}: architectures {archs} not supported; supported: "
@@ -167,6 +188,9 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: str = "float32"):
         hf = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{cfg_path}: not valid JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise ModelLoadError(f"{cfg_path}: the top level must be a JSON object, "
+                             f"got a JSON {_json_kind(hf)}")
     cfg = config_from_hf(hf, source, dtype=dtype)
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -218,6 +218,22 @@ def test_hf_unsupported_rope_scaling(tmp_path, key):
         load(d)
 
 
+@pytest.mark.parametrize("text,kind", [("[1, 2]", "array"), ('"llama"', "string"),
+                                       ("null", "null"), ("3", "number"), ("true", "boolean")])
+def test_hf_config_top_level_not_an_object(tmp_path, text, kind):
+    d = _copy_dir(tmp_path)
+    (d / "config.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=rf"tiny_llama.config\.json.*JSON object.*{kind}"):
+        load(d)
+
+
+def test_hf_config_architectures_not_a_list_of_strings(tmp_path):
+    d = _copy_dir(tmp_path)
+    _edit_config(d, architectures=[["LlamaForCausalLM"]])
+    with pytest.raises(ModelLoadError, match="tiny_llama.*architectures"):
+        load(d)
+
+
 def test_hf_missing_tensor(tmp_path):
     from safetensors.numpy import load_file, save_file
 
