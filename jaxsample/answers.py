@@ -17,7 +17,7 @@ Neither function ever raises on any string: a text with no answer gives None.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import MAX_EMAX, MIN_EMIN, Decimal, InvalidOperation, localcontext
 from fractions import Fraction
 
 __all__ = ["KINDS", "extract", "normalize"]
@@ -31,9 +31,22 @@ _ANSWER_IS_RE = re.compile(r"\banswer\s*(?:is|:|=)[ \t]*:?[ \t]*", re.IGNORECASE
 # bracket, so "5-3" is 5 and 3), digits with optional thousands separators
 # (",", LaTeX "{,}", "\\,"), optional decimals, optional "/denominator".
 _NUM = r"(?:\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?![\d])|\d+)(?:\.\d+)?|\.\d+"
+# Scientific notation ("1e5", "1.0e-3") and powers ("10^3", "10^{3}") belong
+# to the number: "1e5" is 100000, not 5.
+_EXP = r"(?:[eE][-+]?\d+(?!\w|\.\d))?(?:[ \t]*\^[ \t]*(?:\{[ \t]*[-+]?\d+[ \t]*\}|[-+]?\d+))?"
 _NUMBER_RE = re.compile(
-    r"(?:(?<![\w)}\]])[-+])?(?:" + _NUM + r")(?:[ \t]*/[ \t]*(?:" + _NUM + r"))?(?![\d])"
+    r"(?:(?<![\w)}\]])[-+])?(?:" + _NUM + r")" + _EXP
+    + r"(?:[ \t]*/[ \t]*(?:" + _NUM + r"))?(?![\d])"
 )
+# "-(3/4)", "-(5)": a sign before a parenthesised plain number or fraction.
+_SIGNED_PAREN_RE = re.compile(
+    r"(?<![\w)}\]])([-+])\([ \t]*((?:" + _NUM + r")(?:[ \t]*/[ \t]*(?:" + _NUM + r"))?)[ \t]*\)"
+)
+_MINUS_SIGNS = {"\u2212": "-", "\u2012": "-", "\u2013": "-", "\ufe63": "-", "\uff0d": "-"}
+_SCI_RE = re.compile(r"^([-+]?(?:\d+(?:\.\d*)?|\.\d+))[eE]([-+]?\d+)$")
+_POW_RE = re.compile(r"^([-+]?)(\d+(?:\.\d*)?|\.\d+)\^(?:\{([-+]?\d+)\}|([-+]?\d+))$")
+# Above this many digits a power or exponent is kept symbolic ("1e5000").
+_MAX_EXPANDED_DIGITS = 400
 _CHOICE_LETTERS = "ABCDE"
 _CHOICE_AFTER_KEYWORD_RE = re.compile(
     r"\b(?:answer|option|choice)\s*(?:is|:|=)?\s*(?:option|choice)?\s*:?\s*\(?([A-Ea-e])\)?(?![A-Za-z0-9])",
@@ -68,6 +81,36 @@ def _braced(text: str, open_at: int) -> tuple[str, int] | None:
             if depth == 0:
                 return text[open_at + 1 : i], i + 1
     return None
+
+
+def _strip_outer_braces(s: str) -> str:
+    """Remove all the brace groups that enclose the whole of `s` ("{{5}}" -> "5"), in O(len).
+
+    The same brace rules as `_braced` (`\\{` and `\\}` are literal)."""
+    n = len(s)
+    lead = 0
+    while lead < n and s[lead] == "{":
+        lead += 1
+    trail = 0
+    while trail < n - lead and s[n - 1 - trail] == "}" and s[n - 2 - trail] != "\\":
+        trail += 1
+    k = min(lead, trail)
+    if k == 0:
+        return s
+    depth, inner_min = 0, None
+    for i, ch in enumerate(s):
+        if ch in "{}" and i > 0 and s[i - 1] == "\\":
+            pass  # a literal brace
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        if k - 1 <= i <= n - k - 1:
+            inner_min = depth if inner_min is None else min(inner_min, depth)
+    if depth != 0 or inner_min is None:
+        return s
+    m = min(k, inner_min)
+    return s[m : n - m] if m > 0 else s
 
 
 def _last_boxed(text: str) -> str | None:
@@ -129,20 +172,74 @@ def _canonical_number(s: str) -> str | None:
         s = s.replace(",", "")
     if not _DEC_RE.match(s):
         return None
-    try:
-        d = Decimal(s)
-    except InvalidOperation:
-        return None
-    if d == 0:
-        return "0"
-    out = format(d.normalize(), "f")
+    return _decimal_text(s)
+
+
+def _decimal_text(s: str, exponent: int = 0) -> str | None:
+    """Exact canonical decimal text of `s * 10**exponent` (no rounding, any length)."""
+    with localcontext() as ctx:
+        # Enough digits that nothing is ever rounded: all of the input's.
+        ctx.prec = max(28, len(s) + abs(exponent) + 2)
+        ctx.Emax, ctx.Emin = MAX_EMAX, MIN_EMIN
+        try:
+            d = Decimal(s).scaleb(exponent)
+        except InvalidOperation:
+            return None
+        if d == 0:
+            return "0"
+        out = format(d.normalize(), "f")
     if "." in out:
         out = out.rstrip("0").rstrip(".")
     return out
 
 
+def _scientific_number(s: str) -> str | None:
+    """"1e5" -> "100000", "1.0e-3" -> "0.001", "10^{3}" -> "1000"; None if not such a number.
+
+    Powers with a non-terminating result ("3^{-1}") or with more than
+    `_MAX_EXPANDED_DIGITS` digits stay symbolic in a canonical spelling
+    ("1e5000", "3^-1") so equal spellings still compare equal."""
+    m = _SCI_RE.match(s)
+    if m:
+        mant, exp = m.group(1), int(m.group(2))
+        canon_mant = _canonical_number(mant)
+        if canon_mant is None:
+            return None
+        if abs(exp) + len(mant) > _MAX_EXPANDED_DIGITS:
+            return "0" if canon_mant == "0" else f"{canon_mant}e{exp}"
+        return _decimal_text(mant, exp)
+    m = _POW_RE.match(s)
+    if m:  # "-2^2" is -(2^2), as in LaTeX
+        sign, base, exp = m.group(1), m.group(2), int(m.group(3) or m.group(4))
+        canon_base = _canonical_number(base)
+        if canon_base is None:
+            return None
+        neg = "-" if sign == "-" else ""
+        symbolic = f"{neg}{canon_base}^{exp}"
+        if len(base) * abs(exp) > _MAX_EXPANDED_DIGITS or (exp < 0 and canon_base == "0"):
+            return symbolic
+        f = Fraction(canon_base) ** exp
+        twos = fives = 0
+        den = f.denominator
+        while den % 2 == 0:
+            den, twos = den // 2, twos + 1
+        while den % 5 == 0:
+            den, fives = den // 5, fives + 1
+        if den != 1:  # no finite decimal ("3^-1"): keep the power
+            return symbolic
+        shift = max(twos, fives)  # f * 10**shift is an integer
+        return _decimal_text(neg + str(f.numerator * 10**shift // f.denominator), -shift)
+    return None
+
+
+def _unify_minus(s: str) -> str:
+    for k, v in _MINUS_SIGNS.items():
+        s = s.replace(k, v)
+    return s
+
+
 def _normalize_once(s: str) -> str:
-    s = s.strip()
+    s = _unify_minus(s).strip()
     s = _unwrap_commands(s)
     s = s.replace("{,}", ",")
     s = _SPACING_RE.sub(lambda m: "" if m.group(0) in ("\\,", "\\!", "\\left", "\\right", "\\displaystyle") else " ", s)
@@ -162,13 +259,13 @@ def _normalize_once(s: str) -> str:
     m = re.match(r"^\(([A-E])\)$", s)
     if m:
         s = m.group(1)
-    # Drop a group of braces around the whole answer: "{5}" -> "5".
-    if s.startswith("{") and s.endswith("}"):
-        got = _braced(s, 0)
-        if got is not None and got[1] == len(s):
-            s = got[0]
+    # Drop every group of braces around the whole answer: "{{5}}" -> "5".
+    s = _strip_outer_braces(s)
     # Numbers and integer fractions.
     num = _canonical_number(s)
+    if num is not None:
+        return num
+    num = _scientific_number(s)
     if num is not None:
         return num
     m = _INT_FRAC_RE.match(s)
@@ -193,14 +290,22 @@ def normalize(answer: object) -> str:
     signs, LaTeX spacing (`\\,`, `\\!`, `\\left`, `\\right`), trailing
     periods/commas, spaces next to symbols, a leading `x=` assignment.
     Numbers: thousands separators (`1,000`, `9{,}500`), a leading `+`, and
-    trailing zeros go (`-3.0` -> `-3`, `29.00` -> `29`, `0.50` -> `0.5`).
+    trailing zeros go (`-3.0` -> `-3`, `29.00` -> `29`, `0.50` -> `0.5`);
+    the unicode minus (U+2212) and dashes become `-`. Numbers are exact at
+    any length (no rounding to 28 digits). Scientific notation and integer
+    powers are expanded (`1e5` -> `100000`, `1.0e-3` -> `0.001`, `10^{3}`
+    -> `1000`, `-2^2` -> `-4`) unless the result has no finite decimal or
+    would exceed about 400 digits: then a canonical symbolic spelling stays
+    (`1e5000`, `3^-1`). `-(3/4)` -> `-3/4`.
     Fractions: `\\frac{a}{b}`, `\\dfrac{a}{b}`, `\\tfrac`, `\\frac12` and
     `a/b` all become `a/b`, integer fractions reduced (`2/4` -> `1/2`,
     `6/3` -> `2`). A parenthesised choice letter `(B)` becomes `B`.
     Not done: case folding, unit removal, decimal <-> fraction (`0.5` and
     `1/2` stay different).
 
-    The result is a fixed point: `normalize(normalize(x)) == normalize(x)`.
+    The result is a fixed point: `normalize(normalize(x)) == normalize(x)`
+    (rewriting repeats until nothing changes, at most len(x) + 8 passes;
+    any number of brace groups around the whole answer go in one pass).
 
     Args:
       answer: the answer; non-strings are converted with `str`.
@@ -210,7 +315,9 @@ def normalize(answer: object) -> str:
     """
     try:
         s = answer if isinstance(answer, str) else str(answer)
-        for _ in range(8):
+        # Every pass that changes the text strips at least one layer (a brace
+        # group, a wrapper, a character), so len(s) + 8 passes reach the fixed point.
+        for _ in range(len(s) + 8):
             new = _normalize_once(s)
             if new == s:
                 break
@@ -226,6 +333,7 @@ def normalize(answer: object) -> str:
 
 
 def _prepare_numbers(text: str) -> str:
+    text = _SIGNED_PAREN_RE.sub(r"\1\2", text)  # "-(3/4)" -> "-3/4"
     text = re.sub(r"\\[dt]frac", r"\\frac", text)
     text = re.sub(r"\\frac\s*\{\s*([-+]?[\d.]+)\s*\}\s*\{\s*([-+]?[\d.]+)\s*\}", r"\1/\2", text)
     return re.sub(r"\\frac\s*(\d)\s*(\d)", r"\1/\2", text)
@@ -326,7 +434,8 @@ def extract(text: object, kind: str = "auto") -> str | None:
       * "boxed": the last complete `\\boxed{...}` or `\\fbox{...}` (nested
         braces balanced; a `\\boxed` without a brace group is not an answer).
       * "number": the last number (integers, decimals, thousands separators,
-        signs, `a/b` and `\\frac{a}{b}` with numeric parts).
+        signs including the unicode minus, scientific notation `1e5`, powers
+        `10^{3}`, `-(3/4)`, `a/b` and `\\frac{a}{b}` with numeric parts).
       * "choice": a multiple-choice letter A-E: a boxed letter, then
         "answer: C" / "the answer is (C)" / "option C", then the last "(B)",
         then a line holding only a letter; returns the upper-case letter.
@@ -351,6 +460,6 @@ def extract(text: object, kind: str = "auto") -> str | None:
     if not isinstance(text, str):
         return None
     try:
-        return _extract(text, kind)
+        return _extract(_unify_minus(text), kind)
     except Exception:  # the contract is "never raise": no answer found
         return None

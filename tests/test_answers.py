@@ -174,3 +174,76 @@ def test_number_spellings_agree(x):
     assert answers.normalize(f"${x:,}$") == plain
     assert answers.extract(f"so the total is \\boxed{{{x:,}}}.") == plain
     assert answers.extract(f"Work...\n#### {x:,}") == plain
+
+
+# ---------------------------------------------------------------------------
+# Regression tests: exact long numbers, unicode minus, scientific notation,
+# powers, signed parentheses, deep braces.
+
+
+@pytest.mark.parametrize("a,b", [
+    ("12345678901234567890123456789", "12345678901234567890123456788"),
+    ("12345678901234567890123456789", "12345678901234567890123456790"),
+    ("0.12345678901234567890123456789123", "0.12345678901234567890123456789124"),
+    ("9" * 40, "1" + "0" * 40),
+])
+def test_normalize_long_numbers_are_exact(a, b):
+    assert answers.normalize(a) == a
+    assert answers.normalize(a) != answers.normalize(b)
+    assert answers.extract(f"The answer is {a}") == a
+    assert answers.extract(f"#### {a}") == a
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(-10**80, 10**80))
+def test_normalize_is_exact_for_any_length(x):
+    assert answers.normalize(str(x)) == str(x)
+    assert answers.normalize(f"{x}.000") == str(x)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("\u22123", "-3"),
+    ("The answer is \u22123", "-3"),
+    ("#### \u221242", "-42"),
+    ("\\boxed{\u22121/2}", "-1/2"),
+    ("1e5", "100000"),
+    ("The answer is 1e5", "100000"),
+    ("1.0e-3", "0.001"),
+    ("The answer is 1.0e-3.", "0.001"),
+    ("-1E+2", "-100"),
+    ("-(3/4)", "-3/4"),
+    ("The answer is -(3/4).", "-3/4"),
+    ("10^{3}", "1000"),
+    ("The answer is 10^3", "1000"),
+    ("2^{-1}", "0.5"),
+])
+def test_extract_minus_scientific_powers_parens(text, expected):
+    assert answers.extract(text) == expected
+    assert answers.extract(text, "number") == expected or "boxed" in text
+
+
+@pytest.mark.parametrize("a,b", [("\u22123", "-3"), ("1e3", "1000"), ("1.0e-3", "0.001"),
+                                 ("10^{3}", "1000"), ("-(3/4)", "-3/4"), ("1e5000", "1.0e5000")])
+def test_normalize_equal_spellings(a, b):
+    assert answers.normalize(a) == answers.normalize(b)
+
+
+def test_huge_exponents_stay_symbolic_and_fast():
+    assert answers.normalize("1e5000") == "1e5000"
+    assert answers.normalize("2^{100000}") == "2^100000"
+    assert answers.normalize("3^{-1}") == "3^-1"  # no finite decimal
+    assert answers.normalize("1e99999999999") == "1e99999999999"
+
+
+@pytest.mark.parametrize("depth", [1, 2, 10, 100, 3000])
+def test_normalize_deep_braces_reaches_a_fixed_point(depth):
+    text = "{" * depth + "5" + "}" * depth
+    assert answers.normalize(text) == "5"
+    assert answers.extract("\\boxed{" + text + "}") == "5"
+
+
+@pytest.mark.parametrize("text", ["{{{{{{{{{{5}}}}}}}}}}", "{{a}{b}}", "{x}}", "{{5}", "{\\}",
+                                  "-(-(-(3)))", "\\text{\\text{\\text{{{7}}}}}"])
+def test_normalize_idempotent_regressions(text):
+    once = answers.normalize(text)
+    assert answers.normalize(once) == once
