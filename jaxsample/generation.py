@@ -52,8 +52,9 @@ class Generation:
 
     def sum_logprob(self) -> np.ndarray:
         """`[B, N]` float32 sum of the generated tokens' logprobs (padding excluded)."""
-        return self.logprobs.sum(axis=-1)
+        return np.asarray(self.logprobs, dtype=np.float32).sum(axis=-1, dtype=np.float32)
 
     def mean_logprob(self) -> np.ndarray:
         """`[B, N]` float32 length-normalised logprob (sum / length; 0 for empty branches)."""
-        return self.sum_logprob() / np.maximum(self.lengths, 1)
+        lengths = np.maximum(np.asarray(self.lengths), 1).astype(np.float32)
+        return (self.sum_logprob() / lengths).astype(np.float32)

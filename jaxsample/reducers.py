@@ -51,8 +51,23 @@ __all__ = [
 # ----------------------------------------------------------------------------
 
 
+def _host_array(name: str, x: Any) -> Any:
+    """`x` as an array without any 64 -> 32-bit cast: numpy for concrete input
+    (a jax array or tracer is returned as is). Strings, objects and ragged
+    lists raise a ValueError naming `name`."""
+    if isinstance(x, jax.Array):
+        return x
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name} must be a [B, N] numeric array; got {type(x).__name__} ({e})") from None
+    if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+        raise ValueError(f"{name} must be a [B, N] numeric array; got dtype {arr.dtype}")
+    return arr
+
+
 def _check_2d(name: str, x: Any) -> jax.Array:
-    x = jnp.asarray(x)
+    x = _host_array(name, x)
     if x.ndim != 2:
         raise ValueError(f"{name} must have shape [B, N] (prompts, branches); got shape {tuple(x.shape)}")
     if x.shape[1] == 0:
@@ -61,7 +76,7 @@ def _check_2d(name: str, x: Any) -> jax.Array:
 
 
 def _check_like(name: str, x: Any, shape: tuple[int, ...], ref: str) -> jax.Array:
-    x = jnp.asarray(x)
+    x = _host_array(name, x)
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have the shape of {ref} {tuple(shape)}; got shape {tuple(x.shape)}")
     return x
@@ -79,6 +94,34 @@ def _check_valid(valid: Any, shape: tuple[int, ...], ref: str) -> jax.Array:
 def _check_real(name: str, x: jax.Array) -> None:
     if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
         raise ValueError(f"{name} must be a real (float or int) array; got dtype {x.dtype}")
+
+
+def _exact_ranks(scores: np.ndarray) -> np.ndarray:
+    """Host-side dense ranks per row (int32; equal scores equal ranks, NaN stays NaN).
+
+    Scores whose dtype does not fit the jitted kernel exactly (float64, 64-bit
+    ints) become their ranks, so `[[1.0, 1.0 + 1e-9]]` or `[[1e300, 1e301]]`
+    keep their order and ties instead of collapsing in a float32 cast."""
+    x = scores.astype(np.float64) if np.issubdtype(scores.dtype, np.floating) else scores
+    out = np.full(x.shape, np.nan, dtype=np.float32)
+    for b in range(x.shape[0]):
+        row = x[b]
+        ok = ~np.isnan(row) if np.issubdtype(row.dtype, np.floating) else np.ones(row.shape, bool)
+        if not ok.any():
+            continue
+        # np.unique on exact values: equal scores share a rank.
+        _, inv = np.unique(row[ok], return_inverse=True)
+        out[b, ok] = inv.astype(np.float32)
+    return out
+
+
+def _fits_32(x: np.ndarray) -> bool:
+    """Whether the kernel's 32-bit dtype holds every value of `x` exactly."""
+    if x.dtype.itemsize <= 4 or x.size == 0:
+        return x.dtype != np.uint32 or x.size == 0 or int(x.max()) <= np.iinfo(np.int32).max
+    if np.issubdtype(x.dtype, np.integer):
+        return int(x.min()) >= np.iinfo(np.int32).min and int(x.max()) <= np.iinfo(np.int32).max
+    return False  # float64: decided by ranking on the host
 
 
 # ----------------------------------------------------------------------------
@@ -107,6 +150,10 @@ def best_of_n(scores: Any, valid: Any = None) -> jax.Array:
 
     Args:
       scores: `[B, N]` float (or int) score per branch; NaN never wins.
+        Concrete scores that JAX would cast to 32 bits with loss (float64,
+        or 64-bit ints outside the int32 range) are replaced on the host by
+        their exact per-row ranks (equal scores, equal ranks) first, so the
+        winner is that of the exact values, ties included.
       valid: `[B, N]` bool, or None (every branch valid). Invalid branches
         never win, whatever their score.
 
@@ -121,7 +168,12 @@ def best_of_n(scores: Any, valid: Any = None) -> jax.Array:
     scores = _check_2d("scores", scores)
     _check_real("scores", scores)
     valid = _check_valid(valid, scores.shape, "scores")
-    return _best_of_n(scores, valid)
+    if isinstance(scores, np.ndarray):
+        if not _fits_32(scores):
+            scores = _exact_ranks(scores)
+        elif scores.dtype == np.bool_:
+            scores = scores.astype(np.int32)
+    return _best_of_n(jnp.asarray(scores), valid)
 
 
 def score_sum_logprob(gen: Any) -> np.ndarray:
@@ -175,25 +227,37 @@ class Vote(NamedTuple):
 @jax.jit
 def _majority_vote(answer_ids: jax.Array, valid: jax.Array, weights: jax.Array) -> Vote:
     n = answer_ids.shape[-1]
-    ok = valid & (answer_ids >= 0) & ~jnp.isnan(weights)
-    w = jnp.where(ok, weights, 0.0)
+    # Non-finite weights can only reach here traced (concrete ones are checked):
+    # they exclude the branch like NaN; traced negative weights count as 0.
+    ok = valid & (answer_ids >= 0) & jnp.isfinite(weights)
+    w = jnp.where(ok, jnp.maximum(weights, 0.0), 0.0)
+    # Scale each row by a power of two so its largest weight is in [0.5, 1):
+    # sums of up to N such weights cannot overflow, and scaling by 2**-e is
+    # exact, so ties and the order of supports are those of the raw weights.
+    _, e = jnp.frexp(jnp.max(w, axis=-1, keepdims=True))
+    ws = jnp.ldexp(w, -e)
     # same[b, i, j]: branches i and j are valid and gave the same answer.
     same = ok[:, :, None] & ok[:, None, :] & (answer_ids[:, :, None] == answer_ids[:, None, :])
     # Every branch of one answer sums the same weights in the same order, so
     # equal answers get bit-identical support.
-    support = jnp.einsum("bij,bj->bi", same.astype(w.dtype), w)
+    support = jnp.einsum("bij,bj->bi", same.astype(ws.dtype), ws)
     branch = jnp.arange(n, dtype=jnp.int32)
     first = jnp.min(jnp.where(same, branch[None, None, :], n), axis=-1)  # [B, N] first occurrence
     any_ok = jnp.any(ok, axis=-1)
     top = jnp.max(jnp.where(ok, support, -jnp.inf), axis=-1, keepdims=True)
     tied = ok & (support == top)
     first_branch = jnp.min(jnp.where(tied, first, n), axis=-1)
-    first_branch = jnp.where(any_ok, first_branch, -1).astype(jnp.int32)
+    first_branch = jnp.where(any_ok & (first_branch < n), first_branch, -1).astype(jnp.int32)
+    has = first_branch >= 0
     safe = jnp.maximum(first_branch, 0)[:, None]
-    winner = jnp.where(any_ok, jnp.take_along_axis(answer_ids, safe, axis=-1)[:, 0], -1).astype(jnp.int32)
-    win_support = jnp.where(any_ok, jnp.take_along_axis(support, safe, axis=-1)[:, 0], 0.0)
-    total = jnp.sum(w, axis=-1)
-    share = jnp.where(total > 0, win_support / jnp.where(total > 0, total, 1.0), 0.0)
+    winner = jnp.where(has, jnp.take_along_axis(answer_ids, safe, axis=-1)[:, 0], -1).astype(jnp.int32)
+    win_scaled = jnp.where(has, jnp.take_along_axis(support, safe, axis=-1)[:, 0], 0.0)
+    total = jnp.sum(ws, axis=-1)
+    share = jnp.where(total > 0, win_scaled / jnp.where(total > 0, total, 1.0), 0.0)
+    share = jnp.clip(share, 0.0, 1.0)
+    # The reported support is in the weights' units; it is +inf only when the
+    # winner's summed weight itself exceeds the float32 range.
+    win_support = jnp.ldexp(win_scaled, e[:, 0])
     return Vote(winner=winner, support=win_support, share=share, first_branch=first_branch)
 
 
@@ -219,6 +283,12 @@ def majority_vote(answer_ids: Any, valid: Any = None, weights: Any = None) -> Vo
         excluded: never counted, never winners.
       weights: `[B, N]` float non-negative weight per branch, or None (each
         valid branch counts 1). Branches with NaN weight are excluded.
+        Weights are cast to float32 and checked after the cast. Each row
+        is scaled internally by a power of two (exact), so large weights
+        (sums beyond float32's range) still give the right winner and a
+        `share` in [0, 1]; only the reported `support` can then be +inf.
+        Traced weights (under an outer `jit`) cannot be checked: there,
+        infinite weights exclude the branch like NaN and negative ones count 0.
 
     Returns:
       A `Vote` of `[B]` arrays (`winner`, `support`, `share`,
@@ -228,28 +298,36 @@ def majority_vote(answer_ids: Any, valid: Any = None, weights: Any = None) -> Vo
       share 0.
 
     Raises:
-      ValueError: `answer_ids` is not an int `[B, N]` array with N >= 1, or
-        `valid` / `weights` do not have its shape (or the right dtype), or
-        concrete `weights` contain negative or infinite values.
+      ValueError: `answer_ids` is not an int `[B, N]` array with N >= 1 or
+        has ids outside int32, or `valid` / `weights` do not have its shape
+        (or the right dtype), or concrete `weights` contain negative values
+        or values infinite in float32 (e.g. 1e300).
     """
     answer_ids = _check_2d("answer_ids", answer_ids)
     if not jnp.issubdtype(answer_ids.dtype, jnp.integer):
         raise ValueError(f"answer_ids must be an int array (answers mapped to ids); got dtype {answer_ids.dtype}")
-    answer_ids = answer_ids.astype(jnp.int32)
+    if isinstance(answer_ids, np.ndarray) and not _fits_32(answer_ids):
+        raise ValueError("answer_ids must fit int32 (in [-2**31, 2**31 - 1]); got values in "
+                         f"[{int(answer_ids.min())}, {int(answer_ids.max())}]")
+    answer_ids = jnp.asarray(answer_ids).astype(jnp.int32)
     valid = _check_valid(valid, answer_ids.shape, "answer_ids")
     if weights is None:
         weights = jnp.ones(answer_ids.shape, dtype=jnp.float32)
     else:
-        concrete = None if isinstance(weights, jax.core.Tracer) else np.asarray(weights)
         weights = _check_like("weights", weights, answer_ids.shape, "answer_ids")
         if not jnp.issubdtype(weights.dtype, jnp.floating):
             if not jnp.issubdtype(weights.dtype, jnp.integer) and weights.dtype != jnp.bool_:
                 raise ValueError(f"weights must be a float array; got dtype {weights.dtype}")
+        if isinstance(weights, jax.core.Tracer):
             weights = weights.astype(jnp.float32)
-        if concrete is not None:
-            c = concrete.astype(np.float64)
+        else:
+            # Check what the kernel will see: the float32 cast (1e300 -> inf).
+            with np.errstate(over="ignore", invalid="ignore"):
+                c = np.asarray(weights).astype(np.float32)
             if np.any(c < 0) or np.any(np.isinf(c)):
-                raise ValueError("weights must be finite and non-negative (NaN excludes a branch)")
+                raise ValueError("weights must be finite in float32 (|w| <= 3.4e38) and non-negative "
+                                 "(NaN excludes a branch)")
+            weights = jnp.asarray(c)
     return _majority_vote(answer_ids, valid, weights)
 
 
@@ -347,7 +425,8 @@ def self_consistency(
     Args:
       generation: a `Generation` (its `texts`, B lists of N strings), or B
         lists of N strings directly (then `weights="mean_logprob"` is not
-        available).
+        available). A flat list of strings is rejected (a string is not a
+        row): for one prompt's branches pass `[texts]`.
       extract: an `answers.extract` kind ("auto", "boxed", "number",
         "choice", "text"), or a callable `text -> str | None`. Whatever it
         returns is passed through `answers.normalize`, so "1,000" and
@@ -363,12 +442,17 @@ def self_consistency(
 
     Raises:
       ValueError: unknown `extract` kind or `weights` string, texts that are
-        not B lists of the same number N >= 1 of strings, or arrays whose
-        shape is not `[B, N]`.
+        not B lists of the same number N >= 1 of strings (a row that is a
+        `str` included), or arrays whose shape is not `[B, N]`.
     """
     texts = generation.texts if hasattr(generation, "texts") else generation
     if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
         raise ValueError("generation must be a Generation or B lists of N strings")
+    for b, r in enumerate(texts):
+        if isinstance(r, (str, bytes)) or not isinstance(r, (Sequence, np.ndarray)):
+            raise ValueError(
+                f"generation must be B lists of N strings, but row {b} is a {type(r).__name__} "
+                f"({r!r:.40}), not a list of strings; for one prompt's N texts pass [texts]")
     rows = [list(r) for r in texts]
     if not rows:
         raise ValueError("generation has no prompts (B = 0)")

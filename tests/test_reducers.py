@@ -322,3 +322,109 @@ def test_self_consistency_callable_valid_and_errors():
         reducers.self_consistency(texts, extract="latex")
     with pytest.raises(ValueError, match="same number"):
         reducers.self_consistency([["a", "b"], ["c"]])
+
+
+# ----------------------------------------------------------------------------
+# Regression tests: flat string rows, 64-bit inputs, float32 overflow in votes
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("texts", [["42", "42", "17"], ("7", "7", "8"), [["1", "2"], "34"]])
+def test_self_consistency_rejects_string_rows(texts):
+    with pytest.raises(ValueError, match=r"row \d+ is a str.*not a list of strings.*\[texts\]"):
+        reducers.self_consistency(texts)
+    assert reducers.self_consistency([["42", "42", "17"]]).winner == ["42"]
+
+
+@pytest.mark.parametrize("scores,expected", [
+    (np.array([[1.0, 1.0 + 1e-9]]), [1]),
+    (np.array([[1.0 + 1e-9, 1.0]]), [0]),
+    (np.array([[1e300, 1e301]]), [1]),
+    (np.array([[1e301, 1e300, 1e301]]), [0]),           # exact tie keeps the lowest index
+    (np.array([[-1e-300, -1e-301, np.nan]]), [1]),
+    (np.array([[np.nan, np.nan], [np.inf, 1e308]]), [-1, 0]),
+    (np.array([[2**32, 1]], dtype=np.int64), [0]),
+    (np.array([[2**40 + 1, 2**40]], dtype=np.int64), [0]),
+    (np.array([[2**40, 2**40 + 1]], dtype=np.int64), [1]),
+])
+def test_best_of_n_exact_for_64_bit_scores(scores, expected):
+    np.testing.assert_array_equal(reducers.best_of_n(scores), expected)
+
+
+def test_best_of_n_64_bit_scores_respect_valid():
+    scores = np.array([[1.0, 1.0 + 1e-9, 1.0 + 2e-9]])
+    assert int(reducers.best_of_n(scores, np.array([[True, True, False]]))[0]) == 1
+
+
+@pytest.mark.parametrize("scores", [[["a", "b"]], [["a"]], [[1.0, 2.0], [3.0]], None])
+def test_best_of_n_non_numeric_scores_name_the_argument(scores):
+    with pytest.raises(ValueError, match="scores"):
+        reducers.best_of_n(scores)
+
+
+@pytest.mark.parametrize("ids", [np.array([[2**32, 0, 2**32 + 1]], dtype=np.int64),
+                                 np.array([[-(2**31) - 1, 1]], dtype=np.int64),
+                                 np.array([[2**63, 1]], dtype=np.uint64)])
+def test_majority_vote_answer_ids_must_fit_int32(ids):
+    with pytest.raises(ValueError, match="answer_ids must fit int32"):
+        reducers.majority_vote(ids)
+
+
+def test_majority_vote_int64_ids_in_range_are_fine():
+    vote = reducers.majority_vote(np.array([[2**31 - 1, 5, 2**31 - 1]], dtype=np.int64))
+    assert int(vote.winner[0]) == 2**31 - 1 and int(vote.first_branch[0]) == 0
+
+
+@pytest.mark.parametrize("weights", [np.array([[1e300, 1.0, 1.0]]), [[float("inf"), 1.0, 1.0]],
+                                     np.array([[1e39, 1.0, 1.0]])])
+def test_majority_vote_weights_checked_after_float32_cast(weights):
+    with pytest.raises(ValueError, match="weights must be finite in float32"):
+        reducers.majority_vote([[1, 2, 2]], weights=weights)
+
+
+@pytest.mark.parametrize("weights", [[["a", "b", "c"]], [[1.0, 2.0], [3.0]]])
+def test_majority_vote_non_numeric_weights_name_the_argument(weights):
+    with pytest.raises(ValueError, match="weights"):
+        reducers.majority_vote([[1, 2, 2]], weights=weights)
+
+
+def _vote_is_sane(vote, n):
+    w, s, sh, fb = (np.asarray(x) for x in vote)
+    assert np.all((fb >= -1) & (fb < n)) and np.all((w == -1) == (fb == -1))
+    assert np.all(np.isfinite(sh)) and np.all((sh >= 0) & (sh <= 1))
+    assert not np.any(np.isnan(s))
+
+
+def test_majority_vote_sums_beyond_float32_range():
+    # Each weight fits float32, but their sums overflow it.
+    vote = reducers.majority_vote([[1, 2, 2]], weights=[[3e38, 3e38, 3e38]])
+    _vote_is_sane(vote, 3)
+    assert int(vote.winner[0]) == 2 and int(vote.first_branch[0]) == 1
+    np.testing.assert_allclose(vote.share, [2 / 3], rtol=1e-6)
+    vote = reducers.majority_vote([[1, 2, 2]], weights=[[3e38, 1e38, 1e38]])
+    assert int(vote.winner[0]) == 1
+    np.testing.assert_allclose(vote.support, [3e38], rtol=1e-6)
+    np.testing.assert_allclose(vote.share, [0.6], rtol=1e-6)
+    # Exact ties stay ties at any scale: the first-seen answer wins.
+    vote = reducers.majority_vote([[5, 7, 7, 5]], weights=[[3e38, 3e38, 3e38, 3e38]])
+    assert int(vote.winner[0]) == 5 and float(vote.share[0]) == 0.5
+
+
+def test_majority_vote_traced_non_finite_or_negative_weights_stay_sane():
+    f = jax.jit(reducers.majority_vote)
+    ids = jnp.array([[1, 2, 2], [3, 3, 4], [1, 2, 3]])
+    inf, nan = float("inf"), float("nan")
+    w = jnp.array([[inf, 1.0, 1.0], [3e38, 3e38, 3e38], [nan, -inf, inf]])
+    vote = f(ids, None, w)
+    _vote_is_sane(vote, 3)
+    np.testing.assert_array_equal(vote.winner, [2, 3, -1])
+    vote = f(jnp.array([[1, 2, 2]]), None, jnp.array([[1.0, -5.0, 1.0]]))
+    _vote_is_sane(vote, 3)
+    assert int(vote.winner[0]) == 1  # negative weight counts 0: 1 vs 1, first seen wins
+
+
+def test_generation_logprob_summaries_are_float32():
+    gen = make_generation([["a", "b"]], lengths=[[4, 2]])
+    assert gen.sum_logprob().dtype == np.float32
+    assert gen.mean_logprob().dtype == np.float32
+    np.testing.assert_allclose(gen.mean_logprob(), [[-0.5, -1.0]])
