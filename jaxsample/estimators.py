@@ -30,12 +30,21 @@ __all__ = ["pass_at_k", "best_of_k", "maj_at_k"]
 
 
 def _as_int_array(name: str, x: Any) -> np.ndarray:
-    a = np.asarray(x)
+    try:
+        a = np.asarray(x)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name} must be an integer or integer array; got {type(x).__name__} ({e})") from None
     if a.dtype == np.bool_ or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
-        raise ValueError(f"{name} must be integer-valued; got dtype {a.dtype}")
+        raise ValueError(f"{name} must be integer-valued (ints in the int64 range); got dtype {a.dtype}")
     if np.issubdtype(a.dtype, np.floating):
-        if not np.all(np.isfinite(a)) or np.any(a != np.floor(a)):
-            raise ValueError(f"{name} must be integer-valued; got {x!r}")
+        # Whole floats up to 2**53 are exact integers; beyond, or non-finite, they are refused
+        # (checked before any cast, so no RuntimeWarning).
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(a) | (np.abs(a) > 2.0**53)
+            bad |= np.where(bad, False, a != np.floor(np.where(bad, 0.0, a)))
+        if np.any(bad):
+            raise ValueError(f"{name} must be integer-valued: whole numbers with |x| <= 2**53 "
+                             f"(pass Python ints for larger); got {x!r}")
         a = a.astype(np.int64)
     return a
 
@@ -119,7 +128,11 @@ def best_of_k(scores_pool: Any, correct: Any, k: int, valid: Any = None) -> floa
     Raises:
       ValueError: shapes that are not `[n]` and equal, n = 0, or k outside [1, n].
     """
-    scores = np.asarray(scores_pool, dtype=np.float64)
+    try:
+        scores = np.asarray(scores_pool, dtype=np.float64)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"scores_pool must be a numeric array of shape [n]; got {type(scores_pool).__name__} "
+                         f"({e})") from None
     if scores.ndim != 1 or scores.shape[0] == 0:
         raise ValueError(f"scores_pool must have shape [n] with n >= 1; got shape {scores.shape}")
     n = scores.shape[0]

@@ -54,10 +54,11 @@ def make_mesh(branch: int = 1, data: int = 1, devices=None) -> jax.sharding.Mesh
     """A ("data", "branch") mesh over `data * branch` devices (default: the first ones).
 
     Raises:
-      ValueError: fewer devices than data * branch, or a size < 1.
+      ValueError: fewer devices than data * branch, or a size that is not an int >= 1.
     """
-    if branch < 1 or data < 1:
-        raise ValueError(f"mesh sizes must be >= 1, got data={data}, branch={branch}")
+    for name, v in (("data", data), ("branch", branch)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"make_mesh: {name} must be an int >= 1, got {v!r}")
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < branch * data:
         raise ValueError(f"a mesh of data={data} x branch={branch} needs {branch * data} "

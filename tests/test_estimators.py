@@ -193,3 +193,31 @@ def test_maj_at_k_simple_values_and_large_n():
 def test_maj_at_k_errors(pool, correct, k, tie, match):
     with pytest.raises(ValueError, match=match):
         estimators.maj_at_k(pool, correct, k, tie=tie)
+
+
+# ----------------------------------------------------------------------------
+# Regression tests: huge floats, non-numeric pools
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,c,k,name", [
+    (1e20, 1, 1, "n"), (10, 1e300, 1, "c"), (10, 1, float("inf"), "k"), (float("nan"), 1, 1, "n"),
+    (2.0**60, 1, 1, "n"), ("5", 1, 1, "n"), ([[1, 2], [3]], 1, 1, "n"),
+])
+def test_pass_at_k_bad_numbers_clear_error_no_warning(n, c, k, name):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning would fail the test
+        with pytest.raises(ValueError, match=rf"^{name} must be (an )?integer"):
+            estimators.pass_at_k(n, c, k)
+
+
+def test_pass_at_k_whole_floats_still_accepted():
+    assert float(estimators.pass_at_k(10.0, 10.0, 1.0)) == 1.0
+    assert float(estimators.pass_at_k(2.0**53, 0, 1)) == 0.0
+
+
+@pytest.mark.parametrize("pool", [["a", "b"], [["x"], ["y", "z"]], None])
+def test_best_of_k_non_numeric_pool_names_the_argument(pool):
+    with pytest.raises(ValueError, match="scores_pool"):
+        estimators.best_of_k(pool, np.array([True, False]), 1)
