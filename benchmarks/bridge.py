@@ -13,8 +13,9 @@ majority vote (maj@N, ties -> the earliest branch's answer) and pass@N (any
 branch correct), with binomial standard errors over problems, and the paired
 difference against the base model.
 
-CPU (a few minutes on 2 cores, SmolLM2-135M embedded):
+CPU (about 30 minutes on 2 loaded cores, SmolLM2-135M embedded):
     python benchmarks/bridge.py
+The first (failed) CPU run: python benchmarks/bridge.py --preset cpu-v1
 GPU, longer: see benchmarks/bridge_gpu.sh (`--preset gpu`).
 Smoke test on the tiny random model: python benchmarks/bridge.py --tiny --steps 2
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import math
 import os
@@ -39,10 +41,20 @@ from benchmarks.bridge_tasks import make_problems  # noqa: E402
 from jaxsample import answers, bridge as bridge_lib, bridge_train, engine  # noqa: E402
 from jaxsample.sampling import SamplingParams  # noqa: E402
 
+# cpu: the settings of the reported CPU run (benchmarks/RESULTS.md, Bridge).
+# cpu-v1: the first CPU run, which collapsed both trained models to ~0 accuracy
+# (lr 1e-3 and Adam's momentum on zero-signal steps wrecked the answer format:
+# the models stopped emitting the newline and ran into the 12-token limit).
+# Kept to reproduce that failure.
 PRESETS = {
-    "cpu": dict(train_problems=64, test_problems=48, steps=24, groups=2, n=4, widths="1,2,4,8"),
+    "cpu": dict(train_problems=64, test_problems=48, steps=24, groups=4, n=4, widths="1,2,4,8",
+                lr=3e-5, max_new_tokens=16, temperature=0.7, sft_steps=0, skip_no_signal=True),
+    "cpu-v1": dict(train_problems=64, test_problems=48, steps=24, groups=2, n=4,
+                   widths="1,2,4,8", lr=1e-3, max_new_tokens=12, temperature=0.7, sft_steps=0,
+                   skip_no_signal=False),
     "gpu": dict(train_problems=512, test_problems=400, steps=400, groups=16, n=8,
-                widths="1,2,4,8,16"),
+                widths="1,2,4,8,16", lr=3e-5, max_new_tokens=16, temperature=0.7, sft_steps=0,
+                skip_no_signal=True),
 }
 
 
@@ -55,22 +67,33 @@ def parse_args(argv=None):
     ap.add_argument("--groups", type=int)
     ap.add_argument("--n", type=int, help="branches per problem during training")
     ap.add_argument("--widths", help="comma-separated evaluation widths")
-    ap.add_argument("--sft-steps", type=int, default=0, help="warm-up steps on correct samples")
+    ap.add_argument("--sft-steps", type=int, help="warm-up steps on correct samples")
     ap.add_argument("--bridge-dim", type=int, default=64)
     ap.add_argument("--bridge-heads", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--temperature", type=float)
+    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--skip-no-signal", action=argparse.BooleanOptionalAction, default=None,
+                    help="leave params and Adam state untouched on steps with no reward "
+                         "variance in any group (default on; off in --preset cpu-v1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="model name or path (default: embedded)")
     ap.add_argument("--tiny", action="store_true", help="tiny random model (smoke test only)")
-    ap.add_argument("--ckpt-dir", default="/tmp/jaxsample_bridge_ckpt")
+    ap.add_argument("--ckpt-dir", default=None,
+                    help="default: /tmp/jaxsample_bridge_ckpt/<hash of the training settings>, "
+                         "so a run never resumes another run's checkpoints")
     ap.add_argument("--out", default="benchmarks/results/bridge.json")
     args = ap.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.widths = [int(w) for w in str(args.widths).split(",")]
+    if args.ckpt_dir is None:
+        keys = ("train_problems", "steps", "groups", "n", "sft_steps", "bridge_dim",
+                "bridge_heads", "lr", "temperature", "max_new_tokens", "seed", "model", "tiny",
+                "skip_no_signal")
+        h = hashlib.sha256(json.dumps({k: getattr(args, k) for k in keys}).encode()).hexdigest()
+        args.ckpt_dir = f"/tmp/jaxsample_bridge_ckpt/{h[:12]}"
     return args
 
 
@@ -100,6 +123,11 @@ def score(lm, bridge, problems, n, seed, args, stop_ids):
         winner = collections.Counter(got).most_common(1)[0][0] if got else None
         maj.append(float(winner is not None and winner == answers.normalize(p.answer)))
     return rewards, np.array(maj), rewards.max(1), gen
+
+
+def truncated(gen):
+    """Fraction of branches cut by max_new_tokens (no stop token reached)."""
+    return float(np.mean([[r == "length" for r in row] for row in gen.finish_reason]))
 
 
 def se(x):
@@ -135,7 +163,7 @@ def main(argv=None):
             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             learning_rate=args.lr, seed=args.seed, sft_steps=args.sft_steps,
             ckpt_dir=os.path.join(args.ckpt_dir, name), save_every=max(1, args.steps // 4),
-            chat=False, stop_token_ids=stop_ids,
+            chat=False, stop_token_ids=stop_ids, skip_no_signal=args.skip_no_signal,
             log=lambda s, name=name: print(f"[{name}] {s}", flush=True))
         trained[name] = trained_b
         report["train"][name] = {"param_count": count, "param_fraction": frac,
@@ -145,13 +173,13 @@ def main(argv=None):
     for width in args.widths:
         for name, b in trained.items():
             t0 = time.perf_counter()
-            rewards, maj, pas, _ = score(lm, b, test_set, width, eval_seed, args, stop_ids)
+            rewards, maj, pas, gen = score(lm, b, test_set, width, eval_seed, args, stop_ids)
             per_problem[(name, width)] = (rewards.mean(1), maj, pas)
             report["eval"][f"{name}@{width}"] = {
                 "problems": len(test_set), "width": width,
                 "branch_acc": float(rewards.mean()), "branch_acc_se": se(rewards.mean(1)),
                 "maj": float(maj.mean()), "maj_se": se(maj),
-                "pass": float(pas.mean()), "pass_se": se(pas),
+                "pass": float(pas.mean()), "pass_se": se(pas), "truncated": truncated(gen),
                 "seconds": time.perf_counter() - t0}
             if name != "base":
                 base_acc, base_maj, _ = per_problem[("base", width)]
@@ -162,7 +190,8 @@ def main(argv=None):
             e = report["eval"][f"{name}@{width}"]
             print(f"[eval] {name:8s} N={width:2d}: branch acc {e['branch_acc']:.3f}"
                   f" ± {e['branch_acc_se']:.3f}, maj {e['maj']:.3f} ± {e['maj_se']:.3f},"
-                  f" pass {e['pass']:.3f} ± {e['pass_se']:.3f}", flush=True)
+                  f" pass {e['pass']:.3f} ± {e['pass_se']:.3f},"
+                  f" truncated {e['truncated']:.2f}", flush=True)
     report["seconds"] = time.perf_counter() - t_all
     print_table(report)
     out = pathlib.Path(args.out)
@@ -185,8 +214,10 @@ def print_table(report):
     for name, t in report["train"].items():
         r = [h["reward"] for h in t["history"]]
         k = max(1, len(r) // 4)
+        upd = sum(not h.get("skipped", False) for h in t["history"])
         print(f"{name}: train reward first {k} steps {np.mean(r[:k]):.3f}, "
-              f"last {k} steps {np.mean(r[-k:]):.3f} ({t['seconds']:.0f} s)")
+              f"last {k} steps {np.mean(r[-k:]):.3f} ({t['seconds']:.0f} s, "
+              f"{upd}/{len(r)} steps with a reward-variance signal)")
 
 
 def plot_rewards(report, path):
@@ -198,11 +229,15 @@ def plot_rewards(report, path):
     except ImportError:  # pragma: no cover
         return
     fig, ax = plt.subplots(figsize=(5, 3))
-    for name, t in report["train"].items():
+    for i, (name, t) in enumerate(report["train"].items()):
         r = np.array([h["reward"] for h in t["history"]])
         k = max(1, min(5, len(r)))
         smooth = np.convolve(r, np.ones(k) / k, mode="valid")
-        ax.plot(np.arange(k, len(r) + 1), smooth, label=f"{name} (moving avg {k})")
+        # Dashed / thicker solid: identical curves (same problems and keys) stay visible.
+        ax.plot(np.arange(k, len(r) + 1), smooth, ls=("-", "--", ":")[i % 3], lw=3 - i,
+                label=f"{name} (moving avg {k})")
+        ax.plot(np.arange(1, len(r) + 1), r, ls="", marker="o", ms=2, alpha=0.5,
+                color=ax.lines[-1].get_color())
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean reward (train)")
     ax.legend()

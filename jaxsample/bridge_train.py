@@ -15,6 +15,12 @@ Generations", arXiv 2510.01143; GRPO: Shao et al. 2024, arXiv 2402.03300):
    One gradient step per batch of fresh samples (on-policy), so the
    importance ratio is exactly 1 and needs no clipping, and we add no KL term
    (the base model is frozen and the Bridge starts as an exact no-op).
+   A batch in which no group has any reward variance has all advantages 0,
+   hence zero gradient; by default (`skip_no_signal`) such a step leaves the
+   params and the optimizer state untouched. Otherwise Adam would keep
+   moving the params along its momentum on a zero gradient (after one real
+   update at lr, the next ~10 zero-gradient steps move every entry by about
+   4 x lr more, in the same direction).
 
 The base weights are never updated: gradients are taken with respect to the
 Bridge parameters only (and `gate` sits behind `stop_gradient`).
@@ -387,7 +393,8 @@ def train(lm, bridge: bridge_lib.Bridge, problems: Sequence[Problem], *, steps: 
           learning_rate: float = 1e-3, seed: int = 0, ckpt_dir: str | None = None,
           save_every: int = 10, sft_steps: int = 0, log: Callable[[str], None] | None = print,
           stop_after: int | None = None, chat: bool = True,
-          reward_fn: Callable[[str, Problem], float] | None = None, stop_token_ids=()):
+          reward_fn: Callable[[str, Problem], float] | None = None, stop_token_ids=(),
+          skip_no_signal: bool = True):
     """GRPO-style training of the Bridge (base frozen), resumable from `ckpt_dir`.
 
     Step s uses problems chosen by `fold_in(key(seed), s)` and rollout seed
@@ -406,9 +413,15 @@ def train(lm, bridge: bridge_lib.Bridge, problems: Sequence[Problem], *, steps: 
       stop_after: stop (after saving) once this step is reached: simulates an
         interruption in tests.
       chat, reward_fn, stop_token_ids: passed to `rollout`.
+      skip_no_signal: a step whose advantages are all 0 (no group with reward
+        variance; in the warm-up: no correct sample) only advances the step
+        counter: params and optimizer state are unchanged (no Adam momentum
+        step on a zero gradient). False applies the optimizer anyway (the
+        behaviour before this option existed).
     Returns:
       (Bridge with the trained params, TrainState, history: list of per-step dicts
-      with step, loss, mean reward, tokens, seconds).
+      with step, loss, mean reward, tokens, grad_norm, seconds, phase, the number
+      of groups with a nonzero advantage (`signal_groups`) and `skipped`).
     """
     optimizer = make_optimizer(learning_rate)
     state = init_state(bridge, optimizer)
@@ -431,10 +444,17 @@ def train(lm, bridge: bridge_lib.Bridge, problems: Sequence[Problem], *, steps: 
                                     stop_token_ids=stop_token_ids)
         if s < sft_steps:
             batch = batch._replace(advantages=jnp.asarray(rewards))
-        state, m = update(optimizer, lm, bridge.config, state, batch, temperature)
+        signal = int(np.sum(np.any(np.asarray(batch.advantages) != 0, axis=1)))
+        skipped = skip_no_signal and signal == 0
+        if skipped:
+            state = state._replace(step=state.step + 1)
+            m = {"loss": 0.0, "tokens": int(np.asarray(batch.lengths).sum()), "grad_norm": 0.0}
+        else:
+            state, m = update(optimizer, lm, bridge.config, state, batch, temperature)
         rec = {"step": s + 1, "loss": float(m["loss"]), "reward": float(rewards.mean()),
                "tokens": int(m["tokens"]), "grad_norm": float(m["grad_norm"]),
-               "seconds": time.perf_counter() - t0, "phase": "sft" if s < sft_steps else "rl"}
+               "seconds": time.perf_counter() - t0, "phase": "sft" if s < sft_steps else "rl",
+               "signal_groups": signal, "skipped": bool(skipped)}
         history.append(rec)
         if log:
             log(json.dumps(rec))

@@ -267,3 +267,40 @@ def test_checkpoint_round_trip_and_resume(tiny_lm, tmp_path):
     with pytest.raises(ValueError, match="Bridge config"):
         bridge_train.restore(d, bridge_train.init_state(b0, opt), tiny_lm,
                              bridge_lib.BridgeConfig(dim=8, n_heads=4))
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_zero_signal_steps_leave_params_and_adam_state_alone(tiny_lm, skip):
+    """Step 1 has reward variance, steps 2-3 none: with skip_no_signal the params and
+    optimizer state after 3 steps equal those after 1; without it, Adam's momentum
+    keeps moving the params on the zero gradient (the failure of the first CPU run)."""
+    problems = [bridge_train.Problem(p, "0") for p in PROMPTS]
+    n, groups = 4, 1
+
+    def run(steps):
+        calls = [0]
+
+        def reward_fn(text, p):  # 1, 0, 1, 0 on step 1, then constant
+            calls[0] += 1
+            return float(calls[0] % 2) if calls[0] <= n * groups else 1.0
+
+        return bridge_train.train(tiny_lm, bridge_lib.init(tiny_lm, BCFG), problems, steps=steps,
+                                  n=n, groups=groups, max_new_tokens=12, learning_rate=3e-2,
+                                  seed=5, chat=False, stop_token_ids=STOPS, log=None,
+                                  reward_fn=reward_fn, skip_no_signal=skip)
+
+    _, st1, h1 = run(1)
+    _, st3, h3 = run(3)
+    assert h1[0]["signal_groups"] == 1 and not h1[0]["skipped"] and h1[0]["grad_norm"] > 0
+    assert [h["signal_groups"] for h in h3] == [1, 0, 0]
+    assert [h["skipped"] for h in h3] == [False, skip, skip]
+    assert int(st3.step) == 3
+    same = [np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(st1.params),
+                                                 jax.tree_util.tree_leaves(st3.params))]
+    if skip:
+        assert all(same)
+        for a, b in zip(jax.tree_util.tree_leaves(st1.opt_state),
+                        jax.tree_util.tree_leaves(st3.opt_state)):
+            np.testing.assert_array_equal(a, b)
+    else:
+        assert not np.array_equal(st1.params["wo"], st3.params["wo"])  # momentum moved them
