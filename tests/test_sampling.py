@@ -195,7 +195,9 @@ _values = st.sampled_from([-3.0, -1.5, -1.0, -0.5, 0.0, 0.0, 0.5, 1.0, 2.0])  # 
 @st.composite
 def _problems(draw):
     logits = np.asarray(draw(st.lists(
-        st.one_of(_values, st.floats(-5, 5, width=32)), min_size=V_SMALL,
+        # No subnormals: XLA on CPU flushes them to zero (so -8e-45 ties with 0.0),
+        # which the float64 numpy reference does not model; logits are never subnormal.
+        st.one_of(_values, st.floats(-5, 5, width=32, allow_subnormal=False)), min_size=V_SMALL,
         max_size=V_SMALL)), np.float32)
     vocab_limit = draw(st.sampled_from([5, V_SMALL]))
     logits[vocab_limit:] = 50.0  # padding rows with huge logits
