@@ -115,7 +115,7 @@ def group_logprobs(cfg: llama.LlamaConfig, base_params, bconfig, bparams, prompt
     Returns:
       `[N, T]` float32 log pi(c_{n,t} | prompt, c_{n,<t}, other branches), 0 at t >= len_n.
     """
-    P, (N, T) = prompt.shape[0], completions.shape
+    P, T = prompt.shape[0], completions.shape[1]
     S = P + T
     s = jnp.arange(S)
     rel = s - prompt_len  # completion index at position s
