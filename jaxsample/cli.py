@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 from jaxsample import config as config_lib
 from jaxsample import cost
-from jaxsample.errors import ConfigError, InputError, JaxsampleError
+from jaxsample.errors import ConfigError, InputError, JaxsampleError, ModelLoadError
 
 EXIT_OK = 0
 EXIT_USAGE = 2  # bad input of any kind (argparse's convention)
@@ -362,6 +362,8 @@ def _run(args) -> int:
 
 def _reduce(gen, reducer: config_lib.ReducerConfig):
     """The result ({"answer", "share", "branch"}) and each branch's extracted answer."""
+    import numpy as np
+
     from jaxsample import answers as answers_lib
     from jaxsample import reducers
 
@@ -380,7 +382,11 @@ def _reduce(gen, reducer: config_lib.ReducerConfig):
     answers = [one(t) for t in texts]
     if reducer.kind == "best":
         scores = gen.mean_logprob() if reducer.score == "mean_logprob" else gen.sum_logprob()
-        idx = int(reducers.best_of_n(scores, gen.lengths > 0)[0])
+        # Prefer complete branches (ended by a stop): a branch cut at max_new_tokens
+        # may carry a truncated answer. Without any complete branch, take them all.
+        complete = np.array([[r == "stop" for r in gen.finish_reason[0]]]) & (gen.lengths > 0)
+        valid = complete if complete.any() else gen.lengths > 0
+        idx = int(reducers.best_of_n(scores, valid)[0])
         if idx < 0:
             return {"answer": None, "share": None, "branch": None}, answers
         return {"answer": answers[idx], "share": None, "branch": idx,
@@ -428,9 +434,10 @@ def _print_run(lm, cfg, gen, branches, result, timings):
             console.print("vote: no branch gave an answer "
                           f"(extract={cfg.reducer.extract})")
         else:
+            answering = sum(b["answer"] is not None for b in branches)
             console.print(f"vote: [bold]{result['answer']}[/bold]  share {result['share']:.2f}  "
-                          f"support {result['support']:g} of {gen.n}  "
-                          f"(first given by branch {result['branch']})")
+                          f"support {result['support']:g} of {answering} answering branches "
+                          f"({gen.n} sampled; first given by branch {result['branch']})")
     elif kind == "best":
         if result["branch"] is None:
             console.print("best-of-N: no valid branch")
@@ -439,13 +446,14 @@ def _print_run(lm, cfg, gen, branches, result, timings):
                           f"(score {result['score']:.3f}), answer {result['answer']}")
             console.print(gen.texts[0][result["branch"]], markup=False)
     console.print("[bold]bill[/bold]")
-    console.print(gen.bill.summary(), markup=False)
+    console.print(gen.bill.summary(), markup=False, soft_wrap=True)
     tokens = gen.bill.decoded_tokens_total
     rate = tokens / timings["decode"] if timings["decode"] > 0 else float("nan")
     console.print(f"timings: load {timings['load']:.2f} s, compile (first call) "
                   f"{timings['compile']:.2f} s, prefill {timings['prefill']:.3f} s, decode "
                   f"{timings['decode']:.2f} s ({rate:.0f} tokens/s over all branches), "
-                  f"total {timings['total']:.2f} s", markup=False)
+                  f"total {timings['total']:.2f} s (with tokenisation, reduction, imports)",
+                  markup=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------
@@ -477,7 +485,10 @@ def resolve_model_config(name: str | None):
             cfg = getattr(cfg, "config", cfg)
             if isinstance(cfg, LlamaConfig):
                 return cfg, name or "embedded"
-    lm = loading.load(name) if name is not None else loading.load()
+    try:
+        lm = loading.load(name) if name is not None else loading.load()
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{e}; price also knows the presets {sorted(PRICE_PRESETS)}") from e
     return lm.config, lm.name
 
 

@@ -245,3 +245,27 @@ def test_run_on_a_branch_mesh(tmp_path, run_json):
     assert [b["text"] for b in d["branches"]] == [b["text"] for b in run_json["branches"]]
     code, _, err = _main_captured(RUN + ["--config", str(mesh), "--n", "3"])
     assert code == 2 and "multiple of mesh.branch" in err
+
+
+def test_best_of_n_prefers_complete_branches():
+    """A branch cut at max_new_tokens never beats a complete one, whatever its score."""
+    import numpy as np
+
+    from jaxsample import cli
+    from jaxsample.config import ReducerConfig
+    from jaxsample.generation import Generation
+
+    def gen(reasons):
+        N = len(reasons)
+        return Generation(
+            tokens=np.zeros((1, N, 4), np.int32),
+            logprobs=np.array([[[-0.1] * 4, [-2.0] * 4, [-1.0] * 4][:N]], np.float32),
+            lengths=np.full((1, N), 4, np.int32), finish_reason=[reasons],
+            texts=[["so 3", "answer 5", "answer 7"][:N]], prompt_tokens=[[1]], prompts=[None],
+            params=None, bill=None, timings={}, pad_id=0)
+
+    reducer = ReducerConfig(kind="best", extract="number", score="mean_logprob")
+    result, _ = cli._reduce(gen(["length", "stop", "stop"]), reducer)
+    assert result["branch"] == 2 and result["answer"] == "7"  # best complete branch
+    result, _ = cli._reduce(gen(["length", "length", "length"]), reducer)
+    assert result["branch"] == 0  # no complete branch: all are candidates
