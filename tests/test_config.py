@@ -59,7 +59,7 @@ def test_defaults_and_partial_files(tmp_path):
     ("model: {dtype: float16}", ["model.dtype", "float32, bfloat16", "float16"]),
     ("sampling: {temprature: 1}", ["sampling.temprature", "temperature"]),
     ("sampling: {top_p: 1.5}", ["top_p", "(0, 1]", "1.5"]),
-    ("sampling: {n: 0}", ["n must be", ">= 1"]),
+    ("sampling: {n: 0}", ["n must be", "[1, 2**31 - 1]", "got 0"]),
     ("sampling: {n: sixteen}", ["SamplingParams.n", "sixteen"]),
     ("sampling: {temperature: -1}", ["temperature", ">= 0"]),
     ("reducer: {kind: mean}", ["reducer.kind", "vote, best, none", "mean"]),
