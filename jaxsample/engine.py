@@ -396,6 +396,23 @@ def serving_params(lm: LanguageModel):
     return _SERVING[lm]
 
 
+_ON_MESH: "weakref.WeakKeyDictionary[LanguageModel, dict]" = weakref.WeakKeyDictionary()
+
+
+def _params_on_mesh(lm: LanguageModel, mesh):
+    """The serving params replicated over `mesh`, placed once per (model, mesh).
+
+    Placing them goes through host memory (`_put`), so doing it on every
+    `generate` call would copy all the weights each time.
+    """
+    per_mesh = _ON_MESH.setdefault(lm, {})
+    if mesh not in per_mesh:
+        from jax.sharding import NamedSharding, PartitionSpec as Ps
+
+        per_mesh[mesh] = _put(serving_params(lm), NamedSharding(mesh, Ps()))
+    return per_mesh[mesh]
+
+
 def _token_ids(lm: LanguageModel, p, i: int) -> list[int]:
     """One prompt given as token ids -> list of ints in [0, vocab_limit), or InputError."""
     arr = np.asarray(p, dtype=object) if not isinstance(p, np.ndarray) else p
@@ -451,7 +468,7 @@ def _encode_prompts(lm: LanguageModel, prompts, chat: bool):
     return ids, texts
 
 
-def _resolve_mesh(mesh, B: int, N: int):
+def _resolve_mesh(mesh, N: int):
     if mesh is None:
         return None, None, 1, 1
     if not isinstance(mesh, jax.sharding.Mesh):
@@ -517,7 +534,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     stop_ids = sorted(set(lm.tokenizer.eos_token_ids) | set(params.stop_token_ids))
     if len(stop_ids) > MAX_STOP_IDS:
         raise InputError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {len(stop_ids)}")
-    mesh, data_axis, nb, nd = _resolve_mesh(mesh, B, N)
+    mesh, data_axis, nb, nd = _resolve_mesh(mesh, N)
     if isinstance(prompt_index_offset, bool) or not isinstance(
             prompt_index_offset, (int, np.integer)) or not 0 <= prompt_index_offset < 2**31 - B:
         raise InputError(f"prompt_index_offset must be an int in [0, 2**31 - B), "
@@ -582,7 +599,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         from jax.sharding import NamedSharding, PartitionSpec as Ps
 
         rows_sh, rep = NamedSharding(mesh, Ps(data_axis)), NamedSharding(mesh, Ps())
-        args = (_put(model_params, rep), _put(tokens, rows_sh), _put(lengths, rows_sh),
+        args = (_params_on_mesh(lm, mesh), _put(tokens, rows_sh), _put(lengths, rows_sh),
                 _put(knobs, rep), _put(prompt_index, rows_sh), _put(branch_base, rows_sh),
                 _put(bridge_params, rep))
         prog, dt = PROGRAMS.get(("mesh", st, mesh, data_axis), fn, args)
