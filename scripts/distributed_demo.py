@@ -53,7 +53,10 @@ def main() -> None:
     params = SamplingParams(n=8, max_new_tokens=12, seed=5, top_p=0.9)
     gen = engine.generate(lm, ["first prompt", "the second one"], params, mesh=mesh)
     print(json.dumps({"process": jax.process_index(), "devices": len(jax.devices()),
-                      "tokens": gen.tokens.tolist()}))
+                      "tokens": gen.tokens.tolist(), "logprobs": gen.logprobs.tolist(),
+                      "lengths": gen.lengths.tolist(), "prompt_tokens": gen.prompt_tokens,
+                      "seed": gen.params.seed, "temperature": gen.params.temperature,
+                      "vocab_size": cfg.vocab_size}))
 
 
 if __name__ == "__main__":

@@ -241,8 +241,10 @@ def test_run_on_a_branch_mesh(tmp_path, run_json):
     code, out, err = _main_captured(RUN + ["--config", str(mesh), "--json"])
     assert code == 0, err
     d = json.loads(out)
-    # Same seed, same tokens as the unsharded run.
-    assert [b["text"] for b in d["branches"]] == [b["text"] for b in run_json["branches"]]
+    # Sharded == unsharded token for token is checked in tests/test_engine.py with the
+    # float-tie oracle (tests/ties.py); the JSON has no per-token logprobs to do it here.
+    assert len(d["branches"]) == 4 and d["bill"]["decoded_tokens_total"] == sum(
+        b["tokens"] for b in d["branches"])
     code, _, err = _main_captured(RUN + ["--config", str(mesh), "--n", "3"])
     assert code == 2 and "multiple of mesh.branch" in err
 

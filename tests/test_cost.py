@@ -196,6 +196,38 @@ def test_bill_bad_shapes():
         _bill(lengths=-np.ones((2, 4), int))
 
 
+def test_bill_kept_tokens_and_devices():
+    kv = cost.kv_bytes_per_token(TINY)
+    lengths = np.array([[3, 1, 2, 3], [0, 3, 3, 1]])
+    kept = np.array([[2, 1, 2, 3], [0, 1, 3, 1]])
+    b = cost.make_bill(TINY, prompt_lengths=[5, 2], branch_lengths=lengths, n=4,
+                       prefix_cache_bytes=16 * kv, tail_cache_bytes=32 * kv, decode_steps=3,
+                       kept_lengths=kept, devices=4, kv_bytes_per_device=16 * kv + 8 * kv,
+                       kv_bytes_allocated=4 * 16 * kv + 32 * kv)
+    assert b.kept_tokens_per_branch == kept.tolist() and b.kept_tokens_total == 13
+    assert b.decoded_tokens_total == 16 and b.tokens_discarded == 3
+    # Decode cost is what was decoded, not what was kept.
+    assert b.decode_flops_shared == _bill().decode_flops_shared
+    assert (b.devices, b.kv_bytes_per_device, b.kv_bytes_allocated) == (4, 24 * kv, 96 * kv)
+    assert "on 4 devices" in b.summary() and "3 of them decoded after a stop string" in b.summary()
+    one = _bill()
+    assert one.kept_tokens_per_branch == one.decoded_tokens_per_branch and one.tokens_discarded == 0
+    assert (one.devices, one.kv_bytes_allocated, one.kv_bytes_per_device) == (
+        1, one.kv_bytes_held, one.kv_bytes_held)
+    for bad in (lengths + 1, kept[:, :3], -kept):  # more kept than decoded, shape, sign
+        with pytest.raises(ValueError, match="kept_lengths"):
+            cost.make_bill(TINY, prompt_lengths=[5, 2], branch_lengths=lengths, n=4,
+                           prefix_cache_bytes=0, tail_cache_bytes=0, decode_steps=3,
+                           kept_lengths=bad)
+    with pytest.raises(ValueError, match="devices"):
+        _bill_kw(devices=0)
+
+
+def _bill_kw(**kw):
+    return cost.make_bill(TINY, prompt_lengths=[5], branch_lengths=[[1]], n=1,
+                          prefix_cache_bytes=0, tail_cache_bytes=0, decode_steps=1, **kw)
+
+
 def test_formatting():
     assert cost.format_bytes(1536) == "1.5 KiB"
     assert cost.format_bytes(10) == "10 B"

@@ -6,9 +6,13 @@ import json
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from ties import assert_same_tokens_up_to_ties
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "distributed_demo.py"
 
@@ -21,6 +25,17 @@ def _free_port() -> int:
 
 def _last_json(out: str) -> dict:
     return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def _as_generation(d: dict):
+    """The demo's JSON as the fields `assert_same_tokens_up_to_ties` reads."""
+    import types
+
+    params = types.SimpleNamespace(seed=d["seed"], temperature=d["temperature"])
+    return types.SimpleNamespace(
+        tokens=np.array(d["tokens"], np.int32), logprobs=np.array(d["logprobs"], np.float32),
+        lengths=np.array(d["lengths"], np.int32), prompt_tokens=d["prompt_tokens"],
+        params=params)
 
 
 @pytest.mark.slow
@@ -45,5 +60,6 @@ def test_two_process_run_equals_single_process():
         outs.append(_last_json(out))
     ref = _last_json(single.stdout)
     assert [o["devices"] for o in outs] == [4, 4]  # 2 processes x 2 local CPU devices
-    for o in outs:
-        assert o["tokens"] == ref["tokens"]
+    lm = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=ref["vocab_size"]))
+    assert outs[0]["tokens"] == outs[1]["tokens"]  # every process holds the whole result
+    assert_same_tokens_up_to_ties(lm, _as_generation(ref), _as_generation(outs[0]))

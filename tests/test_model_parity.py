@@ -22,6 +22,7 @@ DATA = pathlib.Path(__file__).parent / "data"
 REF = json.loads((DATA / "smollm2_reference.json").read_text())
 TINY = np.load(DATA / "tiny_reference.npz")
 LOGIT_ATOL = 1e-3  # float32; SmolLM2 logits are of order 10-30
+BF16_ATOL = 1.0  # bfloat16 forward against the float32 reference (see the bf16 smoke test)
 
 
 def _pad(rows, length, pad):
@@ -59,7 +60,9 @@ def test_smollm2_logits_match_transformers(smol_logits, name):
         ids = np.array(ref["top_ids"])
         np.testing.assert_allclose(ours[ids], ref["top_values"], atol=LOGIT_ATOL, rtol=0,
                                    err_msg=f"{name} position {pos}")
-        assert int(np.argmax(ours)) == ids[0]
+        # The reference's best token is our best up to the tolerance (an exact argmax
+        # would flip wherever the top two logits are closer than float32 noise).
+        assert ours[ids[0]] >= ours.max() - 2 * LOGIT_ATOL
         lse = np.log(np.sum(np.exp(ours - ours.max()))) + ours.max()
         assert abs(lse - ref["logsumexp"]) < LOGIT_ATOL
         assert abs(ours.mean() - ref["mean"]) < LOGIT_ATOL
@@ -91,8 +94,15 @@ def test_smollm2_bfloat16_smoke(lm):
     logits = np.asarray(lm16.forward([p["ids"]]))[0, -1]
     ref = p["logits"][str(len(p["ids"]) - 1)]
     assert logits.dtype == np.float32 and np.isfinite(logits).all()
-    assert int(np.argmax(logits)) == ref["top_ids"][0]
-    np.testing.assert_allclose(logits[ref["top_ids"][:8]], ref["top_values"][:8], atol=1.0)
+    # bfloat16 keeps 8 significant bits: weights and activations are rounded by up to
+    # 2**-9 relative at every one of the 30 layers, which moves logits of size ~25 by up
+    # to ~1 here. So the top logits agree within BF16_ATOL, and the reference's best token
+    # is within 2 * BF16_ATOL of our best: never the exact argmax, which flips wherever
+    # the float32 top two are closer than that (here "The" 25.325 vs "L" 25.243).
+    np.testing.assert_allclose(logits[ref["top_ids"][:8]], ref["top_values"][:8], atol=BF16_ATOL)
+    assert logits[ref["top_ids"][0]] >= logits.max() - 2 * BF16_ATOL
+    top8 = set(np.argsort(-logits)[:8].tolist())
+    assert len(top8 & set(ref["top_ids"][:8])) >= 4  # the same head of the distribution
 
 
 TINY_NAMES = ["tiny_llama", "tiny_qwen2", "tiny_llama3_untied"]
