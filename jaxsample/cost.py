@@ -355,14 +355,27 @@ class Bill:
       decode_steps: decode-loop iterations run (all B*N branches advance together).
       prompt_tokens_prefilled: sum of the B prompt lengths, each prefilled once.
       prompt_tokens_if_separate: N times that (N retries prefill the prompt N times).
-      decoded_tokens_per_branch: B lists of N ints, tokens decoded per branch
-        (the stop token included).
+      decoded_tokens_per_branch: B lists of N ints, tokens the device decoded
+        per branch (the stop token included): what was paid for.
       decoded_tokens_total: their sum. The same with or without prefix sharing.
-      kv_bytes_shared_prefix: `nbytes` of the prefix cache allocated (padded).
-      kv_bytes_tails: `nbytes` of the branch tails allocated (padded).
+      kept_tokens_per_branch: B lists of N ints, tokens each branch keeps,
+        equal to `Generation.lengths`; a branch cut by a stop string keeps
+        fewer than it decoded (the tokens after the stop string are
+        discarded, see `tokens_discarded`); otherwise kept == decoded.
+      kept_tokens_total: their sum.
+      kv_bytes_shared_prefix: `nbytes` of one copy of the prefix cache of the
+        request's prompts (padded to the length bucket; the padding rows that
+        fill a data axis are not counted).
+      kv_bytes_tails: `nbytes` of the request's branch tails (padded to the bucket).
       kv_bytes_held: the two together.
       kv_bytes_if_separate: N full copies at the same padded sizes,
         `N * kv_bytes_shared_prefix + kv_bytes_tails` (like for like).
+      devices: devices the request ran on (1 without a mesh).
+      kv_bytes_per_device: KV cache allocated on one device (its shard of the
+        prefix, replicated over the "branch" mesh axis, plus its tails).
+      kv_bytes_allocated: KV cache allocated on all devices together: on a mesh
+        with a "branch" axis of size b the prefix is stored b times, so this
+        exceeds `kv_bytes_held`; padding rows included (they are allocated).
 
     Analytic (see the module docstring; from the unpadded lengths):
       prefill_flops_shared / prefill_flops_if_separate: 1x against Nx prefill.
@@ -380,6 +393,8 @@ class Bill:
     prompt_tokens_if_separate: int
     decoded_tokens_per_branch: list[list[int]]
     decoded_tokens_total: int
+    kept_tokens_per_branch: list[list[int]]
+    kept_tokens_total: int
     kv_bytes_held: int
     kv_bytes_shared_prefix: int
     kv_bytes_tails: int
@@ -392,6 +407,14 @@ class Bill:
     decode_bytes_read_if_separate: int
     weight_bytes: int
     kv_bytes_per_token: int
+    devices: int = 1
+    kv_bytes_per_device: int = 0
+    kv_bytes_allocated: int = 0
+
+    @property
+    def tokens_discarded(self) -> int:
+        """Tokens decoded after a stop string and dropped: decoded - kept (>= 0)."""
+        return self.decoded_tokens_total - self.kept_tokens_total
 
     @property
     def kv_saving(self) -> float:
@@ -401,9 +424,10 @@ class Bill:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (plain ints, floats and lists)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["decoded_tokens_per_branch"] = [list(map(int, row))
-                                          for row in self.decoded_tokens_per_branch]
+        for name in ("decoded_tokens_per_branch", "kept_tokens_per_branch"):
+            d[name] = [list(map(int, row)) for row in getattr(self, name)]
         d["kv_saving"] = self.kv_saving
+        d["tokens_discarded"] = self.tokens_discarded
         return d
 
     def summary(self) -> str:
@@ -416,7 +440,9 @@ class Bill:
             f"({format_flops(self.prefill_flops_if_separate)})",
             f"decode: {self.decoded_tokens_total} tokens over {self.num_prompts * N} branches "
             f"in {self.decode_steps} steps ({format_flops(self.decode_flops_shared)}); "
-            f"the same for separate retries: sharing never saves per-branch decode",
+            f"the same for separate retries: sharing never saves per-branch decode"
+            + (f"; {self.tokens_discarded} of them decoded after a stop string and dropped"
+               if self.tokens_discarded else ""),
             f"KV cache held: {format_bytes(self.kv_bytes_held)} "
             f"(shared prefix {format_bytes(self.kv_bytes_shared_prefix)} once + tails "
             f"{format_bytes(self.kv_bytes_tails)}); separate retries: "
@@ -425,13 +451,20 @@ class Bill:
             f"{format_bytes(self.decode_bytes_read_if_separate)} for batched retries "
             f"(weights {format_bytes(self.weight_bytes)} read once per step in both)",
         ]
+        if self.devices > 1:
+            lines.append(
+                f"on {self.devices} devices: {format_bytes(self.kv_bytes_per_device)} of KV "
+                f"cache per device, {format_bytes(self.kv_bytes_allocated)} allocated in all "
+                f"(the prefix is replicated on every device of the branch axis)")
         return "\n".join(lines)
 
 
 def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
               n: int, prefix_cache_bytes: int, tail_cache_bytes: int,
               decode_steps: int, dtype_bytes: int | None = None,
-              prefix_copies: int = 1) -> Bill:
+              prefix_copies: int = 1, kept_lengths=None, devices: int = 1,
+              kv_bytes_per_device: int | None = None,
+              kv_bytes_allocated: int | None = None) -> Bill:
     """The bill of one `generate` call (called by the engine).
 
     Args:
@@ -448,11 +481,16 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         the shared-prefix engine, N for the naive baseline that copies each
         prompt N times (then `prefix_cache_bytes` holds all the copies and the
         "shared" fields report what the baseline actually did).
+      kept_lengths: `[B, N]` ints, tokens each branch keeps (`Generation.lengths`),
+        each <= its branch_lengths; default: equal to branch_lengths.
+      devices: devices the request ran on.
+      kv_bytes_per_device, kv_bytes_allocated: KV bytes allocated on one device
+        and on all of them; default (one device): prefix + tail bytes.
     Returns:
       A `Bill`.
     Raises:
-      ValueError: branch_lengths not `[B, N]`, negative counts, or
-        prefix_copies outside [1, N].
+      ValueError: branch_lengths or kept_lengths not `[B, N]`, negative counts,
+        kept_lengths above branch_lengths, or prefix_copies outside [1, N].
     """
     try:
         prompts = np.asarray(list(prompt_lengths), dtype=np.int64).reshape(-1)
@@ -475,6 +513,15 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
     copies = _check_count("prefix_copies", prefix_copies, 1)
     if copies > N:
         raise ValueError(f"prefix_copies must be in [1, n={N}], got {copies}")
+    kept = lengths if kept_lengths is None else np.asarray(kept_lengths, dtype=np.int64)
+    if kept.shape != lengths.shape or (kept < 0).any() or (kept > lengths).any():
+        raise ValueError("kept_lengths must be [B, N] ints in [0, branch_lengths], "
+                         f"got {kept.tolist()!r:.200}")
+    devices = _check_count("devices", devices, 1)
+    per_device = prefix_bytes + tail_bytes if kv_bytes_per_device is None else _check_count(
+        "kv_bytes_per_device", kv_bytes_per_device, 0, 2**62, "2**62")
+    allocated = prefix_bytes + tail_bytes if kv_bytes_allocated is None else _check_count(
+        "kv_bytes_allocated", kv_bytes_allocated, 0, 2**62, "2**62")
 
     b = _dtype_bytes(config, dtype_bytes)
     W = weight_bytes(config, b)
@@ -497,6 +544,8 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         prompt_tokens_if_separate=N * prefix_tokens,
         decoded_tokens_per_branch=lengths.tolist(),
         decoded_tokens_total=int(lengths.sum()),
+        kept_tokens_per_branch=kept.tolist(),
+        kept_tokens_total=int(kept.sum()),
         kv_bytes_held=prefix_bytes + tail_bytes,
         kv_bytes_shared_prefix=prefix_bytes,
         kv_bytes_tails=tail_bytes,
@@ -509,6 +558,7 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         decode_bytes_read_if_separate=int(read_separate),
         weight_bytes=W,
         kv_bytes_per_token=kv,
+        devices=devices, kv_bytes_per_device=per_device, kv_bytes_allocated=allocated,
     )
 
 

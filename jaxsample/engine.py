@@ -298,8 +298,15 @@ def _decode_loop(st: _Static, params, prefix: PrefixCache, state: DecodeState, k
     return jax.lax.while_loop(cond, body, state)
 
 
-def init_state(st: _Static, last_logits: jax.Array) -> DecodeState:
-    """Fresh decode buffers for R rows of N branches; last_logits `[R, V]`."""
+def init_state(st: _Static, last_logits: jax.Array, row_live: jax.Array) -> DecodeState:
+    """Fresh decode buffers for R rows of N branches.
+
+    Args:
+      last_logits: `[R, V]` float32, each row's distribution for token 0.
+      row_live: `[R]` bool; False for the padding rows that fill a data axis
+        the prompts do not divide: their branches start done, so they never
+        keep the loop running.
+    """
     cfg = st.cfg
     R, N, T = last_logits.shape[0], st.n, st.t_cap
     tail = tuple(jnp.zeros((R, N, cfg.n_kv_heads, T, cfg.head_dim), cfg.jnp_dtype)
@@ -310,7 +317,7 @@ def init_state(st: _Static, last_logits: jax.Array) -> DecodeState:
         tokens=jnp.full((R, N, T), st.pad_id, jnp.int32),
         logprobs=jnp.zeros((R, N, T), jnp.float32),
         lengths=jnp.zeros((R, N), jnp.int32),
-        done=jnp.zeros((R, N), bool),
+        done=jnp.broadcast_to(~row_live[:, None], (R, N)),
         stopped=jnp.zeros((R, N), bool),
         tail_k=tail, tail_v=tail)
 
@@ -359,16 +366,16 @@ def _mesh_programs(st: _Static, mesh, data_axis: str | None):
         stopped=Ps(d, BRANCH_AXIS), tail_k=Ps(d, BRANCH_AXIS), tail_v=Ps(d, BRANCH_AXIS))
     knob_spec = Knobs(*([Ps()] * len(Knobs._fields)))
 
-    def run(params, tokens, lengths, knobs, prompt_index, branch_base, bridge_params):
+    def run(params, tokens, lengths, row_live, knobs, prompt_index, branch_base, bridge_params):
         prefix, last = prefill(st.cfg, params, tokens, lengths, st.post_layer(True, ()),
                                bridge_params)
-        state = init_state(st, last)
+        state = init_state(st, last, row_live)
         base = branch_base + jax.lax.axis_index(BRANCH_AXIS) * st.n
         return _decode_loop(st, params, prefix, state, knobs, prompt_index, base,
                             bridge_params), prefix
 
-    kwargs = dict(mesh=mesh, in_specs=(Ps(), row_spec, row_spec, knob_spec, row_spec, row_spec,
-                                       Ps()),
+    kwargs = dict(mesh=mesh, in_specs=(Ps(), row_spec, row_spec, row_spec, knob_spec, row_spec,
+                                       row_spec, Ps()),
                   out_specs=(state_spec, prefix_spec))
     try:
         return shard_map(run, check_vma=False, **kwargs)
@@ -558,6 +565,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         lengths[j] = len(ids[r])
     prompt_index = np.array([prompt_index_offset + r for r in rows] + [0] * (R_pad - R), np.int32)
     branch_base = np.array([j % N if naive else 0 for j in range(R)] + [0] * (R_pad - R), np.int32)
+    row_live = np.arange(R_pad) < R  # padding rows start done and are never billed
 
     st = _Static(cfg=cfg, n=n_row // nb, t_cap=bucket(T), vocab_limit=lm.vocab_limit,
                  pad_id=int(lm.tokenizer.pad_token_id),
@@ -583,9 +591,10 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         t0 = time.perf_counter()
         prefix, last = jax.block_until_ready(prog(*args_p))
         timings["prefill"] = time.perf_counter() - t0
-        init, dt = PROGRAMS.get(("init", st), functools.partial(init_state, st), (last,))
+        init, dt = PROGRAMS.get(("init", st), functools.partial(init_state, st),
+                                (last, jnp.asarray(row_live)))
         timings["compile"] += dt
-        state = init(last)
+        state = init(last, jnp.asarray(row_live))
         args_d = (model_params, prefix, state, knobs, jnp.asarray(prompt_index),
                   jnp.asarray(branch_base), bridge_params)
         prog, dt = PROGRAMS.get(("decode", st), functools.partial(_decode_loop, st), args_d,
@@ -600,7 +609,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
 
         rows_sh, rep = NamedSharding(mesh, Ps(data_axis)), NamedSharding(mesh, Ps())
         args = (_params_on_mesh(lm, mesh), _put(tokens, rows_sh), _put(lengths, rows_sh),
-                _put(knobs, rep), _put(prompt_index, rows_sh), _put(branch_base, rows_sh),
+                _put(row_live, rows_sh), _put(knobs, rep), _put(prompt_index, rows_sh), _put(branch_base, rows_sh),
                 _put(bridge_params, rep))
         prog, dt = PROGRAMS.get(("mesh", st, mesh, data_axis), fn, args)
         timings["compile"] += dt
@@ -614,14 +623,34 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     lp = _host(state.logprobs)[:R, :, :T]
     lens = _host(state.lengths)[:R]
     stopped = _host(state.stopped)[:R]
-    prefix_bytes = sum(int(a.nbytes) for a in prefix.k + prefix.v)
-    tail_bytes = sum(int(a.nbytes) for a in state.tail_k + state.tail_v)
+    prefix_bytes, prefix_dev, prefix_all = _kv_bytes(prefix.k + prefix.v, R, R_pad)
+    tail_bytes, tail_dev, tail_all = _kv_bytes(state.tail_k + state.tail_v, R, R_pad)
+    placement = dict(devices=1 if mesh is None else mesh.size,
+                     kv_bytes_per_device=prefix_dev + tail_dev,
+                     kv_bytes_allocated=prefix_all + tail_all)
     del state, prefix
     if naive:  # rows were (prompt, branch) copies
         tok, lp = tok.reshape(B, N, T), lp.reshape(B, N, T)
         lens, stopped = lens.reshape(B, N), stopped.reshape(B, N)
     return _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start,
-                   prefix_bytes, tail_bytes, steps, st.pad_id, prefix_copies=N if naive else 1)
+                   prefix_bytes, tail_bytes, steps, st.pad_id, prefix_copies=N if naive else 1,
+                   placement=placement)
+
+
+def _kv_bytes(arrays, rows: int, rows_alloc: int) -> tuple[int, int, int]:
+    """(bytes of the request's rows, bytes on one device, bytes on all devices).
+
+    The first counts one copy of each array's real rows (axis 0), without the
+    padding rows that fill a data axis; the others are what was allocated:
+    one device's shard, and the shards summed over every device (an array
+    replicated over the "branch" axis counts once per replica).
+    """
+    logical = sum(int(a.nbytes) for a in arrays) * rows // rows_alloc
+    per_device = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                     for a in arrays)
+    total = sum(len(a.sharding.device_set) * math.prod(a.sharding.shard_shape(a.shape))
+                * a.dtype.itemsize for a in arrays)
+    return logical, int(per_device), int(total)
 
 
 def _put(tree, sharding):
@@ -645,7 +674,7 @@ def _host(x) -> np.ndarray:
 
 
 def _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start, prefix_bytes,
-            tail_bytes, steps, pad_id, prefix_copies=1) -> Generation:
+            tail_bytes, steps, pad_id, prefix_copies=1, placement=None) -> Generation:
     """Host-side post-processing: stop strings, detokenisation, bill."""
     B, N, T = tok.shape
     decoded = lens.copy()  # what the device decoded: the bill counts it, stop strings or not
@@ -671,6 +700,7 @@ def _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start, pr
     bill = cost.make_bill(lm.config, prompt_lengths=[len(x) for x in ids],
                           branch_lengths=decoded, n=N, prefix_cache_bytes=prefix_bytes,
                           tail_cache_bytes=tail_bytes, decode_steps=steps,
+                          kept_lengths=lens, **(placement or {}),
                           prefix_copies=prefix_copies)
     timings["total"] = time.perf_counter() - t_start
     return Generation(tokens=tok, logprobs=lp, lengths=lens, finish_reason=reasons,
