@@ -353,6 +353,8 @@ class Bill:
       num_prompts: B.
       n: N, branches per prompt.
       decode_steps: decode-loop iterations run (all B*N branches advance together).
+      branch_steps: branch slots x steps actually computed (padding and
+        finished slots included, after compaction): what the decode paid for.
       prompt_tokens_prefilled: sum of the B prompt lengths, each prefilled once.
       prompt_tokens_if_separate: N times that (N retries prefill the prompt N times).
       decoded_tokens_per_branch: B lists of N ints, tokens the device decoded
@@ -389,6 +391,7 @@ class Bill:
     num_prompts: int
     n: int
     decode_steps: int
+    branch_steps: int
     prompt_tokens_prefilled: int
     prompt_tokens_if_separate: int
     decoded_tokens_per_branch: list[list[int]]
@@ -439,7 +442,8 @@ class Bill:
             f"prefill {self.prompt_tokens_if_separate} "
             f"({format_flops(self.prefill_flops_if_separate)})",
             f"decode: {self.decoded_tokens_total} tokens over {self.num_prompts * N} branches "
-            f"in {self.decode_steps} steps ({format_flops(self.decode_flops_shared)}); "
+            f"in {self.decode_steps} steps ({self.branch_steps} branch-steps computed; "
+            f"{format_flops(self.decode_flops_shared)}); "
             f"the same for separate retries: sharing never saves per-branch decode"
             + (f"; {self.tokens_discarded} of them decoded after a stop string and dropped"
                if self.tokens_discarded else ""),
@@ -464,7 +468,7 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
               decode_steps: int, dtype_bytes: int | None = None,
               prefix_copies: int = 1, kept_lengths=None, devices: int = 1,
               kv_bytes_per_device: int | None = None,
-              kv_bytes_allocated: int | None = None) -> Bill:
+              kv_bytes_allocated: int | None = None, branch_steps: int | None = None) -> Bill:
     """The bill of one `generate` call (called by the engine).
 
     Args:
@@ -486,6 +490,7 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
       devices: devices the request ran on.
       kv_bytes_per_device, kv_bytes_allocated: KV bytes allocated on one device
         and on all of them; default (one device): prefix + tail bytes.
+      branch_steps: slots x steps computed; default decode_steps x B x N.
     Returns:
       A `Bill`.
     Raises:
@@ -518,6 +523,8 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         raise ValueError("kept_lengths must be [B, N] ints in [0, branch_lengths], "
                          f"got {kept.tolist()!r:.200}")
     devices = _check_count("devices", devices, 1)
+    branch_steps = steps * B * N if branch_steps is None else _check_count(
+        "branch_steps", branch_steps, 0)
     per_device = prefix_bytes + tail_bytes if kv_bytes_per_device is None else _check_count(
         "kv_bytes_per_device", kv_bytes_per_device, 0, 2**62, "2**62")
     allocated = prefix_bytes + tail_bytes if kv_bytes_allocated is None else _check_count(
@@ -539,7 +546,7 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
     read_separate = steps * (W + N * prefix_tokens * kv) + tail_tokens * kv
 
     return Bill(
-        num_prompts=B, n=N, decode_steps=steps,
+        num_prompts=B, n=N, decode_steps=steps, branch_steps=branch_steps,
         prompt_tokens_prefilled=copies * prefix_tokens,
         prompt_tokens_if_separate=N * prefix_tokens,
         decoded_tokens_per_branch=lengths.tolist(),

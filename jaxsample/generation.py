@@ -18,8 +18,9 @@ class Generation:
       logprobs: `[B, N, T]` float32 log-probability of each generated token
         under the raw model distribution (temperature 1, no filters); 0 at padding.
       lengths: `[B, N]` int32 generated tokens per branch, the stop token included.
-      finish_reason: B lists of N strings, "stop" (a stop token or stop string)
-        or "length" (max_new_tokens reached).
+      finish_reason: B lists of N strings, "stop" (a stop token or stop string),
+        "length" (max_new_tokens reached), and in adaptive runs "terminated"
+        (ended early by a confidence rule) or "not_drawn" (never sampled).
       texts: B lists of N decoded strings; stop token and stop string excluded.
       prompt_tokens: B lists of prompt token ids (what was prefilled).
       prompts: the B prompt strings as rendered (chat template applied), or
@@ -28,6 +29,11 @@ class Generation:
       bill: the `jaxsample.cost.Bill` of this request.
       timings: seconds spent per phase ("compile", "prefill", "decode", "total").
       pad_id: the id written after a branch stops.
+      top_logprobs: `[B, N, T, k]` float32, with `SamplingParams(logprobs=k)`:
+        the k largest log-probabilities of the raw distribution (temperature
+        1, no filters, as vLLM's `logprobs`) at each generated position, in
+        decreasing order; 0 at padding. None without `logprobs`.
+      top_token_ids: `[B, N, T, k]` int32, their token ids (pad_id at padding).
     """
 
     tokens: np.ndarray
@@ -41,6 +47,8 @@ class Generation:
     bill: Any
     timings: dict[str, float]
     pad_id: int
+    top_logprobs: np.ndarray | None = None
+    top_token_ids: np.ndarray | None = None
 
     @property
     def num_prompts(self) -> int:

@@ -99,6 +99,7 @@ _SEED_LIMIT = 2**32
 
 
 _INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20  # SamplingParams.logprobs: vLLM caps it by max_logprobs (20 by default)
 
 
 def _is_int(x: Any) -> bool:
@@ -133,6 +134,11 @@ class SamplingParams:
         in a tuple, as vLLM does. The stop string is excluded from the text.
       seed: the PRNG seed in [0, 2**32), or None to draw a random one (the
         engine records the seed it used in `Generation.params`).
+      logprobs: None, or k in [0, 20]: also return the k most likely tokens and
+        their log-probabilities under the raw distribution at every generated
+        position (`Generation.top_logprobs`/`top_token_ids`), as vLLM's
+        `logprobs` (vllm/sampling_params.py; raw, before temperature and
+        filters, vLLM's default `logprobs_mode`). 0 is the same as None.
 
     Raises:
       ConfigError (a ValueError): a field is out of range or of the wrong
@@ -148,6 +154,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         def fail(name: str, allowed: str, value: Any):
@@ -199,6 +206,11 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 fail("stop", "a sequence of non-empty strings", self.stop)
         set_("stop", tuple(stop))
+
+        if self.logprobs is not None:
+            if not _is_int(self.logprobs) or not 0 <= int(self.logprobs) <= MAX_LOGPROBS:
+                fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+            set_("logprobs", int(self.logprobs))
 
         if self.seed is not None:
             if not _is_int(self.seed) or not 0 <= int(self.seed) < _SEED_LIMIT:
@@ -436,6 +448,25 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
     lse = m + jnp.log(jnp.sum(jnp.exp(raw - m)))
     logprob = raw[token] - lse
     return token, logprob.astype(jnp.float32)
+
+
+def top_logprobs(logits: jax.Array, k: int, vocab_limit: int) -> tuple[jax.Array, jax.Array]:
+    """The k most likely tokens of the raw distribution of one position.
+
+    Args:
+      logits: [V] raw logits (temperature 1, no filters).
+      k: static int in [1, vocab_limit].
+      vocab_limit: static int; rows >= vocab_limit are padding, never listed.
+    Returns:
+      (values [k] float32 log_softmax, decreasing; ids [k] int32), ties to the
+      lower index (`lax.top_k`).
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    raw = jnp.where(jnp.arange(logits.shape[0]) < vocab_limit, logits, -jnp.inf)
+    vals, ids = jax.lax.top_k(raw, k)
+    m = jnp.max(raw)
+    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m)))
+    return (vals - lse).astype(jnp.float32), ids.astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,44 @@
+"""The shared-prefix parallel decode engine.
+
+Data flow of one request, one file per stage:
+
+    inputs.py   prompts --tokenizer--> token ids [B] lists; every check made
+                before any compute
+    prefill.py  tokens [R, P] (right-padded to a bucket) --prefill, once per
+                prompt--> PrefixCache k, v L x [R, K, P, D], last logits [R, V]
+    step.py     one decode step of one branch, vmapped over the N slots
+                (axis_name "branch") with the prefix unbatched: the prefix is
+                read once per step for all branches; prefix / tail / current
+                token merged by log-sum-exp
+    loop.py     a chunk: the step in one lax.while_loop up to a traced t_stop
+                (so every chunk size runs one program); fresh states;
+                compaction (gather the live slots into smaller buckets)
+    session.py  the host loop: prefill once, rounds of branches over the same
+                prefix cache, chunks, host-side done marks, compaction, outputs
+                copied to host arrays at (prompt, branch)
+    stops.py    stop strings seen on the way (incremental detokenisation),
+                cut exactly at the end
+    api.py      generate() -> Generation (tokens/logprobs [B, N, T], texts, bill)
+
+Letters: see `models/llama.py` and `state.py`. Keys: branch key =
+fold_in(fold_in(key(seed), prompt_index), branch_index), folded with the
+token index each step (levanter's discipline), so tokens depend neither on
+the batch, the device mesh, the chunk size nor the slot a branch occupies.
+
+The naive engine (`naive=True`) is the same code run on N materialised copies
+of each prompt (what Hugging Face's `num_return_sequences` does): the baseline
+of benchmarks and the oracle of tests.
+"""
+
+from jaxsample.engine.api import STOP_CHUNK, finish, generate
+from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
+from jaxsample.engine.prefill import prefill
+from jaxsample.engine.session import Round, Session, serving_params
+from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, DecodeState, Knobs, PrefixCache,
+                                    Static, bucket, slot_bucket)
+from jaxsample.engine.step import branch_step
+
+__all__ = ["generate", "finish", "Session", "Round", "prefill", "decode_chunk", "init_state",
+           "compact", "branch_step", "serving_params", "PROGRAMS", "PrefixCache", "DecodeState",
+           "Knobs", "Static", "bucket", "slot_bucket", "MAX_STOP_IDS", "MAX_LOGPROBS",
+           "STOP_CHUNK"]

@@ -1,0 +1,156 @@
+"""`generate`: the public entry point of the engine, and the Generation it returns."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxsample import cost
+from jaxsample.engine import stops as stops_lib
+from jaxsample.engine.inputs import check_int
+from jaxsample.engine.session import Round, Session
+from jaxsample.generation import Generation
+from jaxsample.lm import LanguageModel
+from jaxsample.sampling import SamplingParams
+
+STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are given
+
+
+def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
+             chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
+             naive: bool = False, chunk_size: int | None = None,
+             compact: bool = False) -> Generation:
+    """Sample `params.n` continuations of each prompt, sharing each prompt's KV cache.
+
+    The prompts are prefilled once; the N branches are decoded together, in
+    chunks of `chunk_size` steps (one compiled program whatever the chunk
+    size: chunked and single-call runs give the same tokens). Between chunks
+    the host marks branches whose text holds a stop string as done, and, with
+    `compact=True`, gathers the live branches into smaller buckets.
+
+    Args:
+      lm: a loaded `LanguageModel`.
+      prompts: a string, a list of B strings, or a list of B token-id lists.
+      params: `SamplingParams` (default: `SamplingParams()`).
+      chat: render each text prompt as a user turn through the model's chat template.
+      mesh: optional `jax.sharding.Mesh` with a "branch" axis (branches split across
+        devices; weights and prefix cache replicated) and optionally a "data" axis
+        (prompts split). Same seed, same tokens as the unsharded run.
+      bridge: optional `jaxsample.bridge.Bridge` (config + params): cross-branch
+        layers after every block (arXiv 2510.01143). A zero-initialised Bridge
+        gives exactly the tokens of `bridge=None`.
+      prompt_index_offset: the global index of the first prompt, for the keys
+        (`fold_in(key(seed), prompt_index)`): when a data set is split into
+        several calls with one seed, pass each call's start so that prompts of
+        different calls draw independent streams (and a prompt's samples do not
+        depend on how the data set was batched).
+      naive: baseline only: copy each prompt N times (N prefills, N prefix caches).
+      chunk_size: decode steps per device call, in [1, 2**31 - 1]; default: the
+        whole budget in one call, or `STOP_CHUNK` (8) when `params.stop` is set
+        (a stop string is then seen at most 7 tokens late, and decoding of that
+        branch stops there).
+      compact: gather live branches (and rows) into power-of-two buckets when
+        half the slots are idle, so later steps cost what the live branches
+        need. Each new bucket compiles once.
+    Returns:
+      `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
+      `[B, N]`, finish reasons, texts, the bill, and with `params.logprobs = k`
+      top_logprobs / top_token_ids `[B, N, T, k]`.
+    Raises:
+      InputError: empty prompt, prompt + max_new_tokens beyond the context, bad token
+        ids, a bad chunk_size, or a mesh that does not fit the request. Raised
+        before any compute.
+    """
+    session = Session(lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
+                      prompt_index_offset=prompt_index_offset, naive=naive)
+    params = session.params
+    if chunk_size is None:
+        chunk_size = STOP_CHUNK if params.stop else params.max_new_tokens
+    chunk_size = check_int("chunk_size", chunk_size, 1, 2**31 - 1)
+    B, N = session.B, session.N
+    if naive:  # rows are (prompt, branch) copies, one branch each
+        rnd = session.round(range(B * N), np.arange(B * N, dtype=np.int32)[:, None] % N)
+    else:
+        rnd = session.round(range(B), np.broadcast_to(np.arange(N, dtype=np.int32), (B, N)))
+    watch = stops_lib.StopWatch(lm.tokenizer, params.stop) if params.stop else None
+    t0 = 0
+    while rnd.run(chunk_size):
+        if watch is not None:
+            hit = np.zeros(rnd.done.shape, bool)
+            for r, c, new in rnd.new_tokens(t0):
+                hit[r, c] = watch.feed((r, c), new)
+            rnd.finish_slots(hit)
+        t0 = rnd.t
+        if compact:
+            rnd.compact()
+    return finish(session, [rnd])
+
+
+def finish(session: Session, rounds: list[Round], reasons_override=None) -> Generation:
+    """Host-side assembly of one Generation from a session's rounds.
+
+    Rounds cover disjoint branches of the session's rows; their outputs are
+    placed at (prompt, branch index). Stop strings are cut here exactly (the
+    tokens kept are the fewest whose text holds the stop string).
+
+    Args:
+      reasons_override: optional `{(prompt, branch): reason}` for branches the
+        caller ended ("terminated").
+    """
+    s, lm, params = session, session.lm, session.params
+    B = s.B
+    width = max(int(r.branch_ids.max()) + 1 for r in rounds) if not s.naive else s.N
+    T, k = s.T, s.st.top_logprobs
+    pad = s.st.pad_id
+    tok = np.full((B, width, T), pad, np.int32)
+    lp = np.zeros((B, width, T), np.float32)
+    top_lp = np.zeros((B, width, T, k), np.float32)
+    top_id = np.full((B, width, T, k), pad, np.int32)
+    lens = np.zeros((B, width), np.int32)
+    stopped = np.zeros((B, width), bool)
+    drawn = np.zeros((B, width), bool)
+    for rnd in rounds:
+        for i, row in enumerate(rnd.rows):
+            b = s.row_prompt[row]
+            for c in range(rnd.N):
+                n = int(rnd.branch_ids[i, c])
+                if n < 0:
+                    continue
+                tok[b, n], lp[b, n], lens[b, n] = rnd.tokens[i, c], rnd.logprobs[i, c], rnd.lengths[i, c]
+                top_lp[b, n], top_id[b, n] = rnd.top_logprobs[i, c], rnd.top_ids[i, c]
+                stopped[b, n], drawn[b, n] = rnd.stopped[i, c], True
+    decoded = lens.copy()  # what the device decoded: the bill counts it
+    reasons = [["stop" if stopped[b, n] else "length" if drawn[b, n] else "not_drawn"
+                for n in range(width)] for b in range(B)]
+    for (b, n), why in (reasons_override or {}).items():
+        reasons[b][n] = why
+    texts = []
+    for b in range(B):
+        row = []
+        for n in range(width):
+            L = int(lens[b, n])
+            body = [int(t) for t in (tok[b, n, :L - 1] if stopped[b, n] else tok[b, n, :L])]
+            text, keep = stops_lib.cut(lm.tokenizer, body, params.stop)
+            if keep is not None:
+                tok[b, n, keep:], lp[b, n, keep:], lens[b, n] = pad, 0.0, keep
+                top_lp[b, n, keep:], top_id[b, n, keep:] = 0.0, pad
+                reasons[b][n] = "stop"
+            row.append(text)
+        texts.append(row)
+    prefix_bytes, prefix_dev, prefix_all = s.prefix_bytes
+    tails = [r.tail_bytes for r in rounds]
+    tail_bytes = max(t[0] for t in tails)
+    placement = dict(devices=1 if s.mesh is None else s.mesh.size,
+                     kv_bytes_per_device=prefix_dev + max(t[1] for t in tails),
+                     kv_bytes_allocated=prefix_all + max(t[2] for t in tails))
+    bill = cost.make_bill(s.cfg, prompt_lengths=[len(x) for x in s.ids], branch_lengths=decoded,
+                          n=width, prefix_cache_bytes=prefix_bytes, tail_cache_bytes=tail_bytes,
+                          decode_steps=s.decode_steps, kept_lengths=lens,
+                          prefix_copies=s.N if s.naive else 1, branch_steps=s.branch_steps,
+                          **placement)
+    s.timings["total"] = time.perf_counter() - s.t_start
+    return Generation(tokens=tok, logprobs=lp, lengths=lens, finish_reason=reasons,
+                      texts=texts, prompt_tokens=s.ids, prompts=s.texts, params=params,
+                      bill=bill, timings=s.timings, pad_id=pad,
+                      top_logprobs=top_lp if k else None, top_token_ids=top_id if k else None)

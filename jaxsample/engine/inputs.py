@@ -1,0 +1,94 @@
+"""The request at the API boundary: prompts to token ids, and every check made
+before any compute (so bad input loses nothing and never reaches the device)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxsample.errors import InputError
+from jaxsample.lm import LanguageModel
+from jaxsample.sharding import BRANCH_AXIS, DATA_AXIS
+
+
+def token_ids(lm: LanguageModel, p, i: int) -> list[int]:
+    """One prompt given as token ids -> list of ints in [0, vocab_limit), or InputError."""
+    arr = np.asarray(p, dtype=object) if not isinstance(p, np.ndarray) else p
+    if arr.ndim != 1:
+        raise InputError(f"prompt {i}: token ids must be a flat sequence of ints, "
+                         f"got shape {arr.shape}")
+    bad = [t for t in arr.tolist() if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+    if bad:
+        raise InputError(f"prompt {i}: token ids must be ints, got {bad[:3]!r}")
+    toks = [int(t) for t in arr.tolist()]
+    limit = lm.vocab_limit
+    out = [t for t in toks if not 0 <= t < limit]
+    if out:
+        raise InputError(f"prompt {i} has token ids outside the vocabulary [0, {limit}): {out[:5]}")
+    return toks
+
+
+def encode_prompts(lm: LanguageModel, prompts, chat: bool):
+    """Prompts -> (B token-id lists, B rendered texts or None). Raises InputError."""
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim not in (1, 2):
+            raise InputError(f"prompts as an array must be [S] or [B, S] token ids, "
+                             f"got shape {prompts.shape}")
+        prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    elif isinstance(prompts, (list, tuple)) and prompts and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
+        prompts = [list(prompts)]  # one prompt given as token ids
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise InputError("prompts must be a non-empty string, list of strings or list of "
+                         f"token-id lists, got {type(prompts).__name__} {prompts!r:.80}")
+    ids, texts = [], []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if not p.strip():
+                raise InputError(f"prompt {i} is empty")
+            text = (lm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                    if chat else p)
+            toks = list(lm.tokenizer.encode(text))
+            texts.append(text)
+        elif isinstance(p, (list, tuple, np.ndarray)):
+            if chat:
+                raise InputError(f"prompt {i}: chat=True needs text prompts, got token ids")
+            toks = token_ids(lm, p, i)
+            texts.append(None)
+        else:
+            raise InputError(f"prompt {i} must be a string or a list of token ids, "
+                             f"got {type(p).__name__}")
+        if not toks:
+            raise InputError(f"prompt {i} is empty (0 tokens)")
+        ids.append(toks)
+    return ids, texts
+
+
+def resolve_mesh(mesh, N: int):
+    """(mesh, data axis name or None, branch axis size, data axis size). Raises InputError."""
+    if mesh is None:
+        return None, None, 1, 1
+    import jax
+
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise InputError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    if BRANCH_AXIS not in names:
+        raise InputError(f"mesh must have a {BRANCH_AXIS!r} axis, got axes {names}")
+    extra = [a for a in names if a not in (BRANCH_AXIS, DATA_AXIS)]
+    if extra:
+        raise InputError(f"mesh axes must be among ({DATA_AXIS!r}, {BRANCH_AXIS!r}), got {names}")
+    nb = mesh.shape[BRANCH_AXIS]
+    nd = mesh.shape[DATA_AXIS] if DATA_AXIS in names else 1
+    if N % nb:
+        raise InputError(f"params.n ({N}) must be a multiple of the mesh's {BRANCH_AXIS!r} "
+                         f"axis size ({nb})")
+    return mesh, (DATA_AXIS if DATA_AXIS in names else None), nb, nd
+
+
+def check_int(name: str, value, lo: int, hi: int) -> int:
+    """An int argument in [lo, hi], or InputError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        raise InputError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+    return int(value)

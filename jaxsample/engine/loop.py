@@ -1,0 +1,132 @@
+"""The resumable decode loop: chunks of steps, fresh states, compaction, compiled programs.
+
+A chunk runs the step (`step.make_step`) inside one `lax.while_loop` until
+token `knobs.t_stop`, the budget, or every slot is done, then returns the
+state to the host (JetStream's engine API at the granularity of k steps).
+`t_stop` is traced, so every chunk size runs the same compiled program and a
+chunked run is token-identical to a single call (`t_stop = max_new_tokens`).
+Compaction gathers the live slots (and rows) into smaller buckets; keys stay
+tied to the global branch index carried in the state, so it never changes a
+branch's draws.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
+from jaxsample.engine.step import all_done, branch_keys, make_step
+
+
+def decode_chunk(st: Static, params, prefix: PrefixCache, state: DecodeState, knobs: Knobs,
+                 bridge_params=None) -> DecodeState:
+    """Advance every slot until token `knobs.t_stop`, the budget, or all are done.
+
+    Args:
+      params: model parameters in the list layout (`llama.unstack_layers`).
+      prefix: the rows' PrefixCache (L x `[R, K, P, D]`).
+      state: the DecodeState (`[R, N, ...]`), donated.
+      bridge_params: `[L, ...]` Bridge parameters when `st.bridge` is set.
+    """
+    keys = branch_keys(knobs, state.prompt_index, state.branch_ids)
+    step = make_step(st, params, prefix, knobs, keys, bridge_params)
+    end = jnp.minimum(knobs.t_stop, knobs.max_new_tokens)
+
+    def cond(s: DecodeState):
+        return (s.t < end) & ~all_done(st, s.done)
+
+    return jax.lax.while_loop(cond, step, state)
+
+
+def init_state(st: Static, last_logits: jax.Array, prompt_index: jax.Array,
+               branch_ids: jax.Array, live: jax.Array) -> DecodeState:
+    """Fresh decode buffers for R rows of N slots, all at token 0.
+
+    Args:
+      last_logits: `[R, V]` float32, each row's distribution for token 0.
+      prompt_index: `[R]` int32 global prompt index of each row.
+      branch_ids: `[R, N]` int32 global branch index of each slot.
+      live: `[R, N]` bool; False for padding slots (a data axis the prompts do
+        not divide, a round narrower than the bucket): they start done, so they
+        never keep the loop running, and the bill never counts them.
+    """
+    cfg = st.cfg
+    R, N, T, k = last_logits.shape[0], branch_ids.shape[1], st.t_cap, st.top_logprobs
+    tail = tuple(jnp.zeros((R, N, cfg.n_kv_heads, T, cfg.head_dim), cfg.jnp_dtype)
+                 for _ in range(cfg.n_layers))
+    return DecodeState(
+        t=jnp.zeros((), jnp.int32),
+        logits=jnp.broadcast_to(last_logits[:, None], (R, N, last_logits.shape[-1])),
+        tokens=jnp.full((R, N, T), st.pad_id, jnp.int32),
+        logprobs=jnp.zeros((R, N, T), jnp.float32),
+        top_logprobs=jnp.zeros((R, N, T, k), jnp.float32),
+        top_ids=jnp.full((R, N, T, k), st.pad_id, jnp.int32),
+        lengths=jnp.zeros((R, N), jnp.int32),
+        done=~live,
+        stopped=jnp.zeros((R, N), bool),
+        prompt_index=prompt_index,
+        branch_ids=branch_ids,
+        tail_k=tail, tail_v=tail)
+
+
+def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slots: jax.Array,
+            live: jax.Array) -> tuple[PrefixCache, DecodeState]:
+    """Gather some slots of some rows into a smaller state.
+
+    Args:
+      rows: `[R']` int32 old row of each new row.
+      slots: `[R', N']` int32 old slot (within that row) of each new slot.
+      live: `[R', N']` bool; False for filler slots (repeats of a done slot),
+        which are marked done.
+    Returns:
+      The new rows' PrefixCache and the gathered DecodeState.
+    """
+    take_rows = lambda a: jnp.take(a, rows, axis=0)
+
+    def take_slots(a):  # [R, N, ...] -> [R', N', ...]
+        a = take_rows(a)
+        idx = slots.reshape(slots.shape + (1,) * (a.ndim - 2))
+        return jnp.take_along_axis(a, idx, axis=1)
+
+    new_prefix = PrefixCache(tuple(map(take_rows, prefix.k)), tuple(map(take_rows, prefix.v)),
+                             take_rows(prefix.lengths))
+    s = state
+    new = DecodeState(
+        t=s.t, logits=take_slots(s.logits), tokens=take_slots(s.tokens),
+        logprobs=take_slots(s.logprobs), top_logprobs=take_slots(s.top_logprobs),
+        top_ids=take_slots(s.top_ids), lengths=take_slots(s.lengths),
+        done=take_slots(s.done) | ~live, stopped=take_slots(s.stopped),
+        prompt_index=take_rows(s.prompt_index), branch_ids=take_slots(s.branch_ids),
+        tail_k=tuple(map(take_slots, s.tail_k)), tail_v=tuple(map(take_slots, s.tail_v)))
+    return new_prefix, new
+
+
+class Programs:
+    """AOT-compiled programs, cached by static settings and shapes, so compile
+    time is measured apart from run time."""
+
+    def __init__(self):
+        self._cache: dict[Any, Any] = {}
+        self.compilations = 0
+
+    def get(self, key, fn, args, donate=(), out_shardings=None):
+        """Returns (compiled, seconds spent compiling now)."""
+        full_key = (key, tuple((a.shape, a.dtype, getattr(a, "sharding", None))
+                               for a in jax.tree_util.tree_leaves(args)),
+                    jax.tree_util.tree_structure(args))
+        hit = self._cache.get(full_key)
+        if hit is not None:
+            return hit, 0.0
+        t0 = time.perf_counter()
+        kwargs = {} if out_shardings is None else {"out_shardings": out_shardings}
+        compiled = jax.jit(fn, donate_argnums=donate, **kwargs).lower(*args).compile()
+        self._cache[full_key] = compiled
+        self.compilations += 1
+        return compiled, time.perf_counter() - t0
+
+
+PROGRAMS = Programs()

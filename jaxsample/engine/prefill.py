@@ -1,0 +1,53 @@
+"""Prefill: each prompt's KV cache, computed once and stored once (no branch axis)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxsample.engine.state import PrefixCache
+from models import llama
+
+
+def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Array,
+            post_layer=None, bridge_params=None):
+    """Prefill R right-padded prompts, once each.
+
+    With a Bridge, every branch holds the same hidden state at prompt
+    positions, and attention over N identical copies equals attention over
+    one, so the prompt is still run once, with each Bridge block attending to
+    this single copy (`post_layer` built with no branch axes).
+
+    Args:
+      cfg: the model config.
+      params: the model parameters (either layout, see `llama.run_layers`).
+      tokens: `[R, P]` int32, right-padded; lengths: `[R]` int32, each >= 1.
+      post_layer, bridge_params: the optional Bridge hook and its `[L, ...]` params.
+    Returns:
+      (PrefixCache with k, v L x `[R, K, P, D]`, last-position logits `[R, V]` float32).
+    """
+
+    def one(toks, length):
+        positions = jnp.arange(toks.shape[0], dtype=jnp.int32)
+        x = llama.embed(params, toks)
+        x, (k, v) = llama.run_layers(cfg, params, x, positions,
+                                     lambda _: llama.causal_attend(length),
+                                     post_layer=post_layer, post_xs=bridge_params)
+        last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
+        # L x [P, K, D] -> L x [K, P, D], once per prompt.
+        return (llama.logits(cfg, params, last), tuple(a.swapaxes(0, 1) for a in k),
+                tuple(a.swapaxes(0, 1) for a in v))
+
+    logits, k, v = jax.vmap(one)(tokens, lengths)
+    return PrefixCache(k, v, lengths), logits
+
+
+def take_rows(prefix: PrefixCache, last_logits: jax.Array, rows: jax.Array):
+    """The prefix cache and last logits of some rows (a gather: one copy of those rows).
+
+    Args:
+      rows: `[R']` int32 row indices (repeats allowed: padding rows).
+    """
+    take = lambda a: jnp.take(a, rows, axis=0)
+    return (PrefixCache(tuple(map(take, prefix.k)), tuple(map(take, prefix.v)),
+                        take(prefix.lengths)), take(last_logits))

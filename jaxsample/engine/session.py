@@ -1,0 +1,495 @@
+"""The host side of one request: prefill once, then rounds of branches decoded in chunks.
+
+A `Session` validates and encodes the prompts, prefills them once and keeps
+their prefix cache on the device. Each `Round` is one decode state over some
+of the session's rows and a set of global branch indices: it runs in chunks
+of steps (`Round.run`), between which the host may mark branches done
+(`Round.finish_slots`: a stop string, a low confidence) and gather the live
+branches into smaller buckets (`Round.compact`). `generate` is one round with
+all branches; adaptive self-consistency runs several rounds over the same
+prefix cache. The outputs are copied to host arrays indexed by (prompt row,
+branch) as each chunk ends, so compaction never loses or moves them.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsample.engine import inputs
+from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
+from jaxsample.engine.prefill import prefill, take_rows
+from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, DecodeState, Knobs, PrefixCache,
+                                    Static, bucket, slot_bucket)
+from jaxsample.errors import InputError
+from jaxsample.lm import LanguageModel
+from jaxsample.sampling import SamplingParams
+from jaxsample.sharding import BRANCH_AXIS, DATA_AXIS, LOCAL_BRANCH_AXIS
+from models import llama
+
+# ---------------------------------------------------------------------------
+# Parameters and placement
+
+_SERVING: "weakref.WeakKeyDictionary[LanguageModel, Any]" = weakref.WeakKeyDictionary()
+
+
+def serving_params(lm: LanguageModel):
+    """The model's parameters in the list layout (one dict per layer), made once per model.
+
+    `jaxsample.load` already returns this layout; stacked parameters (random
+    test models) are split once here and cached for the model's lifetime.
+    """
+    if isinstance(lm.params["layers"], (list, tuple)):
+        return lm.params
+    if lm not in _SERVING:
+        _SERVING[lm] = llama.unstack_layers(lm.params)
+    return _SERVING[lm]
+
+
+_ON_MESH: "weakref.WeakKeyDictionary[LanguageModel, dict]" = weakref.WeakKeyDictionary()
+
+
+def _params_on_mesh(lm: LanguageModel, mesh):
+    """The serving params replicated over `mesh`, placed once per (model, mesh).
+
+    Placing them goes through host memory (`_put`), so doing it on every
+    `generate` call would copy all the weights each time.
+    """
+    per_mesh = _ON_MESH.setdefault(lm, {})
+    if mesh not in per_mesh:
+        from jax.sharding import NamedSharding, PartitionSpec as Ps
+
+        per_mesh[mesh] = _put(serving_params(lm), NamedSharding(mesh, Ps()))
+    return per_mesh[mesh]
+
+
+def _put(tree, sharding):
+    """Host values -> global arrays on a mesh (works across processes: each
+    process passes the same values and provides its own devices' shards)."""
+
+    def one(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _host(x) -> np.ndarray:
+    """A (possibly multi-process) global array as one numpy array on every process."""
+    if jax.process_count() > 1 and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _kv_bytes(arrays, rows: int, rows_alloc: int) -> tuple[int, int, int]:
+    """(bytes of the request's rows, bytes on one device, bytes on all devices).
+
+    The first counts one copy of each array's real rows (axis 0), without the
+    padding rows that fill a data axis; the others are what was allocated:
+    one device's shard, and the shards summed over every device (an array
+    replicated over the "branch" axis counts once per replica).
+    """
+    logical = sum(int(a.nbytes) for a in arrays) * rows // max(rows_alloc, 1)
+    shard = lambda a: math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+    per_device = sum(shard(a) for a in arrays)
+    total = sum(len(a.sharding.device_set) * shard(a) for a in arrays)
+    return logical, int(per_device), int(total)
+
+
+class _Mesh:
+    """Shardings and shard_map wrappers of the engine's programs on a mesh."""
+
+    def __init__(self, mesh, data_axis):
+        from jax.sharding import NamedSharding, PartitionSpec as Ps
+
+        self.mesh, self.d = mesh, data_axis
+        d, b = data_axis, BRANCH_AXIS
+        self.rep = NamedSharding(mesh, Ps())
+        self.rows = NamedSharding(mesh, Ps(d))
+        self.slots = NamedSharding(mesh, Ps(d, b))
+        self.prefix_spec = PrefixCache(Ps(d), Ps(d), Ps(d))
+        self.state_spec = DecodeState(
+            t=Ps(), logits=Ps(d, b), tokens=Ps(d, b), logprobs=Ps(d, b),
+            top_logprobs=Ps(d, b), top_ids=Ps(d, b), lengths=Ps(d, b), done=Ps(d, b),
+            stopped=Ps(d, b), prompt_index=Ps(d), branch_ids=Ps(d, b), tail_k=Ps(d, b),
+            tail_v=Ps(d, b))
+        self.knob_spec = Knobs(*([Ps()] * len(Knobs._fields)))
+        self.Ps = Ps
+        self.NamedSharding = NamedSharding
+
+    def shard_map(self, fn, in_specs, out_specs):
+        shard_map = getattr(jax, "shard_map", None)
+        if shard_map is None:  # older jax
+            from jax.experimental.shard_map import shard_map  # type: ignore
+        kwargs = dict(mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+        try:
+            return shard_map(fn, check_vma=False, **kwargs)
+        except TypeError:  # older signature
+            return shard_map(fn, check_rep=False, **kwargs)
+
+    def shardings(self, spec_tree, like):
+        """NamedShardings for the pytree `like`, following the spec prefix `spec_tree`."""
+        is_spec = lambda x: isinstance(x, self.Ps)
+        return jax.tree_util.tree_map(
+            lambda spec, sub: jax.tree_util.tree_map(
+                lambda _: self.NamedSharding(self.mesh, spec), sub),
+            spec_tree, like, is_leaf=is_spec)
+
+
+# ---------------------------------------------------------------------------
+# Session
+
+
+class Session:
+    """One request: validated inputs, the prefill, and the rounds decoded over it.
+
+    Args:
+      lm, prompts, params, chat, mesh, bridge, prompt_index_offset, naive: as
+        `jaxsample.generate`.
+      top_logprobs: k of the top-k log-probabilities to record per token (0: none).
+
+    Raises:
+      InputError: as `jaxsample.generate`, before any compute.
+    """
+
+    def __init__(self, lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
+                 chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
+                 naive: bool = False, top_logprobs: int | None = None):
+        self.t_start = time.perf_counter()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.seed is None:
+            params = params.replace(seed=secrets.randbits(31))
+        self.lm, self.params, self.cfg = lm, params, lm.config
+        self.ids, self.texts = inputs.encode_prompts(lm, prompts, chat)
+        B, N, T = len(self.ids), params.n, params.max_new_tokens
+        self.B, self.N, self.T = B, N, T
+        for i, toks in enumerate(self.ids):
+            if len(toks) + T > self.cfg.max_seq_len:
+                raise InputError(
+                    f"prompt {i} has {len(toks)} tokens; with max_new_tokens={T} that is "
+                    f"{len(toks) + T} > the model's context of {self.cfg.max_seq_len} tokens")
+        stop_ids = sorted(set(lm.tokenizer.eos_token_ids) | set(params.stop_token_ids))
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise InputError(f"at most {MAX_STOP_IDS} stop token ids are supported, "
+                             f"got {len(stop_ids)}")
+        mesh, data_axis, self.nb, self.nd = inputs.resolve_mesh(mesh, N)
+        if isinstance(prompt_index_offset, bool) or not isinstance(
+                prompt_index_offset, (int, np.integer)) or not 0 <= prompt_index_offset < 2**31 - B:
+            raise InputError(f"prompt_index_offset must be an int in [0, 2**31 - B), "
+                             f"got {prompt_index_offset!r}")
+        if naive and (mesh is not None or bridge is not None):
+            raise InputError("naive=True is a single-device baseline without Bridge; "
+                             "pass mesh=None and bridge=None")
+        k = params.logprobs if top_logprobs is None else top_logprobs
+        k = inputs.check_int("top_logprobs", k or 0, 0, MAX_LOGPROBS)
+        self.mesh, self.naive, self.offset = mesh, naive, int(prompt_index_offset)
+        self.m = None if mesh is None else _Mesh(mesh, data_axis)
+        self.bridge_cfg = None if bridge is None else bridge.config
+        self.bridge_params = None if bridge is None else bridge.params
+        self.model_params = serving_params(lm) if mesh is None else _params_on_mesh(lm, mesh)
+        self.bridge_dev = (self.bridge_params if mesh is None or bridge is None
+                           else _put(self.bridge_params, self.m.rep))
+        self.timings = {"compile": 0.0, "prefill": 0.0, "decode": 0.0, "host": 0.0}
+        self.st = Static(cfg=self.cfg, n=1, t_cap=bucket(T), vocab_limit=lm.vocab_limit,
+                         pad_id=int(lm.tokenizer.pad_token_id), top_logprobs=k,
+                         axes=((BRANCH_AXIS,) + ((data_axis,) if data_axis else ())) if mesh else (),
+                         branch_axis=LOCAL_BRANCH_AXIS if mesh else BRANCH_AXIS,
+                         branch_axes=(LOCAL_BRANCH_AXIS, BRANCH_AXIS) if mesh else (BRANCH_AXIS,),
+                         bridge=self.bridge_cfg)
+        assert T <= self.st.t_cap  # tail writes stay in range: dynamic_update_slice would clamp
+        self.knobs = Knobs(
+            temperature=np.float32(params.temperature),
+            top_k=np.int32(min(params.top_k, lm.vocab_limit)),  # k >= V is off either way
+            top_p=np.float32(params.top_p), min_p=np.float32(params.min_p),
+            seed=np.uint32(params.seed), max_new_tokens=np.int32(T),
+            stop_ids=np.asarray(stop_ids + [-1] * (MAX_STOP_IDS - len(stop_ids)), np.int32),
+            t_stop=np.int32(T))
+        # Rows: one per prompt (shared) or one per (prompt, branch) copy (naive).
+        self.row_prompt = [r for r in range(B) for _ in range(N)] if naive else list(range(B))
+        self.decode_steps = 0
+        self.branch_steps = 0
+        self._prefill()
+
+    # -- prefill ------------------------------------------------------------
+
+    def _prefill(self):
+        rows = self.row_prompt
+        R = len(rows)
+        R_pad = -(-R // self.nd) * self.nd  # a data axis must divide the rows
+        p_cap = bucket(max(len(self.ids[r]) for r in rows))
+        tokens = np.zeros((R_pad, p_cap), np.int32)
+        lengths = np.ones((R_pad,), np.int32)
+        for j, r in enumerate(rows):
+            tokens[j, :len(self.ids[r])] = self.ids[r]
+            lengths[j] = len(self.ids[r])
+        cfg, st = self.cfg, self.st
+        fn = lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b)
+        if self.m is None:
+            args = (self.model_params, jnp.asarray(tokens), jnp.asarray(lengths), self.bridge_params)
+        else:
+            m = self.m
+            fn = m.shard_map(fn, (m.Ps(), m.Ps(m.d), m.Ps(m.d), m.Ps()),
+                             (m.prefix_spec, m.Ps(m.d)))
+            args = (self.model_params, _put(tokens, m.rows), _put(lengths, m.rows),
+                    self.bridge_dev)
+        prog, dt = PROGRAMS.get(("prefill", cfg, self.bridge_cfg, self.mesh), fn, args)
+        self.timings["compile"] += dt
+        t0 = time.perf_counter()
+        self.prefix, self.last = jax.block_until_ready(prog(*args))
+        self.timings["prefill"] += time.perf_counter() - t0
+        self.rows_alloc = R_pad
+        self.prefix_bytes = _kv_bytes(self.prefix.k + self.prefix.v, R, R_pad)
+
+    # -- rounds ---------------------------------------------------------------
+
+    def round(self, rows, branch_ids) -> "Round":
+        """A fresh decode state over some prefilled rows.
+
+        Args:
+          rows: R' row indices into the session's rows (prompts; prompt copies
+            when naive).
+          branch_ids: `[R', N']` global branch index of each slot (-1: a
+            padding slot that starts done).
+        """
+        return Round(self, list(rows), np.asarray(branch_ids, np.int32))
+
+    def knob_args(self, t_stop: int):
+        knobs = self.knobs._replace(t_stop=np.int32(t_stop))
+        return knobs if self.m is None else _put(knobs, self.m.rep)
+
+    def put(self, x, kind: str):
+        """A host array placed as the engine's programs expect ("rows", "slots", "rep")."""
+        if self.m is None:
+            return jnp.asarray(x)
+        return _put(x, getattr(self.m, kind))
+
+    def gather(self, name: str, fn, args, out_specs):
+        """Run a row/slot gather (`take_rows`, `compact`) and place its outputs.
+
+        On a mesh the operands are first replicated (a gather across shards
+        has no unambiguous output sharding), then the outputs are placed with
+        the specs the decode programs expect: a compaction moves data across
+        devices once, which is what makes later steps cheaper.
+        """
+        if self.m is None:
+            prog, dt = PROGRAMS.get((name,), fn, args)
+            self.timings["compile"] += dt
+            return prog(*args)
+        rep = jax.tree_util.tree_map(lambda a: jax.device_put(a, self.m.rep), args)
+        prog, dt = PROGRAMS.get((name, self.mesh), fn, rep)
+        self.timings["compile"] += dt
+        out = prog(*rep)
+        return jax.tree_util.tree_map(
+            lambda spec, sub: jax.tree_util.tree_map(
+                lambda a: jax.device_put(a, self.m.NamedSharding(self.mesh, spec)), sub),
+            out_specs, out, is_leaf=lambda x: isinstance(x, self.m.Ps))
+
+
+class Round:
+    """One decode state: rows x slots, decoded in chunks (see the module docstring).
+
+    Host-side outputs (indexed by the round's own rows and branch columns):
+      tokens `[R, N, T]` int32, logprobs `[R, N, T]` float32, top_logprobs and
+      top_ids `[R, N, T, k]`, lengths `[R, N]` int32, stopped `[R, N]` bool
+      (ended by a stop token), done `[R, N]` bool.
+    """
+
+    def __init__(self, session: Session, rows: list[int], branch_ids: np.ndarray):
+        s = session
+        self.s = s
+        R, N = len(rows), branch_ids.shape[1]
+        if branch_ids.shape[0] != R:
+            raise ValueError(f"branch_ids must be [{R}, N], got {branch_ids.shape}")
+        T, k = s.T, s.st.top_logprobs
+        self.R, self.N = R, N
+        self.branch_ids = branch_ids
+        self.tokens = np.full((R, N, T), s.st.pad_id, np.int32)
+        self.logprobs = np.zeros((R, N, T), np.float32)
+        self.top_logprobs = np.zeros((R, N, T, k), np.float32)
+        self.top_ids = np.full((R, N, T, k), s.st.pad_id, np.int32)
+        self.lengths = np.zeros((R, N), np.int32)
+        self.stopped = np.zeros((R, N), bool)
+        self.done = branch_ids < 0
+        self.t = 0
+        # Device slots: a bucket of rows (a multiple of the data axis) x slots
+        # (a multiple of the branch axis); slot (i, j) holds round row
+        # row_of[i], column col_of[i, j] (-1: filler).
+        R_dev = -(-R // s.nd) * s.nd
+        N_dev = -(-N // s.nb) * s.nb
+        self.row_of = np.array(list(range(R)) + [0] * (R_dev - R), np.int64)
+        self.col_of = np.full((R_dev, N_dev), -1, np.int64)
+        self.col_of[:R, :N] = np.where(branch_ids >= 0, np.arange(N)[None], -1)
+        prefix_rows = np.array([rows[i] for i in self.row_of[:R]], np.int32)
+        # Padding rows: the session's own padding rows when the round takes every
+        # prompt (no gather), else repeats of the first row.
+        fill = (np.arange(R, R_dev) if list(rows) == list(range(R)) and R_dev == s.rows_alloc
+                else np.full(R_dev - R, prefix_rows[0]))
+        prefix_rows = np.concatenate([prefix_rows, fill]).astype(np.int32)
+        self.live_rows_alloc = R_dev
+        ids = np.where(self.col_of >= 0, np.pad(branch_ids, ((0, R_dev - R), (0, N_dev - N)),
+                                                constant_values=0), 0).astype(np.int32)
+        pidx = np.array([s.offset + s.row_prompt[r] if r < len(s.row_prompt) else 0
+                         for r in prefix_rows], np.int32)
+        live = self.col_of >= 0
+        live[R:] = False
+        self.rows = rows
+        self._start(prefix_rows, pidx, ids, live)
+
+    # -- device programs ------------------------------------------------------
+
+    def _static(self, n_dev: int) -> Static:
+        import dataclasses
+
+        return dataclasses.replace(self.s.st, n=n_dev // self.s.nb)
+
+    def _start(self, prefix_rows, pidx, ids, live):
+        s = self.s
+        if np.array_equal(prefix_rows, np.arange(s.rows_alloc)):
+            prefix, last = s.prefix, s.last
+        else:
+            out_specs = None if s.m is None else (s.m.prefix_spec, s.m.Ps(s.m.d))
+            prefix, last = s.gather("take_rows", take_rows, (s.prefix, s.last,
+                                                             jnp.asarray(prefix_rows)), out_specs)
+        st = self._static(ids.shape[1])
+        fn = lambda l, p, b, v: init_state(st, l, p, b, v)
+        args = (last, s.put(pidx, "rows"), s.put(ids, "slots"), s.put(live, "slots"))
+        if s.m is not None:
+            m = s.m
+            fn = m.shard_map(fn, (m.Ps(m.d), m.Ps(m.d), m.Ps(m.d, BRANCH_AXIS),
+                                  m.Ps(m.d, BRANCH_AXIS)), m.state_spec)
+        prog, dt = PROGRAMS.get(("init", st, s.mesh), fn, args)
+        s.timings["compile"] += dt
+        self.prefix, self.state = prefix, prog(*args)
+        # The tails as first allocated (the largest they get: compaction shrinks them).
+        self.tail_bytes = _kv_bytes(self.state.tail_k + self.state.tail_v, self.R,
+                                    ids.shape[0])
+
+    def run(self, steps: int) -> bool:
+        """Decode up to `steps` more tokens; copy them to the host arrays.
+
+        Returns:
+          True while some branch is live and the budget is not spent.
+        """
+        s = self.s
+        t0 = self.t
+        t_stop = min(t0 + max(int(steps), 1), s.T)
+        st = self._static(self.col_of.shape[1])
+        fn = lambda p, pre, state, kn, bp: decode_chunk(st, p, pre, state, kn, bp)
+        args = (s.model_params, self.prefix, self.state, s.knob_args(t_stop), s.bridge_dev)
+        if s.m is not None:
+            m = s.m
+            fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, m.state_spec, m.knob_spec, m.Ps()),
+                             m.state_spec)
+        prog, dt = PROGRAMS.get(("decode", st, s.mesh), fn, args, donate=(2,))
+        s.timings["compile"] += dt
+        t_run = time.perf_counter()
+        self.state = jax.block_until_ready(prog(*args))
+        s.timings["decode"] += time.perf_counter() - t_run
+        t_host = time.perf_counter()
+        t1 = int(_host(self.state.t))
+        ran = t1 - t0
+        s.decode_steps += ran
+        s.branch_steps += ran * self.col_of.size
+        self.t = t1
+        self._collect(t0, t1)
+        s.timings["host"] += time.perf_counter() - t_host
+        return bool((~self.done).any()) and t1 < s.T
+
+    def _collect(self, t0: int, t1: int):
+        """Copy tokens [t0, t1) and the per-slot flags of every slot to the host arrays."""
+        st = self.state
+        done = _host(st.done)
+        lengths = _host(st.lengths)
+        stopped = _host(st.stopped)
+        real = self.col_of >= 0
+        ri = np.broadcast_to(self.row_of[:, None], self.col_of.shape)[real]
+        ci = self.col_of[real]
+        if t1 > t0:
+            sl = (slice(None), slice(None), slice(t0, t1))
+            self.tokens[ri, ci, t0:t1] = _host(st.tokens[sl])[real]
+            self.logprobs[ri, ci, t0:t1] = _host(st.logprobs[sl])[real]
+            if self.s.st.top_logprobs:
+                self.top_logprobs[ri, ci, t0:t1] = _host(st.top_logprobs[sl])[real]
+                self.top_ids[ri, ci, t0:t1] = _host(st.top_ids[sl])[real]
+        self.lengths[ri, ci] = lengths[real]
+        self.stopped[ri, ci] = stopped[real]
+        self.done[ri, ci] = done[real] | self.done[ri, ci]
+
+    def new_tokens(self, t0: int):
+        """(row, column, tokens since t0 excluding a final stop token) of every branch
+        that decoded something since token t0."""
+        out = []
+        for r, c in zip(*np.nonzero(self.lengths > t0)):
+            L = int(self.lengths[r, c])
+            end = L - 1 if self.stopped[r, c] else L
+            out.append((int(r), int(c), self.tokens[r, c, t0:max(end, t0)]))
+        return out
+
+    def finish_slots(self, mask: np.ndarray):
+        """Mark branches done from the host (`mask [R, N]` bool, round rows x columns)."""
+        mask = np.asarray(mask, bool) & ~self.done
+        if not mask.any():
+            return
+        self.done |= mask
+        real = self.col_of >= 0
+        dev = np.zeros(self.col_of.shape, bool)
+        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
+        dev[real] = mask[rr[real], self.col_of[real]]
+        done = _host(self.state.done) | dev
+        self.state = self.state._replace(done=self.s.put(done, "slots"))
+
+    def compact(self) -> bool:
+        """Gather the live branches into smaller buckets when that halves a dimension.
+
+        Returns:
+          True if the state was compacted.
+        """
+        s = self.s
+        real = self.col_of >= 0
+        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
+        live = np.zeros(self.col_of.shape, bool)
+        live[real] = ~self.done[rr[real], self.col_of[real]]
+        per_row = live.sum(axis=1)
+        rows_live = np.nonzero(per_row)[0]
+        if rows_live.size == 0:
+            return False
+        R_dev, N_dev = self.col_of.shape
+        N_new = min(slot_bucket(int(per_row.max()), s.nb), N_dev)
+        R_new = min(slot_bucket(rows_live.size, s.nd), R_dev)
+        if N_new * 2 > N_dev and R_new * 2 > R_dev:
+            return False
+        src_rows = np.concatenate([rows_live, np.repeat(rows_live[:1], R_new - rows_live.size)])
+        slots = np.zeros((R_new, N_new), np.int32)
+        new_live = np.zeros((R_new, N_new), bool)
+        col_of = np.full((R_new, N_new), -1, np.int64)
+        for i, r in enumerate(src_rows):
+            if i >= rows_live.size:
+                slots[i] = 0
+                continue
+            cols = np.nonzero(live[r])[0]
+            slots[i, :cols.size] = cols
+            slots[i, cols.size:] = cols[0]
+            new_live[i, :cols.size] = True
+            col_of[i, :cols.size] = self.col_of[r, cols]
+        t0, c0 = time.perf_counter(), s.timings["compile"]
+        args = (self.prefix, self.state, jnp.asarray(src_rows, jnp.int32), jnp.asarray(slots),
+                jnp.asarray(new_live))
+        out_specs = None if s.m is None else (s.m.prefix_spec, s.m.state_spec)
+        self.prefix, self.state = jax.block_until_ready(s.gather("compact", compact, args,
+                                                                 out_specs))
+        s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
+        self.row_of = self.row_of[src_rows]
+        self.col_of = col_of
+        return True
+

@@ -1,0 +1,129 @@
+"""The engine's typed state: the prefix cache, the decode state, the traced knobs.
+
+Letters (see `models/llama.py`): R decode rows (prompts, or prompt copies in
+the naive baseline), N branch slots per row, P prefix bucket, T tail bucket,
+L layers, K kv heads, D head dim, V logits rows, k top logprobs per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+
+from jaxsample.sharding import BRANCH_AXIS
+
+MAX_STOP_IDS = 16  # stop ids are a fixed-size traced array (padded with -1)
+from jaxsample.sampling import MAX_LOGPROBS  # noqa: E402  (SamplingParams.logprobs <= 20)
+
+
+class PrefixCache(NamedTuple):
+    """The prompts' KV cache, stored once (no branch axis).
+
+    k, v: tuples of L arrays `[R, K, P, D]` in the model dtype (per layer, so
+      the unrolled layer loop reads each layer's cache without a slice copy;
+      kv-head-major, the layout the attention matmuls read without a
+      transpose); positions `>= lengths[r]` are padding.
+    lengths: `[R]` int32 prompt lengths.
+    """
+
+    k: Any
+    v: Any
+    lengths: jax.Array
+
+
+class DecodeState(NamedTuple):
+    """The resumable decode state: it lives across device calls (chunks).
+
+    Every slot of one state started at token 0 together, so one counter `t`
+    serves them all. The host may mark slots done between chunks, gather the
+    live slots into a smaller state (compaction) or start a new state over the
+    same prefix cache (another round of branches).
+
+    t: `[]` int32, index of the next token to sample.
+    logits: `[R, N, V]` float32, each slot's distribution for token t.
+    tokens: `[R, N, T]` int32; logprobs: `[R, N, T]` float32.
+    top_logprobs: `[R, N, T, k]` float32 and top_ids `[R, N, T, k]` int32: the
+      k most likely tokens of the raw distribution at each step (k = 0: empty).
+    lengths: `[R, N]` int32 tokens generated so far (stop token included).
+    done: `[R, N]` bool; stopped: `[R, N]` bool (ended by a stop token).
+    prompt_index: `[R]` int32 global prompt index of each row (for the keys).
+    branch_ids: `[R, N]` int32 global branch index of each slot (for the keys):
+      compaction moves a branch to another slot but keeps its key.
+    tail_k, tail_v: tuples of L arrays `[R, N, K, T, D]`, the branches' own KV.
+    """
+
+    t: jax.Array
+    logits: jax.Array
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_logprobs: jax.Array
+    top_ids: jax.Array
+    lengths: jax.Array
+    done: jax.Array
+    stopped: jax.Array
+    prompt_index: jax.Array
+    branch_ids: jax.Array
+    tail_k: Any
+    tail_v: Any
+
+
+class Knobs(NamedTuple):
+    """Traced request settings: changing them never recompiles."""
+
+    temperature: jax.Array  # [] float32
+    top_k: jax.Array  # [] int32
+    top_p: jax.Array  # [] float32
+    min_p: jax.Array  # [] float32
+    seed: jax.Array  # [] uint32
+    max_new_tokens: jax.Array  # [] int32
+    stop_ids: jax.Array  # [MAX_STOP_IDS] int32, -1 padded
+    t_stop: jax.Array  # [] int32: this chunk ends before token t_stop
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Everything that changes shapes or code, hence the compiled program."""
+
+    cfg: Any  # the model config (models.llama.LlamaConfig)
+    n: int  # branch slots per row held by one device
+    t_cap: int  # tail buffer length (a bucket >= max_new_tokens)
+    vocab_limit: int
+    pad_id: int
+    top_logprobs: int = 0  # k of SamplingParams.logprobs (0: none)
+    axes: tuple[str, ...] = ()  # mesh axes to reduce "all done" over
+    branch_axis: str = BRANCH_AXIS  # the vmap axis of the branches
+    branch_axes: tuple[str, ...] = (BRANCH_AXIS,)  # all branch axes, innermost first
+    bridge: Any = None  # a jaxsample.bridge.BridgeConfig, or None
+
+    def post_layer(self, alive, axes):
+        """The Bridge hook for `llama.run_layers` (None without a Bridge)."""
+        if self.bridge is None:
+            return None
+        from jaxsample import bridge as bridge_lib
+
+        return lambda x, p_l: bridge_lib.apply_block(self.bridge, p_l, x, alive, axes)
+
+
+def bucket(length: int, minimum: int = 16) -> int:
+    """Round a length up to 2^k or 1.5 * 2^(k-1) (at least `minimum`).
+
+    Few distinct shapes (so new lengths rarely recompile) and < 50% padding.
+    """
+    length = max(int(length), minimum)
+    size = 1 << (length - 1).bit_length()  # next power of two >= length
+    three_quarters = size * 3 // 4
+    return three_quarters if size >= 32 and three_quarters >= length else size
+
+
+def slot_bucket(live: int, multiple: int = 1) -> int:
+    """Slots for `live` branches (or rows) after compaction: `multiple * 2^j >= live`.
+
+    Powers of two keep the number of compiled shapes at log2(N); `multiple`
+    is the mesh axis size the slots are split over.
+    """
+    size = multiple
+    while size < live:
+        size *= 2
+    return size

@@ -1,0 +1,148 @@
+"""One decode step: each branch's token choice and forward pass, vmapped over slots.
+
+The step is written for one branch and vmapped over the N slots of a row
+(axis_name "branch") with the prefix cache passed with in_axes=None: XLA
+turns the prefix half of the attention into one batched matmul that reads
+the prefix K/V once for all branches. Each branch owns its tail. Prefix,
+tail and current-token partial attentions are merged by log-sum-exp
+(Hydragen, arXiv 2402.05099; FlashInfer's cascade attention).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxsample import sampling
+from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
+from models import llama
+
+
+def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, post_layer=None,
+                bridge_params=None):
+    """One decode step of one branch (vmapped over branches and rows).
+
+    Args:
+      token: `[]` int32 the token to feed; position: `[]` int32 its position.
+      t: `[]` int32 its index in the tail (tail slots `< t` are valid).
+      pk, pv: L x `[K, P, D]` the shared prefix (unbatched over branches).
+      prefix_len: `[]` int32 valid prefix positions.
+      tk, tv: L x `[K, T, D]` this branch's tail.
+      post_layer, bridge_params: the optional Bridge hook (collectives over the
+        branch axes) and its `[L, ...]` params.
+    Returns:
+      (logits `[V]` float32, new k L x `[K, D]`, new v L x `[K, D]`).
+    """
+    P, T = pk[0].shape[1], tk[0].shape[1]
+    prefix_mask = (jnp.arange(P) < prefix_len)[None, :]
+    tail_mask = (jnp.arange(T) < t)[None, :]
+    self_mask = jnp.ones((1, 1), bool)
+
+    def attend_for_layer(xs):
+        lpk, lpv, ltk, ltv = xs
+
+        def attend(q, k, v):
+            out = llama.merge_attention([
+                llama.partial_attention(q, lpk, lpv, prefix_mask),
+                llama.partial_attention(q, ltk, ltv, tail_mask),
+                llama.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask),
+            ])
+            return out.astype(q.dtype)
+
+        return attend
+
+    x = llama.embed(params, token[None])
+    x, (k, v) = llama.run_layers(cfg, params, x, position[None], attend_for_layer,
+                                 list(zip(pk, pv, tk, tv)), post_layer, bridge_params)
+    return llama.logits(cfg, params, x[0]), [a[0] for a in k], [a[0] for a in v]
+
+
+def all_done(st: Static, done: jax.Array) -> jax.Array:
+    """Whether every slot is done, on every device of the mesh."""
+    flag = jnp.all(done).astype(jnp.int32)
+    for ax in st.axes:
+        flag = jax.lax.pmin(flag, ax)
+    return flag.astype(bool)
+
+
+def branch_keys(knobs: Knobs, prompt_index: jax.Array, branch_ids: jax.Array) -> jax.Array:
+    """`[R, N]` keys: fold_in(fold_in(key(seed), prompt_index), branch_index).
+
+    levanter's discipline: a branch's tokens depend on its global prompt and
+    branch index only, not on its slot, its batch or its device.
+    """
+    base = jax.random.key(knobs.seed)
+    rows = jax.vmap(lambda i: jax.random.fold_in(base, i))(prompt_index)  # [R]
+    return jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (0, 0))(rows, branch_ids)
+
+
+def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.Array,
+              bridge_params=None):
+    """The loop body: choose each live slot's token t, then run its forward pass.
+
+    Args:
+      keys: `[R, N]` the slots' branch keys (`branch_keys`); token t folds in t.
+    Returns:
+      `step(state) -> state`, advancing every slot by one token.
+    """
+    cfg = st.cfg
+
+    def choose(logits, key):
+        return sampling.choose_token(logits, key, knobs.temperature, knobs.top_k, knobs.top_p,
+                                     knobs.min_p, st.vocab_limit)
+
+    # Row-level vmap: prefix per row (in_axes 0); branch-level vmap: prefix unbatched.
+    def one_branch(tok, pos, t, pk, pv, plen, tk, tv, alive):
+        return branch_step(cfg, params, tok, pos, t, pk, pv, plen, tk, tv,
+                           st.post_layer(alive, st.branch_axes), bridge_params)
+
+    step_branches = jax.vmap(one_branch, in_axes=(0, None, None, None, None, None, 0, 0, 0),
+                             axis_name=st.branch_axis)
+    step_rows = jax.vmap(step_branches, in_axes=(0, 0, None, 0, 0, 0, 0, 0, 0))
+    vv = lambda f: jax.vmap(jax.vmap(f))
+
+    def step(s: DecodeState) -> DecodeState:
+        step_keys = vv(lambda k: jax.random.fold_in(k, s.t))(keys)
+        tok, lp = vv(choose)(s.logits, step_keys)
+        live = ~s.done
+        tok = jnp.where(live, tok, st.pad_id)
+        lp = jnp.where(live, lp, 0.0)
+        hit_stop = live & jax.vmap(jax.vmap(sampling.is_stop, (0, None)), (0, None))(
+            tok, knobs.stop_ids)
+        lengths = s.lengths + live.astype(jnp.int32)
+        done = s.done | hit_stop | (s.t + 1 >= knobs.max_new_tokens)
+        tokens = jax.lax.dynamic_update_index_in_dim(s.tokens, tok, s.t, axis=2)
+        logprobs = jax.lax.dynamic_update_index_in_dim(s.logprobs, lp, s.t, axis=2)
+        top_lp, top_ids = s.top_logprobs, s.top_ids
+        if st.top_logprobs:
+            vals, ids = vv(lambda x: sampling.top_logprobs(x, st.top_logprobs,
+                                                           st.vocab_limit))(s.logits)
+            vals = jnp.where(live[..., None], vals, 0.0)
+            ids = jnp.where(live[..., None], ids, st.pad_id)
+            top_lp = jax.lax.dynamic_update_index_in_dim(top_lp, vals, s.t, axis=2)
+            top_ids = jax.lax.dynamic_update_index_in_dim(top_ids, ids, s.t, axis=2)
+
+        def forward(_):
+            positions = prefix.lengths + s.t  # [R]
+            # A branch that just stopped no longer influences the others (Bridge).
+            return step_rows(tok, positions, s.t, prefix.k, prefix.v, prefix.lengths,
+                             s.tail_k, s.tail_v, ~done)
+
+        def skip(_):
+            zeros = [jnp.zeros(c.shape[:3] + c.shape[4:], c.dtype) for c in s.tail_k]
+            return s.logits, zeros, zeros
+
+        # The cond returns only the new K/V: tails updated inside a cond branch
+        # would be copied whole every step (a branch cannot update its operand
+        # in place). Slot t is written unconditionally; a skipped step's slot is
+        # never read. k, v: L x [R, N, K, D]; t < t_cap is guaranteed by the host.
+        logits, k, v = jax.lax.cond(all_done(st, done), skip, forward, None)
+        tail_k = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t, axis=3)
+                       for c, a in zip(s.tail_k, k))
+        tail_v = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t, axis=3)
+                       for c, a in zip(s.tail_v, v))
+        return s._replace(t=s.t + 1, logits=logits, tokens=tokens, logprobs=logprobs,
+                          top_logprobs=top_lp, top_ids=top_ids, lengths=lengths, done=done,
+                          stopped=s.stopped | hit_stop, tail_k=tail_k, tail_v=tail_v)
+
+    return step

@@ -1,0 +1,93 @@
+"""Stop strings: seen on the way (at chunk boundaries), cut exactly at the end.
+
+During decode, `StopWatch` detokenises only each branch's new tokens
+(incrementally, as vLLM's `detokenize_incrementally`: decode from a few tokens
+back and keep the new suffix; hold back a trailing incomplete UTF-8
+character) and looks for the stop strings in the new text plus the
+`max(len(stop)) - 1` characters before it, so the host can mark the branch
+done at the next chunk boundary. At the end, `cut` keeps the fewest leading
+tokens whose text contains a stop string and the text before it, so tokens
+and text agree whatever the chunk size.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index of the earliest stop string in `text`, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def tokens_covering(tokenizer, toks: list[int], stops) -> int:
+    """Fewest leading tokens whose decoded text contains a stop string.
+
+    Bisection (O(log T) decodes): containment only grows with the prefix, up to
+    a multi-byte character split across tokens, which is why the caller
+    re-decodes exactly the tokens it keeps.
+    """
+    lo, hi = 1, len(toks)  # decode(toks[:hi]) contains a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if first_stop(tokenizer.decode(toks[:mid]), stops) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def cut(tokenizer, body: list[int], stops) -> tuple[str, int | None]:
+    """(text, kept tokens or None): the branch's text cut before its first stop string.
+
+    `body` excludes a final stop token. None means no stop string was found
+    (all tokens are kept).
+    """
+    text = tokenizer.decode(body)
+    if not stops or first_stop(text, stops) is None:
+        return text, None
+    keep = tokens_covering(tokenizer, body, stops)
+    text = tokenizer.decode(body[:keep])  # the same tokens the arrays keep
+    return text[:first_stop(text, stops)], keep
+
+
+class IncrementalText:
+    """One branch's text, extended by decoding only new tokens."""
+
+    __slots__ = ("tokens", "text", "_prefix", "_read")
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.text = ""
+        self._prefix = 0  # decode from here (a few tokens of context)
+        self._read = 0  # tokens whose text is already in self.text
+
+    def extend(self, tokenizer, new: Sequence[int]) -> str:
+        """Append tokens; returns the new text (possibly '' while a character is incomplete)."""
+        self.tokens.extend(int(t) for t in new)
+        before = tokenizer.decode(self.tokens[self._prefix:self._read])
+        after = tokenizer.decode(self.tokens[self._prefix:])
+        if after.endswith("\ufffd") or len(after) < len(before):
+            return ""  # an incomplete multi-byte character: wait for the next tokens
+        delta = after[len(before):]
+        self.text += delta
+        self._prefix, self._read = max(self._read - 4, 0), len(self.tokens)
+        return delta
+
+
+class StopWatch:
+    """Which branches' text contains a stop string, checked on new tokens only."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.back = max(map(len, self.stops)) - 1 if self.stops else 0
+        self.texts: dict[tuple[int, int], IncrementalText] = {}
+
+    def feed(self, key, new_tokens: Sequence[int]) -> bool:
+        """Add a branch's new tokens (stop tokens excluded); True if a stop string appeared."""
+        inc = self.texts.setdefault(key, IncrementalText())
+        start = max(len(inc.text) - self.back, 0)
+        delta = inc.extend(self.tokenizer, new_tokens)
+        return bool(delta) and first_stop(inc.text[start:], self.stops) is not None
