@@ -302,6 +302,17 @@ def test_llama_config_refuses_impossible_constants():
             llama.RopeScaling(**change)
 
 
+def test_unexpected_loader_failure_is_a_model_load_error(tmp_path, monkeypatch):
+    # Backstop: whatever escapes a loader is reported as ModelLoadError naming the file.
+    def boom(*args, **kwargs):
+        raise ZeroDivisionError("integer division or modulo by zero")
+
+    monkeypatch.setattr(gguf_loader, "config_from_metadata", boom)
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "boom.gguf")
+    with pytest.raises(ModelLoadError, match="boom.gguf.*ZeroDivisionError"):
+        load(path)
+
+
 # ---------------------------------------------------------------------------
 # Hugging Face directories
 
