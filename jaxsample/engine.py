@@ -515,6 +515,8 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     Raises:
       InputError: empty prompt, prompt + max_new_tokens beyond the context, bad token
         ids, or a mesh that does not fit the request. Raised before any compute.
+      NumericalError: a sampled token's logits were all NaN or -inf (no distribution;
+        see `sampling.check_logprobs`). Raised after decoding, before returning.
     """
     t_start = time.perf_counter()
     params = SamplingParams() if params is None else params
@@ -620,6 +622,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     if naive:  # rows were (prompt, branch) copies
         tok, lp = tok.reshape(B, N, T), lp.reshape(B, N, T)
         lens, stopped = lens.reshape(B, N), stopped.reshape(B, N)
+    sampling.check_logprobs(lp)  # NumericalError if a token had no distribution (NaN logits)
     return _finish(lm, params, ids, texts, tok, lp, lens, stopped, timings, t_start,
                    prefix_bytes, tail_bytes, steps, st.pad_id, prefix_copies=N if naive else 1)
 
