@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "Flags given explicitly override --config.")
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
-    src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file ('-' = stdin)")
+    src.add_argument("--prompt-file", metavar="F",
+                     help="read the prompt (UTF-8) from a file, a pipe or /dev/stdin; '-' is "
+                          "stdin (a file named '-': ./-)")
     run.add_argument("--model", metavar="NAME_OR_PATH",
                      help="a model name or a .gguf file / Hugging Face directory "
                           "(default: the embedded SmolLM2-135M-Instruct)")
@@ -235,25 +237,62 @@ def resolve_run_config(args: argparse.Namespace) -> config_lib.RunConfig:
     return cfg
 
 
+PROMPT_FILE_LIMIT = 64 * 2**20  # bytes; a larger prompt file is an error, never truncated
+
+
 def _read_prompt(args) -> str:
+    """The prompt text of --prompt or --prompt-file.
+
+    --prompt-file reads any readable file as UTF-8: a regular file, a pipe
+    (`<(echo hi)`), /dev/stdin, or stdin itself for "-".
+
+    Raises:
+      InputError: no such file, a directory, unreadable, not UTF-8, larger
+        than PROMPT_FILE_LIMIT bytes, or an empty (blank) prompt.
+    """
     if args.prompt is not None:
         prompt = args.prompt
         where = "--prompt"
-    elif args.prompt_file == "-":
-        prompt = sys.stdin.read()
-        where = "stdin"
     else:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise InputError(f"--prompt-file: {path}: no such file")
-        try:
-            prompt = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"--prompt-file: {path}: cannot read: {e}") from None
-        where = str(path)
+        where = "stdin" if args.prompt_file == "-" else args.prompt_file
+        prompt = _read_text(args.prompt_file, where)
     if not prompt.strip():
         raise InputError(f"the prompt is empty ({where})")
     return prompt
+
+
+def _read_text(name: str, where: str) -> str:
+    flag = "--prompt-file"
+    try:
+        if name == "-":
+            stream = getattr(sys.stdin, "buffer", sys.stdin)
+            if stream is None:
+                raise InputError(f"{flag}: -: there is no stdin to read")
+            data = stream.read(PROMPT_FILE_LIMIT + 1)
+        else:
+            path = Path(name)
+            if path.is_dir():
+                raise InputError(f"{flag}: {path}: is a directory")
+            with open(path, "rb") as f:
+                data = f.read(PROMPT_FILE_LIMIT + 1)
+    except FileNotFoundError:
+        raise InputError(f"{flag}: {where}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{flag}: {where}: is a directory") from None
+    except PermissionError:
+        raise InputError(f"{flag}: {where}: permission denied") from None
+    except OSError as e:
+        raise InputError(f"{flag}: {where}: cannot read: {e.strerror or e}") from None
+    if len(data) > PROMPT_FILE_LIMIT:
+        raise InputError(f"{flag}: {where}: larger than the {PROMPT_FILE_LIMIT // 2**20} MiB "
+                         "limit for prompt files")
+    if isinstance(data, str):  # a text stdin without a byte buffer (tests, embedding)
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{flag}: {where}: not UTF-8 text (invalid byte at offset "
+                         f"{e.start})") from None
 
 
 class _Progress:

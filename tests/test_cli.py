@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import os
 
 import pytest
 
@@ -79,6 +80,69 @@ def test_bad_config_file(capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert "empty" in _one_line_error(capsys, ["run", "--prompt-file", str(empty)])
+
+
+# ---------------------------------------------------------------------------
+# --prompt-file: any readable file, pipes and stdin
+
+
+def _prompt_of(argv):
+    return cli._read_prompt(cli.build_parser().parse_args(argv))
+
+
+needs_dev_fd = pytest.mark.skipif(not os.path.isdir("/dev/fd"), reason="needs /dev/fd (Linux)")
+
+
+@needs_dev_fd
+def test_prompt_file_reads_pipes_and_stdin(tmp_path, monkeypatch):
+    r, w = os.pipe()  # what `<(echo hi)` hands over: /dev/fd/N, a pipe, not a regular file
+    os.write(w, "what is 3 + 4? é\n".encode())
+    os.close(w)
+    try:
+        assert _prompt_of(["run", "--prompt-file", f"/dev/fd/{r}"]) == "what is 3 + 4? é\n"
+    finally:
+        os.close(r)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    import threading
+
+    writer = threading.Thread(target=lambda: fifo.write_text("from a fifo"))
+    writer.start()
+    assert _prompt_of(["run", "--prompt-file", str(fifo)]) == "from a fifo"
+    writer.join()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("über stdin".encode())))
+    assert _prompt_of(["run", "--prompt-file", "-"]) == "über stdin"
+    monkeypatch.setattr("sys.stdin", io.StringIO("text stdin"))
+    assert _prompt_of(["run", "--prompt-file", "-"]) == "text stdin"
+
+
+@needs_dev_fd
+def test_prompt_file_errors_say_what_is_wrong(capsys, tmp_path, monkeypatch):
+    err = _one_line_error(capsys, ["run", "--prompt-file", str(tmp_path)])
+    assert "is a directory" in err and "no such file" not in err
+    err = _one_line_error(capsys, ["run", "--prompt-file", "/dev/null"])
+    assert "prompt is empty (/dev/null)" in err
+    r, w = os.pipe()
+    os.write(w, b"  \n\t")
+    os.close(w)
+    try:
+        assert "prompt is empty" in _one_line_error(capsys, ["run", "--prompt-file", f"/dev/fd/{r}"])
+    finally:
+        os.close(r)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert "prompt is empty (stdin)" in _one_line_error(capsys, ["run", "--prompt-file", "-"])
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    assert "not UTF-8" in _one_line_error(capsys, ["run", "--prompt-file", str(latin)])
+    monkeypatch.setattr(cli, "PROMPT_FILE_LIMIT", 8)
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 9)
+    assert "larger than" in _one_line_error(capsys, ["run", "--prompt-file", str(big)])
+    if os.geteuid() != 0:  # root reads anything
+        secret = tmp_path / "secret.txt"
+        secret.write_text("x")
+        secret.chmod(0)
+        assert "permission denied" in _one_line_error(capsys, ["run", "--prompt-file", str(secret)])
 
 
 def test_help_exits_0(capsys):
