@@ -12,9 +12,17 @@ result and the bill; `--json` prints exactly one JSON object instead.
 against N separate retries) from the model's config alone.
 
 Flags given explicitly override the `--config` file, which overrides the
-defaults (`jaxsample.config`). Bad input (unknown model, missing file, bad
-flag values, empty or too long prompt, unreadable config) prints one line
-on stderr and exits with status 2, never a traceback.
+defaults (`jaxsample.config`). Bad input (unknown model, missing file, a
+broken or impossible checkpoint, bad flag values, empty or too long prompt,
+unreadable config, a model whose logits are all NaN) prints one line on
+stderr and exits with status 2, never a traceback: every `JaxsampleError`
+(`ModelLoadError`, `ConfigError`, `InputError`, `NumericalError`) and any
+`ValueError`, `OSError` or `OverflowError` maps to that.
+
+Flag values: integers are decimal (`1e3` and `1.5` are refused); `price
+--n` takes comma-separated integers >= 1 without empty items (repeats are
+dropped); `--prompt-tokens` / `--new-tokens` are integers >= 0; names and
+paths (`--model`, `--config`, `--prompt-file`, `--plot`) must be non-empty.
 
 JAX is imported only when a model is needed, so `--help` and `price` with a
 named config answer immediately.
@@ -77,6 +85,7 @@ class _UsageError(Exception):
 
 
 def _int(text: str) -> int:
+    """An integer flag value (ranges are checked where the value is used)."""
     try:
         value = int(text)
     except ValueError:
@@ -84,15 +93,44 @@ def _int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    """An integer >= 0 (token counts of `price`)."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers like 1,4,16, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
-    return values
+    """Comma-separated integers >= 1, e.g. "1,4,16"; repeats are dropped (first kept, order kept).
+
+    Every item must be present ("1,,4", "1," and "" are refused) and be an
+    integer (no "1.5", no "1e3").
+    """
+    example = "comma-separated integers >= 1 like 1,4,16"
+    values = []
+    for i, item in enumerate(text.split(",")):
+        if not item.strip():
+            raise argparse.ArgumentTypeError(
+                f"item {i + 1} of {text!r} is empty; expected {example}")
+        try:
+            value = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"item {i + 1} of {text!r} is {item.strip()!r}, not an integer; expected "
+                f"{example}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(
+                f"item {i + 1} of {text!r} is {value}; branch counts must be >= 1 ({example})")
+        values.append(value)
+    return list(dict.fromkeys(values))
+
+
+def _non_empty(text: str) -> str:
+    """A name or path flag: the empty string is refused (it would mean "not given")."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty value, got {text!r}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,11 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      "Flags given explicitly override --config.")
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
-    src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file ('-' = stdin)")
-    run.add_argument("--model", metavar="NAME_OR_PATH",
+    src.add_argument("--prompt-file", metavar="F", type=_non_empty,
+                     help="read the prompt (UTF-8) from a file, a pipe or /dev/stdin; '-' is "
+                          "stdin (a file named '-': ./-)")
+    run.add_argument("--model", metavar="NAME_OR_PATH", type=_non_empty,
                      help="a model name or a .gguf file / Hugging Face directory "
                           "(default: the embedded SmolLM2-135M-Instruct)")
-    run.add_argument("--config", metavar="YAML",
+    run.add_argument("--config", metavar="YAML", type=_non_empty,
                      help="a run configuration (configs/NAME.yaml, or just NAME)")
     run.add_argument("--dtype", choices=config_lib.DTYPES, help="weights/activations dtype")
     # Sampling: None means "not given" so the config file's value stands.
@@ -141,18 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
     price = sub.add_parser("price", help="the analytic cost table: shared prefix vs N retries",
                            description="Price N branches over one shared prompt against N "
                                        "separate retries, from the model's config alone.")
-    price.add_argument("--model", metavar="NAME_OR_PATH", default=None,
+    price.add_argument("--model", metavar="NAME_OR_PATH", default=None, type=_non_empty,
                        help="a model name or path, or a preset: "
                             + ", ".join(sorted(PRICE_PRESETS)) + " (default: the embedded model)")
-    price.add_argument("--prompt-tokens", type=_int, default=4096, metavar="P",
+    price.add_argument("--prompt-tokens", type=_non_negative_int, default=4096, metavar="P",
                        help="prompt length P in tokens (default 4096)")
-    price.add_argument("--new-tokens", type=_int, default=256, metavar="T",
+    price.add_argument("--new-tokens", type=_non_negative_int, default=256, metavar="T",
                        help="new tokens per branch T (default 256)")
     price.add_argument("--n", type=_int_list, default=[1, 4, 16, 64], metavar="N,N,...",
-                       help="branch counts (default 1,4,16,64)")
+                       help="branch counts, integers >= 1; repeats are dropped "
+                            "(default 1,4,16,64)")
     price.add_argument("--dtype", choices=config_lib.DTYPES,
                        help="bytes per weight/KV element (default: the model's dtype)")
-    price.add_argument("--plot", metavar="FILE.png", help="also plot the table to a PNG file")
+    price.add_argument("--plot", metavar="FILE.png", type=_non_empty,
+                       help="also plot the table to a PNG file")
     price.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -235,25 +277,62 @@ def resolve_run_config(args: argparse.Namespace) -> config_lib.RunConfig:
     return cfg
 
 
+PROMPT_FILE_LIMIT = 64 * 2**20  # bytes; a larger prompt file is an error, never truncated
+
+
 def _read_prompt(args) -> str:
+    """The prompt text of --prompt or --prompt-file.
+
+    --prompt-file reads any readable file as UTF-8: a regular file, a pipe
+    (`<(echo hi)`), /dev/stdin, or stdin itself for "-".
+
+    Raises:
+      InputError: no such file, a directory, unreadable, not UTF-8, larger
+        than PROMPT_FILE_LIMIT bytes, or an empty (blank) prompt.
+    """
     if args.prompt is not None:
         prompt = args.prompt
         where = "--prompt"
-    elif args.prompt_file == "-":
-        prompt = sys.stdin.read()
-        where = "stdin"
     else:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise InputError(f"--prompt-file: {path}: no such file")
-        try:
-            prompt = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"--prompt-file: {path}: cannot read: {e}") from None
-        where = str(path)
+        where = "stdin" if args.prompt_file == "-" else args.prompt_file
+        prompt = _read_text(args.prompt_file, where)
     if not prompt.strip():
         raise InputError(f"the prompt is empty ({where})")
     return prompt
+
+
+def _read_text(name: str, where: str) -> str:
+    flag = "--prompt-file"
+    try:
+        if name == "-":
+            stream = getattr(sys.stdin, "buffer", sys.stdin)
+            if stream is None:
+                raise InputError(f"{flag}: -: there is no stdin to read")
+            data = stream.read(PROMPT_FILE_LIMIT + 1)
+        else:
+            path = Path(name)
+            if path.is_dir():
+                raise InputError(f"{flag}: {path}: is a directory")
+            with open(path, "rb") as f:
+                data = f.read(PROMPT_FILE_LIMIT + 1)
+    except FileNotFoundError:
+        raise InputError(f"{flag}: {where}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{flag}: {where}: is a directory") from None
+    except PermissionError:
+        raise InputError(f"{flag}: {where}: permission denied") from None
+    except OSError as e:
+        raise InputError(f"{flag}: {where}: cannot read: {e.strerror or e}") from None
+    if len(data) > PROMPT_FILE_LIMIT:
+        raise InputError(f"{flag}: {where}: larger than the {PROMPT_FILE_LIMIT // 2**20} MiB "
+                         "limit for prompt files")
+    if isinstance(data, str):  # a text stdin without a byte buffer (tests, embedding)
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{flag}: {where}: not UTF-8 text (invalid byte at offset "
+                         f"{e.start})") from None
 
 
 class _Progress:
@@ -488,6 +567,8 @@ def resolve_model_config(name: str | None):
     try:
         lm = loading.load(name) if name is not None else loading.load()
     except ModelLoadError as e:
+        if name is not None and Path(name).expanduser().exists():
+            raise  # a broken checkpoint: the presets are no answer to that
         raise ModelLoadError(f"{e}; price also knows the presets {sorted(PRICE_PRESETS)}") from e
     return lm.config, lm.name
 

@@ -9,9 +9,10 @@ A file in `configs/` names everything a run needs besides the prompt::
     chat: true
 
 Every section and every key is optional; what is missing takes the defaults
-below (the command line's defaults). Unknown keys, wrong types and values
-outside the allowed set raise `ConfigError` naming the file, the key and the
-allowed values. The `sampling` section is validated by
+below (the command line's defaults). Unknown keys, repeated keys (at any
+depth; PyYAML would keep the last silently), wrong types and values outside
+the allowed set raise `ConfigError` naming the file, the key and the allowed
+values (for a repeated key: both lines). The `sampling` section is validated by
 `jaxsample.sampling.SamplingParams` itself.
 
 Fields of the sections:
@@ -246,6 +247,66 @@ def _sampling(values: Any, source: str):
         raise ConfigError(f"{source}: sampling: {e}") from None
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A YAML mapping repeats a key (raised by `StrictSafeLoader`).
+
+    Attributes:
+      key: the dotted path of the repeated key ("sampling.n"; list items as [i]).
+      line, first_line: 1-based lines of the repeat and of the first occurrence.
+    """
+
+    def __init__(self, key: str, mark, first_mark):
+        self.key, self.line, self.first_line = key, mark.line + 1, first_mark.line + 1
+        super().__init__(None, None, f"duplicate key {key!r} at line {self.line}, column "
+                                     f"{mark.column + 1} (first defined at line "
+                                     f"{self.first_line}, column {first_mark.column + 1})", mark)
+
+
+class StrictSafeLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key repeated in one mapping, at any depth.
+
+    PyYAML keeps the last value of a repeated key silently; YAML 1.2 says keys
+    are unique. Keys are compared after construction (`1` and `0x1` are the
+    same key). Keys brought in by a merge (`<<: *base`) may be overridden:
+    that is what merges are for.
+    """
+
+    def construct_document(self, node):
+        self._paths = {}
+        self._record_paths(node, "")
+        return super().construct_document(node)
+
+    def _record_paths(self, node, path: str):
+        if id(node) in self._paths:  # an alias seen before (or a recursive structure)
+            return
+        self._paths[id(node)] = path
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+                self._record_paths(value_node, f"{path}.{key}" if path else str(key))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._record_paths(item, f"{path}[{i}]")
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}  # key -> mark of its first occurrence
+            path = getattr(self, "_paths", {}).get(id(node), "")
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: SafeLoader reports it
+                    break
+                if first is not None:
+                    name = f"{path}.{key}" if path else str(key)
+                    raise DuplicateKeyError(name, key_node.start_mark, first)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def resolve_path(name_or_path: str | os.PathLike) -> Path:
     """A config path, or a bare name looked up in the repository's `configs/`.
 
@@ -268,9 +329,11 @@ def load_config(path: str | os.PathLike) -> RunConfig:
     Returns:
       The `RunConfig`; missing sections and keys take the defaults.
     Raises:
-      ConfigError: the file is missing or unreadable, is not valid YAML, or
-        has an unknown key, a wrong type or a value outside the allowed set
-        (the message names the file, the key and the allowed values).
+      ConfigError: the file is missing or unreadable, is not valid YAML,
+        repeats a key in one mapping at any depth (the message names the
+        file, the dotted key and both lines), or has an unknown key, a wrong
+        type or a value outside the allowed set (the message names the file,
+        the key and the allowed values).
     """
     p = resolve_path(path)
     try:
@@ -282,7 +345,9 @@ def load_config(path: str | os.PathLike) -> RunConfig:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read config file: {e}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=StrictSafeLoader)  # noqa: S506  (a SafeLoader)
+    except DuplicateKeyError as e:
+        raise ConfigError(f"{p}: {e.problem}") from None
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""

@@ -27,3 +27,7 @@ class ConfigError(JaxsampleError, ValueError):
 
 class InputError(JaxsampleError, ValueError):
     """A request cannot be served (empty prompt, prompt longer than the context, ...)."""
+
+
+class NumericalError(JaxsampleError, RuntimeError):
+    """The model produced no valid distribution (every logit NaN or -inf) for a sampled token."""

@@ -9,7 +9,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from jaxsample.errors import ConfigError, ModelLoadError
+from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import LanguageModel
 from models import llama, registry
 
@@ -33,7 +33,9 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
       ModelLoadError: unknown name, missing path, unreadable or inconsistent
         checkpoint (the message names the file and lists the known names);
         UnsupportedModelError (a subclass) for architectures or options the
-        model does not implement.
+        model does not implement. Any other exception escaping a loader
+        (other than MemoryError) is re-raised as ModelLoadError naming the
+        file, with the original as `__cause__`.
     """
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
@@ -54,18 +56,26 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
 @functools.lru_cache(maxsize=4)
 def _load_cached(path: str, mtime_ns: int, dtype: str, name: str | None) -> LanguageModel:
     p = pathlib.Path(path)
-    if p.is_dir():
-        from models.hf_loader import load_hf_dir
-        cfg, params, tokenizer = load_hf_dir(p, dtype=dtype)
-        default_name = p.name
-    elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
-        from models.gguf_loader import load_gguf
-        cfg, params, tokenizer = load_gguf(p, dtype=dtype)
-        default_name = p.stem
-    else:
-        raise ModelLoadError(f"{p}: neither a .gguf file nor a Hugging Face model directory "
-                             f"(config.json + *.safetensors + tokenizer.json); known names: "
-                             f"{registry.known_names()}")
+    try:
+        if p.is_dir():
+            from models.hf_loader import load_hf_dir
+            cfg, params, tokenizer = load_hf_dir(p, dtype=dtype)
+            default_name = p.name
+        elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
+            from models.gguf_loader import load_gguf
+            cfg, params, tokenizer = load_gguf(p, dtype=dtype)
+            default_name = p.stem
+        else:
+            raise ModelLoadError(f"{p}: neither a .gguf file nor a Hugging Face model directory "
+                                 f"(config.json + *.safetensors + tokenizer.json); known names: "
+                                 f"{registry.known_names()}")
+    except (JaxsampleError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001
+        # Backstop: the loaders validate what they read and raise ModelLoadError naming the
+        # key; anything else escaping them is still caused by this file's content (or is a
+        # loader bug), so the caller gets one error type that names the file.
+        raise ModelLoadError(f"{p}: malformed checkpoint: {type(e).__name__}: {e}") from e
     # The serving layout: one dict per layer (see models.llama.run_layers).
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=cfg.jnp_dtype),
                                     llama.unstack_layers(params))

@@ -4,7 +4,9 @@
 (vLLM's `SamplingParams` field names). `choose_token` and `keep_mask` are the
 device-side token choice for *one* distribution `logits [V]`; the decode
 engine vmaps them over the branch axis N (and the prompt axis B) inside its
-jitted `lax.while_loop`. `is_stop` tests a token against the stop ids.
+jitted `lax.while_loop`. `is_stop` tests a token against the stop ids;
+`check_logprobs` is the host-side check that no token came from a row
+without a distribution (all logits NaN or -inf).
 
 Letter table: see `models/llama.py` (V = vocabulary rows, N = branches).
 
@@ -18,7 +20,16 @@ scores):
     padding      | rows >= vocab_limit (vocabulary padding of the embedding) are
                  | never sampled and excluded from every step, including the
                  | reported logprob. Tokens whose logit is -inf are never kept
-                 | (except as the single token of an all -inf row).
+                 | (except as the single token of a row without a distribution).
+    NaN, inf     | a NaN logit counts as -inf: never sampled, excluded from the
+                 | logprob's normaliser, like padding. A +inf logit counts as
+                 | the largest finite float32, so the +inf tokens share all the
+                 | mass (the softmax limit). A row whose every valid logit is
+                 | NaN or -inf has no distribution: the token is 0 and the
+                 | logprob is NaN, the only NaN `choose_token` ever returns.
+                 | `generate` checks for it on the host and raises
+                 | `NumericalError` (see `check_logprobs`): it never returns
+                 | such a token.
     temperature  | z = (logits - max(logits)) / temperature. temperature == 0
                  | means greedy: the argmax of the raw logits (first index on
                  | ties), whatever the filters say; there is no division by
@@ -83,7 +94,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.errors import ConfigError
+from jaxsample.errors import ConfigError, NumericalError
 
 # Tolerance on the top-p cumulative mass (absolute) and on the min-p
 # probability ratio (relative); see the module docstring.
@@ -265,10 +276,13 @@ def _prepare(logits: jax.Array, temperature: jax.Array, vocab_limit: int):
     """Raw masked logits, tempered logits and the greedy token.
 
     Returns:
-      raw: [V] float32, padding rows at -inf.
+      raw: [V] float32, padding rows and NaN at -inf, +inf at the largest
+        finite float32.
       z: [V] float32, (raw - max raw) / temperature (temperature 0 -> 1),
-        so the max is 0 and nothing overflows; padding rows at -inf.
-      greedy_tok: int32 scalar, argmax of raw (first index on ties).
+        so the max is 0 and nothing overflows; -inf where raw is -inf (all
+        of z is -inf for a row without a distribution, never NaN).
+      greedy_tok: int32 scalar, argmax of raw (first index on ties); 0 for a
+        row without a distribution.
     """
     logits = jnp.asarray(logits, jnp.float32)
     if logits.ndim != 1:
@@ -277,13 +291,13 @@ def _prepare(logits: jax.Array, temperature: jax.Array, vocab_limit: int):
     v = logits.shape[0]
     if not 1 <= vocab_limit <= v:
         raise ValueError(f"vocab_limit must be in [1, V={v}], got {vocab_limit}")
-    valid = jnp.arange(v) < vocab_limit
-    raw = jnp.where(valid, logits, -jnp.inf)
+    valid = (jnp.arange(v) < vocab_limit) & ~jnp.isnan(logits)
+    raw = jnp.where(valid, jnp.minimum(logits, jnp.finfo(jnp.float32).max), -jnp.inf)
     greedy_tok = _first_argmax(raw)
     m = raw[greedy_tok]
     temperature = jnp.asarray(temperature, jnp.float32)
     t = jnp.where(temperature > 0, temperature, 1.0)
-    z = jnp.where(valid, (raw - m) / t, -jnp.inf)
+    z = jnp.where(raw > -jnp.inf, (raw - m) / t, -jnp.inf)
     return raw, z, greedy_tok
 
 
@@ -430,10 +444,15 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
       min_p: float32 scalar in [0, 1]; 0 is off.
       vocab_limit: static int in [1, V]; rows >= vocab_limit are never sampled.
 
+    NaN logits count as -inf and +inf logits as the largest finite float32
+    (the module table's "NaN, inf" row).
+
     Returns:
       token: int32 scalar in [0, vocab_limit).
       logprob: float32 scalar, log_softmax of the raw logits (temperature 1,
-        no filters, padding excluded) at `token`.
+        no filters, padding and NaN excluded) at `token`. NaN exactly when the
+        row has no distribution (every valid logit NaN or -inf); the token is
+        then 0 and must not be used: `check_logprobs` turns it into an error.
 
     Raises:
       ValueError: logits is not 1-D or vocab_limit is out of range.
@@ -443,10 +462,13 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
     g = jax.random.gumbel(key, z.shape, jnp.float32)
     sampled = _first_argmax(jnp.where(keep, z + g, -jnp.inf))
     token = jnp.where(jnp.asarray(temperature) == 0, greedy_tok, sampled)
-    # log_softmax(raw)[token]; raw[greedy_tok] is the max.
+    # log_softmax(raw)[token]; raw[greedy_tok] is the max. Subtract the max before
+    # adding the log-sum, so a max near the float32 limit loses no precision.
     m = raw[greedy_tok]
-    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m)))
-    logprob = raw[token] - lse
+    has_dist = m > -jnp.inf
+    shifted = jnp.where(has_dist, raw - m, -jnp.inf)
+    logprob = shifted[token] - jnp.log(jnp.sum(jnp.exp(shifted)))
+    logprob = jnp.where(has_dist, logprob, jnp.nan)  # the marker of "no distribution"
     return token, logprob.astype(jnp.float32)
 
 
@@ -461,12 +483,36 @@ def top_logprobs(logits: jax.Array, k: int, vocab_limit: int) -> tuple[jax.Array
       (values [k] float32 log_softmax, decreasing; ids [k] int32), ties to the
       lower index (`lax.top_k`).
     """
-    logits = jnp.asarray(logits, jnp.float32)
-    raw = jnp.where(jnp.arange(logits.shape[0]) < vocab_limit, logits, -jnp.inf)
-    vals, ids = jax.lax.top_k(raw, k)
-    m = jnp.max(raw)
-    lse = m + jnp.log(jnp.sum(jnp.exp(raw - m)))
-    return (vals - lse).astype(jnp.float32), ids.astype(jnp.int32)
+    raw, _, greedy_tok = _prepare(logits, 1.0, vocab_limit)  # NaN and padding at -inf
+    shifted = raw - raw[greedy_tok]  # the same arithmetic as choose_token's logprob
+    vals, ids = jax.lax.top_k(shifted, k)
+    return (vals - jnp.log(jnp.sum(jnp.exp(shifted)))).astype(jnp.float32), ids.astype(jnp.int32)
+
+
+def check_logprobs(logprobs: Any) -> None:
+    """Raise if any sampled token came from a row without a distribution.
+
+    `choose_token` marks such a token with a NaN logprob (its logits were all
+    NaN or -inf: NaN weights, or an overflow in the forward pass). The decode
+    loop runs on the device and cannot raise, so the host calls this on the
+    finished logprobs before returning anything.
+
+    Args:
+      logprobs: [B, N, T] float32 (host array), 0 after a branch ends.
+
+    Raises:
+      NumericalError (a RuntimeError): naming the first prompt, branch and new
+        token index concerned and the count of such tokens.
+    """
+    lp = np.asarray(logprobs)
+    bad = np.argwhere(np.isnan(lp))
+    if bad.size:
+        where = ", ".join(f"{name} {int(i)}" for name, i in
+                          zip(("prompt", "branch", "new token")[-lp.ndim:], bad[0]))
+        raise NumericalError(
+            f"the model gave no valid distribution (every logit NaN or -inf) at {where} "
+            f"({len(bad)} sampled token(s) in all); the weights hold NaN or the forward pass "
+            "overflowed (e.g. in bfloat16)")
 
 
 # --------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from models import llama
+from models import checks, llama
 from models.tokenizer import CheckpointTokenizer
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
@@ -124,9 +124,35 @@ def _llama3_from_factors(factors: np.ndarray, base: llama.LlamaConfig) -> llama.
     raise ValueError("rope_freqs.weight does not match any Llama-3 scaling")
 
 
+_MISSING = object()
+
+
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: str,
                          dtype: str = "float32") -> llama.LlamaConfig:
-    """Build the `LlamaConfig` a GGUF file describes.
+    """Build the `LlamaConfig` a GGUF file describes, validating every key it reads.
+
+    Rules (`ARCH` is `general.architecture`; `models.checks` has the type rules):
+
+        ARCH.embedding_length, .block_count, .feed_forward_length,
+        .attention.head_count, .context_length       required, integers in [1, 2**31 - 1]
+        .attention.head_count_kv                     optional (default head_count), same
+                                                     range, and head_count must be a multiple
+        .attention.key_length                        optional; if absent, embedding_length
+                                                     must be a multiple of head_count and the
+                                                     head dim is their ratio; the head dim
+                                                     must be even (RoPE rotates pairs)
+        .attention.value_length, .rope.dimension_count  optional, positive, = the head dim
+        .vocab_size                                  optional, positive, = rows of token_embd
+        .attention.sliding_window                    optional, integer >= 0 (0: none)
+        .attention.layer_norm_rms_epsilon            required, finite float > 0
+        .rope.freq_base                              optional (10000), finite float > 0
+        .rope.scaling.type                           optional string: none, or linear with
+                                                     factor 1; others are unsupported
+        .rope.scaling.factor                         optional, finite float >= 0 (0 means
+                                                     unset, llama.cpp's convention)
+        token_embd.weight                            2-D, [E, V] in GGUF order, E =
+                                                     embedding_length
+        rope_freqs.weight                            [D/2] finite divisors > 0
 
     Args:
       meta: key -> value from `read_gguf`.
@@ -135,50 +161,90 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: 
     Raises:
       UnsupportedModelError: unknown architecture or an option we do not
         implement (rope scaling type, partial rotary, ...).
-      ModelLoadError: a required key is missing or inconsistent.
+      ModelLoadError: a required key is missing, or a key has the wrong
+        type, is out of range or is inconsistent with another key or a tensor
+        shape; the message names the file and the key.
     """
     import gguf
 
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
-            f"{source}: architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHS)}")
+            f"{source}: architecture {checks.short_repr(arch)} is not supported; supported: "
+            f"{list(SUPPORTED_ARCHS)}")
 
-    def get(key, default=KeyError):
+    def what(key):
+        return f"{source}: {arch}.{key}"
+
+    def value(key, default=_MISSING):
         v = meta.get(f"{arch}.{key}")
         if v is None:
-            if default is KeyError:
+            if default is _MISSING:
                 raise ModelLoadError(f"{source}: missing metadata key {arch}.{key}")
             return default
         return v
 
-    if "token_embd.weight" not in tensors:
+    def count(key, default=_MISSING, minimum=1):
+        v = value(key, default)
+        return v if v is default else checks.int_value(v, what(key), minimum=minimum)
+
+    def positive(key, default=_MISSING):
+        v = value(key, default)
+        return v if v is default else checks.positive_float(v, what(key))
+
+    emb = tensors.get("token_embd.weight")
+    if emb is None:
         raise ModelLoadError(f"{source}: missing tensor token_embd.weight")
-    n_vocab = int(tensors["token_embd.weight"].shape[-1])  # gguf shape is (E, V)
-    dim = int(get("embedding_length"))
-    n_heads = int(get("attention.head_count"))
-    n_kv = get("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):
-        raise UnsupportedModelError(f"{source}: per-layer kv-head counts are not supported")
-    head_dim = int(get("attention.key_length", dim // n_heads))
-    if int(get("attention.value_length", head_dim)) != head_dim:
+    if len(emb.shape) != 2:
+        raise ModelLoadError(f"{source}: token_embd.weight must be 2-D [E, V] (GGUF order), got "
+                             f"shape {list(int(d) for d in emb.shape)}")
+    emb_dim, n_vocab = (int(d) for d in emb.shape)  # gguf shape is (E, V)
+    dim = count("embedding_length")
+    if emb_dim != dim:
+        raise ModelLoadError(f"{source}: token_embd.weight has rows of {emb_dim} values but "
+                             f"{arch}.embedding_length = {dim}")
+    n_heads = count("attention.head_count")
+    if isinstance(value("attention.head_count_kv", None), list):
+        raise UnsupportedModelError(f"{source}: {arch}.attention.head_count_kv is a per-layer "
+                                    "list; per-layer kv-head counts are not supported")
+    n_kv = count("attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise ModelLoadError(f"{source}: {arch}.attention.head_count ({n_heads}) must be a "
+                             f"multiple of {arch}.attention.head_count_kv ({n_kv})")
+    head_dim = count("attention.key_length", None)
+    if head_dim is None:
+        if dim % n_heads:
+            raise ModelLoadError(
+                f"{source}: {arch}.embedding_length ({dim}) must be a multiple of "
+                f"{arch}.attention.head_count ({n_heads}) when {arch}.attention.key_length "
+                "is absent (the head dim is their ratio)")
+        head_dim = dim // n_heads
+    if head_dim % 2:
+        raise ModelLoadError(f"{source}: the head dim ({arch}.attention.key_length or "
+                             f"embedding_length / head_count) must be even for rotary "
+                             f"embeddings, got {head_dim}")
+    if count("attention.value_length", head_dim) != head_dim:
         raise UnsupportedModelError(f"{source}: key and value head sizes differ")
-    rot = int(get("rope.dimension_count", head_dim))
+    rot = count("rope.dimension_count", head_dim)
     if rot != head_dim:
         raise UnsupportedModelError(
             f"{source}: partial rotary embeddings ({arch}.rope.dimension_count = {rot}, head dim "
             f"{head_dim}) are not supported")
-    meta_vocab = meta.get(f"{arch}.vocab_size")
-    if meta_vocab is not None and int(meta_vocab) != n_vocab:
+    meta_vocab = count("vocab_size", None)
+    if meta_vocab is not None and meta_vocab != n_vocab:
         raise ModelLoadError(f"{source}: {arch}.vocab_size = {meta_vocab} but token_embd.weight "
                              f"has {n_vocab} rows")
-    ctx = int(get("context_length"))
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if window and int(window) < ctx:
-        ctx = int(window)  # full attention equals sliding-window attention within the window
+    ctx = count("context_length")
+    window = count("attention.sliding_window", 0, minimum=0)
+    if window and window < ctx:
+        ctx = window  # full attention equals sliding-window attention within the window
 
-    scaling_type = get("rope.scaling.type", "none")
-    if scaling_type == "linear" and float(get("rope.scaling.factor", 1.0)) == 1.0:
+    scaling_type = checks.string_value(value("rope.scaling.type", "none"),
+                                       what("rope.scaling.type"))
+    factor = value("rope.scaling.factor", None)
+    if factor is not None:  # 0 means unset (llama.cpp reads it as 1)
+        factor = checks.positive_float(factor, what("rope.scaling.factor"), allow_zero=True)
+    if scaling_type == "linear" and factor in (None, 0.0, 1.0):
         scaling_type = "none"
     if scaling_type != "none":
         raise UnsupportedModelError(
@@ -186,10 +252,10 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: 
             "Llama-3 rope_freqs)")
     try:
         cfg = llama.LlamaConfig(
-            vocab_size=n_vocab, dim=dim, n_layers=int(get("block_count")), n_heads=n_heads,
-            n_kv_heads=int(n_kv), head_dim=head_dim, ffn_dim=int(get("feed_forward_length")),
-            norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(get("rope.freq_base", 10000.0)), max_seq_len=ctx,
+            vocab_size=n_vocab, dim=dim, n_layers=count("block_count"), n_heads=n_heads,
+            n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=count("feed_forward_length"),
+            norm_eps=positive("attention.layer_norm_rms_epsilon"),
+            rope_theta=positive("rope.freq_base", 10000.0), max_seq_len=ctx,
             tie_embeddings="output.weight" not in tensors,
             qkv_bias="blk.0.attn_q.bias" in tensors, dtype=dtype, arch=arch)
     except ValueError as e:
@@ -200,6 +266,9 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: 
         if factors.shape != (head_dim // 2,):
             raise ModelLoadError(f"{source}: rope_freqs.weight has shape {factors.shape}, expected "
                                  f"({head_dim // 2},)")
+        if not (np.isfinite(factors) & (factors > 0)).all():
+            raise ModelLoadError(f"{source}: rope_freqs.weight must hold finite divisors > 0, got "
+                                 f"{checks.short_repr(factors.tolist())}")
         try:
             cfg = cfg.replace(rope_scaling=_llama3_from_factors(factors, cfg))
         except ValueError as e:
@@ -213,8 +282,9 @@ def load_gguf_params(reader, cfg: llama.LlamaConfig, source: str) -> dict[str, A
     """Dequantise and map every tensor into the stacked `[in, out]` pytree (numpy float32).
 
     Raises:
-      ModelLoadError: a tensor is missing, misshapen, or an output head does
-        not match the embedding; UnsupportedModelError: an unknown tensor.
+      ModelLoadError: a tensor is missing, misshapen, holds NaN or inf, or an
+        output head does not match the embedding; UnsupportedModelError: an
+        unknown tensor.
     """
     import gguf
 
@@ -231,6 +301,9 @@ def load_gguf_params(reader, cfg: llama.LlamaConfig, source: str) -> dict[str, A
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"{source}: cannot dequantise tensor {name} "
                                  f"({t.tensor_type.name}): {type(e).__name__}: {e}") from e
+        if not np.isfinite(a).all():
+            raise ModelLoadError(f"{source}: tensor {name} holds {int((~np.isfinite(a)).sum())} "
+                                 "non-finite values (NaN or inf); the checkpoint is corrupt")
         if name == "token_embd.weight":
             params["embed"] = a
         elif name == "output_norm.weight":
@@ -251,15 +324,17 @@ def load_gguf_params(reader, cfg: llama.LlamaConfig, source: str) -> dict[str, A
             i, (key, matrix) = int(m.group(1)), _LAYER_TENSORS[m.group(2)]
             if key not in layers or i >= cfg.n_layers:
                 raise UnsupportedModelError(f"{source}: unexpected tensor {name}")
+            # Check the shape before un-permuting, which needs the rows to split into heads.
+            got = a.shape[::-1] if matrix else a.shape
+            if got != layers[key].shape[1:]:
+                raise ModelLoadError(f"{source}: tensor {name} has shape {got} after transposing "
+                                     f"to [in, out], expected {layers[key].shape[1:]}")
             if permute and key in ("wq", "bq"):
                 a = unpermute_rope_rows(a, cfg.n_heads)
             elif permute and key in ("wk", "bk"):
                 a = unpermute_rope_rows(a, cfg.n_kv_heads)
             if matrix:
                 a = a.T
-            if a.shape != layers[key].shape[1:]:
-                raise ModelLoadError(f"{source}: tensor {name} has shape {a.shape} after transposing "
-                                     f"to [in, out], expected {layers[key].shape[1:]}")
             layers[key][i] = a
             filled.add((key, i))
     for key in layers:

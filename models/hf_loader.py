@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from models import llama
+from models import checks, llama
 from models.tokenizer import CheckpointTokenizer
 
 SUPPORTED_ARCHITECTURES = {
@@ -59,15 +59,43 @@ def _json_kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+_MISSING = object()
+
+
 def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> llama.LlamaConfig:
-    """Build a `LlamaConfig` from a parsed config.json.
+    """Build a `LlamaConfig` from a parsed config.json, validating every key it reads.
 
     Accepts both the `rope_theta` / `rope_scaling` keys and transformers 5's
-    `rope_parameters`.
+    `rope_parameters`. Rules (`models.checks` has the type rules; null is
+    the same as absent):
+
+        hidden_size, num_attention_heads, num_hidden_layers,
+        intermediate_size, vocab_size            required, integers in [1, 2**31 - 1]
+        num_key_value_heads                      optional (default num_attention_heads),
+                                                 same range; num_attention_heads must be
+                                                 a multiple of it
+        head_dim                                 optional; if absent, hidden_size must be a
+                                                 multiple of num_attention_heads and the head
+                                                 dim is their ratio; it must be even (RoPE)
+        max_position_embeddings                  optional (2048), positive integer
+        sliding_window                           optional, integer >= 0 (0: none)
+        rms_norm_eps                             optional (1e-6), finite number > 0
+        rope_theta                               optional (10000), finite number > 0
+        rope_scaling / rope_parameters           optional objects; rope_type default or
+                                                 llama3 (factor finite >= 1, low_freq_factor
+                                                 finite > 0, high_freq_factor finite >
+                                                 low_freq_factor, original_max_position_
+                                                 embeddings a positive integer)
+        partial_rotary_factor                    optional number; only 1 is supported
+        tie_word_embeddings, use_sliding_window,
+        mlp_bias, attention_bias                 optional booleans
+        hidden_act                               optional string: silu (or swish)
 
     Raises:
       UnsupportedModelError: unknown architecture, activation, biases or
-        rope scaling type; ModelLoadError: a required key is missing.
+        rope scaling type; ModelLoadError: a required key is missing, or a
+        key has the wrong type, is out of range or is inconsistent with
+        another; the message names the directory and the key.
     """
     if not isinstance(hf, dict):
         raise ModelLoadError(f"{source}: config.json: the top level must be a JSON object, "
@@ -84,57 +112,111 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> l
                                     f"{sorted(SUPPORTED_ARCHITECTURES)}")
     arch = SUPPORTED_ARCHITECTURES[arch_name]
 
-    def get(key, default=KeyError):
+    def what(key):
+        return f"{source}: config.json {key!r}"
+
+    def get(key, default=_MISSING):
         v = hf.get(key)
         if v is None:
-            if default is KeyError:
+            if default is _MISSING:
                 raise ModelLoadError(f"{source}: config.json has no {key!r}")
             return default
         return v
 
-    act = hf.get("hidden_act", "silu")
+    def count(key, default=_MISSING, minimum=1):
+        v = get(key, default)
+        return v if v is default else checks.int_value(v, what(key), minimum=minimum)
+
+    def positive(key, default=_MISSING):
+        v = get(key, default)
+        return v if v is default else checks.positive_float(v, what(key))
+
+    def flag(key):
+        v = hf.get(key)
+        return None if v is None else checks.bool_value(v, what(key))
+
+    act = checks.string_value(get("hidden_act", "silu"), what("hidden_act"))
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (only silu)")
-    if hf.get("mlp_bias"):
+    if flag("mlp_bias"):
         raise UnsupportedModelError(f"{source}: mlp_bias is not supported")
-    if arch != "qwen2" and hf.get("attention_bias"):
+    if arch != "qwen2" and flag("attention_bias"):
         raise UnsupportedModelError(f"{source}: attention_bias (biases on q/k/v/o) is not supported "
                                     f"for {arch_name}")
-    dim, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
-    head_dim = int(get("head_dim", dim // n_heads))
-    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    dim, n_heads = count("hidden_size"), count("num_attention_heads")
+    n_kv = count("num_key_value_heads", n_heads)
+    if n_heads % n_kv:
+        raise ModelLoadError(f"{source}: config.json 'num_attention_heads' ({n_heads}) must be a "
+                             f"multiple of 'num_key_value_heads' ({n_kv})")
+    head_dim = count("head_dim", None)
+    if head_dim is None:
+        if dim % n_heads:
+            raise ModelLoadError(
+                f"{source}: config.json 'hidden_size' ({dim}) must be a multiple of "
+                f"'num_attention_heads' ({n_heads}) when 'head_dim' is absent (the head dim is "
+                "their ratio)")
+        head_dim = dim // n_heads
+    if head_dim % 2:
+        raise ModelLoadError(f"{source}: config.json: the head dim ('head_dim' or hidden_size / "
+                             f"num_attention_heads) must be even for rotary embeddings, "
+                             f"got {head_dim}")
+    if positive("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(f"{source}: partial_rotary_factor is not supported")
 
-    rope = dict(hf.get("rope_parameters") or {})
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
-                                         if rope else None)
+    rope = hf.get("rope_parameters")
+    if rope is not None and not isinstance(rope, dict):
+        raise ModelLoadError(f"{what('rope_parameters')} must be an object or null, got "
+                             f"{checks.short_repr(rope)}")
+    rope = dict(rope or {})
+    if "rope_theta" in rope and rope["rope_theta"] is not None:
+        theta = checks.positive_float(rope["rope_theta"], what("rope_parameters") + ".rope_theta")
+    else:
+        theta = positive("rope_theta", 10000.0)
+    scaling = hf.get("rope_scaling")
+    scaling_key = "rope_scaling"
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ModelLoadError(f"{what('rope_scaling')} must be an object or null, got "
+                             f"{checks.short_repr(scaling)}")
+    if not scaling and rope:
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        scaling_key = "rope_parameters"
     rope_scaling = None
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
+        kind = checks.string_value(kind, what(scaling_key) + ".rope_type")
         if kind == "llama3":
-            try:
-                rope_scaling = llama.RopeScaling(
-                    factor=float(scaling["factor"]),
-                    low_freq_factor=float(scaling["low_freq_factor"]),
-                    high_freq_factor=float(scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
-            except KeyError as e:
-                raise ModelLoadError(f"{source}: llama3 rope scaling lacks {e.args[0]!r}") from None
+            def field(k):
+                if scaling.get(k) is None:
+                    raise ModelLoadError(f"{source}: llama3 rope scaling lacks {k!r}")
+                return scaling[k], f"{what(scaling_key)}.{k}"
+
+            factor = checks.positive_float(*field("factor"))
+            if factor < 1.0:
+                raise ModelLoadError(f"{what(scaling_key)}.factor must be >= 1, got {factor}")
+            low = checks.positive_float(*field("low_freq_factor"))
+            high = checks.positive_float(*field("high_freq_factor"))
+            if high <= low:
+                raise ModelLoadError(f"{what(scaling_key)}.high_freq_factor ({high}) must be "
+                                     f"greater than low_freq_factor ({low})")
+            orig = checks.int_value(*field("original_max_position_embeddings"))
+            rope_scaling = llama.RopeScaling(factor=factor, low_freq_factor=low,
+                                             high_freq_factor=high,
+                                             original_max_position_embeddings=orig)
         elif kind != "default":
             raise UnsupportedModelError(
                 f"{source}: rope scaling type {kind!r} is not supported (only 'llama3')")
 
-    ctx = int(get("max_position_embeddings", 2048))
-    window = hf.get("sliding_window")
-    if window and (arch != "qwen2" or hf.get("use_sliding_window")) and int(window) < ctx:
-        ctx = int(window)  # full attention equals sliding-window attention within the window
-    tie = hf.get("tie_word_embeddings")
+    ctx = count("max_position_embeddings", 2048)
+    window = count("sliding_window", 0, minimum=0)
+    use_window = flag("use_sliding_window")
+    if window and (arch != "qwen2" or use_window) and window < ctx:
+        ctx = window  # full attention equals sliding-window attention within the window
+    tie = flag("tie_word_embeddings")
     try:
         return llama.LlamaConfig(
-            vocab_size=int(get("vocab_size")), dim=dim, n_layers=int(get("num_hidden_layers")),
-            n_heads=n_heads, n_kv_heads=int(get("num_key_value_heads", n_heads)), head_dim=head_dim,
-            ffn_dim=int(get("intermediate_size")), norm_eps=float(get("rms_norm_eps", 1e-6)),
+            vocab_size=count("vocab_size"), dim=dim, n_layers=count("num_hidden_layers"),
+            n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+            ffn_dim=count("intermediate_size"), norm_eps=positive("rms_norm_eps", 1e-6),
             rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=ctx,
             tie_embeddings=bool(tie) if tie is not None else False,
             qkv_bias=(arch == "qwen2"), dtype=dtype, arch=arch)
@@ -207,23 +289,30 @@ def params_from_hf_tensors(cfg: llama.LlamaConfig, tensors: dict[str, np.ndarray
     """Map HF tensor names into the stacked `[in, out]` pytree (numpy float32).
 
     Raises:
-      ModelLoadError: a tensor is missing or misshapen; UnsupportedModelError:
-        a tensor the model has no place for.
+      ModelLoadError: a tensor is missing, misshapen or holds NaN or inf;
+        UnsupportedModelError: a tensor the model has no place for.
     """
     shapes = llama.param_shapes(cfg)
     layers = {k: np.empty(s, np.float32) for k, s in shapes["layers"].items()}
     params: dict[str, Any] = {"layers": layers}
     tensors = dict(tensors)
 
-    def take(name):
+    def take(name, shape=None):
         if name not in tensors:
             raise ModelLoadError(f"{source}: missing tensor {name}")
-        return np.asarray(tensors.pop(name), np.float32)
+        a = np.asarray(tensors.pop(name), np.float32)
+        if shape is not None and a.shape != shape:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {a.shape}, expected {shape} "
+                                 "(from config.json)")
+        if not np.isfinite(a).all():
+            raise ModelLoadError(f"{source}: tensor {name} holds {int((~np.isfinite(a)).sum())} "
+                                 "non-finite values (NaN or inf); the checkpoint is corrupt")
+        return a
 
-    params["embed"] = take("model.embed_tokens.weight")
-    params["final_norm"] = take("model.norm.weight")
+    params["embed"] = take("model.embed_tokens.weight", (cfg.vocab_size, cfg.dim))
+    params["final_norm"] = take("model.norm.weight", (cfg.dim,))
     if not cfg.tie_embeddings:
-        params["lm_head"] = take("lm_head.weight").T
+        params["lm_head"] = take("lm_head.weight", (cfg.vocab_size, cfg.dim)).T
     else:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     for i in range(cfg.n_layers):

@@ -43,6 +43,10 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class RopeScaling:
     """Llama-3 style frequency-dependent RoPE scaling (`rope_type: llama3`).
 
+    Validated on construction (ValueError): factor finite >= 1,
+    low_freq_factor finite > 0, high_freq_factor finite > low_freq_factor,
+    original_max_position_embeddings a positive integer.
+
     Reference: Hugging Face `modeling_rope_utils._compute_llama3_parameters`.
     """
 
@@ -50,6 +54,24 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        # transformers' `_validate_llama3_parameters` rules; the formula divides by
+        # low_freq_factor and by high_freq_factor - low_freq_factor.
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"RopeScaling.{name} must be a finite number > 0, got {value!r}")
+        if self.factor < 1:
+            raise ValueError(f"RopeScaling.factor must be >= 1, got {self.factor!r}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"RopeScaling.high_freq_factor ({self.high_freq_factor!r}) must be "
+                             f"greater than low_freq_factor ({self.low_freq_factor!r})")
+        orig = self.original_max_position_embeddings
+        if isinstance(orig, bool) or not isinstance(orig, (int, np.integer)) or orig < 1:
+            raise ValueError("RopeScaling.original_max_position_embeddings must be a positive "
+                             f"integer, got {orig!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,10 +84,10 @@ class LlamaConfig:
       n_layers: L.
       n_heads: H, query heads.
       n_kv_heads: K, key/value heads; H must be a multiple of K (GQA/MQA).
-      head_dim: D; usually E / H.
+      head_dim: D, even (RoPE rotates pairs); usually E / H.
       ffn_dim: F, the SwiGLU hidden width.
-      norm_eps: RMSNorm epsilon.
-      rope_theta: RoPE base.
+      norm_eps: RMSNorm epsilon, a finite number > 0.
+      rope_theta: RoPE base, a finite number > 0.
       rope_scaling: Llama-3 scaling, or None.
       max_seq_len: the context length in tokens (prompt + new tokens).
       tie_embeddings: the output projection is the embedding transposed.
@@ -73,6 +95,10 @@ class LlamaConfig:
       dtype: "float32" (default) or "bfloat16" for weights and activations;
         softmax, norms and logits are always accumulated in float32.
       arch: the architecture name the checkpoint declared (informational).
+
+    Raises:
+      ValueError: on construction, a field outside the rules above (naming
+        the field and the value).
     """
 
     vocab_size: int
@@ -101,6 +127,17 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig.n_heads ({self.n_heads}) must be a multiple of "
                 f"n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim must be even (RoPE rotates pairs), "
+                             f"got {self.head_dim}")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"LlamaConfig.{name} must be a finite number > 0, got {value!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, "
+                             f"got {self.rope_scaling!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"LlamaConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

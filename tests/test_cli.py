@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import os
 
 import pytest
 
@@ -53,6 +54,26 @@ def _one_line_error(capsys, argv):
     (["run", "--prompt", "x", "--max-new-tokens", str(2**40)], "max_new_tokens"),
     (["price", "--model", "no-such-model-xyz"], "no-such-model-xyz"),
     (["price", "--model", "tiny", "--plot", "/no/such/dir/p.png"], "does not exist"),
+    # List and number flags: empty items, non-integers, values out of range, empty names.
+    (["price", "--model", "tiny", "--n", "1,,4"], "item 2 of '1,,4' is empty"),
+    (["price", "--model", "tiny", "--n", "1,"], "is empty"),
+    (["price", "--model", "tiny", "--n", ",4"], "item 1"),
+    (["price", "--model", "tiny", "--n", ""], "is empty"),
+    (["price", "--model", "tiny", "--n", "1,1.5"], "'1.5', not an integer"),
+    (["price", "--model", "tiny", "--n", "4,-2"], ">= 1"),
+    (["price", "--model", "tiny", "--n", "1e3"], "not an integer"),
+    (["price", "--model", "tiny", "--prompt-tokens", "-1"], "--prompt-tokens: expected an integer >= 0"),
+    (["price", "--model", "tiny", "--new-tokens", "-1"], "--new-tokens: expected an integer >= 0"),
+    (["price", "--model", "tiny", "--new-tokens", "1e3"], "--new-tokens: expected an integer"),
+    (["price", "--model", ""], "--model: expected a non-empty value"),
+    (["price", "--model", "tiny", "--plot", ""], "--plot: expected a non-empty value"),
+    (["run", "--prompt", "x", "--n", "1e3"], "--n: expected an integer"),
+    (["run", "--prompt", "x", "--max-new-tokens", "1.5"], "--max-new-tokens: expected an integer"),
+    (["run", "--prompt", "x", "--stop", ""], "--stop"),
+    (["run", "--prompt", "x", "--temperature", "nan"], "--temperature"),
+    (["run", "--prompt", "x", "--config", ""], "--config: expected a non-empty value"),
+    (["run", "--prompt", "x", "--model", ""], "--model: expected a non-empty value"),
+    (["run", "--prompt-file", ""], "--prompt-file: expected a non-empty value"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     err = _one_line_error(capsys, argv)
@@ -79,6 +100,135 @@ def test_bad_config_file(capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert "empty" in _one_line_error(capsys, ["run", "--prompt-file", str(empty)])
+
+
+def test_price_n_drops_repeats_and_keeps_order(capsys):
+    assert cli.main(["price", "--model", "tiny", "--n", "4,1,4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["n"] for r in out["rows"]] == [4, 1]
+
+
+# ---------------------------------------------------------------------------
+# --prompt-file: any readable file, pipes and stdin
+
+
+def _prompt_of(argv):
+    return cli._read_prompt(cli.build_parser().parse_args(argv))
+
+
+needs_dev_fd = pytest.mark.skipif(not os.path.isdir("/dev/fd"), reason="needs /dev/fd (Linux)")
+
+
+@needs_dev_fd
+def test_prompt_file_reads_pipes_and_stdin(tmp_path, monkeypatch):
+    r, w = os.pipe()  # what `<(echo hi)` hands over: /dev/fd/N, a pipe, not a regular file
+    os.write(w, "what is 3 + 4? é\n".encode())
+    os.close(w)
+    try:
+        assert _prompt_of(["run", "--prompt-file", f"/dev/fd/{r}"]) == "what is 3 + 4? é\n"
+    finally:
+        os.close(r)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    import threading
+
+    writer = threading.Thread(target=lambda: fifo.write_text("from a fifo"))
+    writer.start()
+    assert _prompt_of(["run", "--prompt-file", str(fifo)]) == "from a fifo"
+    writer.join()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("über stdin".encode())))
+    assert _prompt_of(["run", "--prompt-file", "-"]) == "über stdin"
+    monkeypatch.setattr("sys.stdin", io.StringIO("text stdin"))
+    assert _prompt_of(["run", "--prompt-file", "-"]) == "text stdin"
+
+
+@needs_dev_fd
+def test_prompt_file_errors_say_what_is_wrong(capsys, tmp_path, monkeypatch):
+    err = _one_line_error(capsys, ["run", "--prompt-file", str(tmp_path)])
+    assert "is a directory" in err and "no such file" not in err
+    err = _one_line_error(capsys, ["run", "--prompt-file", "/dev/null"])
+    assert "prompt is empty (/dev/null)" in err
+    r, w = os.pipe()
+    os.write(w, b"  \n\t")
+    os.close(w)
+    try:
+        assert "prompt is empty" in _one_line_error(capsys, ["run", "--prompt-file", f"/dev/fd/{r}"])
+    finally:
+        os.close(r)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert "prompt is empty (stdin)" in _one_line_error(capsys, ["run", "--prompt-file", "-"])
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    assert "not UTF-8" in _one_line_error(capsys, ["run", "--prompt-file", str(latin)])
+    monkeypatch.setattr(cli, "PROMPT_FILE_LIMIT", 8)
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 9)
+    assert "larger than" in _one_line_error(capsys, ["run", "--prompt-file", str(big)])
+    if os.geteuid() != 0:  # root reads anything
+        secret = tmp_path / "secret.txt"
+        secret.write_text("x")
+        secret.chmod(0)
+        assert "permission denied" in _one_line_error(capsys, ["run", "--prompt-file", str(secret)])
+
+
+# ---------------------------------------------------------------------------
+# Broken checkpoints: one line, exit 2, naming the file and the key
+
+
+@pytest.fixture(scope="module")
+def broken_gguf(tmp_path_factory):
+    import gguf
+    from test_loaders import TINY_GGUF, rewrite_gguf
+
+    d = tmp_path_factory.mktemp("broken")
+    return {
+        "heads": rewrite_gguf(TINY_GGUF, d / "heads0.gguf", set_kv={
+            "llama.attention.head_count": (0, gguf.GGUFValueType.UINT32)}),
+        "theta": rewrite_gguf(TINY_GGUF, d / "theta.gguf", set_kv={
+            "llama.rope.freq_base": (float("nan"), gguf.GGUFValueType.FLOAT32)}),
+        "eps": rewrite_gguf(TINY_GGUF, d / "eps.gguf", set_kv={
+            "llama.attention.layer_norm_rms_epsilon": (-1.0, gguf.GGUFValueType.FLOAT32)}),
+    }
+
+
+@pytest.mark.parametrize("which,key", [("heads", "llama.attention.head_count"),
+                                       ("theta", "llama.rope.freq_base"),
+                                       ("eps", "llama.attention.layer_norm_rms_epsilon")])
+@pytest.mark.parametrize("command", ["price", "run"])
+def test_broken_gguf_is_one_line_and_exit_2(capsys, broken_gguf, which, key, command):
+    path = str(broken_gguf[which])
+    argv = (["price", "--model", path] if command == "price"
+            else ["run", "--prompt", "x", "--model", path, "--n", "2", "--max-new-tokens", "4"])
+    err = _one_line_error(capsys, argv)
+    assert path in err and key in err
+    assert "price also knows the presets" not in err  # the file exists: presets are no answer
+
+
+@pytest.mark.parametrize("error", [
+    "ZeroDivisionError", "TypeError", "KeyError", "AttributeError", "IndexError"])
+def test_any_loader_failure_is_one_line_and_exit_2(capsys, broken_gguf, monkeypatch, error):
+    """Whatever a loader raises on a bad file reaches the user as one line, exit 2."""
+    import builtins
+
+    from models import gguf_loader
+
+    def boom(*args, **kwargs):
+        raise getattr(builtins, error)("deep inside the loader")
+
+    monkeypatch.setattr(gguf_loader, "config_from_metadata", boom)
+    path = str(broken_gguf["heads"])
+    for argv in (["price", "--model", path], ["run", "--prompt", "x", "--model", path]):
+        err = _one_line_error(capsys, argv)
+        assert path in err and error in err
+
+
+def test_numerical_error_is_one_line_and_exit_2(capsys, monkeypatch):
+    from jaxsample.errors import NumericalError
+
+    def nan(args):
+        raise NumericalError("the model gave no valid distribution (every logit NaN or -inf)")
+    monkeypatch.setattr(cli, "_price", nan)
+    assert "no valid distribution" in _one_line_error(capsys, ["price"])
 
 
 def test_help_exits_0(capsys):

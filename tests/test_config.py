@@ -73,6 +73,17 @@ def test_defaults_and_partial_files(tmp_path):
     ("sampling: 16", ["sampling must be a mapping"]),
     ("- a\n- b", ["top level must be a mapping"]),
     ("model: {name: [unclosed", ["invalid YAML", "line"]),
+    # A repeated key, at any depth, is an error naming the key and both lines (PyYAML keeps
+    # the last value silently).
+    ("chat: true\nmodel: {}\nchat: false\n", ["duplicate key 'chat'", "line 3", "line 1"]),
+    ("sampling:\n  n: 3\n  temperature: 0.5\n  n: 4\n",
+     ["duplicate key 'sampling.n'", "line 4", "first defined at line 2"]),
+    ("sampling: {n: 1, n: 2}", ["duplicate key 'sampling.n'", "line 1, column 18",
+                                "column 12"]),
+    ("reducer:\n  kind: vote\n  extract: number\n  kind: best\n",
+     ["duplicate key 'reducer.kind'", "line 4"]),
+    ("sampling:\n  stop: [{a: 1, a: 2}]\n", ["duplicate key 'sampling.stop[0].a'", "line 2"]),
+    ("mesh: {data: 1, 0x1: 2, 1: 3}", ["duplicate key 'mesh.1'"]),  # equal once constructed
 ])
 def test_bad_files_name_the_file_and_key(tmp_path, text, needles):
     path = tmp_path / "bad.yaml"
@@ -107,3 +118,15 @@ def test_dataclasses_are_frozen_and_validate():
         config.ReducerConfig(kind="vote", extract="auto", weights="x")
     assert config.MeshConfig(data=2, branch=4).devices == 8
     assert cfg.replace(chat=False).chat is False
+
+
+def test_yaml_merge_keys_may_be_overridden():
+    """`<<: *base` then a key of base is an override, which is what merges are for."""
+    import yaml
+
+    text = "base: &b {n: 2, seed: 1}\nsampling:\n  <<: *b\n  n: 5\n"
+    assert yaml.load(text, Loader=config.StrictSafeLoader) == {
+        "base": {"n": 2, "seed": 1}, "sampling": {"n": 5, "seed": 1}}
+    with pytest.raises(config.DuplicateKeyError) as info:
+        yaml.load("a: 1\nb: {c: 1}\na: 2\n", Loader=config.StrictSafeLoader)
+    assert (info.value.key, info.value.line, info.value.first_line) == ("a", 3, 1)

@@ -98,16 +98,30 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs():
     assert gguf_loader._llama3_from_factors(np.ones(8), base) is None
 
 
-def rewrite_gguf(src: pathlib.Path, dst: pathlib.Path, *, arch=None, drop=(), kv=None, tensors=None):
-    """Copy a GGUF file, changing its architecture, dropping tensors or adding keys/tensors."""
+def rewrite_gguf(src: pathlib.Path, dst: pathlib.Path, *, arch=None, drop=(), kv=None, tensors=None,
+                 set_kv=None):
+    """Copy a GGUF file, changing its architecture, dropping tensors or adding keys/tensors.
+
+    set_kv: key -> None (drop the key), (value, GGUFValueType) or (value, ARRAY, item type):
+    replaces existing keys in place.
+    """
     reader = gguf.GGUFReader(src)
     old_arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch or old_arch)
+    set_kv = dict(set_kv or {})
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
+        if key in set_kv:
+            new = set_kv.pop(key)
+            if new is not None:
+                w.add_key_value(key, *new)
+            continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, field.contents(), field.types[0], sub)
+    for key, new in set_kv.items():  # keys the file did not have
+        if new is not None:
+            w.add_key_value(key, *new)
     for key, (value, vtype) in (kv or {}).items():
         w.add_key_value(key, value, vtype)
     for t in reader.tensors:
@@ -187,6 +201,118 @@ def test_gguf_unexpected_tensor(tmp_path):
         load(path)
 
 
+U32, I32, F32, STR, BOOL, ARR = (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32,
+                                 gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING,
+                                 gguf.GGUFValueType.BOOL, gguf.GGUFValueType.ARRAY)
+NAN, INF = float("nan"), float("inf")
+
+# (key without "llama.", new value as (value, type[, item type]) or None to drop, needle)
+BAD_GGUF_METADATA = [
+    *[(k, v, k) for k in ("attention.head_count", "attention.head_count_kv", "embedding_length",
+                          "block_count", "feed_forward_length", "context_length",
+                          "attention.key_length", "attention.value_length",
+                          "rope.dimension_count", "vocab_size")
+      for v in ((0, U32), (-4, I32), ("4", STR), (True, BOOL), (4.0, F32), ([4, 4], ARR, I32))],
+    ("attention.head_count_kv", (3, U32), "multiple of llama.attention.head_count_kv"),
+    ("attention.key_length", (15, U32), "must be even"),
+    ("embedding_length", (60, U32), "llama.embedding_length = 60"),  # token_embd has 64
+    ("attention.sliding_window", (-1, I32), "attention.sliding_window"),
+    ("attention.sliding_window", (2.5, F32), "attention.sliding_window"),
+    *[(k, v, k) for k in ("attention.layer_norm_rms_epsilon", "rope.freq_base")
+      for v in ((NAN, F32), (INF, F32), (-INF, F32), (-1.0, F32), (0.0, F32), ("1e-5", STR),
+                (False, BOOL))],
+    ("rope.scaling.factor", (NAN, F32), "rope.scaling.factor"),
+    ("rope.scaling.factor", (-2.0, F32), "rope.scaling.factor"),
+    ("rope.scaling.type", (3, U32), "rope.scaling.type"),
+    ("attention.layer_norm_rms_epsilon", None, "missing metadata key llama.attention.layer_norm"),
+    ("context_length", None, "missing metadata key llama.context_length"),
+]
+
+
+@pytest.mark.parametrize("key,new,needle", BAD_GGUF_METADATA,
+                         ids=[f"{k}={n[0] if n else None!r}" for k, n, _ in BAD_GGUF_METADATA])
+def test_gguf_impossible_metadata_is_refused(tmp_path, key, new, needle):
+    """Every metadata key the loader reads is type- and range-checked: a clear ModelLoadError
+    naming the file and the key, never a ZeroDivisionError, a traceback or NaN logits."""
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "bad.gguf", set_kv={f"llama.{key}": new})
+    with pytest.raises(ModelLoadError) as info:
+        load(path)
+    msg = str(info.value)
+    assert str(path) in msg and needle in msg, msg
+    assert "\n" not in msg and type(info.value) in (ModelLoadError, UnsupportedModelError)
+
+
+def test_gguf_head_dim_must_come_from_whole_heads(tmp_path):
+    # 64 / 3 is no head dim: said so, not a ZeroDivisionError or a silent floor.
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "heads3.gguf", set_kv={
+        "llama.attention.head_count": (3, U32), "llama.attention.head_count_kv": (3, U32)})
+    with pytest.raises(ModelLoadError, match=r"heads3.gguf.*embedding_length \(64\) must be a "
+                                             r"multiple of llama.attention.head_count \(3\)"):
+        load(path)
+
+
+def test_gguf_valid_edge_values_still_load(tmp_path):
+    # A sliding window of 0 means none; a rope scaling factor of 0 means unset (llama.cpp).
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "edge.gguf", set_kv={
+        "llama.attention.sliding_window": (0, U32),
+        "llama.rope.scaling.type": ("linear", STR), "llama.rope.scaling.factor": (0.0, F32)})
+    assert load(path).config == load(TINY_GGUF).config
+
+
+def test_gguf_tensor_shape_must_match_the_metadata(tmp_path):
+    # 50 rows where the metadata says 2 kv heads of 16: named, and checked before the RoPE
+    # un-permute (which fails with a bare ValueError on rows that do not split into heads).
+    wk = np.zeros((50, 64), np.float32)
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "wk.gguf", drop={"blk.0.attn_k.weight"},
+                        tensors={"blk.0.attn_k.weight": wk})
+    with pytest.raises(ModelLoadError, match=r"wk.gguf.*blk.0.attn_k.weight has shape \(64, 50\)"):
+        load(path)
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "ffn.gguf",
+                        set_kv={"llama.feed_forward_length": (100, U32)})
+    with pytest.raises(ModelLoadError, match="ffn.gguf.*ffn_gate.weight has shape"):
+        load(path)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_gguf_non_finite_weights_are_refused(tmp_path, bad):
+    w = np.array(gguf.GGUFReader(TINY_GGUF).get_tensor(8).data)  # blk.0.ffn_up.weight
+    w[3, 5] = bad
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "nanw.gguf", drop={"blk.0.ffn_up.weight"},
+                        tensors={"blk.0.ffn_up.weight": w})
+    with pytest.raises(ModelLoadError, match="nanw.gguf.*blk.0.ffn_up.weight.*1 non-finite"):
+        load(path)
+
+
+def test_gguf_rope_freqs_must_be_finite_positive(tmp_path):
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "freqs.gguf",
+                        tensors={"rope_freqs.weight": np.array([1.0] * 7 + [np.nan], np.float32)})
+    with pytest.raises(ModelLoadError, match="freqs.gguf.*rope_freqs.weight.*finite"):
+        load(path)
+
+
+def test_llama_config_refuses_impossible_constants():
+    base = dict(vocab_size=8, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=8)
+    for change in ({"norm_eps": float("nan")}, {"norm_eps": -1.0}, {"rope_theta": 0.0},
+                   {"rope_theta": float("inf")}, {"head_dim": 15}, {"rope_scaling": {"factor": 8}}):
+        with pytest.raises(ValueError, match=f"LlamaConfig.{next(iter(change))}"):
+            llama.LlamaConfig(**{**base, **change})
+    for change in ({"factor": float("nan")}, {"factor": 0.5}, {"low_freq_factor": 0.0},
+                   {"high_freq_factor": 1.0}, {"original_max_position_embeddings": 0}):
+        with pytest.raises(ValueError, match="RopeScaling"):
+            llama.RopeScaling(**change)
+
+
+def test_unexpected_loader_failure_is_a_model_load_error(tmp_path, monkeypatch):
+    # Backstop: whatever escapes a loader is reported as ModelLoadError naming the file.
+    def boom(*args, **kwargs):
+        raise ZeroDivisionError("integer division or modulo by zero")
+
+    monkeypatch.setattr(gguf_loader, "config_from_metadata", boom)
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "boom.gguf")
+    with pytest.raises(ModelLoadError, match="boom.gguf.*ZeroDivisionError"):
+        load(path)
+
+
 # ---------------------------------------------------------------------------
 # Hugging Face directories
 
@@ -253,4 +379,66 @@ def test_hf_corrupt_safetensors_and_missing_tokenizer(tmp_path):
     d = _copy_dir(tmp_path, "tiny_qwen2")
     (d / "tokenizer.json").unlink()
     with pytest.raises(ModelLoadError, match="tiny_qwen2.*tokenizer.json"):
+        load(d)
+
+
+# (config.json changes, needle)
+BAD_HF_CONFIGS = [
+    *[({k: v}, k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                            "num_hidden_layers", "intermediate_size", "vocab_size", "head_dim",
+                            "max_position_embeddings")
+      for v in (0, -4, "4", True, 4.0, [4])],
+    ({"num_key_value_heads": 3}, "multiple of 'num_key_value_heads' (3)"),
+    ({"head_dim": 15}, "must be even"),
+    ({"head_dim": None, "hidden_size": 66}, "'hidden_size' (66) must be a multiple of "
+                                            "'num_attention_heads' (4)"),
+    ({"sliding_window": -1}, "sliding_window"),
+    *[({"rms_norm_eps": v}, "rms_norm_eps") for v in (float("nan"), float("inf"), -1.0, 0.0, "1e-5")],
+    *[({"rope_parameters": None, "rope_theta": v}, "rope_theta")
+      for v in (float("nan"), -1.0, 0.0, "1e4")],
+    ({"rope_parameters": {"rope_theta": float("nan"), "rope_type": "default"}}, "rope_theta"),
+    ({"rope_parameters": "default"}, "'rope_parameters' must be an object"),
+    ({"rope_scaling": [8.0]}, "'rope_scaling' must be an object"),
+    ({"rope_scaling": {"rope_type": 3}}, "rope_type"),
+    *[({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64, **bad}},
+       next(iter(bad)))
+      for bad in ({"factor": float("nan")}, {"factor": 0.5}, {"low_freq_factor": 0.0},
+                  {"high_freq_factor": 1.0}, {"high_freq_factor": float("inf")},
+                  {"original_max_position_embeddings": 0},
+                  {"original_max_position_embeddings": "64"})],
+    ({"partial_rotary_factor": "1"}, "partial_rotary_factor"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    ({"mlp_bias": "false"}, "mlp_bias"),
+    ({"hidden_act": ["silu"]}, "hidden_act"),
+]
+
+
+@pytest.mark.parametrize("changes,needle", BAD_HF_CONFIGS,
+                         ids=[repr(c)[:60] for c, _ in BAD_HF_CONFIGS])
+def test_hf_impossible_config_is_refused(tmp_path, changes, needle):
+    d = _copy_dir(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    cfg = {k: v for k, v in cfg.items() if v is not None or k != "head_dim"}
+    (d / "config.json").write_text(json.dumps(cfg))  # NaN/Infinity: Python's json reads them back
+    with pytest.raises(ModelLoadError) as info:
+        load(d)
+    msg = str(info.value)
+    assert "tiny_llama" in msg and needle in msg, msg
+    assert "\n" not in msg
+
+
+def test_hf_non_finite_weights_and_bad_embedding_shape(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy_dir(tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.weight"][1, 2] = np.nan
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="tiny_llama.*q_proj.weight.*non-finite"):
+        load(d)
+    d = _copy_dir(tmp_path, "tiny_qwen2")
+    _edit_config(d, vocab_size=299)
+    with pytest.raises(ModelLoadError, match=r"tiny_qwen2.*model.embed_tokens.weight has shape"):
         load(d)

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
-from jaxsample.errors import ConfigError
-from jaxsample.sampling import SamplingParams, choose_token, is_stop, keep_mask, pad_stop_ids
+from jaxsample.errors import ConfigError, JaxsampleError, NumericalError
+from jaxsample.sampling import (SamplingParams, check_logprobs, choose_token, is_stop, keep_mask,
+                                pad_stop_ids)
 
 CASES_JSON = Path(__file__).parents[2] / "shared" / "cases" / "sampling.json"
 
@@ -302,6 +303,83 @@ def test_minus_inf_logits_are_never_kept():
     logits = np.array([-np.inf, 0.0, -np.inf, 0.0], np.float32)
     keep = np.asarray(_keep_jit(logits, *_args(), vocab_limit=4))
     assert np.flatnonzero(keep).tolist() == [1, 3]
+
+
+FILTERS = [(1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (0.7, 2, 0.9, 0.1), (1.3, 0, 0.5, 0.0)]
+
+
+def test_nan_logits_are_never_sampled_and_excluded_from_the_logprob():
+    """A NaN logit counts as -inf: it used to make the whole row NaN (token 0, logprob NaN)."""
+    logits = np.array([np.nan, 0.0, 1.0, np.nan, -1.0, np.nan], np.float32)
+    keys = jax.random.split(jax.random.key(3), 256)
+    finite = np.array([0.0, 1.0, -1.0])
+    lse = np.log(np.exp(finite).sum())
+    for params in FILTERS:
+        tokens, logprobs = (np.asarray(a) for a in _choose_keys(logits, keys, *_args(*params), 6))
+        assert set(tokens.tolist()) <= {1, 2, 4}, params
+        np.testing.assert_allclose(logprobs, logits[tokens] - lse, atol=LOGPROB_TOL)
+        keep = np.asarray(_keep_jit(logits, *_args(*params), vocab_limit=6))
+        assert not keep[[0, 3, 5]].any()
+    tok, _ = _choose_jit(logits, keys[0], *_args(0.0), vocab_limit=6)
+    assert int(tok) == 2  # greedy ignores NaN
+
+
+def test_plus_inf_logits_take_all_the_mass():
+    """+inf counts as the largest float32: the +inf tokens share the mass (softmax limit)."""
+    logits = np.array([0.0, np.inf, 5.0, np.inf], np.float32)
+    keys = jax.random.split(jax.random.key(4), 256)
+    for params in FILTERS:
+        tokens, logprobs = (np.asarray(a) for a in _choose_keys(logits, keys, *_args(*params), 4))
+        assert set(tokens.tolist()) <= {1, 3}, params
+        np.testing.assert_allclose(logprobs, -np.log(2.0), atol=LOGPROB_TOL)
+    tokens, _ = _choose_keys(logits, keys, *_args(1.0), 4)
+    assert set(np.asarray(tokens).tolist()) == {1, 3}
+
+
+@pytest.mark.parametrize("fill", [np.nan, -np.inf])
+def test_row_without_a_distribution_is_marked_by_a_nan_logprob(fill):
+    """Every valid logit NaN or -inf: token 0 and logprob NaN, the only NaN choose_token returns."""
+    logits = np.array([fill, fill, fill, np.nan, 3.0], np.float32)  # row 4 is padding
+    keys = jax.random.split(jax.random.key(5), 16)
+    for params in FILTERS:
+        tokens, logprobs = _choose_keys(logits, keys, *_args(*params), 4)
+        assert (np.asarray(tokens) == 0).all() and np.isnan(np.asarray(logprobs)).all()
+        keep = np.asarray(_keep_jit(logits, *_args(*params), vocab_limit=4))
+        assert np.flatnonzero(keep).tolist() == [0]
+
+
+def test_check_logprobs_names_the_first_bad_token():
+    lp = np.zeros((2, 3, 4), np.float32)
+    check_logprobs(lp)
+    lp[1, 2, 3] = lp[1, 2, 1] = np.nan
+    with pytest.raises(NumericalError, match=r"prompt 1, branch 2, new token 1 \(2 sampled"):
+        check_logprobs(lp)
+    assert issubclass(NumericalError, RuntimeError) and issubclass(NumericalError, JaxsampleError)
+
+
+def _with_params(lm, **changes):
+    import dataclasses
+
+    return dataclasses.replace(lm, params={**lm.params, **changes})
+
+
+def test_generate_raises_on_all_nan_logits_and_ignores_one_nan_logit(tiny_lm):
+    """generate never returns token 0 with logprob NaN: all-NaN logits are a NumericalError;
+    a single NaN logit (a NaN row of the tied embedding) is only never sampled."""
+    from jaxsample import engine
+
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=0)
+    prompt = [[10, 20, 30]]
+    final_norm = tiny_lm.params["final_norm"]
+    broken = _with_params(tiny_lm, final_norm=jnp.full_like(final_norm, jnp.nan))
+    with pytest.raises(NumericalError, match="prompt 0, branch 0, new token 0"):
+        engine.generate(broken, prompt, params)
+    embed = tiny_lm.params["embed"]
+    gen = engine.generate(_with_params(tiny_lm, embed=embed.at[7].set(jnp.nan)), prompt,
+                          params.replace(n=8))
+    assert np.isfinite(gen.logprobs).all()
+    assert (gen.tokens != 7).all()
+    assert (gen.tokens[gen.logprobs < 0] != 0).any()  # real tokens, not the fallback 0
 
 
 def test_tiny_and_huge_temperatures_have_no_nan():

@@ -12,6 +12,7 @@ from jaxsample.engine.inputs import check_int
 from jaxsample.engine.session import Round, Session
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
+from jaxsample import sampling
 from jaxsample.sampling import SamplingParams
 
 STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are given
@@ -61,6 +62,8 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
       InputError: empty prompt, prompt + max_new_tokens beyond the context, bad token
         ids, a bad chunk_size, or a mesh that does not fit the request. Raised
         before any compute.
+      NumericalError: a sampled token's logits were all NaN or -inf (no distribution;
+        see `sampling.check_logprobs`). Raised after decoding, before returning.
     """
     session = Session(lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
                       prompt_index_offset=prompt_index_offset, naive=naive)
@@ -120,6 +123,7 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
                 tok[b, n], lp[b, n], lens[b, n] = rnd.tokens[i, c], rnd.logprobs[i, c], rnd.lengths[i, c]
                 top_lp[b, n], top_id[b, n] = rnd.top_logprobs[i, c], rnd.top_ids[i, c]
                 stopped[b, n], drawn[b, n] = rnd.stopped[i, c], True
+    sampling.check_logprobs(lp)  # NumericalError if a token had no distribution (NaN logits)
     decoded = lens.copy()  # what the device decoded: the bill counts it
     reasons = [["stop" if stopped[b, n] else "length" if drawn[b, n] else "not_drawn"
                 for n in range(width)] for b in range(B)]
