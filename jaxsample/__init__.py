@@ -28,9 +28,12 @@ _EXPORTS = {
     "maj_at_k": "jaxsample.estimators",
     "best_of_k": "jaxsample.estimators",
     "JaxsampleError": "jaxsample.errors",
+    "adaptive_self_consistency": "jaxsample.adaptive",
+    "AdaptiveResult": "jaxsample.adaptive",
 }
-_SUBMODULES = {"answers", "bridge", "cost", "engine", "errors", "estimators", "reducers",
-               "sampling", "config", "loading", "lm", "generation", "sharding"}
+_SUBMODULES = {"adaptive", "answers", "bridge", "cost", "engine", "errors", "estimators",
+               "reducers", "sampling", "config", "loading", "lm", "generation", "sharding",
+               "stopping"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

@@ -13,6 +13,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every machine and every run (a CI
+# failure is then reproducible, not a lottery); HYPOTHESIS_PROFILE=explore
+# searches afresh.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 from jaxsample.lm import LanguageModel  # noqa: E402
 from models import llama  # noqa: E402

@@ -168,13 +168,20 @@ def _reference(logits, temperature, top_k, top_p, min_p, vocab_limit, eps=1e-4):
     zs = z[order]
     n = zs.shape[0]
     k_keep = np.ones(n, bool)
+    amb_s = np.zeros(n, bool)
     if 0 < top_k < n:
         k_keep[top_k:] = False
+        # Values that float32 tempering may round together (or apart) at the cut-off:
+        # the float64 order there is not the device's. Exact float64 ties are not
+        # ambiguous (equal logits stay equal; the lower index ranks first).
+        cut = zs[top_k - 1]
+        near = np.abs(zs - cut) <= 1e-6 * max(1.0, abs(cut))
+        if near[:top_k].any() and near[top_k:].any() and not np.all(zs[near] == cut):
+            amb_s |= near
     e = np.exp(zs) * k_keep
     probs = e / e.sum()
     above = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
     keep_s = k_keep.copy()
-    amb_s = np.zeros(n, bool)
     if top_p < 1:
         keep_s &= above < top_p
         amb_s |= k_keep & (np.abs(above - top_p) < eps)
@@ -183,7 +190,7 @@ def _reference(logits, temperature, top_k, top_p, min_p, vocab_limit, eps=1e-4):
         amb_s |= keep_s & (np.abs(ratio - min_p) < eps * min_p)
         keep_s &= ratio >= min_p
     keep_s[0] = True
-    amb_s[0] = False
+    amb_s[0] &= top_k == 1 and amb_s[1:].any()  # the top token is always kept, unless tied
     keep[order[keep_s]] = True
     ambiguous[order[amb_s]] = True
     return keep, ambiguous
@@ -230,6 +237,13 @@ def test_sampled_tokens_are_always_kept(problem, seed):
     raw = logits[:vocab_limit].astype(np.float64)
     lsm = raw - (raw.max() + np.log(np.exp(raw - raw.max()).sum()))
     np.testing.assert_allclose(np.asarray(logprobs), lsm[tokens], atol=1e-5)
+
+
+def test_reference_marks_float32_ties_at_the_top_k_cut_off_as_ambiguous():
+    """3 - 1.19e-7 rounds to 3 in float32: tokens 5 (0.0) and 7 (1.19e-7) tie on the device."""
+    logits = np.array([-3.0] * 5 + [0.0, 3.0, 1.1920929e-07], np.float32)
+    _, ambiguous = _reference(logits, 1.0, 2, 1.0, 0.0, 8)
+    assert ambiguous[[5, 7]].all() and not ambiguous[6]
 
 
 @_PROP

@@ -90,6 +90,14 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     return finish(session, [rnd])
 
 
+def branch_text(tokenizer, tokens, length, stopped, stop_strings):
+    """(text, kept tokens or None) of one branch: its tokens without a final stop
+    token, decoded and cut before the first stop string (see `stops.cut`)."""
+    L = int(length)
+    body = [int(t) for t in (tokens[:L - 1] if stopped else tokens[:L])]
+    return stops_lib.cut(tokenizer, body, stop_strings)
+
+
 def finish(session: Session, rounds: list[Round], reasons_override=None) -> Generation:
     """Host-side assembly of one Generation from a session's rounds.
 
@@ -133,9 +141,8 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
     for b in range(B):
         row = []
         for n in range(width):
-            L = int(lens[b, n])
-            body = [int(t) for t in (tok[b, n, :L - 1] if stopped[b, n] else tok[b, n, :L])]
-            text, keep = stops_lib.cut(lm.tokenizer, body, params.stop)
+            text, keep = branch_text(lm.tokenizer, tok[b, n], lens[b, n], stopped[b, n],
+                                     params.stop)
             if keep is not None:
                 tok[b, n, keep:], lp[b, n, keep:], lens[b, n] = pad, 0.0, keep
                 top_lp[b, n, keep:], top_id[b, n, keep:] = 0.0, pad

@@ -1,0 +1,298 @@
+"""Adaptive self-consistency: draw branches in windows over one prefill, stop when
+the answer is settled, terminate low-confidence branches, and bill what was saved.
+
+The rules are in `jaxsample.stopping` (ESC, Adaptive-Consistency's Beta and
+Dirichlet criteria, DeepConf). Branch i of prompt b has the key it has as
+branch i of `generate(n=max_n)`, so an adaptive run equals the offline rule
+(`stopping.replay`) applied in branch order to a fixed pool with the same
+seed: every saving can be checked against the run it replaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxsample import answers as answers_lib
+from jaxsample import cost, stopping
+from jaxsample.engine import stops as stops_lib
+from jaxsample.engine.api import branch_text, finish
+from jaxsample.engine.inputs import check_int
+from jaxsample.engine.session import Session
+from jaxsample.errors import InputError
+from jaxsample.generation import Generation
+from jaxsample.lm import LanguageModel
+from jaxsample.sampling import MAX_LOGPROBS, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaptiveBill:
+    """What an adaptive run cost, against the same request at a fixed `max_n`.
+
+    Measured:
+      num_prompts: B; max_n: the fixed budget per prompt.
+      rounds: windows drawn (the longest prompt's count).
+      prompt_tokens_prefilled: each prompt prefilled once across all rounds.
+      branches_drawn: branches decoded in all (sum of n_used).
+      decoded_tokens: tokens the device decoded over all drawn branches.
+      branch_steps: slots x steps actually computed (after compaction, with
+        padding and finished slots): what the decode paid for.
+      decode_flops: analytic decode FLOPs of the decoded tokens (`cost`).
+    Estimated for the fixed run (`generate(n=max_n)` would decode every
+    branch to its end; branches not drawn, and the rest of terminated ones,
+    are estimated at the mean length of the prompt's complete branches):
+      fixed_decoded_tokens, fixed_decode_flops.
+    """
+
+    num_prompts: int
+    max_n: int
+    rounds: int
+    prompt_tokens_prefilled: int
+    branches_drawn: int
+    decoded_tokens: int
+    branch_steps: int
+    decode_flops: int
+    fixed_decoded_tokens: int
+    fixed_decode_flops: int
+
+    @property
+    def token_saving(self) -> float:
+        """1 - decoded / fixed decoded tokens (0 when nothing was saved)."""
+        return 1.0 - self.decoded_tokens / max(self.fixed_decoded_tokens, 1)
+
+    @property
+    def flop_saving(self) -> float:
+        """1 - decode FLOPs / fixed decode FLOPs."""
+        return 1.0 - self.decode_flops / max(self.fixed_decode_flops, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["token_saving"], d["flop_saving"] = self.token_saving, self.flop_saving
+        return d
+
+    def summary(self) -> str:
+        return (f"adaptive: {self.branches_drawn} of {self.num_prompts * self.max_n} branches "
+                f"drawn in {self.rounds} rounds over one prefill "
+                f"({self.prompt_tokens_prefilled} prompt tokens); decoded "
+                f"{self.decoded_tokens} tokens ({self.branch_steps} branch-steps, "
+                f"{cost.format_flops(self.decode_flops)}) against about "
+                f"{self.fixed_decoded_tokens} ({cost.format_flops(self.fixed_decode_flops)}) "
+                f"at a fixed n={self.max_n}: saved {100 * self.token_saving:.0f}% of the decoded "
+                f"tokens and {100 * self.flop_saving:.0f}% of the decode FLOPs")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdaptiveResult:
+    """The outcome of `adaptive_self_consistency`.
+
+    Attributes:
+      winner: B answers (normalised strings) or None where no branch answered.
+      share: `[B]` float32, the winner's share of the counted vote weight.
+      answers: B lists of n_used[b] answers (None: none found), branch order.
+      counted: B lists of n_used[b] bools: the branch voted (valid, not terminated).
+      n_used: `[B]` int32 branches drawn per prompt.
+      terminated: `[B]` int32 branches terminated by the confidence rule.
+      confidence: B lists of n_used[b] floats, each branch's lowest group
+        confidence (DeepConf; empty lists without `confidence`).
+      thresholds: `[B]` float64 DeepConf thresholds (nan without `confidence`).
+      generation: the `Generation` of the branches drawn, `[B, max(n_used), T]`
+        (finish_reason "not_drawn" past a prompt's n_used, "terminated" for
+        terminated branches).
+      bill: the `AdaptiveBill`.
+    """
+
+    winner: list
+    share: np.ndarray
+    answers: list
+    counted: list
+    n_used: np.ndarray
+    terminated: np.ndarray
+    confidence: list
+    thresholds: np.ndarray
+    generation: Generation
+    bill: AdaptiveBill
+
+
+def _extractor(extract) -> Callable[[str], str | None]:
+    if callable(extract):
+        def fn(text):
+            a = extract(text)
+            a = None if a is None else answers_lib.normalize(a)
+            return a or None
+        return fn
+    if extract not in answers_lib.KINDS:
+        raise InputError(f"extract must be one of {answers_lib.KINDS} or a callable, "
+                         f"got {extract!r}")
+    return lambda text: answers_lib.extract(text, extract)
+
+
+def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
+                              max_n: int = 64, window: int = 8, rule: str = "esc",
+                              threshold: float = 0.95, confidence: str | None = None,
+                              warmup: int = 16, group_size: int = 16, extract="auto",
+                              chat: bool = False, mesh=None, chunk_size: int = 8,
+                              compact: bool = True,
+                              prompt_index_offset: int = 0) -> AdaptiveResult:
+    """Self-consistency that stops spending on branches that cannot change the answer.
+
+    The prompts are prefilled once. Branches are drawn in rounds of `window`
+    (global branch indices `r*window .. r*window + window - 1`), each round
+    decoded in chunks of `chunk_size` steps; after each round `rule` decides,
+    per prompt, whether to stop (prompts that stopped leave the batch). With
+    `confidence`, the first `warmup` branches set DeepConf's threshold and any
+    later branch whose group confidence falls below it is terminated at the
+    next chunk boundary; votes are then weighted by each branch's lowest group
+    confidence (terminated branches excluded). References: ESC (Li et al.
+    2024, arXiv 2401.10480), Adaptive-Consistency (Aggarwal et al. 2023, arXiv
+    2305.11860), DeepConf (Fu et al. 2025, arXiv 2508.15260); the rules are in
+    `jaxsample.stopping`.
+
+    Args:
+      lm, prompts, chat, mesh, prompt_index_offset: as `jaxsample.generate`.
+      params: sampling settings; `params.n` is ignored (`max_n` and `window`
+        decide); `params.logprobs` sets k of DeepConf's token confidence
+        (default 20).
+      max_n: the most branches per prompt, in [1, 2**20].
+      window: branches per round, in [1, max_n]; on a mesh, a multiple of its
+        "branch" axis.
+      rule: "esc", "beta", "dirichlet" or "none" (see `jaxsample.stopping`).
+      threshold: posterior probability for "beta"/"dirichlet", in (0, 1).
+      confidence: None, "deepconf-low" (keep about the top 10% by confidence)
+        or "deepconf-high" (about the top 90%).
+      warmup: DeepConf's warm-up branches per prompt, a multiple of `window` in
+        [window, max_n]; no stop check before them.
+      group_size: DeepConf's sliding window in tokens, >= 1.
+      extract: an `answers.extract` kind or a callable `text -> answer`.
+      chunk_size: decode steps between host checks (stop strings,
+        confidence, compaction), >= 1.
+      compact: gather live branches into smaller buckets as branches finish.
+    Returns:
+      An `AdaptiveResult`.
+    Raises:
+      InputError: an argument outside the ranges above, or anything
+        `generate` refuses; before any compute.
+    """
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+    max_n = check_int("max_n", max_n, 1, 2**20)
+    window = check_int("window", window, 1, max_n)
+    if rule not in stopping.RULES:
+        raise InputError(f"rule must be one of {stopping.RULES}, got {rule!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+            0.0 < float(threshold) < 1.0):
+        raise InputError(f"threshold must be a float in (0, 1), got {threshold!r}")
+    if confidence not in stopping.CONFIDENCES:
+        raise InputError(f"confidence must be one of {stopping.CONFIDENCES}, got {confidence!r}")
+    group_size = check_int("group_size", group_size, 1, 2**31 - 1)
+    chunk_size = check_int("chunk_size", chunk_size, 1, 2**31 - 1)
+    if confidence is not None:
+        warmup = check_int("warmup", warmup, window, max_n)
+        if warmup % window:
+            raise InputError(f"warmup ({warmup}) must be a multiple of window ({window}): "
+                             "the threshold is set between rounds")
+    else:
+        warmup = 0
+    k = (params.logprobs or MAX_LOGPROBS) if confidence else (params.logprobs or 0)
+    get_answer = _extractor(extract)
+    session = Session(lm, prompts, params.replace(n=window), chat=chat, mesh=mesh,
+                      prompt_index_offset=prompt_index_offset, top_logprobs=k)
+    sp = session.params
+    B = session.B
+    answers = [[] for _ in range(B)]
+    lowest = [[] for _ in range(B)]
+    term = [[] for _ in range(B)]
+    thresholds = np.full(B, np.nan)
+    active = list(range(B))
+    rounds, reasons = [], {}
+    r = 0
+    while active:
+        first = r * window
+        width = min(window, max_n - first)
+        ids = np.full((len(active), window), -1, np.int32)
+        ids[:, :width] = first + np.arange(width)
+        rnd = session.round(active, ids)
+        watch = stops_lib.StopWatch(lm.tokenizer, sp.stop) if sp.stop else None
+        t0 = 0
+        while True:
+            more = rnd.run(chunk_size)
+            end = np.zeros(rnd.done.shape, bool)
+            for i, c, new in rnd.new_tokens(t0):
+                b, n = active[i], first + c
+                if watch is not None and watch.feed((i, c), new):
+                    end[i, c] = True
+                if confidence and n >= warmup:
+                    L = int(rnd.lengths[i, c])
+                    conf = stopping.token_confidence(rnd.top_logprobs[i, c, :L])
+                    if stopping.first_low_group(conf, group_size, thresholds[b]) is not None:
+                        end[i, c] = True
+                        reasons[(b, n)] = "terminated"
+            rnd.finish_slots(end)
+            t0 = rnd.t
+            if not more:
+                break
+            if compact:
+                rnd.compact()
+        rounds.append(rnd)
+        still = []
+        for i, b in enumerate(active):
+            for c in range(width):
+                n = first + c
+                text, _ = branch_text(lm.tokenizer, rnd.tokens[i, c], rnd.lengths[i, c],
+                                      rnd.stopped[i, c], sp.stop)
+                answers[b].append(get_answer(text))
+                term[b].append(reasons.get((b, n)) == "terminated")
+                if confidence:
+                    L = int(rnd.lengths[i, c])
+                    lowest[b].append(stopping.lowest_group_confidence(
+                        stopping.token_confidence(rnd.top_logprobs[i, c, :L]), group_size))
+            n_b = len(answers[b])
+            if confidence and n_b == warmup:
+                thresholds[b] = stopping.threshold_from_warmup(lowest[b][:warmup], confidence)
+            votes = [a if not t else None for a, t in zip(answers[b], term[b])]
+            if n_b < max_n and not (n_b >= warmup and stopping.should_stop(rule, votes, window,
+                                                                            threshold)):
+                still.append(b)
+        active = still
+        r += 1
+
+    gen = finish(session, rounds, reasons)
+    gen = dataclasses.replace(gen, params=params.replace(n=max_n, seed=sp.seed))
+    n_used = np.array([len(a) for a in answers], np.int32)
+    winners, shares, counted = [], [], []
+    for b in range(B):
+        votes = [a if not t else None for a, t in zip(answers[b], term[b])]
+        w = [x if v is not None else 0.0 for x, v in zip(lowest[b], votes)] if confidence else None
+        winner, share = stopping.vote(votes, w)
+        winners.append(winner)
+        shares.append(share)
+        counted.append([v is not None for v in votes])
+    bill = _bill(session, gen, n_used, term, max_n, len(rounds))
+    return AdaptiveResult(winner=winners, share=np.array(shares, np.float32), answers=answers,
+                          counted=counted, n_used=n_used,
+                          terminated=np.array([sum(t) for t in term], np.int32),
+                          confidence=lowest, thresholds=thresholds, generation=gen, bill=bill)
+
+
+def _bill(session: Session, gen: Generation, n_used, term, max_n: int, rounds: int):
+    cfg = session.cfg
+    decoded = gen.bill.decoded_tokens_per_branch  # device lengths, [B][width]
+    flops = fixed_tokens = fixed_flops = tokens = 0
+    for b in range(session.B):
+        P = len(session.ids[b])
+        lens = [int(x) for x in decoded[b][:n_used[b]]]
+        full = [L for L, t in zip(lens, term[b]) if not t]
+        mean = float(np.mean(full)) if full else float(np.mean(lens)) if lens else 0.0
+        tokens += sum(lens)
+        flops += sum(int(cost.decode_flops(cfg, P, L)) for L in lens)
+        est = full + [int(math.ceil(mean))] * (max_n - len(full))
+        fixed_tokens += sum(est)
+        fixed_flops += sum(int(cost.decode_flops(cfg, P, L)) for L in est)
+    return AdaptiveBill(num_prompts=session.B, max_n=max_n, rounds=rounds,
+                        prompt_tokens_prefilled=sum(len(x) for x in session.ids),
+                        branches_drawn=int(n_used.sum()), decoded_tokens=tokens,
+                        branch_steps=session.branch_steps, decode_flops=flops,
+                        fixed_decoded_tokens=fixed_tokens, fixed_decode_flops=fixed_flops)
