@@ -75,7 +75,7 @@ class AdaptiveBill:
 
     def summary(self) -> str:
         return (f"adaptive: {self.branches_drawn} of {self.num_prompts * self.max_n} branches "
-                f"drawn in {self.rounds} rounds over one prefill "
+                f"drawn in {self.rounds} round{'s' if self.rounds != 1 else ''} over one prefill "
                 f"({self.prompt_tokens_prefilled} prompt tokens); decoded "
                 f"{self.decoded_tokens} tokens ({self.branch_steps} branch-steps, "
                 f"{cost.format_flops(self.decode_flops)}) against about "

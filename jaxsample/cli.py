@@ -133,6 +133,12 @@ def _non_empty(text: str) -> str:
     return text
 
 
+# --adaptive NAME -> (stopping rule, DeepConf confidence filter)
+ADAPTIVE = {"esc": ("esc", None), "beta": ("beta", None), "dirichlet": ("dirichlet", None),
+            "deepconf-low": ("beta", "deepconf-low"), "deepconf-high": ("beta", "deepconf-high")}
+ADAPTIVE_CHOICES = tuple(ADAPTIVE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for docs and tests)."""
     parser = _Parser(prog="jaxsample",
@@ -176,6 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: vote)")
     run.add_argument("--extract", choices=config_lib.EXTRACT_KINDS,
                      help="answer extraction for the vote (default: number)")
+    run.add_argument("--adaptive", choices=ADAPTIVE_CHOICES,
+                     help="adaptive self-consistency: draw --window branches at a time over "
+                          "one prefill and stop when the vote is settled: esc (a unanimous "
+                          "window), beta / dirichlet (Adaptive-Consistency's posterior >= "
+                          "--threshold), deepconf-low / deepconf-high (DeepConf's confidence "
+                          "filter, stopping by the beta rule); --n is ignored")
+    run.add_argument("--max-n", type=_int, default=64,
+                     help="--adaptive: the most branches (default 64)")
+    run.add_argument("--window", type=_int, default=8,
+                     help="--adaptive: branches per round (default 8)")
+    run.add_argument("--threshold", type=float, default=0.95,
+                     help="--adaptive beta/dirichlet/deepconf: the posterior probability that "
+                          "stops (default 0.95)")
     run.add_argument("--json", action="store_true", help="print one JSON object")
 
     price = sub.add_parser("price", help="the analytic cost table: shared prefix vs N retries",
@@ -409,22 +428,40 @@ def _run(args) -> int:
         t0 = time.perf_counter()
         lm = _load_model(cfg.model.name, cfg.model.dtype)
         t_load = time.perf_counter() - t0
+    adaptive = None
     with progress.step(f"compiling (first call) and decoding {cfg.sampling.n} branches of up to "
                        f"{cfg.sampling.max_new_tokens} tokens"):
         kwargs = {"chat": cfg.chat}
         if mesh is not None:
             kwargs["mesh"] = mesh
-        gen = engine.generate(lm, [prompt], cfg.sampling, **kwargs)
-    result, answers = _reduce(gen, cfg.reducer)
+        if args.adaptive:
+            adaptive = _run_adaptive(lm, prompt, cfg, args, kwargs)
+            gen = adaptive.generation
+        else:
+            gen = engine.generate(lm, [prompt], cfg.sampling, **kwargs)
+    if adaptive is not None:
+        n_used = int(adaptive.n_used[0])
+        counted = adaptive.counted[0]
+        first = next((i for i, (a, c) in enumerate(zip(adaptive.answers[0], counted))
+                      if c and a == adaptive.winner[0]), None)
+        result = {"answer": adaptive.winner[0], "share": _finite(adaptive.share[0]),
+                  "support": float(sum(counted)) if adaptive.winner[0] is not None else 0.0,
+                  "branch": first, "n_used": n_used,
+                  "terminated": int(adaptive.terminated[0]), "adaptive": args.adaptive,
+                  "saving": adaptive.bill.to_dict()}
+        answers = list(adaptive.answers[0])
+    else:
+        result, answers = _reduce(gen, cfg.reducer)
     timings = {"load": t_load,
                "compile": float(gen.timings.get("compile", 0.0)),
                "prefill": float(gen.timings.get("prefill", 0.0)),
                "decode": float(gen.timings.get("decode", 0.0)),
                "total": time.perf_counter() - t_start}
     mean_lp = gen.mean_logprob()[0]
+    shown = gen.n if adaptive is None else int(adaptive.n_used[0])
     branches = [{"text": gen.texts[0][i], "answer": answers[i], "tokens": int(gen.lengths[0, i]),
                  "mean_logprob": _finite(mean_lp[i]), "finish_reason": gen.finish_reason[0][i]}
-                for i in range(gen.n)]
+                for i in range(shown)]
     if args.json:
         params = cfg.to_dict()["sampling"]
         params["seed"] = gen.params.seed
@@ -435,8 +472,22 @@ def _run(args) -> int:
                "timings": timings}
         print(json.dumps(out, ensure_ascii=False))
         return EXIT_OK
-    _print_run(lm, cfg, gen, branches, result, timings)
+    _print_run(lm, cfg, gen, branches, result, timings, adaptive)
     return EXIT_OK
+
+
+def _run_adaptive(lm, prompt, cfg, args, kwargs):
+    """`jaxsample.adaptive_self_consistency` for `run --adaptive` (one prompt)."""
+    from jaxsample import adaptive as adaptive_lib
+
+    if cfg.reducer.kind != "vote":
+        raise InputError(f"--adaptive votes; it cannot be combined with --reduce "
+                         f"{cfg.reducer.kind}")
+    rule, confidence = ADAPTIVE[args.adaptive]
+    return adaptive_lib.adaptive_self_consistency(
+        lm, [prompt], cfg.sampling, max_n=args.max_n, window=args.window, rule=rule,
+        threshold=args.threshold, confidence=confidence, extract=cfg.reducer.extract,
+        warmup=2 * args.window if confidence else 16, **kwargs)
 
 
 def _reduce(gen, reducer: config_lib.ReducerConfig):
@@ -486,13 +537,13 @@ def _first_line(text: str, width: int = 60) -> str:
     return line if len(line) <= width else line[:width - 1] + "…"
 
 
-def _print_run(lm, cfg, gen, branches, result, timings):
+def _print_run(lm, cfg, gen, branches, result, timings, adaptive=None):
     from rich.console import Console
     from rich.table import Table
 
     console = _stdout_console()
     p = cfg.sampling
-    table = Table(title=f"{lm.name}: {gen.n} branches (temperature {p.temperature}, "
+    table = Table(title=f"{lm.name}: {len(branches)} branches (temperature {p.temperature}, "
                         f"top-p {p.top_p}, top-k {p.top_k}, min-p {p.min_p}, seed {gen.params.seed})")
     table.add_column("#", justify="right")
     table.add_column("answer")
@@ -516,7 +567,7 @@ def _print_run(lm, cfg, gen, branches, result, timings):
             answering = sum(b["answer"] is not None for b in branches)
             console.print(f"vote: [bold]{result['answer']}[/bold]  share {result['share']:.2f}  "
                           f"support {result['support']:g} of {answering} answering branches "
-                          f"({gen.n} sampled; first given by branch {result['branch']})")
+                          f"({len(branches)} sampled; first given by branch {result['branch']})")
     elif kind == "best":
         if result["branch"] is None:
             console.print("best-of-N: no valid branch")
@@ -524,8 +575,13 @@ def _print_run(lm, cfg, gen, branches, result, timings):
             console.print(f"best-of-N by {cfg.reducer.score}: branch {result['branch']} "
                           f"(score {result['score']:.3f}), answer {result['answer']}")
             console.print(gen.texts[0][result["branch"]], markup=False)
+    if "n_used" in result:
+        console.print(f"adaptive ({result['adaptive']}): {result['n_used']} branches drawn, "
+                      f"{result['terminated']} terminated", markup=False)
     console.print("[bold]bill[/bold]")
     console.print(gen.bill.summary(), markup=False, soft_wrap=True)
+    if adaptive is not None:
+        console.print(adaptive.bill.summary(), markup=False, soft_wrap=True)
     tokens = gen.bill.decoded_tokens_total
     rate = tokens / timings["decode"] if timings["decode"] > 0 else float("nan")
     console.print(f"timings: load {timings['load']:.2f} s, compile (first call) "

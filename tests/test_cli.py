@@ -399,6 +399,28 @@ def test_run_on_a_branch_mesh(tmp_path, run_json):
     assert code == 2 and "multiple of mesh.branch" in err
 
 
+@pytest.mark.slow
+def test_run_adaptive_json_and_table(run_json):
+    code, out, err = _main_captured(RUN[:-4] + ["--adaptive", "beta", "--max-n", "8", "--window",
+                                                "4", "--seed", "0", "--json"])
+    assert code == 0, err
+    d = json.loads(out)
+    r = d["result"]
+    assert r["adaptive"] == "beta" and r["n_used"] in (4, 8) and len(d["branches"]) == r["n_used"]
+    saving = r["saving"]
+    assert saving["branches_drawn"] == r["n_used"] and saving["max_n"] == 8
+    assert saving["decoded_tokens"] == sum(b["tokens"] for b in d["branches"])
+    assert 0.0 <= saving["token_saving"] < 1.0
+    code, out, err = _main_captured(RUN[:-4] + ["--adaptive", "esc", "--max-n", "8", "--window",
+                                                "4"])
+    assert code == 0, err
+    assert "adaptive (esc)" in out and "at a fixed n=8" in " ".join(out.split())
+    for bad, msg in ((["--window", "3", "--max-n", "2"], "window"),
+                     (["--reduce", "best"], "--adaptive votes")):
+        code, _, err = _main_captured(RUN[:-4] + ["--adaptive", "esc"] + bad)
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1
+
+
 def test_best_of_n_prefers_complete_branches():
     """A branch cut at max_new_tokens never beats a complete one, whatever its score."""
     import numpy as np

@@ -2,8 +2,8 @@
 
 During decode, `StopWatch` detokenises only each branch's new tokens
 (incrementally, as vLLM's `detokenize_incrementally`: decode from a few tokens
-back and keep the new suffix; hold back a trailing incomplete UTF-8
-character) and looks for the stop strings in the new text plus the
+back and keep the new suffix; hold back a trailing replacement character for
+up to 3 more tokens, the longest a UTF-8 character can still be completed) and looks for the stop strings in the new text plus the
 `max(len(stop)) - 1` characters before it, so the host can mark the branch
 done at the next chunk boundary. At the end, `cut` keeps the fewest leading
 tokens whose text contains a stop string and the text before it, so tokens
@@ -64,15 +64,30 @@ class IncrementalText:
         self._read = 0  # tokens whose text is already in self.text
 
     def extend(self, tokenizer, new: Sequence[int]) -> str:
-        """Append tokens; returns the new text (possibly '' while a character is incomplete)."""
+        """Append tokens; returns the new text (possibly '' while a character is incomplete).
+
+        The text grows up to the last token after which it does not end in a
+        replacement character, holding back at most 3 tokens (a UTF-8
+        character has at most 4 bytes); a replacement character that no
+        later token can complete is then let through, as the full decode has it.
+        """
         self.tokens.extend(int(t) for t in new)
         before = tokenizer.decode(self.tokens[self._prefix:self._read])
-        after = tokenizer.decode(self.tokens[self._prefix:])
-        if after.endswith("\ufffd") or len(after) < len(before):
-            return ""  # an incomplete multi-byte character: wait for the next tokens
+        end, after = len(self.tokens), ""
+        for hold in range(min(4, len(self.tokens) - self._read + 1)):
+            after = tokenizer.decode(self.tokens[self._prefix:len(self.tokens) - hold])
+            if not after.endswith("\ufffd"):
+                end = len(self.tokens) - hold
+                break
+        else:
+            if len(self.tokens) - self._read < 4:
+                return ""  # wait: the next tokens may complete the character
+            after = tokenizer.decode(self.tokens[self._prefix:])
+        if end <= self._read or len(after) < len(before):
+            return ""
         delta = after[len(before):]
         self.text += delta
-        self._prefix, self._read = max(self._read - 4, 0), len(self.tokens)
+        self._prefix, self._read = max(end - 4, 0), end
         return delta
 
 
