@@ -166,14 +166,16 @@ def _ru_maxrss_bytes():
 
 
 def _engine_sha():
-    """Short hash of jaxsample/engine.py as this worker imports it (the engine evolves)."""
+    """Short hash of the engine's sources as this worker imports them (the engine evolves)."""
+    import glob
     import hashlib
 
-    try:
-        with open(os.path.join(ROOT, "jaxsample", "engine.py"), "rb") as f:
-            return hashlib.sha1(f.read()).hexdigest()[:10]
-    except OSError:
-        return None
+    h = hashlib.sha1()
+    files = sorted(glob.glob(os.path.join(ROOT, "jaxsample", "engine", "*.py")))
+    for name in files:
+        with open(name, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:10] if files else None
 
 
 def _prompt_ids(seed, P, vocab):
@@ -258,60 +260,23 @@ def _nbytes(tree):
 def _naive_tiled(lm, ids, params):
     """The naive engine's decode on N prefix copies made by copying one prefill.
 
-    Mirrors `generate(naive=True)` (rows = N copies of the prompt, one branch
-    each, branch_base = copy index) but prefills once and tiles the cache, to
-    skip N - 1 identical prefills on slow machines. Uses engine internals.
+    `generate(naive=True)` with its N identical prefills replaced by one: a
+    `Session` prefills the prompt once, then one `Round` over N rows that all
+    take that row (the gather copies the prefix N times, as the naive engine
+    holds it), one branch each, branch index = copy index.
     """
-    import jax
-    import jax.numpy as jnp
-
     from jaxsample import engine as E
 
-    cfg, N, T, P = lm.config, params.n, params.max_new_tokens, len(ids)
-    p_cap = E.bucket(P)
-    tokens = np.zeros((1, p_cap), np.int32)
-    tokens[0, :P] = ids
-    lengths = np.array([P], np.int32)
-    st = E._Static(cfg=cfg, n=1, t_cap=E.bucket(T), vocab_limit=lm.vocab_limit,
-                   pad_id=int(lm.tokenizer.pad_token_id))
-    timings = {"compile": 0.0, "prefill": None}
+    N, T = params.n, params.max_new_tokens
     t_start = time.perf_counter()
-    model_params = E.serving_params(lm)
-    args_p = (model_params, jnp.asarray(tokens), jnp.asarray(lengths), None)
-    prog, dt = E.PROGRAMS.get(("prefill", cfg, None),
-                              lambda p, t, n, b: E.prefill(cfg, p, t, n, None, b), args_p)
-    timings["compile"] += dt
-    prefix, last = jax.block_until_ready(prog(*args_p))
-    def rep(kv):  # the row axis: 1 of a stacked [L, B, ...] cache, 0 of per-layer arrays
-        if isinstance(kv, (tuple, list)):
-            return type(kv)(jnp.repeat(a, N, axis=0) for a in kv)
-        return jnp.repeat(kv, N, axis=1)
-
-    prefix = E.PrefixCache(rep(prefix.k), rep(prefix.v), jnp.repeat(prefix.lengths, N, axis=0))
-    last = jnp.repeat(last, N, axis=0)
-    jax.block_until_ready((prefix, last))
-    init, dt = E.PROGRAMS.get(("init", st), lambda l: E.init_state(st, l), (last,))
-    timings["compile"] += dt
-    state = init(last)
-    knobs = E.Knobs(temperature=jnp.float32(params.temperature), top_k=jnp.int32(0),
-                    top_p=jnp.float32(1.0), min_p=jnp.float32(0.0), seed=jnp.uint32(params.seed),
-                    max_new_tokens=jnp.int32(T),
-                    stop_ids=jnp.full((E.MAX_STOP_IDS,), -1, jnp.int32))
-    args_d = (model_params, prefix, state, knobs, jnp.zeros((N,), jnp.int32),
-              jnp.arange(N, dtype=jnp.int32), None)
-    import functools
-
-    prog, dt = E.PROGRAMS.get(("decode", st), functools.partial(E._decode_loop, st), args_d,
-                              donate=(2,))
-    timings["compile"] += dt
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(prog(*args_d))
-    timings["decode"] = time.perf_counter() - t0
-    timings["total"] = time.perf_counter() - t_start
-    out = dict(timings=timings, steps=int(state.t),
-               lengths=np.asarray(state.lengths).reshape(1, N),
-               kv_prefix=_nbytes((prefix.k, prefix.v)), kv_tails=_nbytes((state.tail_k, state.tail_v)))
-    del state, prefix
+    s = E.Session(lm, [ids], params.replace(n=1))
+    rnd = s.round([0] * N, np.arange(N, dtype=np.int32)[:, None])
+    while rnd.run(T):
+        pass
+    timings = dict(s.timings, prefill=None, total=time.perf_counter() - t_start)
+    out = dict(timings=timings, steps=s.decode_steps, lengths=rnd.lengths.reshape(1, N),
+               kv_prefix=_nbytes((rnd.prefix.k, rnd.prefix.v)), kv_tails=rnd.tail_bytes[0])
+    del rnd, s
     return out
 
 
