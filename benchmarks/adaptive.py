@@ -51,7 +51,7 @@ def _se(x) -> float:
     return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else 0.0
 
 
-def _pool(lm, tasks, args, family_index):
+def _pool(lm, tasks, args, family_index, first=0):
     """The fixed pool: max_n branches per problem with top-20 logprobs; returns records, seconds."""
     from jaxsample import answers, generate, stopping
     from jaxsample.sampling import SamplingParams
@@ -61,7 +61,7 @@ def _pool(lm, tasks, args, family_index):
     records, decode_s = [], 0.0
     for start in range(0, len(tasks), args.batch):
         chunk = tasks[start:start + args.batch]
-        offset = family_index * 10_000 + start
+        offset = family_index * 10_000 + first + start
         gen = generate(lm, [t.prompt for t in chunk], params, chat=True, prompt_index_offset=offset)
         decode_s += gen.timings["decode"]
         mlp = gen.mean_logprob()
@@ -75,11 +75,10 @@ def _pool(lm, tasks, args, family_index):
                 "mean_logprob": [float(x) for x in mlp[b]],
                 "lengths": [int(x) for x in gen.bill.decoded_tokens_per_branch[b]],
                 "token_conf": [c.round(5).tolist() for c in conf]})
-        print(f"  pool {start + len(chunk)}/{len(tasks)}: decode {decode_s:.1f} s", flush=True)
     return records, decode_s
 
 
-def _timed_fixed(lm, tasks, args, family_index, n):
+def _timed_fixed(lm, tasks, args, family_index, n, first=0):
     """Decode wall time and decoded tokens of fixed-N self-consistency (measured)."""
     from jaxsample import generate
     from jaxsample.sampling import SamplingParams
@@ -90,13 +89,13 @@ def _timed_fixed(lm, tasks, args, family_index, n):
     for start in range(0, len(tasks), args.batch):
         chunk = tasks[start:start + args.batch]
         gen = generate(lm, [t.prompt for t in chunk], params, chat=True,
-                       prompt_index_offset=family_index * 10_000 + start)
+                       prompt_index_offset=family_index * 10_000 + first + start)
         decode_s += gen.timings["decode"]
         tokens += gen.bill.decoded_tokens_total
     return decode_s, tokens
 
 
-def _online(lm, tasks, args, family_index, rule, confidence):
+def _online(lm, tasks, args, family_index, rule, confidence, first=0):
     from jaxsample import adaptive_self_consistency
     from jaxsample.sampling import SamplingParams
 
@@ -109,7 +108,7 @@ def _online(lm, tasks, args, family_index, rule, confidence):
             lm, [t.prompt for t in chunk], params, max_n=args.max_n, window=args.window,
             rule=rule, threshold=args.threshold, confidence=confidence, warmup=args.warmup,
             group_size=args.group_size, extract="number", chat=True,
-            prompt_index_offset=family_index * 10_000 + start)
+            prompt_index_offset=family_index * 10_000 + first + start)
         decode_s += res.generation.timings["decode"]
         for b, task in enumerate(chunk):
             out.append({"winner": res.winner[b], "correct": res.winner[b] == task.answer,
@@ -312,18 +311,27 @@ def main(argv=None):
         t_all = time.perf_counter()
         for fi, fam in enumerate(args.families.split(",")):
             tasks = make_tasks(fam, args.problems, args.task_seed)
-            print(f"{fam}: pool of {args.max_n}", flush=True)
-            pool, pool_s = _pool(lm, tasks, args, fi)
-            f = {"pool": pool, "pool_decode_s": pool_s, "timed": {}, "online": {}}
-            for n in [int(x) for x in args.time_n.split(",") if x]:
-                s, tok = _timed_fixed(lm, tasks, args, fi, n)
-                f["timed"][n] = s
-                print(f"  fixed n={n}: decode {s:.1f} s, {tok} tokens", flush=True)
-            for name, rule, conf in ONLINE:
-                probs, s = _online(lm, tasks, args, fi, rule, conf)
-                f["online"][name] = {"problems": probs, "decode_s": s}
-                print(f"  {name}: decode {s:.1f} s, acc {np.mean([p['correct'] for p in probs]):.3f}, "
-                      f"n_used {np.mean([p['n_used'] for p in probs]):.1f}", flush=True)
+            f = {"pool": [], "pool_decode_s": 0.0, "timed": {}, "online": {}}
+            # Batch by batch, every method on the same problems one after the other, so
+            # the decode times compared were measured under the same machine load.
+            for start in range(0, len(tasks), args.batch):
+                part = tasks[start:start + args.batch]
+                sub = argparse.Namespace(**{**vars(args), "batch": len(part)})
+                offset_fi = fi  # prompt_index_offset = family * 10000 + problem index
+                pool, s = _pool(lm, part, sub, offset_fi, start)
+                f["pool"] += pool
+                f["pool_decode_s"] += s
+                for n in [int(x) for x in args.time_n.split(",") if x]:
+                    s, _ = _timed_fixed(lm, part, sub, offset_fi, n, start)
+                    f["timed"][n] = f["timed"].get(n, 0.0) + s
+                for name, rule, conf in ONLINE:
+                    probs, s = _online(lm, part, sub, offset_fi, rule, conf, start)
+                    on = f["online"].setdefault(name, {"problems": [], "decode_s": 0.0})
+                    on["problems"] += probs
+                    on["decode_s"] += s
+                print(f"{fam} {start + len(part)}/{len(tasks)}: pool {f['pool_decode_s']:.1f} s; "
+                      + "; ".join(f"{k} {v['decode_s']:.1f} s" for k, v in f["online"].items()),
+                      flush=True)
             data["families"][fam] = f
         data["wall_s"] = time.perf_counter() - t_all
         args.out.parent.mkdir(parents=True, exist_ok=True)
