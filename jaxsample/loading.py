@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxsample.errors import ConfigError, ModelLoadError
 from jaxsample.lm import LanguageModel
-from models import llama, registry
+from models import families, registry
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -68,7 +68,7 @@ def _load_cached(path: str, mtime_ns: int, dtype: str, name: str | None) -> Lang
                              f"{registry.known_names()}")
     # The serving layout: one dict per layer (see models.llama.run_layers).
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=cfg.jnp_dtype),
-                                    llama.unstack_layers(params))
+                                    families.module_for(cfg).unstack_layers(params))
     return LanguageModel(config=cfg, params=params, tokenizer=tokenizer,
                          name=name or default_name, source=path)
 
