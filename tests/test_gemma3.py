@@ -42,7 +42,7 @@ TINY_TEXTS = ["Hello tiny world!", "café ☕ 日本 🙂", "  two  spaces\n\nan
               "<start_of_turn>user\nhi<end_of_turn>\n", "[INST] hi there [/INST] ok", "ünïcødé ∑ ✓"]
 
 
-def load(name_or_path):
+def load(name_or_path, dtype="float32"):
     """`jaxsample.load` without its per-process cache.
 
     The same code path (name -> registry path -> loader -> serving layout), but
@@ -52,10 +52,10 @@ def load(name_or_path):
     """
     name = str(name_or_path).lower()
     if name in registry.EMBEDDED_MODELS:
-        return loading._load_cached.__wrapped__(str(registry.embedded_path(name)), 0,
-                                                "float32", name)
+        return loading._load_cached.__wrapped__(str(registry.embedded_path(name)), 0, dtype,
+                                                name)
     path = pathlib.Path(name_or_path).resolve()
-    return loading._load_cached.__wrapped__(str(path), 0, "float32", None)
+    return loading._load_cached.__wrapped__(str(path), 0, dtype, None)
 
 
 def _gemma_installed() -> bool:
@@ -90,6 +90,15 @@ def test_tiny_hf_checkpoints_match_transformers(name):
     ref = TINY[f"{name}/logits"]
     assert np.abs(ref).max() > 1.0  # the random model is not trivially flat
     np.testing.assert_allclose(_tiny_logits(model), ref, atol=TINY_ATOL, rtol=0)
+
+
+def test_tiny_bfloat16_smoke():
+    model = load(DATA / "tiny_gemma3_mqa", dtype="bfloat16")
+    assert model.params["layers"][0]["q_norm"].dtype.name == "bfloat16"
+    ref = TINY["tiny_gemma3_mqa/logits"]
+    got = _tiny_logits(model)
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    assert np.abs(got - ref).max() < 0.1 * np.abs(ref).max()
 
 
 def test_tiny_hf_configs():
