@@ -1,8 +1,9 @@
 """`LanguageModel`: a model config, its parameters and its tokenizer, bundled.
 
-The engine depends on a model only through the functions of
-`models.llama` (embed, qkv, attn_out_and_mlp, logits, run_layers) and on the
-tokenizer only through `encode`, `decode`, `apply_chat_template`,
+The engine depends on a model only through the functions of its family's
+module (`models.families.module_for(config)`: `models.llama` or
+`models.gemma3`; embed, run_layers, logits, ...) and on the tokenizer only
+through `encode`, `decode`, `apply_chat_template`,
 `eos_token_ids`, `pad_token_id` and `vocab_size`.
 """
 
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import llama
+from models import families
 
 
 class Tokenizer(Protocol):
@@ -39,14 +40,15 @@ class LanguageModel:
     """A loaded causal language model.
 
     Attributes:
-      config: the `models.llama.LlamaConfig`.
-      params: the parameter pytree (see `models.llama.param_shapes`).
+      config: the model config (`models.llama.LlamaConfig` or
+        `models.gemma3.Gemma3Config`; `models.families.module_for(config)` runs it).
+      params: the parameter pytree (see the family's `param_shapes`).
       tokenizer: the checkpoint's own tokenizer.
       name: a short name ("smollm2-135m-instruct" or the file name).
       source: where the weights came from (a path), for messages and bills.
     """
 
-    config: llama.LlamaConfig
+    config: families.ModelConfig
     params: Any
     tokenizer: Tokenizer
     name: str = "model"
@@ -83,4 +85,4 @@ class LanguageModel:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(cfg, params, tokens):
-    return llama.forward(cfg, params, tokens)
+    return families.module_for(cfg).forward(cfg, params, tokens)

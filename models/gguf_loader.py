@@ -18,6 +18,9 @@ rotate-half), so nothing is undone for them.
 Llama-3 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor
 of per-frequency divisors, not as parameters; the parameters are recovered
 by matching the divisors against the Llama-3 formula (`_llama3_from_factors`).
+
+`general.architecture = gemma3` files are configured and mapped by
+`models.gemma3_loader` (`load_gguf` dispatches on the architecture).
 """
 
 from __future__ import annotations
@@ -171,7 +174,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: 
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
             f"{source}: architecture {checks.short_repr(arch)} is not supported; supported: "
-            f"{list(SUPPORTED_ARCHS)}")
+            f"{list(SUPPORTED_ARCHS) + ['gemma3']}")
 
     def what(key):
         return f"{source}: {arch}.{key}"
@@ -278,6 +281,26 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: 
     return cfg
 
 
+def dequantize_tensor(t, source: str) -> np.ndarray:
+    """One GGUF tensor dequantised to float32 numpy in GGUF's row order (`[out, in]` for matrices).
+
+    Raises:
+      ModelLoadError: the `gguf` package cannot dequantise it (the message names
+        the file, the tensor and its type), or it holds NaN or inf.
+    """
+    import gguf
+
+    try:
+        a = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"{source}: cannot dequantise tensor {t.name} "
+                             f"({t.tensor_type.name}): {type(e).__name__}: {e}") from e
+    if not np.isfinite(a).all():
+        raise ModelLoadError(f"{source}: tensor {t.name} holds {int((~np.isfinite(a)).sum())} "
+                             "non-finite values (NaN or inf); the checkpoint is corrupt")
+    return a
+
+
 def load_gguf_params(reader, cfg: llama.LlamaConfig, source: str) -> dict[str, Any]:
     """Dequantise and map every tensor into the stacked `[in, out]` pytree (numpy float32).
 
@@ -286,8 +309,6 @@ def load_gguf_params(reader, cfg: llama.LlamaConfig, source: str) -> dict[str, A
         output head does not match the embedding; UnsupportedModelError: an
         unknown tensor.
     """
-    import gguf
-
     shapes = llama.param_shapes(cfg)
     layers = {k: np.empty(s, np.float32) for k, s in shapes["layers"].items()}
     filled: set[tuple[str, int]] = set()
@@ -296,14 +317,7 @@ def load_gguf_params(reader, cfg: llama.LlamaConfig, source: str) -> dict[str, A
 
     for t in reader.tensors:
         name = t.name
-        try:
-            a = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-        except Exception as e:  # noqa: BLE001
-            raise ModelLoadError(f"{source}: cannot dequantise tensor {name} "
-                                 f"({t.tensor_type.name}): {type(e).__name__}: {e}") from e
-        if not np.isfinite(a).all():
-            raise ModelLoadError(f"{source}: tensor {name} holds {int((~np.isfinite(a)).sum())} "
-                                 "non-finite values (NaN or inf); the checkpoint is corrupt")
+        a = dequantize_tensor(t, source)
         if name == "token_embd.weight":
             params["embed"] = a
         elif name == "output_norm.weight":
@@ -359,8 +373,9 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32"):
       path: the `.gguf` file.
       dtype: "float32" or "bfloat16" for the parameters.
     Returns:
-      (cfg `LlamaConfig`, params pytree of numpy float32 `[in, out]` arrays,
-       tokenizer `CheckpointTokenizer`).
+      (cfg `LlamaConfig`, or `Gemma3Config` for `general.architecture = gemma3`
+       (see `models.gemma3_loader`), params pytree of numpy float32 `[in, out]`
+       arrays, tokenizer `CheckpointTokenizer`).
     Raises:
       ModelLoadError / UnsupportedModelError: see `read_gguf`,
         `config_from_metadata`, `load_gguf_params`; every message names the file.
@@ -368,10 +383,17 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32"):
     source = str(path)
     reader, meta = read_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
-    cfg = config_from_metadata(meta, tensors, source, dtype=dtype)
+    load_params = load_gguf_params
+    if meta.get("general.architecture") == "gemma3":
+        from models import gemma3_loader
+
+        cfg = gemma3_loader.config_from_gguf_metadata(meta, tensors, source, dtype=dtype)
+        load_params = gemma3_loader.params_from_gguf
+    else:
+        cfg = config_from_metadata(meta, tensors, source, dtype=dtype)
     tokenizer = CheckpointTokenizer.from_gguf_metadata(meta, source)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the "
                              f"embedding only {cfg.vocab_size} rows")
-    params = load_gguf_params(reader, cfg, source)
+    params = load_params(reader, cfg, source)
     return cfg, params, tokenizer

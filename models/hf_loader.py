@@ -1,7 +1,8 @@
 """Load a Hugging Face model directory (config.json + *.safetensors + tokenizer.json).
 
 Architectures: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`
-(q/k/v bias). Weights are read with the `safetensors` package as numpy
+(q/k/v bias), and `Gemma3ForCausalLM` (through `models.gemma3_loader`).
+Weights are read with the `safetensors` package as numpy
 (BF16, which numpy lacks, is widened to float32 from the raw bytes) and
 transposed from PyTorch's `Linear.weight [out, in]` to our `[in, out]`.
 
@@ -109,7 +110,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> l
     arch_name = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch_name is None:
         raise UnsupportedModelError(f"{source}: architectures {archs} not supported; supported: "
-                                    f"{sorted(SUPPORTED_ARCHITECTURES)}")
+                                    f"{sorted(SUPPORTED_ARCHITECTURES) + ['Gemma3ForCausalLM']}")
     arch = SUPPORTED_ARCHITECTURES[arch_name]
 
     def what(key):
@@ -273,7 +274,10 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: str = "float32"):
     if not isinstance(hf, dict):
         raise ModelLoadError(f"{cfg_path}: the top level must be a JSON object, "
                              f"got a JSON {_json_kind(hf)}")
-    cfg = config_from_hf(hf, source, dtype=dtype)
+    from models import gemma3_loader
+
+    gemma = gemma3_loader.is_gemma3_hf(hf)
+    cfg = (gemma3_loader.config_from_hf if gemma else config_from_hf)(hf, source, dtype=dtype)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (PyTorch .bin files are not supported)")
@@ -281,7 +285,8 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: str = "float32"):
     for f in files:
         tensors.update(_read_safetensors(f))
     tokenizer = CheckpointTokenizer.from_hf_dir(path)
-    return cfg, params_from_hf_tensors(cfg, tensors, source), tokenizer
+    to_params = gemma3_loader.params_from_hf_tensors if gemma else params_from_hf_tensors
+    return cfg, to_params(cfg, tensors, source), tokenizer
 
 
 def params_from_hf_tensors(cfg: llama.LlamaConfig, tensors: dict[str, np.ndarray],

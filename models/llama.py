@@ -26,17 +26,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Params = dict[str, Any]
-# attend(q [S, H, D], k [S, K, D], v [S, K, D]) -> out [S, H, D]
-AttendFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+from models import common
+# Shared building blocks, re-exported under their historical names.
+from models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
+                           merge_attention, partial_attention, rms_norm, stack_layers,
+                           unstack_layers)
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_DTYPES = common.DTYPES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,10 +98,17 @@ class LlamaConfig:
         softmax, norms and logits are always accumulated in float32.
       arch: the architecture name the checkpoint declared (informational).
 
+    Class attribute `family = "llama"` names the module that runs this config
+    (`models.families.module_for`); the properties `layer_windows` (all None:
+    every layer is global) and `attention_scale` (`1/sqrt(D)`) are the
+    engine-facing fields it shares with `models.gemma3.Gemma3Config`.
+
     Raises:
       ValueError: on construction, a field outside the rules above (naming
         the field and the value).
     """
+
+    family: ClassVar[str] = "llama"
 
     vocab_size: int
     dim: int
@@ -150,6 +159,16 @@ class LlamaConfig:
         """G = H / K, query heads sharing one kv head."""
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def layer_windows(self) -> tuple[None, ...]:
+        """Per-layer sliding window: None for every layer (all global)."""
+        return (None,) * self.n_layers
+
+    @property
+    def attention_scale(self) -> float:
+        """The attention score scale, `1/sqrt(D)`."""
+        return 1.0 / math.sqrt(self.head_dim)
+
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
 
@@ -163,16 +182,8 @@ def init_params(cfg: LlamaConfig, key: jax.Array, scale: float = 0.02) -> Params
 
     Returns the same pytree the loaders produce: see `param_shapes`.
     """
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for k, shape in zip(keys, leaves):
-        if len(shape) >= 1 and _is_norm_shape(shape, cfg):
-            out.append(jnp.ones(shape, cfg.jnp_dtype))
-        else:
-            out.append((scale * jax.random.normal(k, shape, jnp.float32)).astype(cfg.jnp_dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return common.init_from_shapes(param_shapes(cfg), key, scale, cfg.jnp_dtype,
+                                   lambda _, shape: _is_norm_shape(shape, cfg), 1.0)
 
 
 def _is_norm_shape(shape, cfg):
@@ -208,42 +219,16 @@ def check_params(cfg: LlamaConfig, params: Params, source: str = "params") -> No
 
     Accepts both the stacked and the list layout of `params["layers"]`.
     """
-    shapes = param_shapes(cfg)
-    if isinstance(params.get("layers"), (list, tuple)):
-        if len(params["layers"]) != cfg.n_layers:
-            raise ValueError(f"{source}: {len(params['layers'])} layers, expected {cfg.n_layers}")
-        shapes["layers"] = [{k: s[1:] for k, s in shapes["layers"].items()}
-                            for _ in range(cfg.n_layers)]
-    want = jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda s: isinstance(s, tuple))[0]
-    want = {jax.tree_util.keystr(p): s for p, s in want}
-    have = {jax.tree_util.keystr(p): tuple(a.shape)
-            for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
-    for name, shape in want.items():
-        if name not in have:
-            raise ValueError(f"{source}: missing tensor {name} (expected shape {shape})")
-        if have[name] != shape:
-            raise ValueError(f"{source}: tensor {name} has shape {have[name]}, expected {shape}")
-    extra = sorted(set(have) - set(want))
-    if extra:
-        raise ValueError(f"{source}: unexpected tensors {extra}")
+    common.check_params_against(param_shapes(cfg), cfg.n_layers, params, source)
 
 
 # ---------------------------------------------------------------------------
 # Building blocks (one sequence: x [S, E])
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, cast back to x's dtype."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
-
-
 def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
     """Inverse frequencies `[D/2]` float32, with Llama-3 scaling if configured."""
-    D = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    inv_freq = common.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
     s = cfg.rope_scaling
     if s is not None:
         low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
@@ -256,25 +241,6 @@ def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(is_mid, mid, scaled)
     return inv_freq.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (Hugging Face convention).
-
-    Args:
-      x: `[S, heads, D]`.
-      positions: `[S]` int32 absolute positions.
-      inv_freq: `[D/2]` from `rope_frequencies`.
-    Returns:
-      `[S, heads, D]`, same dtype as x (rotation computed in float32).
-    """
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [S, D/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -337,76 +303,6 @@ def logits(cfg: LlamaConfig, params: Params, x: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------
-# Attention kernels
-
-
-def partial_attention(q, k, v, mask):
-    """Un-normalised attention over one segment of keys (for log-sum-exp merges).
-
-    Keys and values are in kv-head-major layout `[K, M, D]` (the KV caches'
-    layout), so both products are canonical batched matmuls with K as the
-    batch dimension and no transpose of the cache is ever needed.
-
-    Args:
-      q: `[S, H, D]`; k, v: `[K, M, D]`; mask: `[S, M]` bool (True = may attend).
-    Returns:
-      (out `[S, H, D]` float32 normalised within the segment,
-       lse `[S, H]` float32 log-sum-exp of the segment's scores, -inf where
-       the segment has no visible key).
-    """
-    S, H, D = q.shape
-    K, M = k.shape[0], k.shape[1]
-    G = H // K
-    # [S, H, D] -> [K, G*S, D]: query heads sharing a kv head are one matmul's rows.
-    qg = q.reshape(S, K, G, D).transpose(1, 2, 0, 3).reshape(K, G * S, D)
-    qg = qg * jnp.asarray(1.0 / math.sqrt(D), qg.dtype)
-    scores = jnp.einsum("kqd,kmd->kqm", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[None, None], scores.reshape(K, G, S, M), -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(scores - m_safe)  # exactly 0 at masked keys
-    denom = jnp.sum(p, axis=-1, keepdims=True)  # [K, G, S, 1]
-    # p is cast to the cache dtype (not the cache to float32: no f32 copy of a
-    # bf16 cache per step); the product accumulates in float32.
-    out = jnp.einsum("kqm,kmd->kqd", p.reshape(K, G * S, M).astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    out = out.reshape(K, G, S, D) / safe
-    lse = jnp.where(denom > 0, jnp.log(safe) + m_safe, -jnp.inf)[..., 0]  # [K, G, S]
-    return out.transpose(2, 0, 1, 3).reshape(S, H, D), lse.transpose(2, 0, 1).reshape(S, H)
-
-
-def merge_attention(parts):
-    """Merge partial attentions `[(out [S, H, D], lse [S, H]), ...]` by log-sum-exp.
-
-    The decomposition of Hydragen (Juravsky et al. 2024) and FlashInfer's
-    cascade attention: softmax over the union of segments equals the
-    lse-weighted average of the per-segment softmaxes.
-    """
-    lses = jnp.stack([lse for _, lse in parts])  # [n, S, H]
-    total = jnp.max(lses, axis=0)
-    total_safe = jnp.where(jnp.isfinite(total), total, 0.0)
-    w = jnp.exp(lses - total_safe)  # [n, S, H]
-    w = w / jnp.maximum(jnp.sum(w, axis=0), 1e-30)
-    return sum(wi[..., None] * out for wi, (out, _) in zip(w, parts))
-
-
-def causal_attend(valid_len: jax.Array | None = None) -> AttendFn:
-    """Plain causal self-attention within the call, keys `< valid_len` only."""
-
-    def attend(q, k, v):
-        S = q.shape[0]
-        pos = jnp.arange(S)
-        mask = pos[None, :] <= pos[:, None]
-        if valid_len is not None:
-            mask = mask & (pos[None, :] < valid_len)
-        out, _ = partial_attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), mask)
-        return out.astype(q.dtype)
-
-    return attend
-
-
-# ---------------------------------------------------------------------------
 # Whole model
 
 
@@ -434,47 +330,23 @@ def run_layers(cfg: LlamaConfig, params: Params, x, positions, attend_for_layer,
       (x `[S, E]`, (k, v)): with stacked params k, v are `[L, S, K, D]`; with
       list params they are lists of L arrays `[S, K, D]`.
     """
-    layers = params["layers"]
-    if isinstance(layers, (list, tuple)):
-        ks, vs = [], []
-        for l, lp in enumerate(layers):
-            lx = None if layer_xs is None else layer_xs[l]
-            x, (k, v) = layer(cfg, lp, x, positions, attend_for_layer(lx))
-            if post_layer is not None:
-                x = post_layer(x, jax.tree_util.tree_map(lambda a: a[l], post_xs))
-            ks.append(k)
-            vs.append(v)
-        return x, (ks, vs)
-
-    def body(x, xs):
-        lp, lx, px = xs
-        x, kv = layer(cfg, lp, x, positions, attend_for_layer(lx))
-        if post_layer is not None:
-            x = post_layer(x, px)
-        return x, kv
-
-    return jax.lax.scan(body, x, (layers, layer_xs, post_xs))
+    return common.run_layer_stack(
+        lambda lp, x, attend, _: layer(cfg, lp, x, positions, attend), params["layers"], x,
+        attend_for_layer, layer_xs, post_layer, post_xs)
 
 
-def unstack_layers(params: Params) -> Params:
-    """Stacked layout (`layers` leaves `[L, ...]`) -> list layout (L dicts); idempotent."""
-    layers = params["layers"]
-    if isinstance(layers, (list, tuple)):
-        return params
-    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-    out = dict(params)
-    out["layers"] = [jax.tree_util.tree_map(lambda a: a[l], layers) for l in range(n)]
-    return out
+def run_causal(cfg: LlamaConfig, params: Params, x, positions, valid_len=None, post_layer=None,
+               post_xs=None):
+    """`run_layers` with plain causal attention within the call (prefill, scoring, the oracle).
 
-
-def stack_layers(params: Params) -> Params:
-    """List layout -> stacked layout (leaves `[L, ...]`); idempotent."""
-    layers = params["layers"]
-    if not isinstance(layers, (list, tuple)):
-        return params
-    out = dict(params)
-    out["layers"] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
-    return out
+    Args:
+      x: `[S, E]`; positions: `[S]` int32; valid_len: `[]` int32 or None (keys
+        at call positions `>= valid_len` are masked).
+    Returns:
+      As `run_layers`.
+    """
+    return run_layers(cfg, params, x, positions, lambda _: causal_attend(valid_len),
+                      post_layer=post_layer, post_xs=post_xs)
 
 
 def forward_one(cfg: LlamaConfig, params: Params, tokens: jax.Array, valid_len=None):
@@ -485,7 +357,7 @@ def forward_one(cfg: LlamaConfig, params: Params, tokens: jax.Array, valid_len=N
     S = tokens.shape[0]
     positions = jnp.arange(S, dtype=jnp.int32)
     x = embed(params, tokens)
-    x, kv = run_layers(cfg, params, x, positions, lambda _: causal_attend(valid_len))
+    x, kv = run_causal(cfg, params, x, positions, valid_len)
     return logits(cfg, params, x), kv
 
 

