@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxsample.engine.state import PrefixCache
-from models import llama
+from models import families
 
 
-def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Array,
-            post_layer=None, bridge_params=None):
+def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
+            bridge_params=None):
     """Prefill R right-padded prompts, once each.
 
     With a Bridge, every branch holds the same hidden state at prompt
@@ -19,7 +19,8 @@ def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Arra
     this single copy (`post_layer` built with no branch axes).
 
     Args:
-      cfg: the model config.
+      cfg: the model config (any family: `models.families.module_for`); local
+        (sliding-window) layers attend within their window.
       params: the model parameters (either layout, see `llama.run_layers`).
       tokens: `[R, P]` int32, right-padded; lengths: `[R]` int32, each >= 1.
       post_layer, bridge_params: the optional Bridge hook and its `[L, ...]` params.
@@ -27,15 +28,16 @@ def prefill(cfg: llama.LlamaConfig, params, tokens: jax.Array, lengths: jax.Arra
       (PrefixCache with k, v L x `[R, K, P, D]`, last-position logits `[R, V]` float32).
     """
 
+    fam = families.module_for(cfg)
+
     def one(toks, length):
         positions = jnp.arange(toks.shape[0], dtype=jnp.int32)
-        x = llama.embed(params, toks)
-        x, (k, v) = llama.run_layers(cfg, params, x, positions,
-                                     lambda _: llama.causal_attend(length),
-                                     post_layer=post_layer, post_xs=bridge_params)
+        x = fam.embed(params, toks)
+        x, (k, v) = fam.run_causal(cfg, params, x, positions, length, post_layer=post_layer,
+                                   post_xs=bridge_params)
         last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
         # L x [P, K, D] -> L x [K, P, D], once per prompt.
-        return (llama.logits(cfg, params, last), tuple(a.swapaxes(0, 1) for a in k),
+        return (fam.logits(cfg, params, last), tuple(a.swapaxes(0, 1) for a in k),
                 tuple(a.swapaxes(0, 1) for a in v))
 
     logits, k, v = jax.vmap(one)(tokens, lengths)

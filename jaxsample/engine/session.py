@@ -32,7 +32,7 @@ from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling import SamplingParams
 from jaxsample.sharding import BRANCH_AXIS, DATA_AXIS, LOCAL_BRANCH_AXIS
-from models import llama
+from models import families
 
 # ---------------------------------------------------------------------------
 # Parameters and placement
@@ -49,7 +49,7 @@ def serving_params(lm: LanguageModel):
     if isinstance(lm.params["layers"], (list, tuple)):
         return lm.params
     if lm not in _SERVING:
-        _SERVING[lm] = llama.unstack_layers(lm.params)
+        _SERVING[lm] = families.module_for(lm.config).unstack_layers(lm.params)
     return _SERVING[lm]
 
 

@@ -15,12 +15,16 @@ import jax.numpy as jnp
 
 from jaxsample import sampling
 from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
-from models import llama
+from models import common, families
 
 
 def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, post_layer=None,
                 bridge_params=None):
     """One decode step of one branch (vmapped over branches and rows).
+
+    Any model family (`models.families.module_for(cfg)`). On a local layer of
+    window w (`cfg.layer_windows[l]`) the token at position p = prefix_len + t
+    attends to positions in (p - w, p] only, across the prefix/tail boundary.
 
     Args:
       token: `[]` int32 the token to feed; position: `[]` int32 its position.
@@ -33,28 +37,36 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
     Returns:
       (logits `[V]` float32, new k L x `[K, D]`, new v L x `[K, D]`).
     """
+    fam = families.module_for(cfg)
     P, T = pk[0].shape[1], tk[0].shape[1]
-    prefix_mask = (jnp.arange(P) < prefix_len)[None, :]
-    tail_mask = (jnp.arange(T) < t)[None, :]
+    prefix_pos, tail_slot = jnp.arange(P), jnp.arange(T)
+    scale = cfg.attention_scale
     self_mask = jnp.ones((1, 1), bool)
 
     def attend_for_layer(xs):
-        lpk, lpv, ltk, ltv = xs
+        lpk, lpv, ltk, ltv, window = xs
+        prefix_mask = prefix_pos < prefix_len
+        tail_mask = tail_slot < t
+        if window is not None:  # keys at positions > p - w, p = prefix_len + t
+            prefix_mask &= prefix_pos > position - window
+            tail_mask &= tail_slot > t - window
 
         def attend(q, k, v):
-            out = llama.merge_attention([
-                llama.partial_attention(q, lpk, lpv, prefix_mask),
-                llama.partial_attention(q, ltk, ltv, tail_mask),
-                llama.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask),
+            out = common.merge_attention([
+                common.partial_attention(q, lpk, lpv, prefix_mask[None], scale),
+                common.partial_attention(q, ltk, ltv, tail_mask[None], scale),
+                common.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask,
+                                         scale),
             ])
             return out.astype(q.dtype)
 
         return attend
 
-    x = llama.embed(params, token[None])
-    x, (k, v) = llama.run_layers(cfg, params, x, position[None], attend_for_layer,
-                                 list(zip(pk, pv, tk, tv)), post_layer, bridge_params)
-    return llama.logits(cfg, params, x[0]), [a[0] for a in k], [a[0] for a in v]
+    x = fam.embed(params, token[None])
+    x, (k, v) = fam.run_layers(cfg, params, x, position[None], attend_for_layer,
+                               list(zip(pk, pv, tk, tv, cfg.layer_windows)), post_layer,
+                               bridge_params)
+    return fam.logits(cfg, params, x[0]), [a[0] for a in k], [a[0] for a in v]
 
 
 def all_done(st: Static, done: jax.Array) -> jax.Array:
