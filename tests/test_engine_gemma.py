@@ -24,7 +24,8 @@ from conftest import byte_tokenizer
 
 PROMPTS = ["a prompt longer than the window", "hi", "sliding windows, tails > 8"]
 PATTERNS = {"5 local : 1 global": gemma3.layer_pattern(6, 8),
-            "mixed windows": (8, None, 4, None, 8, 3)}
+            "mixed windows": (8, None, 4, None, 8, 3),
+            "windows of 1 and 2": (1, None, 2, 8, None, 8)}
 
 
 def tiny_gemma(windows) -> LanguageModel:
@@ -41,6 +42,12 @@ def glm(request):
     return tiny_gemma(PATTERNS[request.param])
 
 
+@pytest.fixture(scope="module")
+def glm1():
+    """One pattern for the checks that compare engines (they cost most)."""
+    return tiny_gemma(PATTERNS["mixed windows"])
+
+
 def _forward_logprobs(lm, prompt, gen):
     width = 96
     seq = list(prompt) + list(gen)
@@ -50,7 +57,8 @@ def _forward_logprobs(lm, prompt, gen):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
 
 
-def test_the_window_matters(glm):
+def test_the_window_matters(glm1):
+    glm = glm1
     """Control: the tiny model's windows change its logits (else the tests prove nothing)."""
     ids = np.array([glm.tokenizer.encode(PROMPTS[0])], np.int32)
     wide = LanguageModel(config=glm.config.replace(layer_windows=(None,) * 6), params=glm.params,
@@ -72,7 +80,8 @@ def test_logprobs_equal_the_windowed_forward(glm):
     assert checked >= 9 * 20  # tails well past the window of 8
 
 
-def test_greedy_equals_repeated_forward(glm):
+def test_greedy_equals_repeated_forward(glm1):
+    glm = glm1
     g = engine.generate(glm, PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=20,
                                                      seed=0, stop_token_ids=[]))
     for b in range(3):
@@ -88,7 +97,22 @@ def test_greedy_equals_repeated_forward(glm):
             seq.append(best)
 
 
-def test_shared_equals_naive_chunked_and_sharded(glm):
+def test_local_layers_store_only_their_window(glm):
+    """Prefix and tails of a local layer hold min(size, w - 1) positions; the bill says so."""
+    params = SamplingParams(n=2, max_new_tokens=24, seed=1)
+    g = engine.generate(glm, PROMPTS, params)
+    cfg = glm.config
+    kv = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # k and v bytes per position and layer
+    P, T = engine.bucket(max(len(p) for p in g.prompt_tokens)), engine.bucket(24)
+    ext = lambda n, w: n if w is None else max(min(n, w - 1), 1)
+    assert g.bill.kv_bytes_shared_prefix == 3 * kv * sum(ext(P, w) for w in cfg.layer_windows)
+    assert g.bill.kv_bytes_tails == 3 * 2 * kv * sum(ext(T, w) for w in cfg.layer_windows)
+    full = 3 * kv * cfg.n_layers * P
+    assert g.bill.kv_bytes_shared_prefix < full
+
+
+def test_shared_equals_naive_chunked_and_sharded(glm1):
+    glm = glm1
     params = SamplingParams(n=4, max_new_tokens=16, seed=5, top_p=0.9)
     ref = engine.generate(glm, PROMPTS, params)
     assert_same_tokens_up_to_ties(glm, ref, engine.generate(glm, PROMPTS, params, naive=True))

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxsample.engine.prefill import window_extent
 from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
 from jaxsample.engine.step import all_done, branch_keys, make_step
 
@@ -56,8 +57,8 @@ def init_state(st: Static, last_logits: jax.Array, prompt_index: jax.Array,
     """
     cfg = st.cfg
     R, N, T, k = last_logits.shape[0], branch_ids.shape[1], st.t_cap, st.top_logprobs
-    tail = tuple(jnp.zeros((R, N, cfg.n_kv_heads, T, cfg.head_dim), cfg.jnp_dtype)
-                 for _ in range(cfg.n_layers))
+    tail = tuple(jnp.zeros((R, N, cfg.n_kv_heads, window_extent(T, w), cfg.head_dim),
+                           cfg.jnp_dtype) for w in cfg.layer_windows)
     return DecodeState(
         t=jnp.zeros((), jnp.int32),
         logits=jnp.broadcast_to(last_logits[:, None], (R, N, last_logits.shape[-1])),

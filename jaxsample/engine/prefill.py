@@ -25,7 +25,9 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
       tokens: `[R, P]` int32, right-padded; lengths: `[R]` int32, each >= 1.
       post_layer, bridge_params: the optional Bridge hook and its `[L, ...]` params.
     Returns:
-      (PrefixCache with k, v L x `[R, K, P, D]`, last-position logits `[R, V]` float32).
+      (PrefixCache with k, v L x `[R, K, P_l, D]`, last-position logits `[R, V]`
+      float32): P_l = P on global layers, `window_extent(P, w)` on a local
+      layer of window w (its last positions, see `keep_window`).
     """
 
     fam = families.module_for(cfg)
@@ -36,12 +38,39 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
         x, (k, v) = fam.run_causal(cfg, params, x, positions, length, post_layer=post_layer,
                                    post_xs=bridge_params)
         last = jax.lax.dynamic_index_in_dim(x, length - 1, axis=0, keepdims=False)
-        # L x [P, K, D] -> L x [K, P, D], once per prompt.
+        k = [keep_window(a, length, w) for a, w in zip(k, cfg.layer_windows)]
+        v = [keep_window(a, length, w) for a, w in zip(v, cfg.layer_windows)]
+        # L x [P_l, K, D] -> L x [K, P_l, D], once per prompt.
         return (fam.logits(cfg, params, last), tuple(a.swapaxes(0, 1) for a in k),
                 tuple(a.swapaxes(0, 1) for a in v))
 
     logits, k, v = jax.vmap(one)(tokens, lengths)
     return PrefixCache(k, v, lengths), logits
+
+
+def window_extent(size: int, window: int | None) -> int:
+    """Cache slots a layer needs for `size` positions: all of them on a global layer,
+    at most w - 1 on a local layer of window w (the token being fed is the w-th key).
+
+    The same rule sizes a local layer's tail, then a ring buffer written at slot
+    t mod extent: it holds exactly the w - 1 most recent tail positions.
+    """
+    return size if window is None else max(min(size, window - 1), 1)
+
+
+def prefix_start(length, extent: int, window: int | None):
+    """Position of slot 0 of a layer's stored prefix (`[]` int32): 0 on a global layer,
+    max(length - extent, 0) on a local one (its last `extent` positions)."""
+    return 0 if window is None else jnp.maximum(length - extent, 0)
+
+
+def keep_window(a: jax.Array, length, window: int | None) -> jax.Array:
+    """`[P, K, D]` keys or values -> `[P_l, K, D]`: a local layer keeps the last
+    `window_extent(P, w)` positions before `length` (decode never looks further back)."""
+    extent = window_extent(a.shape[0], window)
+    if extent == a.shape[0]:
+        return a
+    return jax.lax.dynamic_slice_in_dim(a, prefix_start(length, extent, window), extent, axis=0)
 
 
 def take_rows(prefix: PrefixCache, last_logits: jax.Array, rows: jax.Array):

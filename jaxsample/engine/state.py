@@ -21,7 +21,8 @@ from jaxsample.sampling import MAX_LOGPROBS  # noqa: E402  (SamplingParams.logpr
 class PrefixCache(NamedTuple):
     """The prompts' KV cache, stored once (no branch axis).
 
-    k, v: tuples of L arrays `[R, K, P, D]` in the model dtype (per layer, so
+    k, v: tuples of L arrays `[R, K, P_l, D]` in the model dtype (P_l = P, or the
+      last min(P, w - 1) positions on a local layer of window w; per layer, so
       the unrolled layer loop reads each layer's cache without a slice copy;
       kv-head-major, the layout the attention matmuls read without a
       transpose); positions `>= lengths[r]` are padding.
@@ -51,7 +52,9 @@ class DecodeState(NamedTuple):
     prompt_index: `[R]` int32 global prompt index of each row (for the keys).
     branch_ids: `[R, N]` int32 global branch index of each slot (for the keys):
       compaction moves a branch to another slot but keeps its key.
-    tail_k, tail_v: tuples of L arrays `[R, N, K, T, D]`, the branches' own KV.
+    tail_k, tail_v: tuples of L arrays `[R, N, K, T_l, D]`, the branches' own KV:
+      T_l = T on global layers; on a local layer of window w a ring of
+      min(T, w - 1) slots written at t mod T_l (`prefill.window_extent`).
     """
 
     t: jax.Array

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsample import sampling
+from jaxsample.engine.prefill import prefix_start
 from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
 from models import common, families
 
@@ -29,27 +30,31 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
     Args:
       token: `[]` int32 the token to feed; position: `[]` int32 its position.
       t: `[]` int32 its index in the tail (tail slots `< t` are valid).
-      pk, pv: L x `[K, P, D]` the shared prefix (unbatched over branches).
+      pk, pv: L x `[K, P_l, D]` the shared prefix (unbatched over branches;
+        local layers hold their last positions, `prefill.keep_window`).
       prefix_len: `[]` int32 valid prefix positions.
-      tk, tv: L x `[K, T, D]` this branch's tail.
+      tk, tv: L x `[K, T_l, D]` this branch's tail (a ring on local layers).
       post_layer, bridge_params: the optional Bridge hook (collectives over the
         branch axes) and its `[L, ...]` params.
     Returns:
       (logits `[V]` float32, new k L x `[K, D]`, new v L x `[K, D]`).
     """
     fam = families.module_for(cfg)
-    P, T = pk[0].shape[1], tk[0].shape[1]
-    prefix_pos, tail_slot = jnp.arange(P), jnp.arange(T)
     scale = cfg.attention_scale
     self_mask = jnp.ones((1, 1), bool)
 
     def attend_for_layer(xs):
         lpk, lpv, ltk, ltv, window = xs
-        prefix_mask = prefix_pos < prefix_len
-        tail_mask = tail_slot < t
+        # A local layer stores the last P_l <= w - 1 prefix positions (slot j holds
+        # position start + j) and a ring of T_l <= w - 1 tail slots (written at t mod
+        # T_l), so every written tail slot lies within the window.
+        start = prefix_start(prefix_len, lpk.shape[1], window)
+        key_pos = start + jnp.arange(lpk.shape[1])
+        prefix_mask = key_pos < prefix_len
+        tail_mask = jnp.arange(ltk.shape[1]) < t
         if window is not None:  # keys at positions > p - w, p = prefix_len + t
-            prefix_mask &= prefix_pos > position - window
-            tail_mask &= tail_slot > t - window
+            prefix_mask &= key_pos > position - window
+            tail_mask &= window > 1  # a window of 1 is the token itself
 
         def attend(q, k, v):
             out = common.merge_attention([
@@ -149,9 +154,10 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
         # in place). Slot t is written unconditionally; a skipped step's slot is
         # never read. k, v: L x [R, N, K, D]; t < t_cap is guaranteed by the host.
         logits, k, v = jax.lax.cond(all_done(st, done), skip, forward, None)
-        tail_k = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t, axis=3)
+        # Slot t (t mod T_l: a local layer's ring).
+        tail_k = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t % c.shape[3], axis=3)
                        for c, a in zip(s.tail_k, k))
-        tail_v = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t, axis=3)
+        tail_v = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t % c.shape[3], axis=3)
                        for c, a in zip(s.tail_v, v))
         return s._replace(t=s.t + 1, logits=logits, tokens=tokens, logprobs=logprobs,
                           top_logprobs=top_lp, top_ids=top_ids, lengths=lengths, done=done,
