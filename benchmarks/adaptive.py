@@ -332,7 +332,9 @@ def main(argv=None):
                 print(f"{fam} {start + len(part)}/{len(tasks)}: pool {f['pool_decode_s']:.1f} s; "
                       + "; ".join(f"{k} {v['decode_s']:.1f} s" for k, v in f["online"].items()),
                       flush=True)
-            data["families"][fam] = f
+                data["families"][fam] = f  # partial results survive an interrupted run
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.with_suffix(".json").write_text(json.dumps(data))
         data["wall_s"] = time.perf_counter() - t_all
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps(data))
