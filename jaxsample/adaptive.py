@@ -215,7 +215,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         ids = np.full((len(active), window), -1, np.int32)
         ids[:, :width] = first + np.arange(width)
         rnd = session.round(active, ids)
-        watch = stops_lib.StopWatch(lm.tokenizer, sp.stop) if sp.stop else None
+        watch = stops_lib.StopWatch(lm.tokenizer, sp.stop, sp.min_tokens) if sp.stop else None
         t0 = 0
         while True:
             more = rnd.run(chunk_size)

@@ -20,7 +20,10 @@ Fields of the sections:
     model.name        str or null   a model name or a checkpoint path (null: embedded)
     model.dtype       float32 | bfloat16
     sampling.*        the fields of SamplingParams: n, temperature, top_k, top_p,
-                      min_p, max_new_tokens, stop_token_ids, stop, seed
+                      min_p, max_new_tokens (or vLLM's max_tokens), stop_token_ids,
+                      stop, seed, logprobs, min_tokens, ignore_eos, presence_penalty,
+                      frequency_penalty, repetition_penalty, logit_bias
+                      ({token_id: bias}), prompt_logprobs
     reducer.kind      vote (self-consistency) | best (best-of-N) | none
     reducer.extract   number | boxed | choice | text | auto   (answer extraction, vote)
     reducer.weights   null | mean_logprob                     (vote weights)
@@ -239,7 +242,10 @@ def _sampling(values: Any, source: str):
         if k not in names:
             raise ConfigError(f"{source}: unknown key sampling.{k}; allowed keys: "
                               f"{', '.join(names)}")
-    merged = {**DEFAULT_SAMPLING, **values}
+    defaults = dict(DEFAULT_SAMPLING)
+    if values.get("max_tokens") is not None:  # vLLM's name for the budget replaces the default
+        defaults.pop("max_new_tokens")
+    merged = {**defaults, **values}
     merged = {k: tuple(v) if isinstance(v, list) else v for k, v in merged.items()}
     try:
         return cls(**merged)

@@ -1,19 +1,24 @@
-"""Sampling parameters and token choice (temperature, top-k, top-p, min-p).
+"""Sampling parameters, logits processors and token choice.
 
 `SamplingParams` is the per-request, host-side description of how to sample
-(vLLM's `SamplingParams` field names). `choose_token` and `keep_mask` are the
-device-side token choice for *one* distribution `logits [V]`; the decode
-engine vmaps them over the branch axis N (and the prompt axis B) inside its
-jitted `lax.while_loop`. `is_stop` tests a token against the stop ids;
-`check_logprobs` is the host-side check that no token came from a row
-without a distribution (all logits NaN or -inf).
+(vLLM's `SamplingParams` field names). `process_logits` (logit bias,
+min-tokens, repetition / frequency / presence penalties), `choose_token` and
+`keep_mask` are the device-side processing and token choice for *one*
+distribution `logits [V]`; the decode engine vmaps them over the branch axis
+N (and the prompt axis B) inside its jitted `lax.while_loop`. `is_stop`
+tests a token against the stop ids; `check_logprobs` is the host-side check
+that no token came from a row without a distribution (all logits NaN or
+-inf).
 
 Letter table: see `models/llama.py` (V = vocabulary rows, N = branches).
 
-Semantics of the token choice (Hugging Face's `LogitsProcessor` order: the
-`TemperatureLogitsWarper`, then `TopKLogitsWarper`, `TopPLogitsWarper` and
-`MinPLogitsWarper`, each applied to the already tempered and filtered
-scores):
+Order of the steps: the processors that may change the argmax first, in
+vLLM's v1 sampler order (vllm/v1/sample/sampler.py: logit bias and
+min-tokens, then `apply_penalties`: repetition, frequency, presence), all in
+`process_logits`; then Hugging Face's warper order (`TemperatureLogitsWarper`,
+`TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`, each applied to
+the already tempered and filtered scores) in `choose_token`. (vLLM applies
+min-p before top-k / top-p; we keep Hugging Face's order for the filters.)
 
     step         | rule
     -------------+---------------------------------------------------------------
@@ -30,8 +35,22 @@ scores):
                  | `generate` checks for it on the host and raises
                  | `NumericalError` (see `check_logprobs`): it never returns
                  | such a token.
-    temperature  | z = (logits - max(logits)) / temperature. temperature == 0
-                 | means greedy: the argmax of the raw logits (first index on
+    logit bias   | x = logits + bias (`SamplingParams.logit_bias`, clamped to
+                 | [-100, 100]; 0 elsewhere).
+    min-tokens   | while the branch has generated < min_tokens tokens, every
+                 | stop id (the model's end ids and stop_token_ids, even with
+                 | ignore_eos) has x = -inf.
+    repetition   | for tokens of the prompt or of the branch's generated tokens:
+                 | x / p where x > 0, x * p elsewhere (p = repetition_penalty;
+                 | 1 is off).
+    frequency    | x -= frequency_penalty * count (count: how often the branch
+                 | generated the token; the prompt does not count).
+    presence     | x -= presence_penalty * (count > 0).
+                 | The steps above are `process_logits`; without any of them
+                 | (the engine's static flag off) x is the raw logits, with
+                 | the same arithmetic as before they existed.
+    temperature  | z = (x - max(x)) / temperature. temperature == 0
+                 | means greedy: the argmax of x (first index on
                  | ties), whatever the filters say; there is no division by
                  | zero and no NaN.
     top-k        | keep the k highest tempered logits; k == 0 or k >= V is off.
@@ -55,9 +74,10 @@ scores):
                  | each kept token is drawn with probability proportional to
                  | exp(z). The top-ranked token is always in the kept set, so
                  | it is never empty.
-    logprob      | log_softmax of the *raw* logits (temperature 1, no filters,
-                 | padding rows excluded) at the chosen token, as vLLM reports
-                 | by default.
+    logprob      | log_softmax of the *raw* logits (no bias, no penalties,
+                 | temperature 1, no filters, padding rows excluded) at the
+                 | chosen token, as vLLM reports by default
+                 | (`logprobs_mode="raw_logprobs"`).
 
 Cost: no sort. The rank-based rules above are computed without sorting:
 top-k and top-p each find their cut-off value by an exact bisection over the
@@ -77,8 +97,12 @@ The filter parameters are traced scalars: changing them never recompiles.
 Only `vocab_limit` (and the shape of `logits`) is static.
 
 References: Hugging Face transformers `generation/logits_process.py`
-(`TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper`); vLLM
-`SamplingParams` and its sampler (raw logprobs by default); Nguyen et al.
+(`RepetitionPenaltyLogitsProcessor`, `TopKLogitsWarper`, `TopPLogitsWarper`,
+`MinPLogitsWarper`); vLLM `vllm/sampling_params.py` (fields, ranges, the
+logit-bias clamp), `vllm/v1/sample/sampler.py` (processor order, raw logprobs
+by default), `vllm/v1/sample/logits_processor/builtin.py` (logit bias,
+min-tokens), `vllm/model_executor/layers/utils.py` (`apply_penalties`);
+Keskar et al. 2019, "CTRL" (arXiv 1909.05858, the repetition penalty); Nguyen et al.
 2024, "Min-p sampling" (arXiv 2407.01082); Holtzman et al. 2020, "The
 curious case of neural text degeneration" (nucleus sampling).
 """
@@ -121,6 +145,11 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
+MAX_BIAS = 100.0  # SamplingParams.logit_bias is clamped to [-MAX_BIAS, MAX_BIAS], as vLLM does
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (vLLM, OpenAI)
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How to sample N branches for one request (vLLM's field names).
@@ -130,14 +159,21 @@ class SamplingParams:
 
     Attributes:
       n: branches per prompt (N), in [1, 2**31 - 1].
-      temperature: >= 0 and finite; 0 means greedy decoding (argmax).
+      temperature: >= 0 and finite; 0 means greedy decoding (argmax of the
+        processed logits: after logit bias, min-tokens and penalties).
       top_k: keep the k most likely tokens; 0 (default) is off, and so is any
-        k >= V (the vocabulary size). Must fit int32: in [0, 2**31 - 1].
-        vLLM's -1 for "off" is not accepted: use 0.
+        k >= V (the vocabulary size). vLLM's -1 also means off and is stored
+        as 0. Must fit int32: in [-1, 2**31 - 1].
       top_p: nucleus mass in (0, 1]; 1 (default) is off.
       min_p: in [0, 1]; keep tokens with prob >= min_p * max prob; 0 is off.
       max_new_tokens: the decode budget per branch in tokens, in
-        [1, 2**31 - 1].
+        [1, 2**31 - 1] (Hugging Face's name; default 64).
+      max_tokens: vLLM's name for the same budget. Give either; after
+        construction both fields hold the value (`params.max_new_tokens` is
+        the one the engine reads). Giving both with different values is a
+        ConfigError (equal values are accepted, so that
+        `SamplingParams(**dataclasses.asdict(p))` round-trips); `replace`
+        with one of them changes both.
       stop_token_ids: extra token ids in [0, 2**31 - 1) (they must fit
         int32) that end a branch, added to the
         model's own end-of-sequence ids. The stop token is kept in the output.
@@ -147,9 +183,46 @@ class SamplingParams:
         engine records the seed it used in `Generation.params`).
       logprobs: None, or k in [0, 20]: also return the k most likely tokens and
         their log-probabilities under the raw distribution at every generated
-        position (`Generation.top_logprobs`/`top_token_ids`), as vLLM's
-        `logprobs` (vllm/sampling_params.py; raw, before temperature and
-        filters, vLLM's default `logprobs_mode`). 0 is the same as None.
+        position (`Generation.top_logprobs`/`top_token_ids`), and the rank of
+        each sampled token (`Generation.token_ranks`), as vLLM's `logprobs`
+        (vllm/sampling_params.py; raw, before logit bias, penalties,
+        temperature and filters: vLLM's default `logprobs_mode`). 0 records
+        only the ranks (vLLM: the sampled token's logprob alone).
+      min_tokens: in [0, max_new_tokens]: until a branch has generated this
+        many tokens, every stop token id (the model's end ids and
+        `stop_token_ids`, even with `ignore_eos`: vLLM's
+        `all_stop_token_ids`) has logit -inf, and stop strings are not
+        looked for (vLLM looks for them once more than `min_tokens` tokens
+        were generated). 0 is off.
+      ignore_eos: the model's end-of-sequence ids do not end a branch (vLLM);
+        `stop_token_ids` and stop strings still do.
+      presence_penalty: in [-2, 2]; subtracted from the logit of every token
+        that the branch has generated at least once (vLLM / OpenAI: over the
+        generated tokens only, not the prompt). 0 is off.
+      frequency_penalty: in [-2, 2]; times the number of times the branch has
+        generated the token, subtracted from its logit. 0 is off.
+      repetition_penalty: > 0 and finite; for every token of the prompt or of
+        the branch's generated tokens, a positive logit is divided by it and
+        a negative one multiplied (Hugging Face's
+        `RepetitionPenaltyLogitsProcessor`, vLLM's `apply_penalties`;
+        Keskar et al. 2019). 1 is off.
+      logit_bias: `{token_id: bias}` (or a sequence of `(token_id, bias)`
+        pairs), added to the logits before everything else. Ids are ints
+        >= 0 (strings of digits are converted, as vLLM's OpenAI path does);
+        they are checked against the model's vocabulary by `generate`
+        (InputError). Biases are finite and clamped to [-100, 100], as vLLM
+        does. Stored as a tuple of `(token_id, bias)` pairs sorted by id, so
+        instances stay hashable; `dict(params.logit_bias)` gives the mapping.
+      prompt_logprobs: None, or k in [0, 20]: also return, for every prompt
+        token after the first, its log-probability given the tokens before
+        it and its rank, plus the k most likely tokens there
+        (`Generation.prompt_logprobs`), under the raw distribution, as
+        vLLM's `prompt_logprobs`. Computed in the prefill; None costs
+        nothing.
+
+    Order of the logits processors (vLLM's v1 sampler): logit bias,
+    min-tokens, repetition, frequency and presence penalties, then
+    temperature, top-k, top-p, min-p (see the module table).
 
     Raises:
       ConfigError (a ValueError): a field is out of range or of the wrong
@@ -161,11 +234,19 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    max_new_tokens: int = 64
+    max_new_tokens: int | None = None  # None: max_tokens, or 64
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         def fail(name: str, allowed: str, value: Any):
@@ -190,15 +271,31 @@ class SamplingParams:
         check_int("n", 1, "an int in [1, 2**31 - 1]")
         check_float("temperature", lambda t: t >= 0.0,
                     "a finite float >= 0 (0 is greedy)")
-        if _is_int(self.top_k) and int(self.top_k) < 0:
-            fail("top_k", "an int >= 0 (0 is off; vLLM's -1 is not accepted)",
-                 self.top_k)
-        check_int("top_k", 0, "an int in [0, 2**31 - 1] (0 or >= vocab size is off)")
+        if _is_int(self.top_k) and int(self.top_k) < -1:
+            fail("top_k", "an int in [-1, 2**31 - 1] (0 and -1 are off)", self.top_k)
+        if _is_int(self.top_k) and int(self.top_k) == -1:
+            set_("top_k", 0)  # vLLM's "off"
+        check_int("top_k", 0, "an int in [-1, 2**31 - 1] (0, -1 or >= vocab size is off)")
         check_float("top_p", lambda p: 0.0 < p <= 1.0,
                     "a float in (0, 1] (1 is off)")
         check_float("min_p", lambda p: 0.0 <= p <= 1.0,
                     "a float in [0, 1] (0 is off)")
-        check_int("max_new_tokens", 1, "an int in [1, 2**31 - 1]")
+
+        # max_new_tokens (Hugging Face) and max_tokens (vLLM): one budget.
+        given = {}
+        for name in ("max_new_tokens", "max_tokens"):
+            if getattr(self, name) is not None:
+                check_int(name, 1, "None or an int in [1, 2**31 - 1]")
+                given[name] = getattr(self, name)
+        if len(set(given.values())) > 1:
+            raise ConfigError(
+                "SamplingParams.max_tokens (vLLM's name) and SamplingParams.max_new_tokens "
+                "(Hugging Face's) are the same budget: give one, got max_tokens="
+                f"{given['max_tokens']!r} and max_new_tokens={given['max_new_tokens']!r} "
+                "(SamplingParams.replace with one of them changes both)")
+        budget = next(iter(given.values()), DEFAULT_MAX_NEW_TOKENS)
+        set_("max_new_tokens", budget)
+        set_("max_tokens", budget)
 
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
@@ -218,28 +315,63 @@ class SamplingParams:
                 fail("stop", "a sequence of non-empty strings", self.stop)
         set_("stop", tuple(stop))
 
-        if self.logprobs is not None:
-            if not _is_int(self.logprobs) or not 0 <= int(self.logprobs) <= MAX_LOGPROBS:
-                fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
-            set_("logprobs", int(self.logprobs))
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                if not _is_int(v) or not 0 <= int(v) <= MAX_LOGPROBS:
+                    fail(name, f"None or an int in [0, {MAX_LOGPROBS}]", v)
+                set_(name, int(v))
 
         if self.seed is not None:
             if not _is_int(self.seed) or not 0 <= int(self.seed) < _SEED_LIMIT:
                 fail("seed", "None or an int in [0, 2**32)", self.seed)
             set_("seed", int(self.seed))
 
+        if not _is_int(self.min_tokens) or not 0 <= int(self.min_tokens) <= self.max_new_tokens:
+            fail("min_tokens", f"an int in [0, max_new_tokens={self.max_new_tokens}]",
+                 self.min_tokens)
+        set_("min_tokens", int(self.min_tokens))
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            fail("ignore_eos", "a bool", self.ignore_eos)
+        set_("ignore_eos", bool(self.ignore_eos))
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_float(name, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY,
+                        "a float in [-2, 2] (0 is off)")
+        check_float("repetition_penalty", lambda x: x > 0.0, "a finite float > 0 (1 is off)")
+        set_("logit_bias", _logit_bias(self.logit_bias, fail))
+
     def replace(self, **changes: Any) -> "SamplingParams":
         """A copy with `changes` applied (validated again).
+
+        `max_tokens` and `max_new_tokens` are one budget: changing one
+        changes both.
 
         Raises:
           ConfigError: as the constructor; TypeError for an unknown field.
         """
+        one = [k for k in ("max_tokens", "max_new_tokens") if k in changes]
+        if len(one) == 1:
+            other = "max_new_tokens" if one[0] == "max_tokens" else "max_tokens"
+            changes = {**changes, other: None}
         return dataclasses.replace(self, **changes)
 
     @property
     def greedy(self) -> bool:
         """True when temperature is 0 (argmax decoding)."""
         return self.temperature == 0.0
+
+    @property
+    def penalties(self) -> bool:
+        """True when a repetition, frequency or presence penalty is on (the
+        engine then keeps per-branch token counts on the device)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def logits_processors(self) -> bool:
+        """True when any logits processor before temperature is on (logit bias,
+        min-tokens or a penalty): the engine then runs `process_logits`."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalties
 
     def choice_args(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The traced filter arguments of `choose_token`, with fixed dtypes.
@@ -253,6 +385,50 @@ class SamplingParams:
                 np.asarray(self.top_k, np.int32),
                 np.asarray(self.top_p, np.float32),
                 np.asarray(self.min_p, np.float32))
+
+    def bias_vector(self, size: int) -> np.ndarray:
+        """`logit_bias` as a dense `[size]` float32 vector (0 elsewhere).
+
+        Raises:
+          ValueError: an id is >= size (`generate` checks ids against the
+            vocabulary first and raises InputError).
+        """
+        out = np.zeros((size,), np.float32)
+        for i, b in self.logit_bias:
+            if i >= size:
+                raise ValueError(f"logit_bias id {i} is outside [0, {size})")
+            out[i] = b
+        return out
+
+
+def _logit_bias(value: Any, fail) -> tuple[tuple[int, float], ...]:
+    """Validate and normalise SamplingParams.logit_bias (see its docstring)."""
+    allowed = ("None, a dict {token_id: bias} or a sequence of (token_id, bias) pairs, "
+               "with int ids in [0, 2**31 - 1) and finite biases")
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        fail("logit_bias", allowed, value)
+    else:
+        pairs = list(value)
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, (Sequence, np.ndarray)) \
+                or len(pair) != 2:
+            fail("logit_bias", allowed, value)
+        tok, bias = pair
+        if isinstance(tok, str) and tok.strip().lstrip("+").isdigit():
+            tok = int(tok)  # JSON keys are strings (vLLM converts them too)
+        if not _is_int(tok) or not 0 <= int(tok) < _INT32_MAX:
+            fail("logit_bias", allowed + f"; bad id {tok!r}", value)
+        if not _is_real(bias) or not math.isfinite(float(bias)):
+            fail("logit_bias", allowed + f"; bad bias {bias!r} for id {tok!r}", value)
+        if int(tok) in out:
+            fail("logit_bias", allowed + f"; id {int(tok)} repeated", value)
+        out[int(tok)] = min(MAX_BIAS, max(-MAX_BIAS, float(bias)))
+    return tuple(sorted(out.items()))
 
 
 # --------------------------------------------------------------------------
@@ -422,7 +598,8 @@ def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
 def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
                  top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                 vocab_limit: int) -> tuple[jax.Array, jax.Array]:
+                 vocab_limit: int, processed: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token from one distribution (see the module table).
 
     Works under `jit`, `vmap` and inside `lax.while_loop`; the filter
@@ -443,6 +620,12 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
       top_p: float32 scalar in (0, 1]; 1 is off.
       min_p: float32 scalar in [0, 1]; 0 is off.
       vocab_limit: static int in [1, V]; rows >= vocab_limit are never sampled.
+      processed: optional `[V]` float32, the output of `process_logits` (logit
+        bias, min-tokens, penalties) for these logits: the token is then
+        chosen from `processed` (greedy: its argmax; else tempered and
+        filtered) while the logprob stays that of the raw `logits`. None
+        (the default) chooses from `logits` itself, with exactly the
+        arithmetic of a run without processors.
 
     NaN logits count as -inf and +inf logits as the largest finite float32
     (the module table's "NaN, inf" row).
@@ -451,12 +634,16 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
       token: int32 scalar in [0, vocab_limit).
       logprob: float32 scalar, log_softmax of the raw logits (temperature 1,
         no filters, padding and NaN excluded) at `token`. NaN exactly when the
-        row has no distribution (every valid logit NaN or -inf); the token is
-        then 0 and must not be used: `check_logprobs` turns it into an error.
+        row has no distribution (every valid logit NaN or -inf, in `logits`
+        or in `processed`); the token is then 0 and must not be used:
+        `check_logprobs` turns it into an error.
 
     Raises:
       ValueError: logits is not 1-D or vocab_limit is out of range.
     """
+    if processed is not None:
+        return _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p,
+                                 vocab_limit)
     raw, z, greedy_tok = _prepare(logits, temperature, vocab_limit)
     keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
     g = jax.random.gumbel(key, z.shape, jnp.float32)
@@ -470,6 +657,107 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
     logprob = shifted[token] - jnp.log(jnp.sum(jnp.exp(shifted)))
     logprob = jnp.where(has_dist, logprob, jnp.nan)  # the marker of "no distribution"
     return token, logprob.astype(jnp.float32)
+
+
+def _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p, vocab_limit):
+    """`choose_token` with the token chosen from `processed`, the logprob from `logits`."""
+    raw, _, raw_top = _prepare(logits, 1.0, vocab_limit)
+    _, z, greedy_tok = _prepare(processed, temperature, vocab_limit)
+    keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
+    g = jax.random.gumbel(key, z.shape, jnp.float32)
+    sampled = _first_argmax(jnp.where(keep, z + g, -jnp.inf))
+    token = jnp.where(jnp.asarray(temperature) == 0, greedy_tok, sampled)
+    m = raw[raw_top]
+    has_dist = (m > -jnp.inf) & (z[greedy_tok] > -jnp.inf)
+    shifted = jnp.where(m > -jnp.inf, raw - m, -jnp.inf)
+    logprob = shifted[token] - jnp.log(jnp.sum(jnp.exp(shifted)))
+    logprob = jnp.where(has_dist, logprob, jnp.nan)
+    return token, logprob.astype(jnp.float32)
+
+
+def process_logits(logits: jax.Array, *, t: jax.Array, bias: jax.Array, stop_mask: jax.Array,
+                   min_tokens: jax.Array, counts: jax.Array | None = None,
+                   prompt_mask: jax.Array | None = None,
+                   repetition_penalty: jax.Array = 1.0, frequency_penalty: jax.Array = 0.0,
+                   presence_penalty: jax.Array = 0.0) -> jax.Array:
+    """The logits processors before temperature, in vLLM's order, for one distribution.
+
+    The one place where they are applied (the module table's rows "logit
+    bias" to "presence penalty"); `choose_token(..., processed=...)` then
+    tempers, filters and samples the result. Every setting is traced.
+
+    1. logit bias: `x = logits + bias` (vLLM's `LogitBiasLogitsProcessor`).
+    2. min-tokens: `x[stop_mask] = -inf` while `t < min_tokens` (vLLM's
+       `MinTokensLogitsProcessor`; it commutes with 1).
+    3. repetition penalty, over the prompt and the generated tokens: where
+       `prompt_mask | counts > 0`, `x / p` if `x > 0` else `x * p` (vLLM's
+       `apply_penalties`, Hugging Face's `RepetitionPenaltyLogitsProcessor`).
+    4. frequency penalty: `x -= frequency_penalty * counts`.
+    5. presence penalty: `x -= presence_penalty * (counts > 0)`.
+
+    Args:
+      logits: `[V]` raw logits (any float dtype; computed in float32).
+      t: `[]` int32, tokens this branch has generated so far.
+      bias: `[V]` float32 logit bias (0 where none).
+      stop_mask: `[V]` bool, the ids masked until `min_tokens` (every stop id).
+      min_tokens: `[]` int32.
+      counts: `[V]` int32, how often the branch generated each token (its
+        generated tokens only); None skips steps 3-5.
+      prompt_mask: `[V]` bool, tokens of the prompt (for step 3 only).
+      repetition_penalty, frequency_penalty, presence_penalty: `[]` float32.
+
+    Returns:
+      `[V]` float32 processed logits. NaN stays NaN and -inf stays -inf
+      (`choose_token` counts both as -inf).
+    """
+    x = jnp.asarray(logits, jnp.float32) + bias
+    x = jnp.where(stop_mask & (t < min_tokens), -jnp.inf, x)
+    if counts is not None:
+        seen = counts > 0
+        rp = jnp.asarray(repetition_penalty, jnp.float32)
+        x = jnp.where(seen | prompt_mask, jnp.where(x > 0, x / rp, x * rp), x)
+        x = x - jnp.asarray(frequency_penalty, jnp.float32) * counts.astype(jnp.float32)
+        x = x - jnp.asarray(presence_penalty, jnp.float32) * seen.astype(jnp.float32)
+    return x
+
+
+def token_rank(logits: jax.Array, token: jax.Array, vocab_limit: int) -> jax.Array:
+    """`[]` int32 rank of `token` under the raw distribution, vLLM's convention:
+    the number of tokens at least as likely (1 for the most likely; ties share
+    the larger rank). Padding and NaN rows never count."""
+    raw, _, _ = _prepare(logits, 1.0, vocab_limit)
+    return jnp.sum(raw >= raw[token]).astype(jnp.int32)
+
+
+def position_logprobs(logits: jax.Array, targets: jax.Array, k: int, vocab_limit: int):
+    """Log-probabilities of given tokens at S positions, with their ranks and the top k.
+
+    For prompt logprobs: row i of `logits` is the distribution that follows
+    prompt token i, `targets[i]` is prompt token i + 1.
+
+    Args:
+      logits: `[S, V]` raw logits.
+      targets: `[S]` int32 token ids in [0, vocab_limit).
+      k: static int in [0, 20]; 0 gives empty top-k arrays.
+      vocab_limit: static; rows >= vocab_limit are padding.
+    Returns:
+      (logprob `[S]` float32, rank `[S]` int32 (as `token_rank`),
+       top values `[S, k]` float32, top ids `[S, k]` int32), the arithmetic
+      of `choose_token`'s logprob and `top_logprobs`.
+    """
+    def one(x, tok):
+        raw, _, top = _prepare(x, 1.0, vocab_limit)
+        shifted = raw - raw[top]
+        lse = jnp.log(jnp.sum(jnp.exp(shifted)))
+        lp = shifted[tok] - lse
+        rank = jnp.sum(raw >= raw[tok]).astype(jnp.int32)
+        if k:
+            vals, ids = jax.lax.top_k(shifted, k)
+        else:
+            vals, ids = jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
+        return lp.astype(jnp.float32), rank, (vals - lse).astype(jnp.float32), ids.astype(jnp.int32)
+
+    return jax.vmap(one)(logits, targets)
 
 
 def top_logprobs(logits: jax.Array, k: int, vocab_limit: int) -> tuple[jax.Array, jax.Array]:

@@ -550,7 +550,7 @@ def dataclasses_frozen_error():
     ("n", 0), ("n", 2.0), ("n", True),
     ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
     ("temperature", "1"), ("temperature", True),
-    ("top_k", -1), ("top_k", 1.5), ("top_k", False),
+    ("top_k", -2), ("top_k", 1.5), ("top_k", False),
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", float("nan")),
     ("min_p", -0.01), ("min_p", 1.5),
     ("max_new_tokens", 0), ("max_new_tokens", 3.0),

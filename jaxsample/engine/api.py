@@ -32,9 +32,13 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
 
     Args:
       lm: a loaded `LanguageModel`.
-      prompts: a string, a list of B strings, or a list of B token-id lists.
+      prompts: a string, a list of B strings, or a list of B token-id lists;
+        with `chat=True`, a list of B chat prompts, each a string (one user
+        turn) or a list of `{"role": ..., "content": ...}` messages (system and
+        assistant turns included); one conversation alone is also accepted.
       params: `SamplingParams` (default: `SamplingParams()`).
-      chat: render each text prompt as a user turn through the model's chat template.
+      chat: render each prompt through the model's chat template
+        (`lm.tokenizer.apply_chat_template`, with the generation prompt).
       mesh: optional `jax.sharding.Mesh` with a "branch" axis (branches split across
         devices; weights and prefix cache replicated) and optionally a "data" axis
         (prompts split). Same seed, same tokens as the unsharded run.
@@ -56,12 +60,15 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         need. Each new bucket compiles once.
     Returns:
       `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
-      `[B, N]`, finish reasons, texts, the bill, and with `params.logprobs = k`
-      top_logprobs / top_token_ids `[B, N, T, k]`.
+      `[B, N]`, finish reasons, texts, the bill, with `params.logprobs = k`
+      top_logprobs / top_token_ids `[B, N, T, k]` and token_ranks `[B, N, T]`,
+      with `params.prompt_logprobs = k` the prompt tokens' logprobs, ranks and
+      top k. `Generation.outputs()` gives vLLM-style `RequestOutput`s.
     Raises:
-      InputError: empty prompt, prompt + max_new_tokens beyond the context, bad token
-        ids, a bad chunk_size, or a mesh that does not fit the request. Raised
-        before any compute.
+      InputError: empty prompt, a malformed chat prompt, prompt + max_new_tokens
+        beyond the context, bad token ids, `logit_bias` ids outside the
+        vocabulary, a bad chunk_size, or a mesh that does not fit the request.
+        Raised before any compute.
       NumericalError: a sampled token's logits were all NaN or -inf (no distribution;
         see `sampling.check_logprobs`). Raised after decoding, before returning.
     """
@@ -76,7 +83,8 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         rnd = session.round(range(B * N), np.arange(B * N, dtype=np.int32)[:, None] % N)
     else:
         rnd = session.round(range(B), np.broadcast_to(np.arange(N, dtype=np.int32), (B, N)))
-    watch = stops_lib.StopWatch(lm.tokenizer, params.stop) if params.stop else None
+    watch = (stops_lib.StopWatch(lm.tokenizer, params.stop, params.min_tokens)
+             if params.stop else None)
     t0 = 0
     while rnd.run(chunk_size):
         if watch is not None:
@@ -90,12 +98,12 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     return finish(session, [rnd])
 
 
-def branch_text(tokenizer, tokens, length, stopped, stop_strings):
+def branch_text(tokenizer, tokens, length, stopped, stop_strings, min_tokens: int = 0):
     """(text, kept tokens or None) of one branch: its tokens without a final stop
     token, decoded and cut before the first stop string (see `stops.cut`)."""
     L = int(length)
     body = [int(t) for t in (tokens[:L - 1] if stopped else tokens[:L])]
-    return stops_lib.cut(tokenizer, body, stop_strings)
+    return stops_lib.cut(tokenizer, body, stop_strings, min_tokens)
 
 
 def finish(session: Session, rounds: list[Round], reasons_override=None) -> Generation:
@@ -118,6 +126,7 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
     lp = np.zeros((B, width, T), np.float32)
     top_lp = np.zeros((B, width, T, k), np.float32)
     top_id = np.full((B, width, T, k), pad, np.int32)
+    ranks = np.zeros((B, width, T if s.st.token_ranks else 0), np.int32)
     lens = np.zeros((B, width), np.int32)
     stopped = np.zeros((B, width), bool)
     drawn = np.zeros((B, width), bool)
@@ -130,6 +139,7 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
                     continue
                 tok[b, n], lp[b, n], lens[b, n] = rnd.tokens[i, c], rnd.logprobs[i, c], rnd.lengths[i, c]
                 top_lp[b, n], top_id[b, n] = rnd.top_logprobs[i, c], rnd.top_ids[i, c]
+                ranks[b, n] = rnd.token_ranks[i, c]
                 stopped[b, n], drawn[b, n] = rnd.stopped[i, c], True
     sampling.check_logprobs(lp)  # NumericalError if a token had no distribution (NaN logits)
     decoded = lens.copy()  # what the device decoded: the bill counts it
@@ -142,10 +152,11 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
         row = []
         for n in range(width):
             text, keep = branch_text(lm.tokenizer, tok[b, n], lens[b, n], stopped[b, n],
-                                     params.stop)
+                                     params.stop, params.min_tokens)
             if keep is not None:
                 tok[b, n, keep:], lp[b, n, keep:], lens[b, n] = pad, 0.0, keep
                 top_lp[b, n, keep:], top_id[b, n, keep:] = 0.0, pad
+                ranks[b, n, keep:] = 0
                 reasons[b][n] = "stop"
             row.append(text)
         texts.append(row)
@@ -161,7 +172,14 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
                           prefix_copies=s.N if s.naive else 1, branch_steps=s.branch_steps,
                           **placement)
     s.timings["total"] = time.perf_counter() - s.t_start
+    plp = s.prompt_logprobs
     return Generation(tokens=tok, logprobs=lp, lengths=lens, finish_reason=reasons,
                       texts=texts, prompt_tokens=s.ids, prompts=s.texts, params=params,
                       bill=bill, timings=s.timings, pad_id=pad,
-                      top_logprobs=top_lp if k else None, top_token_ids=top_id if k else None)
+                      top_logprobs=top_lp if k else None, top_token_ids=top_id if k else None,
+                      token_ranks=ranks if s.st.token_ranks else None,
+                      prompt_token_logprobs=None if plp is None else [p.logprobs for p in plp],
+                      prompt_token_ranks=None if plp is None else [p.ranks for p in plp],
+                      prompt_top_logprobs=None if plp is None else [p.top_logprobs for p in plp],
+                      prompt_top_token_ids=None if plp is None else [p.top_ids for p in plp],
+                      tokenizer=lm.tokenizer)

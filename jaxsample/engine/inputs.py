@@ -3,6 +3,8 @@ before any compute (so bad input loses nothing and never reaches the device)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from jaxsample.errors import InputError
@@ -27,8 +29,52 @@ def token_ids(lm: LanguageModel, p, i: int) -> list[int]:
     return toks
 
 
+CHAT_SHAPE = "a string or a list of {'role': ..., 'content': ...} dicts"
+
+
+def _short(x) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _is_messages(p) -> bool:
+    """A non-empty list/tuple whose items are all mappings (one conversation)."""
+    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(m, Mapping) for m in p)
+
+
+def chat_messages(p, i: int) -> list[dict]:
+    """One chat prompt -> its messages, or InputError saying what was expected.
+
+    A string is one user turn; a list of `{"role": str, "content": str}`
+    mappings (other keys are passed to the template as they are) is used as
+    given, system and assistant turns included.
+    """
+    if isinstance(p, str):
+        if not p.strip():
+            raise InputError(f"prompt {i} is empty")
+        return [{"role": "user", "content": p}]
+    if not _is_messages(p):
+        got = "an empty list" if isinstance(p, (list, tuple)) and not p else _short(p)
+        raise InputError(f"prompt {i}: a chat prompt must be {CHAT_SHAPE}, got {got}")
+    out = []
+    for j, m in enumerate(p):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role or not isinstance(content, str):
+            raise InputError(
+                f"prompt {i}, message {j}: a chat message must be a dict with a non-empty "
+                f"string 'role' and a string 'content', got {_short(dict(m))}")
+        out.append(dict(m))
+    return out
+
+
 def encode_prompts(lm: LanguageModel, prompts, chat: bool):
-    """Prompts -> (B token-id lists, B rendered texts or None). Raises InputError."""
+    """Prompts -> (B token-id lists, B rendered texts or None). Raises InputError.
+
+    Without `chat`: B strings (as given) or B token-id sequences. With
+    `chat`: B chat prompts (`chat_messages`: a string or a list of messages),
+    rendered with `lm.tokenizer.apply_chat_template` (the generation prompt
+    added); a single conversation (a list of messages) is one prompt.
+    """
     if isinstance(prompts, np.ndarray):
         if prompts.ndim not in (1, 2):
             raise InputError(f"prompts as an array must be [S] or [B, S] token ids, "
@@ -39,21 +85,26 @@ def encode_prompts(lm: LanguageModel, prompts, chat: bool):
     elif isinstance(prompts, (list, tuple)) and prompts and all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompts):
         prompts = [list(prompts)]  # one prompt given as token ids
+    elif chat and _is_messages(prompts):
+        prompts = [prompts]  # one conversation
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise InputError("prompts must be a non-empty string, list of strings or list of "
                          f"token-id lists, got {type(prompts).__name__} {prompts!r:.80}")
     ids, texts = [], []
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if not p.strip():
-                raise InputError(f"prompt {i} is empty")
-            text = (lm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                    if chat else p)
+        if chat:
+            text = lm.tokenizer.apply_chat_template(chat_messages(p, i))
             toks = list(lm.tokenizer.encode(text))
             texts.append(text)
+        elif isinstance(p, str):
+            if not p.strip():
+                raise InputError(f"prompt {i} is empty")
+            toks = list(lm.tokenizer.encode(p))
+            texts.append(p)
+        elif _is_messages(p):
+            raise InputError(f"prompt {i} is a list of chat messages: pass chat=True to render "
+                             "it with the model's chat template")
         elif isinstance(p, (list, tuple, np.ndarray)):
-            if chat:
-                raise InputError(f"prompt {i}: chat=True needs text prompts, got token ids")
             toks = token_ids(lm, p, i)
             texts.append(None)
         else:

@@ -44,7 +44,8 @@ def decode_chunk(st: Static, params, prefix: PrefixCache, state: DecodeState, kn
 
 
 def init_state(st: Static, last_logits: jax.Array, prompt_index: jax.Array,
-               branch_ids: jax.Array, live: jax.Array) -> DecodeState:
+               branch_ids: jax.Array, live: jax.Array,
+               prompt_mask: jax.Array | None = None) -> DecodeState:
     """Fresh decode buffers for R rows of N slots, all at token 0.
 
     Args:
@@ -54,9 +55,19 @@ def init_state(st: Static, last_logits: jax.Array, prompt_index: jax.Array,
       live: `[R, N]` bool; False for padding slots (a data axis the prompts do
         not divide, a round narrower than the bucket): they start done, so they
         never keep the loop running, and the bill never counts them.
+      prompt_mask: `[R, V]` bool, the tokens of each row's prompt; required
+        with `st.penalties`, ignored otherwise.
     """
     cfg = st.cfg
     R, N, T, k = last_logits.shape[0], branch_ids.shape[1], st.t_cap, st.top_logprobs
+    V = last_logits.shape[-1]
+    if st.penalties:
+        if prompt_mask is None or prompt_mask.shape != (R, V):
+            raise ValueError(f"st.penalties needs prompt_mask [{R}, {V}], got "
+                             f"{None if prompt_mask is None else prompt_mask.shape}")
+        counts, prompt_mask = jnp.zeros((R, N, V), jnp.int32), prompt_mask.astype(bool)
+    else:
+        counts, prompt_mask = jnp.zeros((R, N, 0), jnp.int32), jnp.zeros((R, 0), bool)
     tail = tuple(jnp.zeros((R, N, cfg.n_kv_heads, window_extent(T, w), cfg.head_dim),
                            cfg.jnp_dtype) for w in cfg.layer_windows)
     return DecodeState(
@@ -71,7 +82,9 @@ def init_state(st: Static, last_logits: jax.Array, prompt_index: jax.Array,
         stopped=jnp.zeros((R, N), bool),
         prompt_index=prompt_index,
         branch_ids=branch_ids,
-        tail_k=tail, tail_v=tail)
+        tail_k=tail, tail_v=tail,
+        token_ranks=jnp.zeros((R, N, T if st.token_ranks else 0), jnp.int32),
+        counts=counts, prompt_mask=prompt_mask)
 
 
 def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slots: jax.Array,
@@ -84,7 +97,8 @@ def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slots: jax
       live: `[R', N']` bool; False for filler slots (repeats of a done slot),
         which are marked done.
     Returns:
-      The new rows' PrefixCache and the gathered DecodeState.
+      The new rows' PrefixCache and the gathered DecodeState (every field:
+      the penalties' counts by slot, the prompt mask by row).
     """
     take_rows = lambda a: jnp.take(a, rows, axis=0)
 
@@ -102,7 +116,9 @@ def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slots: jax
         top_ids=take_slots(s.top_ids), lengths=take_slots(s.lengths),
         done=take_slots(s.done) | ~live, stopped=take_slots(s.stopped),
         prompt_index=take_rows(s.prompt_index), branch_ids=take_slots(s.branch_ids),
-        tail_k=tuple(map(take_slots, s.tail_k)), tail_v=tuple(map(take_slots, s.tail_v)))
+        tail_k=tuple(map(take_slots, s.tail_k)), tail_v=tuple(map(take_slots, s.tail_v)),
+        token_ranks=take_slots(s.token_ranks), counts=take_slots(s.counts),
+        prompt_mask=take_rows(s.prompt_mask))
     return new_prefix, new
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsample.engine.state import PrefixCache
+from jaxsample import sampling
+from jaxsample.engine.state import PrefixCache, PromptLogprobs
 from models import families
+
+PROMPT_LOGPROB_BLOCK = 64  # positions whose [block, V] logits exist at once (per row)
 
 
 def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
-            bridge_params=None):
+            bridge_params=None, prompt_logprobs: int = -1, vocab_limit: int | None = None):
     """Prefill R right-padded prompts, once each.
 
     With a Bridge, every branch holds the same hidden state at prompt
@@ -24,11 +27,36 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
       params: the model parameters (either layout, see `llama.run_layers`).
       tokens: `[R, P]` int32, right-padded; lengths: `[R]` int32, each >= 1.
       post_layer, bridge_params: the optional Bridge hook and its `[L, ...]` params.
+      prompt_logprobs: static; -1 (default): none, the prefill computes only
+        the last position's logits. k in [0, 20]: also the logprob and rank of
+        every prompt token given its prefix and the top k there
+        (`SamplingParams.prompt_logprobs`), from the hidden states the
+        prefill already has, in blocks of `PROMPT_LOGPROB_BLOCK` positions
+        so that at most `[R, block, V]` float32 logits exist at once.
+      vocab_limit: static, rows >= it are padding (needed with prompt_logprobs).
     Returns:
       (PrefixCache with k, v L x `[R, K, P_l, D]`, last-position logits `[R, V]`
       float32): P_l = P on global layers, `window_extent(P, w)` on a local
-      layer of window w (its last positions, see `keep_window`).
+      layer of window w (its last positions, see `keep_window`); plus a
+      `PromptLogprobs` (`[R, P]`, `[R, P, k]`) when prompt_logprobs >= 0.
     """
+    k_prompt = prompt_logprobs
+
+    def prompt_lp(x, toks):
+        """x [P, E] hidden states -> PromptLogprobs of one row."""
+        P = x.shape[0]
+        blk = min(P, PROMPT_LOGPROB_BLOCK)
+        nb = -(-P // blk)
+        xs = jnp.pad(x, ((0, nb * blk - P), (0, 0))).reshape(nb, blk, x.shape[-1])
+        targets = jnp.pad(toks[1:], (0, nb * blk - P + 1)).reshape(nb, blk)
+
+        def block(args):
+            xb, tb = args
+            return sampling.position_logprobs(fam.logits(cfg, params, xb), tb, k_prompt,
+                                              vocab_limit)
+
+        out = jax.lax.map(block, (xs, targets))
+        return PromptLogprobs(*(a.reshape((nb * blk,) + a.shape[2:])[:P] for a in out))
 
     fam = families.module_for(cfg)
 
@@ -41,11 +69,15 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
         k = [keep_window(a, length, w) for a, w in zip(k, cfg.layer_windows)]
         v = [keep_window(a, length, w) for a, w in zip(v, cfg.layer_windows)]
         # L x [P_l, K, D] -> L x [K, P_l, D], once per prompt.
-        return (fam.logits(cfg, params, last), tuple(a.swapaxes(0, 1) for a in k),
-                tuple(a.swapaxes(0, 1) for a in v))
+        out = (fam.logits(cfg, params, last), tuple(a.swapaxes(0, 1) for a in k),
+               tuple(a.swapaxes(0, 1) for a in v))
+        return out + ((prompt_lp(x, toks),) if k_prompt >= 0 else ())
 
-    logits, k, v = jax.vmap(one)(tokens, lengths)
-    return PrefixCache(k, v, lengths), logits
+    if k_prompt >= 0 and vocab_limit is None:
+        raise ValueError("prompt_logprobs needs vocab_limit")
+    out = jax.vmap(one)(tokens, lengths)
+    logits, k, v = out[:3]
+    return (PrefixCache(k, v, lengths), logits) + tuple(out[3:])
 
 
 def window_extent(size: int, window: int | None) -> int:

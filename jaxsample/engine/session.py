@@ -27,7 +27,7 @@ from jaxsample.engine import inputs
 from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
 from jaxsample.engine.prefill import prefill, take_rows
 from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, DecodeState, Knobs, PrefixCache,
-                                    Static, bucket, slot_bucket)
+                                    PromptLogprobs, Static, bucket, slot_bucket)
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling import SamplingParams
@@ -121,7 +121,7 @@ class _Mesh:
             t=Ps(), logits=Ps(d, b), tokens=Ps(d, b), logprobs=Ps(d, b),
             top_logprobs=Ps(d, b), top_ids=Ps(d, b), lengths=Ps(d, b), done=Ps(d, b),
             stopped=Ps(d, b), prompt_index=Ps(d), branch_ids=Ps(d, b), tail_k=Ps(d, b),
-            tail_v=Ps(d, b))
+            tail_v=Ps(d, b), token_ranks=Ps(d, b), counts=Ps(d, b), prompt_mask=Ps(d))
         self.knob_spec = Knobs(*([Ps()] * len(Knobs._fields)))
         self.Ps = Ps
         self.NamedSharding = NamedSharding
@@ -179,10 +179,17 @@ class Session:
                 raise InputError(
                     f"prompt {i} has {len(toks)} tokens; with max_new_tokens={T} that is "
                     f"{len(toks) + T} > the model's context of {self.cfg.max_seq_len} tokens")
-        stop_ids = sorted(set(lm.tokenizer.eos_token_ids) | set(params.stop_token_ids))
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise InputError(f"at most {MAX_STOP_IDS} stop token ids are supported, "
-                             f"got {len(stop_ids)}")
+        # Stop ids: the model's end ids (unless ignore_eos) and stop_token_ids; min_tokens
+        # masks all of them, end ids included even with ignore_eos (vLLM's all_stop_token_ids).
+        all_stop_ids = sorted(set(lm.tokenizer.eos_token_ids) | set(params.stop_token_ids))
+        stop_ids = (sorted(set(params.stop_token_ids)) if params.ignore_eos else all_stop_ids)
+        if len(all_stop_ids) > MAX_STOP_IDS:
+            raise InputError(f"at most {MAX_STOP_IDS} stop token ids (the model's end ids and "
+                             f"stop_token_ids) are supported, got {len(all_stop_ids)}")
+        bad_bias = [i for i, _ in params.logit_bias if i >= lm.vocab_limit]
+        if bad_bias:
+            raise InputError(f"SamplingParams.logit_bias has token ids outside the vocabulary "
+                             f"[0, {lm.vocab_limit}): {bad_bias[:5]}")
         mesh, data_axis, self.nb, self.nd = inputs.resolve_mesh(mesh, N)
         if isinstance(prompt_index_offset, bool) or not isinstance(
                 prompt_index_offset, (int, np.integer)) or not 0 <= prompt_index_offset < 2**31 - B:
@@ -206,15 +213,22 @@ class Session:
                          axes=((BRANCH_AXIS,) + ((data_axis,) if data_axis else ())) if mesh else (),
                          branch_axis=LOCAL_BRANCH_AXIS if mesh else BRANCH_AXIS,
                          branch_axes=(LOCAL_BRANCH_AXIS, BRANCH_AXIS) if mesh else (BRANCH_AXIS,),
-                         bridge=self.bridge_cfg)
+                         bridge=self.bridge_cfg, processors=params.logits_processors,
+                         penalties=params.penalties, token_ranks=params.logprobs is not None)
+        self.prompt_k = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        pad_ids = lambda ids: np.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
         assert T <= self.st.t_cap  # tail writes stay in range: dynamic_update_slice would clamp
         self.knobs = Knobs(
             temperature=np.float32(params.temperature),
             top_k=np.int32(min(params.top_k, lm.vocab_limit)),  # k >= V is off either way
             top_p=np.float32(params.top_p), min_p=np.float32(params.min_p),
             seed=np.uint32(params.seed), max_new_tokens=np.int32(T),
-            stop_ids=np.asarray(stop_ids + [-1] * (MAX_STOP_IDS - len(stop_ids)), np.int32),
-            t_stop=np.int32(T))
+            stop_ids=pad_ids(stop_ids), t_stop=np.int32(T),
+            logit_bias=params.bias_vector(self.cfg.vocab_size if self.st.processors else 0),
+            min_tokens=np.int32(params.min_tokens), min_stop_ids=pad_ids(all_stop_ids),
+            repetition_penalty=np.float32(params.repetition_penalty),
+            frequency_penalty=np.float32(params.frequency_penalty),
+            presence_penalty=np.float32(params.presence_penalty))
         # Rows: one per prompt (shared) or one per (prompt, branch) copy (naive).
         self.row_prompt = [r for r in range(B) for _ in range(N)] if naive else list(range(B))
         self.decode_steps = 0
@@ -233,21 +247,33 @@ class Session:
         for j, r in enumerate(rows):
             tokens[j, :len(self.ids[r])] = self.ids[r]
             lengths[j] = len(self.ids[r])
-        cfg, st = self.cfg, self.st
-        fn = lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b)
+        cfg, st, pk, vl = self.cfg, self.st, self.prompt_k, self.st.vocab_limit
+        fn = lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b,
+                                        prompt_logprobs=pk, vocab_limit=vl)
         if self.m is None:
             args = (self.model_params, jnp.asarray(tokens), jnp.asarray(lengths), self.bridge_params)
         else:
             m = self.m
+            extra = (PromptLogprobs(*([m.Ps(m.d)] * 4)),) if pk >= 0 else ()
             fn = m.shard_map(fn, (m.Ps(), m.Ps(m.d), m.Ps(m.d), m.Ps()),
-                             (m.prefix_spec, m.Ps(m.d)))
+                             (m.prefix_spec, m.Ps(m.d)) + extra)
             args = (self.model_params, _put(tokens, m.rows), _put(lengths, m.rows),
                     self.bridge_dev)
-        prog, dt = PROGRAMS.get(("prefill", cfg, self.bridge_cfg, self.mesh), fn, args)
+        prog, dt = PROGRAMS.get(("prefill", cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
         self.timings["compile"] += dt
         t0 = time.perf_counter()
-        self.prefix, self.last = jax.block_until_ready(prog(*args))
+        out = jax.block_until_ready(prog(*args))
+        self.prefix, self.last = out[:2]
         self.timings["prefill"] += time.perf_counter() - t0
+        self.prompt_logprobs = None
+        if pk >= 0:  # host arrays per prompt: entry j is about prompt token j + 1
+            lp = PromptLogprobs(*map(_host, out[2]))
+            first = {}  # the first row of each prompt (naive rows are copies)
+            for j, r in enumerate(rows):
+                first.setdefault(r, j)
+            self.prompt_logprobs = [
+                PromptLogprobs(*(a[first[b], :len(self.ids[b]) - 1] for a in lp))
+                for b in range(self.B)]
         self.rows_alloc = R_pad
         self.prefix_bytes = _kv_bytes(self.prefix.k + self.prefix.v, R, R_pad)
 
@@ -301,7 +327,8 @@ class Round:
 
     Host-side outputs (indexed by the round's own rows and branch columns):
       tokens `[R, N, T]` int32, logprobs `[R, N, T]` float32, top_logprobs and
-      top_ids `[R, N, T, k]`, lengths `[R, N]` int32, stopped `[R, N]` bool
+      top_ids `[R, N, T, k]`, token_ranks `[R, N, T]` int32 (`[R, N, 0]`
+      without `SamplingParams.logprobs`), lengths `[R, N]` int32, stopped `[R, N]` bool
       (ended by a stop token), done `[R, N]` bool.
     """
 
@@ -318,6 +345,7 @@ class Round:
         self.logprobs = np.zeros((R, N, T), np.float32)
         self.top_logprobs = np.zeros((R, N, T, k), np.float32)
         self.top_ids = np.full((R, N, T, k), s.st.pad_id, np.int32)
+        self.token_ranks = np.zeros((R, N, T if s.st.token_ranks else 0), np.int32)
         self.lengths = np.zeros((R, N), np.int32)
         self.stopped = np.zeros((R, N), bool)
         self.done = branch_ids < 0
@@ -362,12 +390,20 @@ class Round:
             prefix, last = s.gather("take_rows", take_rows, (s.prefix, s.last,
                                                              jnp.asarray(prefix_rows)), out_specs)
         st = self._static(ids.shape[1])
-        fn = lambda l, p, b, v: init_state(st, l, p, b, v)
-        args = (last, s.put(pidx, "rows"), s.put(ids, "slots"), s.put(live, "slots"))
+        # The prompts' tokens as a [R, V] mask (repetition penalty), built on the host.
+        V = s.cfg.vocab_size if st.penalties else 0
+        mask = np.zeros((len(prefix_rows), V), bool)
+        if st.penalties:
+            for j, r in enumerate(prefix_rows):
+                if r < len(s.row_prompt):
+                    mask[j, s.ids[s.row_prompt[r]]] = True
+        fn = lambda l, p, b, v, pm: init_state(st, l, p, b, v, pm)
+        args = (last, s.put(pidx, "rows"), s.put(ids, "slots"), s.put(live, "slots"),
+                s.put(mask, "rows"))
         if s.m is not None:
             m = s.m
             fn = m.shard_map(fn, (m.Ps(m.d), m.Ps(m.d), m.Ps(m.d, BRANCH_AXIS),
-                                  m.Ps(m.d, BRANCH_AXIS)), m.state_spec)
+                                  m.Ps(m.d, BRANCH_AXIS), m.Ps(m.d)), m.state_spec)
         prog, dt = PROGRAMS.get(("init", st, s.mesh), fn, args)
         s.timings["compile"] += dt
         self.prefix, self.state = prefix, prog(*args)
@@ -422,6 +458,8 @@ class Round:
             if self.s.st.top_logprobs:
                 self.top_logprobs[ri, ci, t0:t1] = _host(st.top_logprobs[sl])[real]
                 self.top_ids[ri, ci, t0:t1] = _host(st.top_ids[sl])[real]
+            if self.s.st.token_ranks:
+                self.token_ranks[ri, ci, t0:t1] = _host(st.token_ranks[sl])[real]
         self.lengths[ri, ci] = lengths[real]
         self.stopped[ri, ci] = stopped[real]
         self.done[ri, ci] = done[real] | self.done[ri, ci]

@@ -34,6 +34,24 @@ class PrefixCache(NamedTuple):
     lengths: jax.Array
 
 
+class PromptLogprobs(NamedTuple):
+    """Prompt logprobs from the prefill (`SamplingParams.prompt_logprobs`).
+
+    Entry i of a row is about prompt token i + 1 under the distribution that
+    follows tokens 0..i (the raw logits at position i); entries `>= length - 1`
+    are padding.
+
+    logprobs: `[R, P]` float32; ranks: `[R, P]` int32 (vLLM's rank: tokens at
+      least as likely); top_logprobs: `[R, P, k]` float32 and top_ids
+      `[R, P, k]` int32, the k most likely tokens there.
+    """
+
+    logprobs: jax.Array
+    ranks: jax.Array
+    top_logprobs: jax.Array
+    top_ids: jax.Array
+
+
 class DecodeState(NamedTuple):
     """The resumable decode state: it lives across device calls (chunks).
 
@@ -55,6 +73,18 @@ class DecodeState(NamedTuple):
     tail_k, tail_v: tuples of L arrays `[R, N, K, T_l, D]`, the branches' own KV:
       T_l = T on global layers; on a local layer of window w a ring of
       min(T, w - 1) slots written at t mod T_l (`prefill.window_extent`).
+    token_ranks: `[R, N, T]` int32 rank of each sampled token under the raw
+      distribution (vLLM's `Logprob.rank`), with `Static.token_ranks`; else
+      `[R, N, 0]`.
+    counts: `[R, N, V]` int32, how often each slot generated each token (for
+      the frequency, presence and repetition penalties), with
+      `Static.penalties`; else `[R, N, 0]`. Updated by one scatter per step.
+      Its size equals the `logits` buffer the state already holds (67 MB at
+      V = 262144, N = 64, R = 1), a few percent of the tails of any real
+      model at T in the thousands.
+    prompt_mask: `[R, V]` bool, the tokens of each row's prompt (repetition
+      penalty), shared by the row's slots (never copied N times), with
+      `Static.penalties`; else `[R, 0]`.
     """
 
     t: jax.Array
@@ -70,10 +100,17 @@ class DecodeState(NamedTuple):
     branch_ids: jax.Array
     tail_k: Any
     tail_v: Any
+    token_ranks: jax.Array
+    counts: jax.Array
+    prompt_mask: jax.Array
 
 
 class Knobs(NamedTuple):
-    """Traced request settings: changing them never recompiles."""
+    """Traced request settings: changing them never recompiles.
+
+    The logits processors' settings (`sampling.process_logits`) are read
+    only with `Static.processors`; `logit_bias` is then `[V]` (else `[0]`).
+    """
 
     temperature: jax.Array  # [] float32
     top_k: jax.Array  # [] int32
@@ -83,6 +120,12 @@ class Knobs(NamedTuple):
     max_new_tokens: jax.Array  # [] int32
     stop_ids: jax.Array  # [MAX_STOP_IDS] int32, -1 padded
     t_stop: jax.Array  # [] int32: this chunk ends before token t_stop
+    logit_bias: jax.Array  # [V] float32 (0 where none), or [0] without processors
+    min_tokens: jax.Array  # [] int32
+    min_stop_ids: jax.Array  # [MAX_STOP_IDS] int32, -1 padded: masked until min_tokens
+    repetition_penalty: jax.Array  # [] float32
+    frequency_penalty: jax.Array  # [] float32
+    presence_penalty: jax.Array  # [] float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +142,9 @@ class Static:
     branch_axis: str = BRANCH_AXIS  # the vmap axis of the branches
     branch_axes: tuple[str, ...] = (BRANCH_AXIS,)  # all branch axes, innermost first
     bridge: Any = None  # a jaxsample.bridge.BridgeConfig, or None
+    processors: bool = False  # run sampling.process_logits (bias, min-tokens, penalties)
+    penalties: bool = False  # keep DecodeState.counts / prompt_mask (implies processors)
+    token_ranks: bool = False  # record DecodeState.token_ranks (SamplingParams.logprobs set)
 
     def post_layer(self, alive, axes):
         """The Bridge hook for `llama.run_layers` (None without a Bridge)."""

@@ -97,6 +97,13 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
               bridge_params=None):
     """The loop body: choose each live slot's token t, then run its forward pass.
 
+    With `st.processors`, each slot's logits go through
+    `sampling.process_logits` (the one place of the logit bias, min-tokens and
+    penalties, in vLLM's order) before `sampling.choose_token`; the recorded
+    logprobs, top logprobs and ranks stay those of the raw logits. The
+    penalties' token counts are updated after the choice, so token t sees
+    the counts of tokens 0..t-1.
+
     Args:
       keys: `[R, N]` the slots' branch keys (`branch_keys`); token t folds in t.
     Returns:
@@ -104,9 +111,23 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
     """
     cfg = st.cfg
 
-    def choose(logits, key):
+    def choose(logits, key, processed=None):
         return sampling.choose_token(logits, key, knobs.temperature, knobs.top_k, knobs.top_p,
-                                     knobs.min_p, st.vocab_limit)
+                                     knobs.min_p, st.vocab_limit, processed)
+
+    if st.processors:
+        # Computed once per chunk (outside the loop body): every stop id, as a [V] mask.
+        V = cfg.vocab_size
+        ids = knobs.min_stop_ids
+        stop_mask = jnp.zeros((V,), bool).at[jnp.where(ids >= 0, ids, V)].set(True, mode="drop")
+
+        def process(logits, t, counts=None, prompt_mask=None):
+            return sampling.process_logits(
+                logits, t=t, bias=knobs.logit_bias, stop_mask=stop_mask,
+                min_tokens=knobs.min_tokens, counts=counts, prompt_mask=prompt_mask,
+                repetition_penalty=knobs.repetition_penalty,
+                frequency_penalty=knobs.frequency_penalty,
+                presence_penalty=knobs.presence_penalty)
 
     # Row-level vmap: prefix per row (in_axes 0); branch-level vmap: prefix unbatched.
     def one_branch(tok, pos, t, pk, pv, plen, tk, tv, alive):
@@ -120,7 +141,16 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
 
     def step(s: DecodeState) -> DecodeState:
         step_keys = vv(lambda k: jax.random.fold_in(k, s.t))(keys)
-        tok, lp = vv(choose)(s.logits, step_keys)
+        if not st.processors:
+            tok, lp = vv(choose)(s.logits, step_keys)
+        elif st.penalties:
+            # counts per slot; the prompt mask per row, unbatched over the slots.
+            proc = jax.vmap(jax.vmap(process, (0, None, 0, None)), (0, None, 0, 0))(
+                s.logits, s.t, s.counts, s.prompt_mask)
+            tok, lp = vv(choose)(s.logits, step_keys, proc)
+        else:
+            proc = vv(lambda x: process(x, s.t))(s.logits)
+            tok, lp = vv(choose)(s.logits, step_keys, proc)
         live = ~s.done
         tok = jnp.where(live, tok, st.pad_id)
         lp = jnp.where(live, lp, 0.0)
@@ -138,6 +168,16 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
             ids = jnp.where(live[..., None], ids, st.pad_id)
             top_lp = jax.lax.dynamic_update_index_in_dim(top_lp, vals, s.t, axis=2)
             top_ids = jax.lax.dynamic_update_index_in_dim(top_ids, ids, s.t, axis=2)
+        ranks = s.token_ranks
+        if st.token_ranks:
+            rank = vv(lambda x, k: sampling.token_rank(x, k, st.vocab_limit))(s.logits, tok)
+            ranks = jax.lax.dynamic_update_index_in_dim(ranks, jnp.where(live, rank, 0), s.t,
+                                                        axis=2)
+        counts = s.counts
+        if st.penalties:  # one scatter of R x N ones (zeros for done slots)
+            R, N = tok.shape
+            counts = counts.at[jnp.arange(R)[:, None], jnp.arange(N)[None, :], tok].add(
+                live.astype(jnp.int32), mode="drop")
 
         def forward(_):
             positions = prefix.lengths + s.t  # [R]
@@ -161,6 +201,7 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
                        for c, a in zip(s.tail_v, v))
         return s._replace(t=s.t + 1, logits=logits, tokens=tokens, logprobs=logprobs,
                           top_logprobs=top_lp, top_ids=top_ids, lengths=lengths, done=done,
-                          stopped=s.stopped | hit_stop, tail_k=tail_k, tail_v=tail_v)
+                          stopped=s.stopped | hit_stop, tail_k=tail_k, tail_v=tail_v,
+                          token_ranks=ranks, counts=counts)
 
     return step

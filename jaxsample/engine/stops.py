@@ -8,6 +8,12 @@ up to 3 more tokens, the longest a UTF-8 character can still be completed) and l
 done at the next chunk boundary. At the end, `cut` keeps the fewest leading
 tokens whose text contains a stop string and the text before it, so tokens
 and text agree whatever the chunk size.
+
+With `SamplingParams.min_tokens = m`, a stop string counts only where it ends
+beyond the text of the first m tokens (vLLM looks for stop strings once more
+than m tokens were generated, in the new text), so a branch cut by a stop
+string keeps more than m tokens. The boundary is the length of the decoded
+first m tokens: exact unless a multi-byte character straddles it.
 """
 
 from __future__ import annotations
@@ -15,14 +21,24 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index of the earliest stop string in `text`, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def first_stop(text: str, stops: Sequence[str], floor: int = 0) -> int | None:
+    """Index of the earliest stop string in `text` that ends after character
+    `floor` (0: anywhere), or None."""
+    hits = [i for i in (text.find(s, max(floor - len(s) + 1, 0)) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 
-def tokens_covering(tokenizer, toks: list[int], stops) -> int:
-    """Fewest leading tokens whose decoded text contains a stop string.
+def min_tokens_floor(tokenizer, toks: Sequence[int], min_tokens: int) -> int:
+    """Characters of text the first `min_tokens` tokens give (stop strings must
+    end after them); the whole text when there are not more tokens than that."""
+    if min_tokens <= 0:
+        return 0
+    return len(tokenizer.decode(list(toks[:min_tokens])))
+
+
+def tokens_covering(tokenizer, toks: list[int], stops, floor: int = 0) -> int:
+    """Fewest leading tokens whose decoded text contains a stop string (ending
+    after character `floor`).
 
     Bisection (O(log T) decodes): containment only grows with the prefix, up to
     a multi-byte character split across tokens, which is why the caller
@@ -31,25 +47,29 @@ def tokens_covering(tokenizer, toks: list[int], stops) -> int:
     lo, hi = 1, len(toks)  # decode(toks[:hi]) contains a stop string
     while lo < hi:
         mid = (lo + hi) // 2
-        if first_stop(tokenizer.decode(toks[:mid]), stops) is not None:
+        if first_stop(tokenizer.decode(toks[:mid]), stops, floor) is not None:
             hi = mid
         else:
             lo = mid + 1
     return hi
 
 
-def cut(tokenizer, body: list[int], stops) -> tuple[str, int | None]:
+def cut(tokenizer, body: list[int], stops, min_tokens: int = 0) -> tuple[str, int | None]:
     """(text, kept tokens or None): the branch's text cut before its first stop string.
 
     `body` excludes a final stop token. None means no stop string was found
-    (all tokens are kept).
+    (all tokens are kept). With `min_tokens`, only stop strings that end
+    after the text of the first `min_tokens` tokens count.
     """
     text = tokenizer.decode(body)
-    if not stops or first_stop(text, stops) is None:
+    if not stops or len(body) <= min_tokens:
         return text, None
-    keep = tokens_covering(tokenizer, body, stops)
+    floor = min_tokens_floor(tokenizer, body, min_tokens)
+    if first_stop(text, stops, floor) is None:
+        return text, None
+    keep = tokens_covering(tokenizer, body, stops, floor)
     text = tokenizer.decode(body[:keep])  # the same tokens the arrays keep
-    return text[:first_stop(text, stops)], keep
+    return text[:first_stop(text, stops, floor)], keep
 
 
 class IncrementalText:
@@ -94,15 +114,22 @@ class IncrementalText:
 class StopWatch:
     """Which branches' text contains a stop string, checked on new tokens only."""
 
-    def __init__(self, tokenizer, stops: Sequence[str]):
+    def __init__(self, tokenizer, stops: Sequence[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stops = tuple(stops)
         self.back = max(map(len, self.stops)) - 1 if self.stops else 0
+        self.min_tokens = int(min_tokens)
         self.texts: dict[tuple[int, int], IncrementalText] = {}
+        self.floors: dict[tuple[int, int], int] = {}
 
     def feed(self, key, new_tokens: Sequence[int]) -> bool:
-        """Add a branch's new tokens (stop tokens excluded); True if a stop string appeared."""
+        """Add a branch's new tokens (stop tokens excluded); True if a stop string
+        appeared (ending after the text of the first `min_tokens` tokens)."""
         inc = self.texts.setdefault(key, IncrementalText())
         start = max(len(inc.text) - self.back, 0)
         delta = inc.extend(self.tokenizer, new_tokens)
-        return bool(delta) and first_stop(inc.text[start:], self.stops) is not None
+        if not delta or len(inc.tokens) <= self.min_tokens:
+            return False
+        if key not in self.floors:
+            self.floors[key] = min_tokens_floor(self.tokenizer, inc.tokens, self.min_tokens)
+        return first_stop(inc.text[start:], self.stops, self.floors[key] - start) is not None
