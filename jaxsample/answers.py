@@ -60,6 +60,11 @@ _DEC_RE = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)$")
 _THOUSANDS_RE = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _INT_FRAC_RE = re.compile(r"^([-+]?\d+)/([-+]?\d+)$")
 _SIMPLE_RE = re.compile(r"^[-+]?[\\\w.{}]+$")
+_BRACE_RE = re.compile(r"[{}]")
+_DTFRAC_RE = re.compile(r"\\[dt]frac")
+_FRAC_DIGITS_RE = re.compile(r"\\frac\s*(\d)\s*(\d)")
+_FRAC_OPEN_RE = re.compile(r"\\frac\s*\{")
+_WRAP_RE = re.compile(r"\\(?:" + "|".join(_WRAPPERS) + r")\s*\{")
 
 
 # ----------------------------------------------------------------------------
@@ -67,26 +72,10 @@ _SIMPLE_RE = re.compile(r"^[-+]?[\\\w.{}]+$")
 # ----------------------------------------------------------------------------
 
 
-def _braced(text: str, open_at: int) -> tuple[str, int] | None:
-    """Content of the balanced group whose "{" is at `open_at`, and the index after "}"."""
-    depth = 0
-    for i in range(open_at, len(text)):
-        ch = text[i]
-        if ch == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
-            continue  # \{ and \} are literal braces
-        if ch == "{" and (i == 0 or text[i - 1] != "\\"):
-            depth += 1
-        elif ch == "}" and (i == 0 or text[i - 1] != "\\"):
-            depth -= 1
-            if depth == 0:
-                return text[open_at + 1 : i], i + 1
-    return None
-
-
 def _strip_outer_braces(s: str) -> str:
     """Remove all the brace groups that enclose the whole of `s` ("{{5}}" -> "5"), in O(len).
 
-    The same brace rules as `_braced` (`\\{` and `\\}` are literal)."""
+    The same brace rules as `_brace_pairs` (`\\{` and `\\}` are literal)."""
     n = len(s)
     lead = 0
     while lead < n and s[lead] == "{":
@@ -113,52 +102,107 @@ def _strip_outer_braces(s: str) -> str:
     return s[m : n - m] if m > 0 else s
 
 
+def _brace_pairs(text: str) -> dict[int, int]:
+    """Index of every "{" that closes -> index of its balancing "}", in one O(len) pass.
+
+    A brace right after a backslash (`\\{`, `\\}`) is literal; a stray "}"
+    closes nothing; a "{" that never closes is absent. Every lookup is then
+    O(1), so scanning many groups (thousands of unclosed `\\boxed{`) stays
+    linear instead of rescanning the text once per group."""
+    pairs: dict[int, int] = {}
+    stack: list[int] = []
+    for m in _BRACE_RE.finditer(text):
+        i = m.start()
+        if i > 0 and text[i - 1] == "\\":
+            continue
+        if text[i] == "{":
+            stack.append(i)
+        elif stack:
+            pairs[stack.pop()] = i
+    return pairs
+
+
 def _last_boxed(text: str) -> str | None:
-    """Content of the last complete `\\boxed{...}` / `\\fbox{...}`; nested braces allowed."""
-    for m in reversed(list(_BOX_RE.finditer(text))):
-        got = _braced(text, m.end() - 1)
-        if got is not None:
-            return got[0]
+    """Content of the last complete `\\boxed{...}` / `\\fbox{...}`; nested braces allowed.
+
+    O(len(text)): the braces are matched once for the whole text (not once
+    per `\\boxed{`, which was quadratic in unclosed repeats)."""
+    boxes = list(_BOX_RE.finditer(text))
+    if not boxes:
+        return None
+    pairs = _brace_pairs(text)
+    for m in reversed(boxes):
+        close = pairs.get(m.end() - 1)
+        if close is not None:
+            return text[m.end() : close]
     return None
 
 
+def _delete_spans(s: str, spans: list[tuple[int, int, str]]) -> str:
+    """`s` with each disjoint `(start, end, replacement)` span replaced, in O(len)."""
+    if not spans:
+        return s
+    out, pos = [], 0
+    for start, end, rep in sorted(spans):
+        out.append(s[pos:start])
+        out.append(rep)
+        pos = end
+    out.append(s[pos:])
+    return "".join(out)
+
+
 def _unwrap_commands(s: str) -> str:
-    """`\\text{X}` -> X for every wrapper command (innermost groups kept intact)."""
-    pattern = re.compile(r"\\(?:" + "|".join(_WRAPPERS) + r")\s*\{")
-    for _ in range(64):
-        m = pattern.search(s)
-        if m is None:
-            break
-        got = _braced(s, m.end() - 1)
-        if got is None:
-            s = s[: m.start()] + s[m.end() :]  # unbalanced: drop the command
-            continue
-        s = s[: m.start()] + got[0] + s[got[1] :]
-    return s
+    """`\\text{X}` -> X for every wrapper command, all in one O(len) pass.
+
+    A wrapper whose group never closes loses the command (and its "{")."""
+    spans = []
+    pairs = None
+    for m in _WRAP_RE.finditer(s):
+        if pairs is None:
+            pairs = _brace_pairs(s)
+        spans.append((m.start(), m.end(), ""))
+        close = pairs.get(m.end() - 1)
+        if close is not None:
+            spans.append((close, close + 1, ""))
+    return _delete_spans(s, spans)
 
 
 def _convert_fracs(s: str) -> str:
-    """`\\frac{a}{b}`, `\\dfrac`, `\\tfrac`, `\\frac12` -> `a/b` (parenthesised when compound)."""
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
-    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
-    for _ in range(64):
-        m = re.search(r"\\frac\s*\{", s)
-        if m is None:
-            break
-        num = _braced(s, m.end() - 1)
-        if num is None:
-            break
-        rest = num[1]
-        while rest < len(s) and s[rest].isspace():
-            rest += 1
-        den = _braced(s, rest) if rest < len(s) and s[rest] == "{" else None
-        if den is None:
-            break
-        a, b = num[0].strip(), den[0].strip()
-        a = a if _SIMPLE_RE.match(a) else f"({a})"
-        b = b if _SIMPLE_RE.match(b) else f"({b})"
-        s = s[: m.start()] + f"{a}/{b}" + s[den[1] :]
-    return s
+    """`\\frac{a}{b}`, `\\dfrac`, `\\tfrac`, `\\frac12` -> `a/b` (parenthesised when compound).
+
+    Every `\\frac` is rewritten in one O(len) pass (nested ones too): its
+    parts are parenthesised when their own text is not simple, as if the
+    outermost were rewritten first. A `\\frac` without two brace groups is
+    left as it is (and does not stop the others)."""
+    s = _DTFRAC_RE.sub(r"\\frac", s)
+    s = _FRAC_DIGITS_RE.sub(r"\\frac{\1}{\2}", s)
+    spans: list[tuple[int, int, str]] = []
+    pairs = None
+    for m in _FRAC_OPEN_RE.finditer(s):
+        if pairs is None:
+            pairs = _brace_pairs(s)
+        num_open = m.end() - 1
+        num_close = pairs.get(num_open)
+        if num_close is None:
+            continue
+        den_open = num_close + 1
+        while den_open < len(s) and s[den_open].isspace():
+            den_open += 1
+        den_close = pairs.get(den_open) if den_open < len(s) and s[den_open] == "{" else None
+        if den_close is None:
+            continue
+        a, b = s[num_open + 1 : num_close], s[den_open + 1 : den_close]
+        pa, pb = not _SIMPLE_RE.match(a.strip()), not _SIMPLE_RE.match(b.strip())
+        # Replace the four pieces of syntax around the two groups (and the
+        # spaces just inside them, which the old rewrite stripped).
+        a_lead = len(a) - len(a.lstrip())
+        a_trail = len(a) - len(a.rstrip()) if a.strip() else 0
+        b_lead = len(b) - len(b.lstrip())
+        b_trail = len(b) - len(b.rstrip()) if b.strip() else 0
+        spans.append((m.start(), num_open + 1 + a_lead, "(" if pa else ""))
+        spans.append((num_close - a_trail, den_open + 1 + b_lead, (")" if pa else "") + "/" + ("(" if pb else "")))
+        spans.append((den_close - b_trail, den_close + 1, ")" if pb else ""))
+    return _delete_spans(s, spans)
 
 
 # ----------------------------------------------------------------------------

@@ -247,3 +247,69 @@ def test_normalize_deep_braces_reaches_a_fixed_point(depth):
 def test_normalize_idempotent_regressions(text):
     once = answers.normalize(text)
     assert answers.normalize(once) == once
+
+
+# ---------------------------------------------------------------------------
+# Regression tests: linear time on repeated constructs. A quadratic
+# extraction took 10 s for 5,000 unclosed "\boxed{" (minutes for 50,000);
+# linear code takes well under 0.5 s. The bound is generous so the test is
+# no timing flake, and an alarm stops a regression at the bound instead of
+# letting it run for minutes.
+
+
+def _run_within(seconds, fn, *args):
+    import signal
+    import time
+
+    if not hasattr(signal, "setitimer"):
+        pytest.skip("needs signal.setitimer (Unix)")
+
+    def _alarm(signum, frame):
+        raise TimeoutError(f"took more than {seconds} s: super-linear?")
+
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        t0 = time.perf_counter()
+        out = fn(*args)
+        return out, time.perf_counter() - t0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+_REPEATED = {
+    "unclosed boxed": "\\boxed{" * 50_000,
+    "unclosed boxed, one closed": "\\boxed{1}" + "\\boxed{" * 50_000,
+    "nested boxed": "\\boxed{" * 50_000 + "5" + "}" * 50_000,
+    "unclosed fbox": "\\fbox{" * 50_000,
+    "unclosed text": "\\text{" * 50_000,
+    "nested text": "\\text{" * 50_000 + "7" + "}" * 50_000,
+    "many wrappers": "\\text{x}" * 50_000,
+    "many fracs": "\\frac{1}{2}" * 50_000,
+    "unclosed fracs": "\\frac{" * 50_000,
+    "dollars": "The answer is $$ " * 50_000,
+}
+
+
+@pytest.mark.parametrize("name", list(_REPEATED))
+def test_extract_is_linear_in_repeated_constructs(name):
+    text = _REPEATED[name]
+    for kind in answers.KINDS:
+        _, dt = _run_within(5.0, answers.extract, text, kind)
+        assert dt < 5.0, (name, kind, dt)
+    _, dt = _run_within(5.0, answers.normalize, text)
+    assert dt < 5.0, (name, "normalize", dt)
+
+
+def test_repeated_constructs_still_give_the_answer():
+    assert answers.extract("\\boxed{1}" + "\\boxed{" * 5_000) == "1"
+    assert answers.extract("\\boxed{" * 5_000 + "5" + "}" * 5_000) == "5"
+    assert answers.extract("\\boxed{" * 5_000 + "5" + "}", "boxed") == "5"
+    assert answers.normalize("\\text{" * 5_000 + "7" + "}" * 5_000) == "7"
+    assert answers.normalize("\\text{\\textbf{8}}") == "8"
+    assert answers.normalize("\\text{9") == "9"  # an unclosed wrapper loses its command
+    # One \frac without a denominator no longer stops the others.
+    assert answers.normalize("\\frac{1}{2}+\\frac{3}") == "1/2+\\frac{3}"
+    assert answers.normalize("\\frac{\\frac{1}{2}}{3}") == "1/2/3"
+    assert answers.normalize("\\frac{a+b}{ c }") == "(a+b)/c"
