@@ -61,6 +61,11 @@ _THOUSANDS_RE = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _INT_FRAC_RE = re.compile(r"^([-+]?\d+)/([-+]?\d+)$")
 _SIMPLE_RE = re.compile(r"^[-+]?[\\\w.{}]+$")
 _BRACE_RE = re.compile(r"[{}]")
+_EMPH_RUN_RE = re.compile(r"\*+|_+|`+")
+_EMPH_OPEN_AFTER = "([{\"'<:="
+_EMPH_CLOSE_BEFORE = ".,;:!?)]}\"'>"
+# A line that only fences a code block ("```", "```python", "~~~") or only holds marks.
+_FENCE_RE = re.compile(r"^[ \t]*(?:(?:`{3,}|~{3,})[\w+-]*|[*_`]+)[ \t]*$")
 _DTFRAC_RE = re.compile(r"\\[dt]frac")
 _FRAC_DIGITS_RE = re.compile(r"\\frac\s*(\d)\s*(\d)")
 _FRAC_OPEN_RE = re.compile(r"\\frac\s*\{")
@@ -206,6 +211,76 @@ def _convert_fracs(s: str) -> str:
 
 
 # ----------------------------------------------------------------------------
+# Markdown emphasis
+# ----------------------------------------------------------------------------
+
+
+def _strip_emphasis(s: str, ends: bool = False, letters: bool = False) -> str:
+    """Drop Markdown emphasis and code marks (`**`, `__`, `*`, `_`, backticks) from `s`, in O(len).
+
+    A run of one marker character can *open* when it follows the start, a
+    space or one of `([{"'<:=` and is followed by a non-space (`_` not by
+    "{"); it can *close* when it follows a non-space other than a backslash
+    or "^" and is followed by the end, a space or one of `.,;:!?)]}"'>`.
+    On each line an opener pairs with the next closer of the identical run
+    (`**` with `**`), and both go. A run that pairs with nothing goes too
+    when it could open or close and is a backtick run or two or more
+    `*`/`_` (a lone `*` or `_` may be maths). With `ends`, an unpaired
+    opener at the very start of `s` or closer at its very end goes whatever
+    its length. With `letters`, a pair around a single letter A-E / a-e
+    becomes parentheses (`**b**` -> `(b)`), the form choice extraction reads.
+
+    What survives: `x_1`, `a_{n}`, `3*4`, `2**10`, `3 * 4`, `x^*`, `f_*`,
+    `\\_`, `my_var` (none of these markers can open or close)."""
+    if "*" not in s and "_" not in s and "`" not in s:
+        return s
+    n = len(s)
+    runs: list[list] = []  # [start, end, marker, can_open, can_close, paired]
+    spans: list[tuple[int, int, str]] = []
+    stack: list[int] = []  # indices into runs of open runs on this line
+    where: dict[str, list[int]] = {}  # marker -> positions in `stack`
+    last_end = 0
+    for m in _EMPH_RUN_RE.finditer(s):
+        i, j, marker = m.start(), m.end(), m.group()
+        if "\n" in s[last_end:i]:  # pairs never cross a line break
+            stack.clear()
+            where.clear()
+        last_end = j
+        prev = s[i - 1] if i > 0 else ""
+        nxt = s[j] if j < n else ""
+        can_open = bool(nxt) and not nxt.isspace() and (not prev or prev.isspace() or prev in _EMPH_OPEN_AFTER)
+        if marker[0] == "_" and nxt == "{":
+            can_open = False
+        can_close = (bool(prev) and not prev.isspace() and prev not in "\\^"
+                     and not (marker == "*" and prev == "_")  # f_* is a subscript
+                     and (not nxt or nxt.isspace() or nxt in _EMPH_CLOSE_BEFORE))
+        runs.append([i, j, marker, can_open, can_close, False])
+        here = len(runs) - 1
+        if can_close and where.get(marker):
+            k = where[marker][-1]
+            while len(stack) > k + 1:  # openers between the pair stay unpaired
+                where[runs[stack.pop()][2]].pop()
+            op = stack.pop()
+            where[marker].pop()
+            runs[op][5] = runs[here][5] = True
+            o, c = runs[op], runs[here]
+            single = letters and c[0] - o[1] == 1 and s[o[1]] in "ABCDEabcde"
+            spans.append((o[0], o[1], "(" if single else ""))
+            spans.append((c[0], c[1], ")" if single else ""))
+        elif can_open:
+            stack.append(here)
+            where.setdefault(marker, []).append(len(stack) - 1)
+    for i, j, marker, can_open, can_close, paired in runs:
+        if paired or not (can_open or can_close):
+            continue
+        if marker[0] == "`" or len(marker) >= 2:
+            spans.append((i, j, ""))
+        elif ends and ((i == 0 and can_open) or (j == n and can_close)):
+            spans.append((i, j, ""))
+    return _delete_spans(s, spans)
+
+
+# ----------------------------------------------------------------------------
 # Normalisation
 # ----------------------------------------------------------------------------
 
@@ -285,6 +360,7 @@ def _unify_minus(s: str) -> str:
 def _normalize_once(s: str) -> str:
     s = _unify_minus(s).strip()
     s = _unwrap_commands(s)
+    s = _strip_emphasis(s.strip(), ends=True)
     s = s.replace("{,}", ",")
     s = _SPACING_RE.sub(lambda m: "" if m.group(0) in ("\\,", "\\!", "\\left", "\\right", "\\displaystyle") else " ", s)
     s = s.replace("\\$", "").replace("$", "")
@@ -333,6 +409,10 @@ def normalize(answer: object) -> str:
     `\\text{}` (and `\\textbf`, `\\mathrm`, `\\mbox`, ...), `$` and `%`
     signs, LaTeX spacing (`\\,`, `\\!`, `\\left`, `\\right`), trailing
     periods/commas, spaces next to symbols, a leading `x=` assignment.
+    Markdown emphasis and code marks: `**73**`, `__73__`, `*73*`, `_73_`,
+    `` `73` `` and a stray `**` next to the answer all give `73`; marks are
+    stripped only where they open or close (see `_strip_emphasis`), so maths
+    keeps its `x_1`, `a_{n}`, `3*4`, `2**10`, `x^*`.
     Numbers: thousands separators (`1,000`, `9{,}500`), a leading `+`, and
     trailing zeros go (`-3.0` -> `-3`, `29.00` -> `29`, `0.50` -> `0.5`);
     the unicode minus (U+2212) and dashes become `-`. Numbers are exact at
@@ -443,6 +523,7 @@ def _extract_choice(text: str) -> str | None:
 
 
 def _extract(text: str, kind: str) -> str | None:
+    text = _strip_emphasis(text, letters=kind == "choice")
     if kind == "boxed":
         boxed = _last_boxed(text)
         return (normalize(boxed) or None) if boxed is not None else None
@@ -451,7 +532,7 @@ def _extract(text: str, kind: str) -> str | None:
     if kind == "choice":
         return _extract_choice(text)
     if kind == "text":
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not _FENCE_RE.match(ln)]
         return (normalize(lines[-1]) or None) if lines else None
     # auto: boxed, then GSM8K "####", then "the answer is", then the last number.
     boxed = _last_boxed(text)
@@ -473,6 +554,10 @@ def _extract(text: str, kind: str) -> str | None:
 
 def extract(text: object, kind: str = "auto") -> str | None:
     """The final answer in a model's output, normalised (see `normalize`).
+
+    Markdown emphasis and code marks are stripped from the text first, for
+    every kind (`Final Answer: **73**` and `**Answer:** 73` give `73`; the
+    rules are those of `normalize`); the "text" kind skips code-fence lines.
 
     Kinds:
       * "boxed": the last complete `\\boxed{...}` or `\\fbox{...}` (nested

@@ -313,3 +313,86 @@ def test_repeated_constructs_still_give_the_answer():
     assert answers.normalize("\\frac{1}{2}+\\frac{3}") == "1/2+\\frac{3}"
     assert answers.normalize("\\frac{\\frac{1}{2}}{3}") == "1/2/3"
     assert answers.normalize("\\frac{a+b}{ c }") == "(a+b)/c"
+
+
+# ---------------------------------------------------------------------------
+# Regression tests: Markdown emphasis and code marks around and inside answers.
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("Final Answer: **73**", "73"),
+    ("The answer is **73**.", "73"),
+    ("**Answer:** 73", "73"),
+    ("**Final Answer:** $\\boxed{73}$", "73"),
+    ("The answer is ***73***", "73"),
+    ("The answer is __73__.", "73"),
+    ("The answer is *73*.", "73"),
+    ("The answer is _73_.", "73"),
+    ("The answer is `73`.", "73"),
+    ("The answer is ``73``", "73"),
+    ("**The answer is 73.**", "73"),
+    ("*Answer*: 73", "73"),
+    ("__Answer__: 73", "73"),
+    ("Answer: **$18**", "18"),
+    ("The answer is **73 apples**.", "73"),
+    ("The answer is **73", "73"),       # an unclosed run next to the answer
+    ("#### **1,234**", "1234"),
+    ("\\boxed{**7**}", "7"),
+    ("* Step one\n* The answer is **12**.", "12"),  # list bullets are not emphasis
+    ("The answer is **Paris**.", "Paris"),
+    ("Answer: `x_1`", "x_1"),
+    ("The answer is $x_1$.", "x_1"),
+])
+def test_extract_strips_emphasis(text, expected):
+    assert answers.extract(text) == expected
+
+
+@pytest.mark.parametrize("text,kind,expected", [
+    ("so the value is **12**", "number", "12"),
+    ("so \\boxed{__5__}", "boxed", "5"),
+    ("line\n**Paris**", "text", "Paris"),
+    ("line\n```\n42\n```", "text", "42"),   # a code fence is not the last line
+    ("The answer is `B`", "choice", "B"),
+])
+def test_extract_kinds_strip_emphasis(text, kind, expected):
+    assert answers.extract(text, kind) == expected
+
+
+@pytest.mark.parametrize("spelling", ["**73**", "__73__", "*73*", "_73_", "`73`", "``73``",
+                                      "***73***", "**_73_**", "**73", "73**", "**73**.", "$**73**$"])
+def test_normalize_strips_emphasis(spelling):
+    assert answers.normalize(spelling) == "73"
+
+
+@pytest.mark.parametrize("answer", ["x_1", "a_{n}", "x_{1}+y_{2}", "a_b_c", "3*4", "2**10", "2^{*}",
+                                    "x^*", "f_*", "\\_", "my_var", "3\\cdot4", "x_1*y_1"])
+def test_normalize_keeps_maths_markers(answer):
+    assert answers.normalize(answer) == answer
+    assert answers.extract(f"\\boxed{{{answer}}}") == answer
+
+
+def test_emphasis_does_not_pair_across_lines_or_maths():
+    assert answers.normalize("$x^*$ and $y^*$") == "x^*and y^*"  # spaces next to symbols go
+    assert answers.normalize("3 * 4 * 5") == "3*4*5"
+    assert answers.extract("Let **step 1\nThe answer is 5**") == "5"
+
+
+def test_emphasised_spellings_are_one_vote():
+    from jaxsample import reducers
+    texts = [["Final Answer: **73**", "The answer is 73.", "**Answer:** 73", "#### 73", "The answer is 72."]]
+    sc = reducers.self_consistency(texts)
+    assert sc.answers == [["73", "73", "73", "73", "72"]]
+    assert sc.winner == ["73"] and float(sc.share[0]) == pytest.approx(0.8)
+
+
+_NEW_TOKENS = _TOKENS + ["**", "*", "_", "__", "`", "``", "x_1", "3*4", "^*", "\n"]
+_NEW_LATEXY = st.lists(st.sampled_from(_NEW_TOKENS), max_size=40).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_NEW_LATEXY, st.sampled_from(answers.KINDS))
+def test_new_constructs_never_raise_and_normalize_is_idempotent(text, kind):
+    out = answers.extract(text, kind)
+    assert out is None or (isinstance(out, str) and out != "")
+    once = answers.normalize(text)
+    assert answers.normalize(once) == once
