@@ -61,6 +61,7 @@ _THOUSANDS_RE = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _INT_FRAC_RE = re.compile(r"^([-+]?\d+)/([-+]?\d+)$")
 _SIMPLE_RE = re.compile(r"^[-+]?[\\\w.{}]+$")
 _BRACE_RE = re.compile(r"[{}]")
+_MATH_TOKEN_RE = re.compile(r"\\.|\$", re.DOTALL)
 _EMPH_RUN_RE = re.compile(r"\*+|_+|`+")
 _EMPH_OPEN_AFTER = "([{\"'<:="
 _EMPH_CLOSE_BEFORE = ".,;:!?)]}\"'>"
@@ -482,6 +483,18 @@ def _first_number(segment: str) -> str | None:
     return normalize(nm.group(0)) or None
 
 
+def _closing_dollar(text: str, start: int) -> int | None:
+    """Index of the first `$` at or after `start` that closes inline maths.
+
+    An escaped dollar (`\\$`, a dollar sign inside the maths, as in
+    `$\\$18$`) does not close it; after an escaped backslash (`\\\\$`) the
+    dollar does."""
+    for m in _MATH_TOKEN_RE.finditer(text, start):
+        if m.group() == "$":
+            return m.start()
+    return None
+
+
 def _from_segment(segment: str) -> str | None:
     """The answer stated at the start of `segment` (text after "answer is" / "####")."""
     seg = segment.strip()
@@ -490,10 +503,12 @@ def _from_segment(segment: str) -> str | None:
     boxed = _last_boxed(seg)
     if boxed is not None:
         return normalize(boxed) or None
-    if seg.startswith("$") and not seg.startswith("$$") and seg.count("$") >= 2:
-        inner = seg[1 : seg.index("$", 1)]
-        if inner.strip():
-            return normalize(inner) or None
+    if seg.startswith("$") and not seg.startswith("$$"):
+        close = _closing_dollar(seg, 1)
+        if close is not None:
+            inner = seg[1:close]
+            if inner.strip():
+                return normalize(inner) or None
     m = re.match(r"^\(?([A-E])\)?(?![A-Za-z0-9])", seg)
     if m:
         return m.group(1)
@@ -570,7 +585,9 @@ def extract(text: object, kind: str = "auto") -> str | None:
         then a line holding only a letter; returns the upper-case letter.
       * "text": the last non-empty line, stripped (free-form answers).
       * "auto": the last boxed answer; else GSM8K's last "#### X"; else the
-        last "The answer is X" / "Answer: X"; else the last number.
+        last "The answer is X" / "Answer: X"; else the last number. An
+        answer in inline maths (`The answer is $\\$18$.`) ends at the first
+        unescaped `$`, so an escaped dollar inside it is a dollar sign.
 
     Args:
       text: the generated text (anything else gives None).

@@ -396,3 +396,38 @@ def test_new_constructs_never_raise_and_normalize_is_idempotent(text, kind):
     assert out is None or (isinstance(out, str) and out != "")
     once = answers.normalize(text)
     assert answers.normalize(once) == once
+
+
+# ---------------------------------------------------------------------------
+# Regression tests: an escaped dollar inside inline maths is a dollar sign,
+# not the end of the maths.
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("The answer is $\\$18$.", "18"),
+    ("Answer: $\\$1{,}000$", "1000"),
+    ("The answer is $\\$18.50$ per hour.", "18.5"),
+    ("The answer is $\\$\\,18$", "18"),
+    ("#### $\\$18$", "18"),
+    ("The answer is $$\\$18$$", "18"),
+    ("The answer is $18\\$$", "18"),
+    ("The answer is $\\text{\\$}18$", "18"),
+    ("Answer: $\\$1\\,000$.", "1000"),
+    ("The answer is $\\$18", "18"),             # unterminated maths
+    ("The answer is $\\$\\$18$", "18"),
+])
+def test_extract_escaped_dollar_inside_maths(text, expected):
+    assert answers.extract(text) == expected
+    assert answers.extract(text, "number") == expected
+
+
+def test_escaped_dollar_first_maths_after_answer_is():
+    text = "The answer is $\\$18$ and then $\\$20$."
+    assert answers.extract(text) == "18"
+    assert answers.extract(text, "number") == "20"  # the last number
+
+
+def test_escaped_dollar_spellings_are_one_answer():
+    spellings = ["$\\$18$", "\\$18", "$18", "18", "$18.00$"]
+    assert {answers.normalize(s) for s in spellings} == {"18"}
+    assert {answers.extract(f"The answer is {s}.") for s in spellings} == {"18"}
