@@ -29,8 +29,17 @@ _GSM8K_RE = re.compile(r"####[ \t]*([^\n]*)")
 _ANSWER_IS_RE = re.compile(r"\banswer\s*(?:is|:|=)[ \t]*:?[ \t]*", re.IGNORECASE)
 # A number: optional sign (not glued to a preceding word/digit/closing
 # bracket, so "5-3" is 5 and 3), digits with optional thousands separators
-# (",", LaTeX "{,}", "\\,"), optional decimals, optional "/denominator".
-_NUM = r"(?:\d{1,3}(?:(?:,|\{,\}|\\,)\d{3})+(?![\d])|\d+)(?:\.\d+)?|\.\d+"
+# (",", LaTeX "{,}", "\\,", "\\;", "\\:", "\\ ", "~"; or a space-like character: space, no-break
+# space U+00A0, thin space U+2009, narrow no-break space U+202F), optional
+# decimals, optional "/denominator".
+# Space grouping rule: the leading group has 1-3 digits, every later group
+# is one space-like character then exactly 3 digits (not followed by a
+# digit), and the number does not follow a digit and a space ("1 2 3 100" is
+# a list, not 3100). So "10 000" is 10000, "2 3" is 2 then 3, "4 pears" is 4.
+_SPACE_SEP = "[ \u00a0\u2009\u202f]"
+_NUM = (r"(?:\d{1,3}(?:(?:,|\{,\}|\\[,;: ]|~)\d{3})+(?![\d])"
+        r"|(?<!\d" + _SPACE_SEP + r")\d{1,3}(?:" + _SPACE_SEP + r"\d{3})+(?![\d])"
+        r"|\d+)(?:\.\d+)?|\.\d+")
 # Scientific notation ("1e5", "1.0e-3") and powers ("10^3", "10^{3}") belong
 # to the number: "1e5" is 100000, not 5.
 _EXP = r"(?:[eE][-+]?\d+(?!\w|\.\d))?(?:[ \t]*\^[ \t]*(?:\{[ \t]*[-+]?\d+[ \t]*\}|[-+]?\d+))?"
@@ -57,7 +66,8 @@ _CHOICE_LINE_RE = re.compile(r"^[ \t]*\(?([A-E])\)?[ \t]*[.):]?[ \t]*$", re.MULT
 _WRAPPERS = ("text", "textbf", "textit", "mathrm", "mathbf", "mbox", "boxed", "fbox", "operatorname")
 _SPACING_RE = re.compile(r"\\[,;:! ]|\\quad|\\qquad|\\left|\\right|\\displaystyle")
 _DEC_RE = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)$")
-_THOUSANDS_RE = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_TILDE_GROUP_RE = re.compile(r"(?<=\d)~(?=\d{3}(?!\d))")
+_THOUSANDS_RE = re.compile(r"^[-+]?\d{1,3}(?:(?:,\d{3})+|(?: \d{3})+)(?:\.\d+)?$")
 _INT_FRAC_RE = re.compile(r"^([-+]?\d+)/([-+]?\d+)$")
 _SIMPLE_RE = re.compile(r"^[-+]?[\\\w.{}]+$")
 _BRACE_RE = re.compile(r"[{}]")
@@ -289,7 +299,7 @@ def _strip_emphasis(s: str, ends: bool = False, letters: bool = False) -> str:
 def _canonical_number(s: str) -> str | None:
     """Canonical decimal text of a plain number ("-3.0" -> "-3", "0.50" -> "0.5"), else None."""
     if _THOUSANDS_RE.match(s):
-        s = s.replace(",", "")
+        s = s.replace(",", "").replace(" ", "")
     if not _DEC_RE.match(s):
         return None
     return _decimal_text(s)
@@ -363,6 +373,7 @@ def _normalize_once(s: str) -> str:
     s = _unwrap_commands(s)
     s = _strip_emphasis(s.strip(), ends=True)
     s = s.replace("{,}", ",")
+    s = _TILDE_GROUP_RE.sub(" ", s)  # LaTeX "10~000"
     s = _SPACING_RE.sub(lambda m: "" if m.group(0) in ("\\,", "\\!", "\\left", "\\right", "\\displaystyle") else " ", s)
     s = s.replace("\\$", "").replace("$", "")
     s = s.replace("\\%", "").replace("%", "")
@@ -414,7 +425,10 @@ def normalize(answer: object) -> str:
     `` `73` `` and a stray `**` next to the answer all give `73`; marks are
     stripped only where they open or close (see `_strip_emphasis`), so maths
     keeps its `x_1`, `a_{n}`, `3*4`, `2**10`, `x^*`.
-    Numbers: thousands separators (`1,000`, `9{,}500`), a leading `+`, and
+    Numbers: thousands separators (`1,000`, `9{,}500`, `1\\,000`, `10~000`;
+    and space-like ones, `10 000` with a space, U+00A0, U+2009 or U+202F,
+    when the leading group has 1-3 digits and every later group exactly 3:
+    `2 3` stays two numbers), a leading `+`, and
     trailing zeros go (`-3.0` -> `-3`, `29.00` -> `29`, `0.50` -> `0.5`);
     the unicode minus (U+2212) and dashes become `-`. Numbers are exact at
     any length (no rounding to 28 digits). Scientific notation and integer
@@ -577,7 +591,9 @@ def extract(text: object, kind: str = "auto") -> str | None:
     Kinds:
       * "boxed": the last complete `\\boxed{...}` or `\\fbox{...}` (nested
         braces balanced; a `\\boxed` without a brace group is not an answer).
-      * "number": the last number (integers, decimals, thousands separators,
+      * "number": the last number (integers, decimals, thousands separators
+        including spaces by the rule of `normalize`: `10 000` is 10000 and
+        `2 3` is 3, and a list such as `1 2 3 100` is not grouped,
         signs including the unicode minus, scientific notation `1e5`, powers
         `10^{3}`, `-(3/4)`, `a/b` and `\\frac{a}{b}` with numeric parts).
       * "choice": a multiple-choice letter A-E: a boxed letter, then

@@ -385,7 +385,8 @@ def test_emphasised_spellings_are_one_vote():
     assert sc.winner == ["73"] and float(sc.share[0]) == pytest.approx(0.8)
 
 
-_NEW_TOKENS = _TOKENS + ["**", "*", "_", "__", "`", "``", "x_1", "3*4", "^*", "\n"]
+_NEW_TOKENS = _TOKENS + ["**", "*", "_", "__", "`", "``", "x_1", "3*4", "^*", "\n", "\\$", "$",
+                         " 000", "\u00a0000", "\u2009", "\u202f", "~", "\\ "]
 _NEW_LATEXY = st.lists(st.sampled_from(_NEW_TOKENS), max_size=40).map("".join)
 
 
@@ -431,3 +432,54 @@ def test_escaped_dollar_spellings_are_one_answer():
     spellings = ["$\\$18$", "\\$18", "$18", "18", "$18.00$"]
     assert {answers.normalize(s) for s in spellings} == {"18"}
     assert {answers.extract(f"The answer is {s}.") for s in spellings} == {"18"}
+
+
+# ---------------------------------------------------------------------------
+# Regression tests: thousands separated by a space-like character. Rule: the
+# leading group has 1-3 digits, each later group is one space, U+00A0,
+# U+2009 or U+202F followed by exactly 3 digits, and the number does not
+# follow a digit and a space.
+
+
+@pytest.mark.parametrize("sep", [" ", "\u00a0", "\u2009", "\u202f"])
+@pytest.mark.parametrize("text,expected", [
+    ("10{s}000", "10000"),
+    ("The answer is 10{s}000.", "10000"),
+    ("#### 1{s}234{s}567", "1234567"),
+    ("It costs $12{s}345.50 in total", "12345.5"),
+    ("So -10{s}000 it is", "-10000"),
+    ("\\boxed{5{s}000{s}000}", "5000000"),
+    ("between 3 and 4{s}000", "4000"),
+])
+def test_extract_space_thousands(sep, text, expected):
+    text = text.replace("{s}", sep)
+    assert answers.extract(text) == expected
+    assert answers.extract(text, "number") == expected
+
+
+@pytest.mark.parametrize("text,auto,number", [
+    ("the answer is 2 3", "2", "3"),                     # groups must be exactly 3 digits
+    ("I have 3 apples and 4 pears", "4", "4"),
+    ("10 00", "0", "0"),
+    ("10 0000", "0", "0"),
+    ("in 2023 100 people came", "100", "100"),           # a 4-digit leading group is no group
+    ("1 2 3 100", "100", "100"),                         # a list, not 3100
+    ("The answer is 1 000 people", "1000", "1000"),
+    ("The answer is 7 and 100 more", "7", "100"),
+])
+def test_extract_space_thousands_ambiguity(text, auto, number):
+    assert answers.extract(text) == auto
+    assert answers.extract(text, "number") == number
+
+
+@pytest.mark.parametrize("a,b", [("10 000", "10000"), ("10\u202f000", "10,000"), ("1\u2009234\u2009567", "1234567"),
+                                 ("10\\ 000", "10000"), ("10\\;000", "10000"), ("10~000", "10000"),
+                                 ("$10\u00a0000.00$", "10000")])
+def test_normalize_space_thousands(a, b):
+    assert answers.normalize(a) == answers.normalize(b)
+
+
+@pytest.mark.parametrize("a,b", [("2 3", "23"), ("10 00", "1000"), ("1 0000", "10000")])
+def test_normalize_space_not_thousands(a, b):
+    assert answers.normalize(a) != answers.normalize(b)
+    assert answers.normalize(a) == a
