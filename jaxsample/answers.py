@@ -52,6 +52,11 @@ _SIGNED_PAREN_RE = re.compile(
     r"(?<![\w)}\]])([-+])\([ \t]*((?:" + _NUM + r")(?:[ \t]*/[ \t]*(?:" + _NUM + r"))?)[ \t]*\)"
 )
 _MINUS_SIGNS = {"\u2212": "-", "\u2012": "-", "\u2013": "-", "\ufe63": "-", "\uff0d": "-"}
+_VULGAR = {"\u00bd": "1/2", "\u2153": "1/3", "\u2154": "2/3", "\u00bc": "1/4", "\u00be": "3/4",
+           "\u2155": "1/5", "\u2156": "2/5", "\u2157": "3/5", "\u2158": "4/5", "\u2159": "1/6",
+           "\u215a": "5/6", "\u2150": "1/7", "\u215b": "1/8", "\u215c": "3/8", "\u215d": "5/8",
+           "\u215e": "7/8", "\u2151": "1/9", "\u2152": "1/10"}
+_VULGAR_RE = re.compile("[" + "".join(_VULGAR) + "]")
 _SCI_RE = re.compile(r"^([-+]?(?:\d+(?:\.\d*)?|\.\d+))[eE]([-+]?\d+)$")
 _POW_RE = re.compile(r"^([-+]?)(\d+(?:\.\d*)?|\.\d+)\^(?:\{([-+]?\d+)\}|([-+]?\d+))$")
 # Above this many digits a power or exponent is kept symbolic ("1e5000").
@@ -80,6 +85,9 @@ _FENCE_RE = re.compile(r"^[ \t]*(?:(?:`{3,}|~{3,})[\w+-]*|[*_`]+)[ \t]*$")
 _DTFRAC_RE = re.compile(r"\\[dt]frac")
 _FRAC_DIGITS_RE = re.compile(r"\\frac\s*(\d)\s*(\d)")
 _FRAC_OPEN_RE = re.compile(r"\\frac\s*\{")
+_MIXED_FRAC_RE = re.compile(r"(?<![\w.,^_}/\\])(?<!\d[ \t\u00a0])(\d+)\s*\\frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+_MIXED_TEXT_RE = re.compile(r"(?<![\w.,^_}/\\])(?<!\d[ \t\u00a0])(\d+)[ \t\u00a0]+(\d+)/(\d+)(?![\w/^]|[.,]\d)")
+_NUM_FRAC_RE = re.compile(r"(\d)?\\frac\s*\{\s*([-+]?[\d.]+)\s*\}\s*\{\s*([-+]?[\d.]+)\s*\}")
 _WRAP_RE = re.compile(r"\\(?:" + "|".join(_WRAPPERS) + r")\s*\{")
 
 
@@ -183,6 +191,35 @@ def _unwrap_commands(s: str) -> str:
     return _delete_spans(s, spans)
 
 
+def _mixed_fraction(whole: str, num: str, den: str) -> str | None:
+    """`whole num/den` as one reduced improper fraction ("3", "1", "2" -> "7/2") if proper, else None."""
+    w, a, b = int(whole), int(num), int(den)
+    if not 0 < a < b:
+        return None
+    f = Fraction(w * b + a, b)
+    return f"{f.numerator}/{f.denominator}"
+
+
+def _mixed_numbers(s: str, latex: bool = True) -> str:
+    """Mixed numbers -> improper fractions: `3\\frac{1}{2}` (`latex`) or `3 1/2` -> `7/2`.
+
+    A mixed number is a whole number (not glued to a word, a decimal point, a
+    "^", "_" or "}" before it, nor following a digit and a space) and then a
+    proper fraction of integers (0 < numerator < denominator): in LaTeX right
+    after the whole number or after spaces (`\\frac{a}{b}`, with `\\dfrac`,
+    `\\tfrac` and `\\frac12` already rewritten to `\\frac{a}{b}`), in plain
+    text after one or more spaces (`3 1/2`, no spaces around the "/"). A sign
+    before it stays a sign: `-2\\frac{1}{3}` is -7/3. A LaTeX whole number
+    before an improper fraction (`3\\frac{5}{2}`) keeps a space between the
+    two, so the digits are not read together as 35/2."""
+    if latex:
+        def sub(m: re.Match) -> str:
+            got = _mixed_fraction(m.group(1), m.group(2), m.group(3))
+            return got if got is not None else m.group(1) + " " + m.group(0)[len(m.group(1)) :].lstrip()
+        return _MIXED_FRAC_RE.sub(sub, s)
+    return _MIXED_TEXT_RE.sub(lambda m: _mixed_fraction(m.group(1), m.group(2), m.group(3)) or m.group(0), s)
+
+
 def _convert_fracs(s: str) -> str:
     """`\\frac{a}{b}`, `\\dfrac`, `\\tfrac`, `\\frac12` -> `a/b` (parenthesised when compound).
 
@@ -192,6 +229,7 @@ def _convert_fracs(s: str) -> str:
     left as it is (and does not stop the others)."""
     s = _DTFRAC_RE.sub(r"\\frac", s)
     s = _FRAC_DIGITS_RE.sub(r"\\frac{\1}{\2}", s)
+    s = _mixed_numbers(s)
     spans: list[tuple[int, int, str]] = []
     pairs = None
     for m in _FRAC_OPEN_RE.finditer(s):
@@ -215,7 +253,8 @@ def _convert_fracs(s: str) -> str:
         a_trail = len(a) - len(a.rstrip()) if a.strip() else 0
         b_lead = len(b) - len(b.lstrip())
         b_trail = len(b) - len(b.rstrip()) if b.strip() else 0
-        spans.append((m.start(), num_open + 1 + a_lead, "(" if pa else ""))
+        glued = m.start() > 0 and s[m.start() - 1].isdigit()  # "2.5\frac12": keep the numbers apart
+        spans.append((m.start(), num_open + 1 + a_lead, (" " if glued else "") + ("(" if pa else "")))
         spans.append((num_close - a_trail, den_open + 1 + b_lead, (")" if pa else "") + "/" + ("(" if pb else "")))
         spans.append((den_close - b_trail, den_close + 1, ")" if pb else ""))
     return _delete_spans(s, spans)
@@ -363,9 +402,15 @@ def _scientific_number(s: str) -> str | None:
 
 
 def _unify_minus(s: str) -> str:
+    """Unicode minus signs and dashes -> "-"; vulgar fractions ("½", "3¾") and
+    the fraction slash U+2044 -> ASCII ("1/2", "3 3/4", a mixed number)."""
     for k, v in _MINUS_SIGNS.items():
         s = s.replace(k, v)
-    return s
+    if any(ch in s for ch in _VULGAR):
+        t = s
+        s = _VULGAR_RE.sub(lambda m: (" " if m.start() > 0 and t[m.start() - 1].isdigit() else "")
+                           + _VULGAR[m.group()], t)
+    return s.replace("\u2044", "/")
 
 
 def _normalize_once(s: str) -> str:
@@ -383,6 +428,7 @@ def _normalize_once(s: str) -> str:
     s = re.sub(r"[.,;:]+$", "", s).strip()
     # Drop spaces next to symbols: "x = 5" -> "x=5", "1 / 2" -> "1/2" (words keep theirs).
     s = re.sub(r"\s*([^\w\s])\s*", r"\1", s)
+    s = _mixed_numbers(s, latex=False)  # "3 1/2" -> "7/2"
     # "x=5" -> "5": a lone variable assigned a value.
     m = re.match(r"^[A-Za-z]=([^=]+)$", s)
     if m:
@@ -438,7 +484,12 @@ def normalize(answer: object) -> str:
     (`1e5000`, `3^-1`). `-(3/4)` -> `-3/4`.
     Fractions: `\\frac{a}{b}`, `\\dfrac{a}{b}`, `\\tfrac`, `\\frac12` and
     `a/b` all become `a/b`, integer fractions reduced (`2/4` -> `1/2`,
-    `6/3` -> `2`). A parenthesised choice letter `(B)` becomes `B`.
+    `6/3` -> `2`). Mixed numbers become one reduced improper fraction:
+    `3\\frac{1}{2}`, `3\\dfrac12`, `3 1/2`, `3½` -> `7/2`, `-2\\frac{1}{3}` ->
+    `-7/3` (a whole number, then a proper fraction of integers; see
+    `_mixed_numbers`); a whole number before an improper fraction stays
+    apart (`3\\frac{5}{2}` -> `3 5/2`, never `35/2`). Vulgar fractions
+    (`½`, `¾`) and the fraction slash U+2044 are read as `a/b`. A parenthesised choice letter `(B)` becomes `B`.
     Not done: case folding, unit removal, decimal <-> fraction (`0.5` and
     `1/2` stay different).
 
@@ -473,9 +524,13 @@ def normalize(answer: object) -> str:
 
 def _prepare_numbers(text: str) -> str:
     text = _SIGNED_PAREN_RE.sub(r"\1\2", text)  # "-(3/4)" -> "-3/4"
-    text = re.sub(r"\\[dt]frac", r"\\frac", text)
-    text = re.sub(r"\\frac\s*\{\s*([-+]?[\d.]+)\s*\}\s*\{\s*([-+]?[\d.]+)\s*\}", r"\1/\2", text)
-    return re.sub(r"\\frac\s*(\d)\s*(\d)", r"\1/\2", text)
+    text = _DTFRAC_RE.sub(r"\\frac", text)
+    text = _FRAC_DIGITS_RE.sub(r"\\frac{\1}{\2}", text)
+    text = _mixed_numbers(text)
+    # A \frac right after a digit that is no mixed number keeps a space, so
+    # "2.5\frac{1}{2}" is not read as the number 2.51/2.
+    text = _NUM_FRAC_RE.sub(lambda m: (m.group(1) + " " if m.group(1) else "") + f"{m.group(2)}/{m.group(3)}", text)
+    return _mixed_numbers(text, latex=False)
 
 
 def _last_number(text: str) -> str | None:
@@ -595,7 +650,8 @@ def extract(text: object, kind: str = "auto") -> str | None:
         including spaces by the rule of `normalize`: `10 000` is 10000 and
         `2 3` is 3, and a list such as `1 2 3 100` is not grouped,
         signs including the unicode minus, scientific notation `1e5`, powers
-        `10^{3}`, `-(3/4)`, `a/b` and `\\frac{a}{b}` with numeric parts).
+        `10^{3}`, `-(3/4)`, `a/b` and `\\frac{a}{b}` with numeric parts,
+        mixed numbers `3\\frac{1}{2}` / `3 1/2` / `3½` as `7/2`).
       * "choice": a multiple-choice letter A-E: a boxed letter, then
         "answer: C" / "the answer is (C)" / "option C", then the last "(B)",
         then a line holding only a letter; returns the upper-case letter.

@@ -386,7 +386,8 @@ def test_emphasised_spellings_are_one_vote():
 
 
 _NEW_TOKENS = _TOKENS + ["**", "*", "_", "__", "`", "``", "x_1", "3*4", "^*", "\n", "\\$", "$",
-                         " 000", "\u00a0000", "\u2009", "\u202f", "~", "\\ "]
+                         " 000", "\u00a0000", "\u2009", "\u202f", "~", "\\ ", " 1/2", "\u00bd", "\u2044",
+                         "\\frac12", "\\tfrac{1}{3}"]
 _NEW_LATEXY = st.lists(st.sampled_from(_NEW_TOKENS), max_size=40).map("".join)
 
 
@@ -483,3 +484,60 @@ def test_normalize_space_thousands(a, b):
 def test_normalize_space_not_thousands(a, b):
     assert answers.normalize(a) != answers.normalize(b)
     assert answers.normalize(a) == a
+
+
+# ---------------------------------------------------------------------------
+# Regression tests: mixed numbers are one improper fraction, never the
+# digits glued together ("3\frac{1}{2}" was "31/2").
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("\\boxed{3\\frac{1}{2}}", "7/2"),
+    ("3\\frac{1}{2} cups", "7/2"),
+    ("The answer is $3\\frac{1}{2}$.", "7/2"),
+    ("\\boxed{3\\dfrac{1}{2}}", "7/2"),
+    ("\\boxed{3\\tfrac{1}{2}}", "7/2"),
+    ("\\boxed{3\\frac12}", "7/2"),
+    ("\\boxed{3 \\frac{1}{2}}", "7/2"),
+    ("\\boxed{-2\\frac{1}{3}}", "-7/3"),
+    ("so it is -2\\frac{1}{3}", "-7/3"),
+    ("\\boxed{\u22122\\dfrac{1}{3}}", "-7/3"),
+    ("\\boxed{12\\frac{3}{4}}", "51/4"),
+    ("\\boxed{5\\frac{2}{4}}", "11/2"),     # reduced
+    ("\\boxed{\\$3\\frac{1}{2}}", "7/2"),
+    ("She needs 3 1/2 cups.", "7/2"),
+    ("The answer is 3 1/2.", "7/2"),
+    ("#### -4 1/3", "-13/3"),
+    ("It takes 2 3/4 hours", "11/4"),
+    ("3\u00bd cups", "7/2"),
+    ("The answer is 2\u00be.", "11/4"),
+    ("\\boxed{7/2}", "7/2"),
+])
+def test_extract_mixed_numbers(text, expected):
+    assert answers.extract(text) == expected
+
+
+@pytest.mark.parametrize("a", ["3\\frac{1}{2}", "3\\dfrac{1}{2}", "3\\tfrac12", "3 1/2", "3 \\frac{1}{2}",
+                               "$3\\frac{1}{2}$", "7/2", "14/4", "\\frac{7}{2}", "3\u00bd", "3 1\u20442"])
+def test_normalize_mixed_numbers_agree(a):
+    assert answers.normalize(a) == "7/2"
+
+
+@pytest.mark.parametrize("text,kind,expected", [
+    ("\\boxed{3\\frac{5}{2}}", "auto", "3 5/2"),     # improper: kept apart, not 35/2
+    ("2.5\\frac{1}{2}", "number", "1/2"),           # not the number 2.51/2
+    ("x^2\\frac{1}{2}", "number", "1/2"),           # an exponent is no whole part
+    ("1 2 1/2", "number", "1/2"),                   # a list of numbers, then a fraction
+    ("3 4/2", "number", "2"),                       # improper: no mixed number
+    ("on 3 1/2/2020", "number", "2020"),            # a date is no mixed number
+])
+def test_mixed_number_look_alikes(text, kind, expected):
+    assert answers.extract(text, kind) == expected
+
+
+def test_mixed_numbers_are_one_vote():
+    from jaxsample import reducers
+    texts = [["\\boxed{3\\frac{1}{2}}", "She needs 3 1/2 cups.", "#### 7/2", "The answer is $\\frac{7}{2}$", "#### 31/2"]]
+    sc = reducers.self_consistency(texts)
+    assert sc.answers == [["7/2", "7/2", "7/2", "7/2", "31/2"]]
+    assert sc.winner == ["7/2"]
