@@ -62,12 +62,21 @@ _POW_RE = re.compile(r"^([-+]?)(\d+(?:\.\d*)?|\.\d+)\^(?:\{([-+]?\d+)\}|([-+]?\d
 # Above this many digits a power or exponent is kept symbolic ("1e5000").
 _MAX_EXPANDED_DIGITS = 400
 _CHOICE_LETTERS = "ABCDE"
+# Choice letters. An upper-case letter standing alone counts anywhere the
+# rules below look; a lower-case one only where it cannot be a word: in
+# parentheses, before ")" or right before punctuation or the end of the line
+# ("answer: c", "answer is (b)", "b) 42"), never before another word ("the
+# answer is a banana", "I think a lot").
+_LOWER_CHOICE_END = r"(?=[ \t]*(?:\n|$)|[.,;:!?)\]]+(?:\s|$))"
 _CHOICE_AFTER_KEYWORD_RE = re.compile(
-    r"\b(?:answer|option|choice)\s*(?:is|:|=)?\s*(?:option|choice)?\s*:?\s*\(?([A-Ea-e])\)?(?![A-Za-z0-9])",
-    re.IGNORECASE,
+    r"\b(?i:answer|option|choice)\b\s*(?:(?i:is\b|:|=)\s*)?(?:(?i:option|choice)\b\s*)?(?::\s*)?"
+    r"(?:\(([A-Ea-e])\)|\(?([A-E])\)?(?![A-Za-z0-9])|([a-e])(?:\)|" + _LOWER_CHOICE_END + r"))"
 )
-_CHOICE_PAREN_RE = re.compile(r"\(([A-E])\)")
-_CHOICE_LINE_RE = re.compile(r"^[ \t]*\(?([A-E])\)?[ \t]*[.):]?[ \t]*$", re.MULTILINE)
+_CHOICE_PAREN_RE = re.compile(r"\(([A-Ea-e])\)")
+_CHOICE_LINE_RE = re.compile(r"^[ \t]*\(?([A-Ea-e])\)?[ \t]*[.):]?[ \t]*$", re.MULTILINE)
+# A line that starts with a labelled option: "B) 42", "B. 42", "(b) 42".
+_CHOICE_LABEL_RE = re.compile(r"^[ \t]*(?:\(([A-Ea-e])\)|([A-Ea-e])[.)])[ \t]+\S", re.MULTILINE)
+_CHOICE_BOXED_RE = re.compile(r"^\(?([A-Ea-e])\)?$")
 _WRAPPERS = ("text", "textbf", "textit", "mathrm", "mathbf", "mbox", "boxed", "fbox", "operatorname")
 _SPACING_RE = re.compile(r"\\[,;:! ]|\\quad|\\qquad|\\left|\\right|\\displaystyle")
 _DEC_RE = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)$")
@@ -589,20 +598,18 @@ def _from_segment(segment: str) -> str | None:
 
 
 def _extract_choice(text: str) -> str | None:
+    """The multiple-choice letter, upper-cased (see `extract`, kind "choice")."""
     boxed = _last_boxed(text)
     if boxed is not None:
-        b = normalize(boxed)
-        if len(b) == 1 and b.upper() in _CHOICE_LETTERS:
-            return b.upper()
-    found = list(_CHOICE_AFTER_KEYWORD_RE.finditer(text))
-    if found:
-        return found[-1].group(1).upper()
-    found = list(_CHOICE_PAREN_RE.finditer(text))
-    if found:
-        return found[-1].group(1)
-    found = list(_CHOICE_LINE_RE.finditer(text))
-    if found:
-        return found[-1].group(1)
+        m = _CHOICE_BOXED_RE.match(normalize(boxed))
+        if m:
+            return m.group(1).upper()
+    for pattern in (_CHOICE_AFTER_KEYWORD_RE, _CHOICE_PAREN_RE, _CHOICE_LINE_RE, _CHOICE_LABEL_RE):
+        last = None
+        for last in pattern.finditer(text):
+            pass
+        if last is not None:
+            return next(g for g in last.groups() if g).upper()
     return None
 
 
@@ -652,9 +659,19 @@ def extract(text: object, kind: str = "auto") -> str | None:
         signs including the unicode minus, scientific notation `1e5`, powers
         `10^{3}`, `-(3/4)`, `a/b` and `\\frac{a}{b}` with numeric parts,
         mixed numbers `3\\frac{1}{2}` / `3 1/2` / `3½` as `7/2`).
-      * "choice": a multiple-choice letter A-E: a boxed letter, then
-        "answer: C" / "the answer is (C)" / "option C", then the last "(B)",
-        then a line holding only a letter; returns the upper-case letter.
+      * "choice": a multiple-choice letter A-E, in this order: a boxed
+        letter; the last "answer: C" / "the answer is (C)" / "option C";
+        the last "(B)"; the last line holding only a letter ("B", "(b)",
+        "b."); the last line starting with a labelled option ("B) 42",
+        "B. 42"). Emphasis counts as a letter standing alone (`**B**`).
+        Lower-case letters count only where they cannot be a word: in
+        parentheses, before ")", alone on a line, or right before
+        punctuation or the end of the line ("Answer: c", "answer is a.");
+        a letter followed by another word is an article, not a choice
+        ("The answer is a banana", "I think a lot" give None). An
+        upper-case letter after the keyword counts even before more words
+        ("The answer is B because ..."). Normalised form: the upper-case
+        letter ("b", "(b)", "**b**" all give "B").
       * "text": the last non-empty line, stripped (free-form answers).
       * "auto": the last boxed answer; else GSM8K's last "#### X"; else the
         last "The answer is X" / "Answer: X"; else the last number. An

@@ -541,3 +541,61 @@ def test_mixed_numbers_are_one_vote():
     sc = reducers.self_consistency(texts)
     assert sc.answers == [["7/2", "7/2", "7/2", "7/2", "31/2"]]
     assert sc.winner == ["7/2"]
+
+
+# ---------------------------------------------------------------------------
+# Regression tests: multiple-choice letters, lower-case and emphasised; an
+# article is never a choice. The normalised form is the upper-case letter.
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("a", "A"),
+    ("(a)", "A"),
+    ("b.", "B"),
+    ("**B**", "B"),
+    ("**b**", "B"),
+    ("The answer is: **B**", "B"),
+    ("The answer is **a**", "A"),
+    ("Answer: *c*", "C"),
+    ("The answer is `d`.", "D"),
+    ("B) 42", "B"),
+    ("B. 42", "B"),
+    ("b) 42", "B"),
+    ("The options are\nA) 12\nB) 42", "B"),
+    ("answer is (b)", "B"),
+    ("Answer: c", "C"),
+    ("The answer is c.", "C"),
+    ("Answer: a, since it is listed first", "A"),
+    ("The correct option is: d", "D"),
+    ("Option (e) is right", "E"),
+    ("I choose (e).", "E"),
+    ("\\boxed{b}", "B"),
+    ("\\boxed{(b)}", "B"),
+    ("\\boxed{\\text{(c)}}", "C"),
+    ("Reasoning...\nd\n", "D"),
+    ("The answer is B because it is larger", "B"),
+])
+def test_extract_choice_letters(text, expected):
+    assert answers.extract(text, "choice") == expected
+
+
+@pytest.mark.parametrize("text", [
+    "The answer is a banana",
+    "I think a lot",
+    "A cat sat.",
+    "The answer is a number between 1 and 10",
+    "answered every question",
+    "The answer is e.g. not known",
+    "a lot of work, but done",
+    "The best choice is a good one",
+])
+def test_extract_choice_never_reads_an_article(text):
+    assert answers.extract(text, "choice") is None
+
+
+def test_choice_spellings_are_one_vote():
+    from jaxsample import reducers
+    texts = [["The answer is (b)", "**B**", "Answer: b", "B) 42", "The answer is a banana"]]
+    sc = reducers.self_consistency(texts, extract="choice")
+    assert sc.answers == [["B", "B", "B", "B", None]]
+    assert sc.winner == ["B"] and float(sc.share[0]) == 1.0
