@@ -64,16 +64,21 @@ _MAX_EXPANDED_DIGITS = 400
 _CHOICE_LETTERS = "ABCDE"
 # Choice letters. An upper-case letter standing alone counts anywhere the
 # rules below look; a lower-case one only where it cannot be a word: in
-# parentheses, before ")" or right before punctuation or the end of the line
-# ("answer: c", "answer is (b)", "b) 42"), never before another word ("the
-# answer is a banana", "I think a lot").
+# parentheses, brackets or quotes, before ")" or right before punctuation or
+# the end of the line ("answer: c", "answer is (b)", "b) 42"), never before
+# another word ("the answer is a banana", "I think a lot").
 _LOWER_CHOICE_END = r"(?=[ \t]*(?:\n|$)|[.,;:!?)\]]+(?:\s|$))"
+_BRACKETED_CHOICE = r"\(([A-Ea-e])\)|\[([A-Ea-e])\]"
+_QUOTED_CHOICE = "\"([A-Ea-e])\"|'([A-Ea-e])'|\u201c([A-Ea-e])\u201d|\u2018([A-Ea-e])\u2019"
 _CHOICE_AFTER_KEYWORD_RE = re.compile(
     r"\b(?i:answer|option|choice)\b\s*(?:(?i:is\b|:|=)\s*)?(?:(?i:option|choice)\b\s*)?(?::\s*)?"
-    r"(?:\(([A-Ea-e])\)|\(?([A-E])\)?(?![A-Za-z0-9])|([a-e])(?:\)|" + _LOWER_CHOICE_END + r"))"
+    r"(?:" + _BRACKETED_CHOICE + "|" + _QUOTED_CHOICE
+    + r"|\(?([A-E])\)?(?![A-Za-z0-9])|([a-e])(?:\)|" + _LOWER_CHOICE_END + r"))"
 )
-_CHOICE_PAREN_RE = re.compile(r"\(([A-Ea-e])\)")
-_CHOICE_LINE_RE = re.compile(r"^[ \t]*\(?([A-Ea-e])\)?[ \t]*[.):]?[ \t]*$", re.MULTILINE)
+# Not glued to a word or a backslash: "f(a)", "x[b]" and "\\[B\\]" are no choices.
+_CHOICE_PAREN_RE = re.compile(r"(?<![\w\\])(?:" + _BRACKETED_CHOICE + ")")
+_CHOICE_LINE_RE = re.compile(r"^[ \t]*(?:" + _BRACKETED_CHOICE + "|" + _QUOTED_CHOICE
+                             + r"|\(?([A-Ea-e])\)?)[ \t]*[.):]?[ \t]*$", re.MULTILINE)
 # A line that starts with a labelled option: "B) 42", "B. 42", "(b) 42".
 _CHOICE_LABEL_RE = re.compile(r"^[ \t]*(?:\(([A-Ea-e])\)|([A-Ea-e])[.)])[ \t]+\S", re.MULTILINE)
 _CHOICE_BOXED_RE = re.compile(r"^\(?([A-Ea-e])\)?$")
@@ -660,12 +665,13 @@ def extract(text: object, kind: str = "auto") -> str | None:
         `10^{3}`, `-(3/4)`, `a/b` and `\\frac{a}{b}` with numeric parts,
         mixed numbers `3\\frac{1}{2}` / `3 1/2` / `3½` as `7/2`).
       * "choice": a multiple-choice letter A-E, in this order: a boxed
-        letter; the last "answer: C" / "the answer is (C)" / "option C";
-        the last "(B)"; the last line holding only a letter ("B", "(b)",
-        "b."); the last line starting with a labelled option ("B) 42",
-        "B. 42"). Emphasis counts as a letter standing alone (`**B**`).
-        Lower-case letters count only where they cannot be a word: in
-        parentheses, before ")", alone on a line, or right before
+        letter; the last "answer: C" / "the answer is (C)" / "option C"
+        (also `[C]`, `"C"`, `'C'`); the last "(B)" or "[B]"; the last line
+        holding only a letter ("B", "(b)", "b.", `"b"`); the last line
+        starting with a labelled option ("B) 42", "B. 42"). Emphasis counts
+        as a letter standing alone (`**B**`). Lower-case letters count
+        only where they cannot be a word: in parentheses, brackets or
+        quotes, before ")", alone on a line, or right before
         punctuation or the end of the line ("Answer: c", "answer is a.");
         a letter followed by another word is an article, not a choice
         ("The answer is a banana", "I think a lot" give None). An

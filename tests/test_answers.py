@@ -574,6 +574,12 @@ def test_mixed_numbers_are_one_vote():
     ("\\boxed{\\text{(c)}}", "C"),
     ("Reasoning...\nd\n", "D"),
     ("The answer is B because it is larger", "B"),
+    ("[B]", "B"),
+    ('The answer is "C".', "C"),
+    ("The answer is 'b'", "B"),
+    ("The answer is [d].", "D"),
+    ("The answer is \u201cb\u201d", "B"),
+    ("so (a) and then [b]", "B"),
 ])
 def test_extract_choice_letters(text, expected):
     assert answers.extract(text, "choice") == expected
@@ -588,6 +594,9 @@ def test_extract_choice_letters(text, expected):
     "The answer is e.g. not known",
     "a lot of work, but done",
     "The best choice is a good one",
+    "f(a) = 5",                 # a function's argument
+    "x[b] = 5",                 # an index
+    "I think a. b. and c. are all fine, really",
 ])
 def test_extract_choice_never_reads_an_article(text):
     assert answers.extract(text, "choice") is None
