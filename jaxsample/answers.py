@@ -16,6 +16,7 @@ Neither function ever raises on any string: a text with no answer gives None.
 
 from __future__ import annotations
 
+import bisect
 import re
 from decimal import MAX_EMAX, MIN_EMIN, Decimal, InvalidOperation, localcontext
 from fractions import Fraction
@@ -89,6 +90,7 @@ _TILDE_GROUP_RE = re.compile(r"(?<=\d)~(?=\d{3}(?!\d))")
 _THOUSANDS_RE = re.compile(r"^[-+]?\d{1,3}(?:(?:,\d{3})+|(?: \d{3})+)(?:\.\d+)?$")
 _INT_FRAC_RE = re.compile(r"^([-+]?\d+)/([-+]?\d+)$")
 _SIMPLE_RE = re.compile(r"^[-+]?[\\\w.{}]+$")
+_NOT_SIMPLE_RE = re.compile(r"[^\\\w.{}]")
 _BRACE_RE = re.compile(r"[{}]")
 _MATH_TOKEN_RE = re.compile(r"\\.|\$", re.DOTALL)
 _EMPH_RUN_RE = re.compile(r"\*+|_+|`+")
@@ -234,6 +236,23 @@ def _mixed_numbers(s: str, latex: bool = True) -> str:
     return _MIXED_TEXT_RE.sub(lambda m: _mixed_fraction(m.group(1), m.group(2), m.group(3)) or m.group(0), s)
 
 
+def _trimmed(s: str, i: int, j: int) -> tuple[int, int]:
+    """The range [i, j) of `s` without leading and trailing whitespace (as `str.strip`)."""
+    while i < j and s[i].isspace():
+        i += 1
+    while j > i and s[j - 1].isspace():
+        j -= 1
+    return i, j
+
+
+def _is_simple(s: str, i: int, j: int, not_simple: list[int]) -> bool:
+    """Whether `s[i:j]` matches `_SIMPLE_RE`, given the sorted positions of `s`'s
+    characters outside that class (`_NOT_SIMPLE_RE`): O(log len), no copy."""
+    if i < j and s[i] in "+-":
+        i += 1
+    return i < j and bisect.bisect_left(not_simple, j) == bisect.bisect_left(not_simple, i)
+
+
 def _convert_fracs(s: str) -> str:
     """`\\frac{a}{b}`, `\\dfrac`, `\\tfrac`, `\\frac12` -> `a/b` (parenthesised when compound).
 
@@ -245,7 +264,7 @@ def _convert_fracs(s: str) -> str:
     s = _FRAC_DIGITS_RE.sub(r"\\frac{\1}{\2}", s)
     s = _mixed_numbers(s)
     spans: list[tuple[int, int, str]] = []
-    pairs = None
+    pairs = not_simple = None
     for m in _FRAC_OPEN_RE.finditer(s):
         if pairs is None:
             pairs = _brace_pairs(s)
@@ -259,14 +278,16 @@ def _convert_fracs(s: str) -> str:
         den_close = pairs.get(den_open) if den_open < len(s) and s[den_open] == "{" else None
         if den_close is None:
             continue
-        a, b = s[num_open + 1 : num_close], s[den_open + 1 : den_close]
-        pa, pb = not _SIMPLE_RE.match(a.strip()), not _SIMPLE_RE.match(b.strip())
-        # Replace the four pieces of syntax around the two groups (and the
-        # spaces just inside them, which the old rewrite stripped).
-        a_lead = len(a) - len(a.lstrip())
-        a_trail = len(a) - len(a.rstrip()) if a.strip() else 0
-        b_lead = len(b) - len(b.lstrip())
-        b_trail = len(b) - len(b.rstrip()) if b.strip() else 0
+        # Each part's text without the spaces just inside its braces (which the
+        # rewrite drops), and whether it is simple: found in O(1) amortised
+        # (no copy of the part, which would make nested \frac quadratic).
+        a0, a1 = _trimmed(s, num_open + 1, num_close)
+        b0, b1 = _trimmed(s, den_open + 1, den_close)
+        if not_simple is None:
+            not_simple = [x.start() for x in _NOT_SIMPLE_RE.finditer(s)]
+        pa, pb = not _is_simple(s, a0, a1, not_simple), not _is_simple(s, b0, b1, not_simple)
+        a_lead, a_trail = a0 - (num_open + 1), num_close - a1
+        b_lead, b_trail = b0 - (den_open + 1), den_close - b1
         glued = m.start() > 0 and s[m.start() - 1].isdigit()  # "2.5\frac12": keep the numbers apart
         spans.append((m.start(), num_open + 1 + a_lead, (" " if glued else "") + ("(" if pa else "")))
         spans.append((num_close - a_trail, den_open + 1 + b_lead, (")" if pa else "") + "/" + ("(" if pb else "")))

@@ -289,6 +289,16 @@ _REPEATED = {
     "many fracs": "\\frac{1}{2}" * 50_000,
     "unclosed fracs": "\\frac{" * 50_000,
     "dollars": "The answer is $$ " * 50_000,
+    "nested fracs": "\\frac{" * 50_000 + "1" + "}{2}" * 50_000,
+    "deep braces in a box": "\\boxed{" + "{" * 50_000 + "5" + "}" * 50_000 + "}",
+    "emphasis pairs": "**a** " * 50_000,
+    "emphasis runs": "**a" * 50_000,
+    "choice parens": "(a) " * 50_000,
+    "answer is a": "The answer is a " * 50_000,
+    "mixed numbers": "3 1/2 " * 50_000 + "3\\frac{1}{2}" * 50_000,
+    "space thousands": "10 000 " * 50_000,
+    "escaped dollars": "The answer is $\\$" * 50_000,
+    "labelled lines": "B) 42\n" * 50_000,
 }
 
 
@@ -300,6 +310,17 @@ def test_extract_is_linear_in_repeated_constructs(name):
         assert dt < 5.0, (name, kind, dt)
     _, dt = _run_within(5.0, answers.normalize, text)
     assert dt < 5.0, (name, "normalize", dt)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab1+-.{}\\ \t\n(", max_size=30), st.data())
+def test_simple_part_check_matches_the_regex(s, data):
+    i = data.draw(st.integers(0, len(s)))
+    j = data.draw(st.integers(i, len(s)))
+    not_simple = [m.start() for m in answers._NOT_SIMPLE_RE.finditer(s)]
+    i2, j2 = answers._trimmed(s, i, j)
+    assert s[i2:j2] == s[i:j].strip()
+    assert answers._is_simple(s, i2, j2, not_simple) == bool(answers._SIMPLE_RE.match(s[i:j].strip()))
 
 
 def test_repeated_constructs_still_give_the_answer():
