@@ -94,8 +94,8 @@ _NOT_SIMPLE_RE = re.compile(r"[^\\\w.{}]")
 _BRACE_RE = re.compile(r"[{}]")
 _MATH_TOKEN_RE = re.compile(r"\\.|\$", re.DOTALL)
 _EMPH_RUN_RE = re.compile(r"\*+|_+|`+")
-_EMPH_OPEN_AFTER = "([{\"'<:="
-_EMPH_CLOSE_BEFORE = ".,;:!?)]}\"'>"
+_EMPH_OPEN_AFTER = "([{\"'<:=*_`~"
+_EMPH_CLOSE_BEFORE = ".,;:!?)]}\"'>*_`~"
 # A line that only fences a code block ("```", "```python", "~~~") or only holds marks.
 _FENCE_RE = re.compile(r"^[ \t]*(?:(?:`{3,}|~{3,})[\w+-]*|[*_`]+)[ \t]*$")
 _DTFRAC_RE = re.compile(r"\\[dt]frac")
@@ -304,9 +304,11 @@ def _strip_emphasis(s: str, ends: bool = False, letters: bool = False) -> str:
     """Drop Markdown emphasis and code marks (`**`, `__`, `*`, `_`, backticks) from `s`, in O(len).
 
     A run of one marker character can *open* when it follows the start, a
-    space or one of `([{"'<:=` and is followed by a non-space (`_` not by
-    "{"); it can *close* when it follows a non-space other than a backslash
-    or "^" and is followed by the end, a space or one of `.,;:!?)]}"'>`.
+    space, another mark or one of `([{"'<:=` and is followed by a non-space
+    (`_` not by "{"); it can *close* when it follows a non-space other than
+    a backslash or "^" (nor a "_" for a lone `*`, as in `f_*`, unless that
+    "_" just closed a pair) and is followed by the end, a space, another
+    mark or one of `.,;:!?)]}"'>`. Nested marks (`**_x_**`) go in one pass.
     On each line an opener pairs with the next closer of the identical run
     (`**` with `**`), and both go. A run that pairs with nothing goes too
     when it could open or close and is a backtick run or two or more
@@ -325,6 +327,7 @@ def _strip_emphasis(s: str, ends: bool = False, letters: bool = False) -> str:
     stack: list[int] = []  # indices into runs of open runs on this line
     where: dict[str, list[int]] = {}  # marker -> positions in `stack`
     last_end = 0
+    closed_at = -1  # end of the last run that closed a pair
     for m in _EMPH_RUN_RE.finditer(s):
         i, j, marker = m.start(), m.end(), m.group()
         if "\n" in s[last_end:i]:  # pairs never cross a line break
@@ -337,7 +340,8 @@ def _strip_emphasis(s: str, ends: bool = False, letters: bool = False) -> str:
         if marker[0] == "_" and nxt == "{":
             can_open = False
         can_close = (bool(prev) and not prev.isspace() and prev not in "\\^"
-                     and not (marker == "*" and prev == "_")  # f_* is a subscript
+                     # f_* is a subscript; in *_x_* the "_" before "*" just closed
+                     and not (marker == "*" and prev == "_" and closed_at != i)
                      and (not nxt or nxt.isspace() or nxt in _EMPH_CLOSE_BEFORE))
         runs.append([i, j, marker, can_open, can_close, False])
         here = len(runs) - 1
@@ -348,6 +352,7 @@ def _strip_emphasis(s: str, ends: bool = False, letters: bool = False) -> str:
             op = stack.pop()
             where[marker].pop()
             runs[op][5] = runs[here][5] = True
+            closed_at = j
             o, c = runs[op], runs[here]
             single = letters and c[0] - o[1] == 1 and s[o[1]] in "ABCDEabcde"
             spans.append((o[0], o[1], "(" if single else ""))
@@ -487,12 +492,33 @@ def _normalize_once(s: str) -> str:
         if b != 0:
             f = Fraction(a, b)
             return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
-    m = re.match(r"^([-+]?)\((.+)\)$", s)
-    if m:  # "-(3/4)" or "(3/4)": parentheses around a plain number or fraction
-        inner = _normalize_once(m.group(2))
-        if _canonical_number(inner) is not None or _INT_FRAC_RE.match(inner):
-            return _normalize_once("-" + inner) if m.group(1) == "-" else inner
-    return s
+    peeled = _peel_parens(s)
+    return s if peeled is None else peeled
+
+
+def _peel_parens(s: str) -> str | None:
+    """`(3/4)`, `-(3/4)`, `-(-(5))`, `((5))`: parentheses (each with an optional
+    sign) around a plain number or fraction -> the signed number; else None.
+
+    All the layers are peeled in one O(len) loop (no recursion per layer, so
+    a thousand nested parentheses are as cheap as one), and the signs
+    multiply: `-(-(3))` is 3."""
+    i, j, neg, layers = 0, len(s), False, 0
+    while True:
+        k = i + 1 if i < j and s[i] in "+-" else i
+        if not (k + 1 < j - 1 and s[k] == "(" and s[j - 1] == ")"):
+            break
+        neg ^= s[i] == "-"
+        i, j = _trimmed(s, k + 1, j - 1)
+        layers += 1
+    if layers == 0:
+        return None
+    inner = _normalize_once(s[i:j])
+    if _canonical_number(inner) is None and not _INT_FRAC_RE.match(inner):
+        return None
+    if neg:
+        inner = _normalize_once(inner[1:] if inner.startswith("-") else "-" + inner)
+    return inner
 
 
 def normalize(answer: object) -> str:

@@ -254,7 +254,8 @@ def test_normalize_idempotent_regressions(text):
 # extraction took 10 s for 5,000 unclosed "\boxed{" (minutes for 50,000);
 # linear code takes well under 0.5 s. The bound is generous so the test is
 # no timing flake, and an alarm stops a regression at the bound instead of
-# letting it run for minutes.
+# letting it run for minutes. The constructs after "dollars" use 20,000
+# repeats (quadratic there is still tens of seconds) to keep the file quick.
 
 
 def _run_within(seconds, fn, *args):
@@ -291,14 +292,18 @@ _REPEATED = {
     "dollars": "The answer is $$ " * 50_000,
     "nested fracs": "\\frac{" * 50_000 + "1" + "}{2}" * 50_000,
     "deep braces in a box": "\\boxed{" + "{" * 50_000 + "5" + "}" * 50_000 + "}",
-    "emphasis pairs": "**a** " * 50_000,
-    "emphasis runs": "**a" * 50_000,
-    "choice parens": "(a) " * 50_000,
-    "answer is a": "The answer is a " * 50_000,
-    "mixed numbers": "3 1/2 " * 50_000 + "3\\frac{1}{2}" * 50_000,
-    "space thousands": "10 000 " * 50_000,
-    "escaped dollars": "The answer is $\\$" * 50_000,
-    "labelled lines": "B) 42\n" * 50_000,
+    "emphasis pairs": "**a** " * 20_000,
+    "emphasis runs": "**a" * 20_000,
+    "choice parens": "(a) " * 20_000,
+    "answer is a": "The answer is a " * 20_000,
+    "mixed numbers": "3 1/2 " * 20_000 + "3\\frac{1}{2}" * 20_000,
+    "space thousands": "10 000 " * 20_000,
+    "escaped dollars": "The answer is $\\$" * 20_000,
+    "labelled lines": "B) 42\n" * 20_000,
+    "nested parentheses": "(" * 20_000 + "5" + ")" * 20_000,
+    "nested signed parentheses": "-(" * 20_000 + "5" + ")" * 20_000,
+    "nested emphasis": "**__" * 5_000 + "73" + "__**" * 5_000,
+    "nested single emphasis": "*_" * 5_000 + "73" + "_*" * 5_000,
 }
 
 
@@ -629,3 +634,27 @@ def test_choice_spellings_are_one_vote():
     sc = reducers.self_consistency(texts, extract="choice")
     assert sc.answers == [["B", "B", "B", "B", None]]
     assert sc.winner == ["B"] and float(sc.share[0]) == 1.0
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("(" * 3000 + "5" + ")" * 3000, "5"),
+    ("-(" * 3000 + "5" + ")" * 3000, "5"),      # an even number of minus signs
+    ("-(" * 3001 + "5" + ")" * 3001, "-5"),
+    ("-(-(3))", "3"),                             # was "--3"
+    ("-(-(-(3)))", "-3"),
+    ("-(-0.50)", "0.5"),
+    ("+(-(3/4))", "-3/4"),
+    ("-((3/4))", "-3/4"),
+    ("( ( 5 ) )", "5"),
+    ("(1)+(2)", "(1)+(2)"),                       # not one parenthesised number
+    ("((x))", "((x))"),
+])
+def test_normalize_nested_signed_parentheses(text, expected):
+    assert answers.normalize(text) == expected
+    assert answers.extract(f"\\boxed{{{text}}}") == expected
+
+
+@pytest.mark.parametrize("text", ["**_73_**", "*_73_*", "__**73**__", "_*73*_", "**__73__**", "*_*_73_*_*",
+                                  "**__" * 1000 + "73" + "__**" * 1000])
+def test_normalize_nested_emphasis(text):
+    assert answers.normalize(text) == "73"
