@@ -428,7 +428,10 @@ def weights_from_mean_logprob(gen: Any) -> np.ndarray:
       gen: a `jaxsample.generation.Generation`.
 
     Returns:
-      `[B, N]` float32 weights in (0, 1].
+      `[B, N]` float32 weights in [0, 1]: a mean logprob below about -103
+      gives a subnormal and below about -104 gives 0 in float32
+      (`self_consistency(weights="mean_logprob")` computes the weights in
+      float64 instead, so such branches still rank).
     """
     return np.exp(np.asarray(gen.mean_logprob(), dtype=np.float64)).astype(np.float32)
 
@@ -518,8 +521,9 @@ def self_consistency(
         returns is passed through `answers.normalize`, so "1,000" and
         "1000" are the same answer; empty answers count as None.
       weights: None (plain counting), "mean_logprob" (weights
-        `exp(generation.mean_logprob())`, the paper's normalised weighted
-        sum), or a `[B, N]` float array (e.g. `weights_from_scores`).
+        `exp(generation.mean_logprob())` in float64, the paper's normalised
+        weighted sum; tiny ones, e^-110, still rank), or a `[B, N]` float
+        array (e.g. `weights_from_scores`).
       valid: optional `[B, N]` bool; False excludes a branch (e.g. branches
         cut at `max_new_tokens`).
 
@@ -583,7 +587,9 @@ def self_consistency(
             raise ValueError(f"weights must be None, 'mean_logprob' or a [B, N] array; got {weights!r}")
         if not hasattr(generation, "mean_logprob"):
             raise ValueError("weights='mean_logprob' needs a Generation (with logprobs), not bare texts")
-        weights = weights_from_mean_logprob(generation)
+        # float64, not `weights_from_mean_logprob`'s float32: exp(-110) is 0 in
+        # float32 but ranks in float64 (majority_vote scales each row exactly).
+        weights = np.exp(np.asarray(generation.mean_logprob(), dtype=np.float64))
 
     vote = jax.device_get(majority_vote(ids, ids >= 0, weights))
     winner = [vocab[b][int(w)] if w >= 0 else None for b, w in enumerate(vote.winner)]

@@ -515,3 +515,21 @@ def test_ldexp_f32_matches_numpy_including_subnormals():
         with np.errstate(over="ignore"):
             want = np.ldexp(x.astype(np.float64), k).astype(np.float32)  # one rounding, to nearest even
         np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
+
+
+def test_self_consistency_mean_logprob_weights_rank_when_tiny():
+    # exp(-110) is 0 in float32: every weight used to be 0 and the first answer won.
+    texts = [["#### 5", "#### 7", "#### 7"]]
+    lp = np.zeros((1, 3, 4), np.float32)
+    lp[0, 0] = -110.0
+    lp[0, 1:] = -110.5
+    sc = reducers.self_consistency(make_generation(texts, logprobs=lp), weights="mean_logprob")
+    assert sc.winner == ["7"] and int(sc.first_branch[0]) == 1
+    np.testing.assert_allclose(sc.share, [2 * np.exp(-110.5) / (np.exp(-110.0) + 2 * np.exp(-110.5))], rtol=1e-6)
+    assert np.all(np.isfinite(sc.support)) and float(sc.support[0]) == 0.0  # 2e-48 is below float32's range
+
+
+def test_majority_vote_single_positive_subnormal_weight():
+    vote = reducers.majority_vote([[0, 1, 0]], None, [[0.0, 1e-45, 0.0]])
+    assert int(vote.winner[0]) == 1 and float(vote.share[0]) == 1.0
+    assert float(vote.support[0]) == float(np.float32(1e-45))
