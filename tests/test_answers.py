@@ -658,3 +658,29 @@ def test_normalize_nested_signed_parentheses(text, expected):
                                   "**__" * 1000 + "73" + "__**" * 1000])
 def test_normalize_nested_emphasis(text):
     assert answers.normalize(text) == "73"
+
+
+# ---------------------------------------------------------------------------
+# More spellings of the same classes (held-out style probes).
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("**Final Answer**: 42", "42"),
+    ("The final answer is: **$42$**", "42"),
+    ("Therefore, the answer is __**42**__.", "42"),
+    ("Answer:\n**42**", "42"),
+    ("The answer is **x** = **5**", "5"),
+    ("**Answer:** $\\$1{,}000$", "1000"),
+    ("**Answer:** 10 000", "10000"),
+    ("**Answer:** $3\\frac{1}{2}$", "7/2"),
+])
+def test_extract_combined_probes(text, expected):
+    assert answers.extract(text) == expected
+
+
+def test_space_thousands_are_one_vote():
+    from jaxsample import reducers
+    texts = [["#### 10 000", "#### 10,000", "The answer is 10000.", "\\boxed{10\u202f000}", "#### 10 00"]]
+    sc = reducers.self_consistency(texts)
+    assert sc.answers == [["10000", "10000", "10000", "10000", "10"]]  # "10 00": no 3-digit group
+    assert sc.winner == ["10000"] and float(sc.share[0]) == pytest.approx(0.8)
