@@ -62,7 +62,6 @@ _SCI_RE = re.compile(r"^([-+]?(?:\d+(?:\.\d*)?|\.\d+))[eE]([-+]?\d+)$")
 _POW_RE = re.compile(r"^([-+]?)(\d+(?:\.\d*)?|\.\d+)\^(?:\{([-+]?\d+)\}|([-+]?\d+))$")
 # Above this many digits a power or exponent is kept symbolic ("1e5000").
 _MAX_EXPANDED_DIGITS = 400
-_CHOICE_LETTERS = "ABCDE"
 # Choice letters. An upper-case letter standing alone counts anywhere the
 # rules below look; a lower-case one only where it cannot be a word: in
 # parentheses, brackets or quotes, before ")" or right before punctuation or
@@ -542,7 +541,8 @@ def normalize(answer: object) -> str:
     powers are expanded (`1e5` -> `100000`, `1.0e-3` -> `0.001`, `10^{3}`
     -> `1000`, `-2^2` -> `-4`) unless the result has no finite decimal or
     would exceed about 400 digits: then a canonical symbolic spelling stays
-    (`1e5000`, `3^-1`). `-(3/4)` -> `-3/4`.
+    (`1e5000`, `3^-1`). Parentheses around a number go, however deep, and
+    their signs multiply: `-(3/4)` -> `-3/4`, `-(-(3))` -> `3`.
     Fractions: `\\frac{a}{b}`, `\\dfrac{a}{b}`, `\\tfrac`, `\\frac12` and
     `a/b` all become `a/b`, integer fractions reduced (`2/4` -> `1/2`,
     `6/3` -> `2`). Mixed numbers become one reduced improper fraction:
@@ -550,7 +550,8 @@ def normalize(answer: object) -> str:
     `-7/3` (a whole number, then a proper fraction of integers; see
     `_mixed_numbers`); a whole number before an improper fraction stays
     apart (`3\\frac{5}{2}` -> `3 5/2`, never `35/2`). Vulgar fractions
-    (`½`, `¾`) and the fraction slash U+2044 are read as `a/b`. A parenthesised choice letter `(B)` becomes `B`.
+    (`½`, `¾`) and the fraction slash U+2044 are read as `a/b`. A
+    parenthesised choice letter `(B)` becomes `B`.
     Not done: case folding, unit removal, decimal <-> fraction (`0.5` and
     `1/2` stay different).
 
@@ -705,12 +706,13 @@ def extract(text: object, kind: str = "auto") -> str | None:
     Kinds:
       * "boxed": the last complete `\\boxed{...}` or `\\fbox{...}` (nested
         braces balanced; a `\\boxed` without a brace group is not an answer).
-      * "number": the last number (integers, decimals, thousands separators
-        including spaces by the rule of `normalize`: `10 000` is 10000 and
-        `2 3` is 3, and a list such as `1 2 3 100` is not grouped,
-        signs including the unicode minus, scientific notation `1e5`, powers
-        `10^{3}`, `-(3/4)`, `a/b` and `\\frac{a}{b}` with numeric parts,
-        mixed numbers `3\\frac{1}{2}` / `3 1/2` / `3½` as `7/2`).
+      * "number": the last number: integers, decimals, thousands separators
+        (also space-like ones by the rule of `normalize`: `10 000` is one
+        number, 10000; in `2 3` and in the list `1 2 3 100` each number
+        stands alone), signs including the unicode minus, scientific
+        notation `1e5`, powers `10^{3}`, `-(3/4)`, `a/b` and `\\frac{a}{b}`
+        with numeric parts, mixed numbers (`3\\frac{1}{2}`, `3 1/2`, `3½`
+        are `7/2`).
       * "choice": a multiple-choice letter A-E, in this order: a boxed
         letter; the last "answer: C" / "the answer is (C)" / "option C"
         (also `[C]`, `"C"`, `'C'`); the last "(B)" or "[B]"; the last line

@@ -563,7 +563,8 @@ def test_mixed_number_look_alikes(text, kind, expected):
 
 def test_mixed_numbers_are_one_vote():
     from jaxsample import reducers
-    texts = [["\\boxed{3\\frac{1}{2}}", "She needs 3 1/2 cups.", "#### 7/2", "The answer is $\\frac{7}{2}$", "#### 31/2"]]
+    texts = [["\\boxed{3\\frac{1}{2}}", "She needs 3 1/2 cups.", "#### 7/2", "The answer is $\\frac{7}{2}$",
+              "#### 31/2"]]
     sc = reducers.self_consistency(texts)
     assert sc.answers == [["7/2", "7/2", "7/2", "7/2", "31/2"]]
     assert sc.winner == ["7/2"]
