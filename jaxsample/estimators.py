@@ -53,10 +53,24 @@ def pass_at_k(n: Any, c: Any, k: Any) -> np.ndarray | np.float64:
     """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021).
 
     pass@k = 1 - C(n-c, k) / C(n, k), the probability that a uniformly random
-    k-subset of the n samples holds at least one correct one, computed in the
-    numerically stable product form of the paper's reference code,
-    `1 - prod_{i=n-c+1}^{n} (1 - k / i)` (no binomial is ever formed, so
-    n = 2000 is fine). Inputs broadcast like numpy arrays.
+    k-subset of the n samples holds at least one correct one. The ratio is
+    the paper's product form, taken in the shorter of its two equivalent
+    orders: `C(n-c, k) / C(n, k) = prod_{j<m} (1 - a / (n - j))` with
+    m = min(c, k), a = max(c, k) (the paper's reference code,
+    `prod_{i=n-c+1}^{n} (1 - k / i)`, is the m = c order). So the cost is
+    O(min(c, k)), never an array of length c or n: n = 2**60 with c = 2**59
+    takes microseconds. How it is evaluated:
+
+    * while the two products have at most 2**18 bits, exactly in Python
+      integers, then rounded once: the correctly rounded float64 (this
+      covers n <= 2000 with any c, k);
+    * otherwise the factors' logs are summed (`-expm1` of the sum; relative
+      error ~1e-15, also when pass@k is tiny), beyond 65536 factors by the
+      Euler-Maclaurin closed form of the sum (O(1));
+    * exactly 0.0 when c = 0, and 1.0 when n - c < k or when the ratio is
+      below 2**-54 (a * m >= 40 n, where 1 - ratio rounds to 1.0).
+
+    Inputs broadcast like numpy arrays.
 
     Args:
       n: int or int array, samples drawn per problem (n >= k).
@@ -65,7 +79,7 @@ def pass_at_k(n: Any, c: Any, k: Any) -> np.ndarray | np.float64:
 
     Returns:
       float64 array of the broadcast shape (a numpy scalar for scalar inputs),
-      in [0, 1]; exactly 1.0 when n - c < k.
+      in [0, 1]; exactly 1.0 when n - c < k, exactly 0.0 when c = 0.
 
     Raises:
       ValueError: non-integer or negative inputs, k < 1, c > n, k > n, or
@@ -86,12 +100,79 @@ def pass_at_k(n: Any, c: Any, k: Any) -> np.ndarray | np.float64:
         raise ValueError(f"k must be <= n: pass@k needs at least k samples; got k={k!r}, n={n!r}")
     out = np.empty(n_a.shape, dtype=np.float64)
     for idx in np.ndindex(n_a.shape):
-        ni, ci, ki = int(n_a[idx]), int(c_a[idx]), int(k_a[idx])
-        if ni - ci < ki:
-            out[idx] = 1.0
-        else:
-            out[idx] = 1.0 - float(np.prod(1.0 - ki / np.arange(ni - ci + 1, ni + 1, dtype=np.float64)))
+        out[idx] = _pass_at_k_one(int(n_a[idx]), int(c_a[idx]), int(k_a[idx]))
     return out[()] if out.ndim == 0 else out
+
+
+# While the two products have at most this many bits, pass@k is computed
+# exactly in integers and rounded once (correctly rounded, a few ms at most).
+_EXACT_BITS = 1 << 18
+# Up to this many factors the product is summed term by term (in log space);
+# beyond, a closed form (Euler-Maclaurin) gives the same sum in O(1).
+_DIRECT_TERMS = 1 << 16
+# Once a * m >= _UNDERFLOW * n, C(n-a, m) / C(n, m) <= exp(-a m / n) < 2**-54
+# and 1 - it rounds to exactly 1.0 in float64.
+_UNDERFLOW = 40
+
+
+def _pass_at_k_one(n: int, c: int, k: int) -> float:
+    """pass@k = 1 - C(n-c, k) / C(n, k) for one problem (Python ints, validated).
+
+    The ratio is symmetric, C(n-c, k) / C(n, k) = C(n-k, c) / C(n, c) =
+    prod_{j<m} (n - a - j) / (n - j) with a = max(c, k) and m = min(c, k),
+    so only m <= k factors are needed (never an array of length c or n).
+    While the two products are small (`_EXACT_BITS`) they are formed exactly
+    (`math.perm`) and 1 - ratio is rounded once: the correctly rounded
+    float64. Otherwise the factors' logs are summed, log1p(-a/(n-j)) or
+    log((n-a-j)/(n-j)), whichever is accurate, and pass@k = -expm1(sum)
+    (relative error ~1e-15, no cancellation when pass@k is tiny); for
+    m > `_DIRECT_TERMS` (then a/n and m/n are below 1e-3, or the result is
+    1.0 outright) the sum is the Euler-Maclaurin closed form, O(1)."""
+    if n - c < k:
+        return 1.0
+    if c == 0:
+        return 0.0
+    a, m = max(c, k), min(c, k)
+    if a * m >= _UNDERFLOW * n:
+        return 1.0
+    if m * n.bit_length() <= _EXACT_BITS:
+        den = math.perm(n, m)
+        return (den - math.perm(n - a, m)) / den  # int / int: correctly rounded
+    log_ratio = _log_ratio_direct(n, a, m) if m <= _DIRECT_TERMS else _log_ratio_closed(n, a, m)
+    return float(min(1.0, max(0.0, -math.expm1(log_ratio))))
+
+
+def _log_ratio_direct(n: int, a: int, m: int) -> float:
+    """sum_{j<m} log(1 - a / (n - j)) term by term (float64, relative error ~1e-16 per term)."""
+    j = np.arange(m, dtype=np.float64)
+    den = float(n) - j
+    x = a / den
+    r = (float(n - a) - j) / den  # 1 - x, computed without cancellation
+    return float(np.sum(np.where(x <= 0.5, np.log1p(-x), np.log(r))))
+
+
+def _log_ratio_closed(n: int, a: int, m: int) -> float:
+    """sum_{j<m} f(j), f(t) = log(1 - a/(n-t)), by Euler-Maclaurin, for a/n, m/n << 1.
+
+    sum = I + (f(0) - f(m))/2 + (f'(m) - f'(0))/12 + O(a m / n^4), with
+    I = integral_0^m f = a log(1 - m/n) - a sum_{q>=1} (a/n)^q
+    expm1(-q log(1 - m/n)) / (q (q+1)), a series without cancellation
+    that converges like (a/n)^q."""
+    x, l1v = a / n, math.log1p(-m / n)
+    integral = a * l1v
+    q, xq = 1, x
+    while q <= 200:
+        term = a * xq * math.expm1(-q * l1v) / (q * (q + 1))
+        integral -= term
+        if abs(term) <= 1e-18 * abs(integral):
+            break
+        q, xq = q + 1, xq * x
+
+    def d1(t: int) -> float:  # f'(t)
+        return -a / ((n - t) * (n - t - a))
+
+    edge = (math.log1p(-a / n) - math.log1p(-a / (n - m))) / 2
+    return integral + edge + (d1(m) - d1(0)) / 12
 
 
 def _check_k(k: Any, n: int) -> int:

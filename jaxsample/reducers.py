@@ -224,18 +224,73 @@ class Vote(NamedTuple):
     first_branch: jax.Array
 
 
+_F32_MANT = 0x7FFFFF
+_F32_HIDDEN = 0x800000
+_F32_INF_BITS = 0x7F800000
+
+
+def _row_scaled_weights(w: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scale each row of float32 weights by 2**-T so its largest kept weight is in [0.5, 1).
+
+    Done on the bits (integer ops only), so it is exact and immune to
+    flush-to-zero: XLA on CPU treats float32 subnormals as 0 in float
+    arithmetic (frexp, ldexp, max, compare), which used to zero tiny weights.
+    A kept weight is `M * 2**E` with M < 2**24 an integer; its scaled value
+    keeps M's bits with a new exponent. Weights below 2**-126 of the row's
+    largest (which cannot change a float32 sum that holds the largest) become
+    0. Negative weights (and -0.0) count as 0; so do weights not `keep`.
+
+    Returns:
+      `[B, N]` float32 scaled weights (normal numbers or 0) and `[B]` int32
+      T, with weight = scaled * 2**T exactly for every weight that stays.
+    """
+    bits = jax.lax.bitcast_convert_type(w, jnp.int32)
+    mag = jnp.where(keep & (bits > 0), bits, 0)  # bits > 0: positive, sign bit clear
+    field = mag >> 23
+    m = jnp.where(field > 0, (mag & _F32_MANT) | _F32_HIDDEN, mag & _F32_MANT)
+    blen = 32 - jax.lax.clz(m)  # bit length of M (0 for M = 0)
+    top = jnp.maximum(field, 1) - 150 + blen  # weight in [2**(top-1), 2**top)
+    pos = m > 0
+    t = jnp.max(jnp.where(pos, top, jnp.int32(-(2**30))), axis=-1)
+    t = jnp.where(jnp.any(pos, axis=-1), t, 0)
+    biased = top - t[:, None] + 126  # float32 exponent field of the scaled weight
+    mant = (m << jnp.maximum(24 - blen, 0)) & _F32_MANT
+    sbits = jnp.where(pos & (biased >= 1), (biased << 23) | mant, 0)
+    return jax.lax.bitcast_convert_type(sbits, jnp.float32), t
+
+
+def _ldexp_f32(x: jax.Array, k: jax.Array) -> jax.Array:
+    """x * 2**k for finite x >= 0 (normal or 0) as float32, rounded to nearest even, on the bits.
+
+    Unlike `jnp.ldexp` this gives subnormal results (and +inf past the
+    float32 range) instead of flushing them to zero."""
+    xb = jax.lax.bitcast_convert_type(x, jnp.int32)
+    field, mant = (xb >> 23) & 0xFF, xb & _F32_MANT
+    e = field + k
+    normal = (e << 23) | mant
+    s = jnp.clip(1 - e, 1, 25)  # right shift of the full significand for a subnormal result
+    full = mant | _F32_HIDDEN
+    q = full >> s
+    rem = full & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.int32)
+    out = jnp.where(e >= 255, _F32_INF_BITS, jnp.where(e >= 1, normal, sub))
+    out = jnp.where(field == 0, 0, out)  # x == 0
+    return jax.lax.bitcast_convert_type(out, jnp.float32)
+
+
 @jax.jit
-def _majority_vote(answer_ids: jax.Array, valid: jax.Array, weights: jax.Array) -> Vote:
+def _majority_vote(answer_ids: jax.Array, valid: jax.Array, weights: jax.Array, shift: jax.Array) -> Vote:
     n = answer_ids.shape[-1]
     # Non-finite weights can only reach here traced (concrete ones are checked):
     # they exclude the branch like NaN; traced negative weights count as 0.
-    ok = valid & (answer_ids >= 0) & jnp.isfinite(weights)
-    w = jnp.where(ok, jnp.maximum(weights, 0.0), 0.0)
+    finite = ((jax.lax.bitcast_convert_type(weights, jnp.int32) >> 23) & 0xFF) != 0xFF
+    ok = valid & (answer_ids >= 0) & finite
     # Scale each row by a power of two so its largest weight is in [0.5, 1):
-    # sums of up to N such weights cannot overflow, and scaling by 2**-e is
-    # exact, so ties and the order of supports are those of the raw weights.
-    _, e = jnp.frexp(jnp.max(w, axis=-1, keepdims=True))
-    ws = jnp.ldexp(w, -e)
+    # sums of up to N such weights cannot overflow, tiny (even subnormal)
+    # weights become normal numbers, and scaling by 2**-T is exact, so ties
+    # and the order of supports are those of the raw weights.
+    ws, t = _row_scaled_weights(weights, ok)
     # same[b, i, j]: branches i and j are valid and gave the same answer.
     same = ok[:, :, None] & ok[:, None, :] & (answer_ids[:, :, None] == answer_ids[:, None, :])
     # Every branch of one answer sums the same weights in the same order, so
@@ -255,10 +310,27 @@ def _majority_vote(answer_ids: jax.Array, valid: jax.Array, weights: jax.Array) 
     total = jnp.sum(ws, axis=-1)
     share = jnp.where(total > 0, win_scaled / jnp.where(total > 0, total, 1.0), 0.0)
     share = jnp.clip(share, 0.0, 1.0)
-    # The reported support is in the weights' units; it is +inf only when the
-    # winner's summed weight itself exceeds the float32 range.
-    win_support = jnp.ldexp(win_scaled, e[:, 0])
+    # The reported support is in the weights' units (host scaling by 2**shift
+    # undone too): subnormal when the weights are that small, +inf only when
+    # the winner's summed weight itself exceeds the float32 range.
+    win_support = _ldexp_f32(win_scaled, t - shift)
     return Vote(winner=winner, support=win_support, share=share, first_branch=first_branch)
+
+
+def _host_scaled_weights(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concrete weights as float32 with each row scaled by 2**shift (exact, in float64 first).
+
+    The row's largest finite positive weight goes to [0.5, 1), so weights
+    too small for float32 (1e-50, or 3e-45 vs 2e-45, which float32 would
+    round to equal subnormals) keep their ratios through the cast. Returns
+    the float32 weights and the `[B]` int32 shifts."""
+    w = raw.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        pos = np.isfinite(w) & (w > 0)
+    big = np.max(np.where(pos, w, 0.0), axis=-1)
+    _, e = np.frexp(big)  # big = f * 2**e, f in [0.5, 1); 0 for an empty row
+    shift = np.where(big > 0, -e, 0).astype(np.int32)
+    return np.ldexp(w, shift[:, None].astype(np.int64)).astype(np.float32), shift
 
 
 def majority_vote(answer_ids: Any, valid: Any = None, weights: Any = None) -> Vote:
@@ -283,10 +355,19 @@ def majority_vote(answer_ids: Any, valid: Any = None, weights: Any = None) -> Vo
         excluded: never counted, never winners.
       weights: `[B, N]` float non-negative weight per branch, or None (each
         valid branch counts 1). Branches with NaN weight are excluded.
-        Weights are cast to float32 and checked after the cast. Each row
-        is scaled internally by a power of two (exact), so large weights
-        (sums beyond float32's range) still give the right winner and a
-        `share` in [0, 1]; only the reported `support` can then be +inf.
+        Concrete weights are checked as float32 (values that overflow the
+        cast are refused) and as given (negative ones are refused). Each
+        row is scaled by a power of two so its largest weight is in
+        [0.5, 1) (exact): on the host in float64 for concrete weights, then
+        on the float32 bits inside the kernel (no float arithmetic, so the
+        flush-to-zero of subnormals on XLA CPU cannot touch it). So both
+        ends rank: large weights (sums beyond float32's range) and tiny
+        ones (1e-50, float32 subnormals such as 3e-45 vs 2e-45 + 2e-45)
+        give the right winner and a `share` in [0, 1]; within a row,
+        weights are compared to float32 precision relative to its largest
+        (below 2**-126 of it they count 0). The reported `support` is in the
+        weights' units: subnormal (or 0) for tiny weights, +inf when the
+        winner's sum exceeds float32.
         Traced weights (under an outer `jit`) cannot be checked: there,
         infinite weights exclude the branch like NaN and negative ones count 0.
 
@@ -311,6 +392,7 @@ def majority_vote(answer_ids: Any, valid: Any = None, weights: Any = None) -> Vo
                          f"[{int(answer_ids.min())}, {int(answer_ids.max())}]")
     answer_ids = jnp.asarray(answer_ids).astype(jnp.int32)
     valid = _check_valid(valid, answer_ids.shape, "answer_ids")
+    shift = jnp.zeros(answer_ids.shape[:1], dtype=jnp.int32)
     if weights is None:
         weights = jnp.ones(answer_ids.shape, dtype=jnp.float32)
     else:
@@ -321,14 +403,18 @@ def majority_vote(answer_ids: Any, valid: Any = None, weights: Any = None) -> Vo
         if isinstance(weights, jax.core.Tracer):
             weights = weights.astype(jnp.float32)
         else:
-            # Check what the kernel will see: the float32 cast (1e300 -> inf).
+            raw = np.asarray(weights)
+            # Check what the kernel would see: the float32 cast (1e300 -> inf);
+            # and the raw sign (-1e-50 is negative even if float32 says -0.0).
             with np.errstate(over="ignore", invalid="ignore"):
-                c = np.asarray(weights).astype(np.float32)
-            if np.any(c < 0) or np.any(np.isinf(c)):
+                c = raw.astype(np.float32)
+                negative = np.any(raw < 0)
+            if negative or np.any(np.isinf(c)):
                 raise ValueError("weights must be finite in float32 (|w| <= 3.4e38) and non-negative "
                                  "(NaN excludes a branch)")
-            weights = jnp.asarray(c)
-    return _majority_vote(answer_ids, valid, weights)
+            c, host_shift = _host_scaled_weights(raw)
+            weights, shift = jnp.asarray(c), jnp.asarray(host_shift)
+    return _majority_vote(answer_ids, valid, weights, shift)
 
 
 def weights_from_mean_logprob(gen: Any) -> np.ndarray:
@@ -342,7 +428,10 @@ def weights_from_mean_logprob(gen: Any) -> np.ndarray:
       gen: a `jaxsample.generation.Generation`.
 
     Returns:
-      `[B, N]` float32 weights in (0, 1].
+      `[B, N]` float32 weights in [0, 1]: a mean logprob below about -103
+      gives a subnormal and below about -104 gives 0 in float32
+      (`self_consistency(weights="mean_logprob")` computes the weights in
+      float64 instead, so such branches still rank).
     """
     return np.exp(np.asarray(gen.mean_logprob(), dtype=np.float64)).astype(np.float32)
 
@@ -432,8 +521,9 @@ def self_consistency(
         returns is passed through `answers.normalize`, so "1,000" and
         "1000" are the same answer; empty answers count as None.
       weights: None (plain counting), "mean_logprob" (weights
-        `exp(generation.mean_logprob())`, the paper's normalised weighted
-        sum), or a `[B, N]` float array (e.g. `weights_from_scores`).
+        `exp(generation.mean_logprob())` in float64, the paper's normalised
+        weighted sum; tiny ones, e^-110, still rank), or a `[B, N]` float
+        array (e.g. `weights_from_scores`).
       valid: optional `[B, N]` bool; False excludes a branch (e.g. branches
         cut at `max_new_tokens`).
 
@@ -497,7 +587,9 @@ def self_consistency(
             raise ValueError(f"weights must be None, 'mean_logprob' or a [B, N] array; got {weights!r}")
         if not hasattr(generation, "mean_logprob"):
             raise ValueError("weights='mean_logprob' needs a Generation (with logprobs), not bare texts")
-        weights = weights_from_mean_logprob(generation)
+        # float64, not `weights_from_mean_logprob`'s float32: exp(-110) is 0 in
+        # float32 but ranks in float64 (majority_vote scales each row exactly).
+        weights = np.exp(np.asarray(generation.mean_logprob(), dtype=np.float64))
 
     vote = jax.device_get(majority_vote(ids, ids >= 0, weights))
     winner = [vocab[b][int(w)] if w >= 0 else None for b, w in enumerate(vote.winner)]

@@ -221,3 +221,87 @@ def test_pass_at_k_whole_floats_still_accepted():
 def test_best_of_k_non_numeric_pool_names_the_argument(pool):
     with pytest.raises(ValueError, match="scores_pool"):
         estimators.best_of_k(pool, np.array([True, False]), 1)
+
+
+# ----------------------------------------------------------------------------
+# Regression tests: pass@k in O(k) (no arange of length c), exact where the
+# product form was exact, accurate for any n in the int64 range.
+# ----------------------------------------------------------------------------
+
+
+def _exact_pass(n, c, k):
+    """1 - C(n-c, k)/C(n, k) = 1 - C(n-k, c)/C(n, c) exactly, with the shorter product."""
+    a, m = max(c, k), min(c, k)
+    return 1 - Fraction(math.perm(n - a, m), math.perm(n, m)) if n - c >= k else Fraction(1)
+
+
+@pytest.mark.parametrize("n,c,k", [
+    (2**60, 2**59, 3), (2**62, 2**61, 10), (2**62, 1, 1), (2**62, 3, 2**20), (2**63 - 1, 2**62, 1),
+    (2**60, 2**59, 2**59), (10**18, 10**17, 100),
+])
+def test_pass_at_k_huge_n_uses_k_terms(n, c, k):
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        got = estimators.pass_at_k(n, c, k)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20  # bytes: no array of length c (2**59 float64s)
+    if min(c, k) * n.bit_length() <= 2**18:
+        assert float(got) == float(_exact_pass(n, c, k))  # the correctly rounded value
+    assert 0.0 <= float(got) <= 1.0
+
+
+def test_pass_at_k_huge_n_values():
+    assert float(estimators.pass_at_k(2**62, 1, 1)) == 2.0**-62  # was 0.0 (1 - (1 - 2**-62))
+    assert float(estimators.pass_at_k(2**60, 2**59, 3)) == float(_exact_pass(2**60, 2**59, 3))
+    assert float(estimators.pass_at_k(2**60, 2**59, 2**59)) == 1.0
+    # c = k = 2**30 of n = 2**62: 2**30 factors, summed in closed form;
+    # log ratio ~ -c k / n (1 + (c + k) / (2 n)) = -0.25 (1 + 2**-32).
+    got = float(estimators.pass_at_k(2**62, 2**30, 2**30))
+    assert got == pytest.approx(-math.expm1(-0.25 * (1 + 2.0**-32)), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", range(1, 41))
+def test_pass_at_k_is_correctly_rounded_for_small_n(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert float(estimators.pass_at_k(n, c, k)) == float(_exact_pass(n, c, k)), (n, c, k)
+    assert float(estimators.pass_at_k(4, 1, 1)) == 0.25
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 400).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
+def test_pass_at_k_log_space_path_matches_exact(nck):
+    n, c, k = nck
+    exact = float(_exact_pass(n, c, k))
+    got = estimators._pass_at_k_one(n, c, k) if n - c < k or c == 0 else \
+        -math.expm1(estimators._log_ratio_direct(n, max(c, k), min(c, k)))
+    assert got == pytest.approx(exact, rel=1e-13, abs=1e-300)
+
+
+@pytest.mark.parametrize("n,c,k", [(10**9, 2000, 2000), (10**10, 5000, 300), (10**8, 300, 1000),
+                                   (2**40, 2**10, 2**12), (10**12, 3000, 3000)])
+def test_pass_at_k_closed_form_matches_exact(n, c, k):
+    a, m = max(c, k), min(c, k)
+    exact = float(_exact_pass(n, c, k))
+    got = -math.expm1(estimators._log_ratio_closed(n, a, m))
+    assert got == pytest.approx(exact, rel=1e-13)
+
+
+def test_pass_at_k_closed_form_matches_term_by_term_sum():
+    for n, a, m in [(2**40, 2**17, 2**17), (10**12, 10**5, 2**17), (2**50, 2**20, 2**17)]:
+        closed, direct = estimators._log_ratio_closed(n, a, m), estimators._log_ratio_direct(n, a, m)
+        assert closed == pytest.approx(direct, rel=1e-13)
+
+
+def test_pass_at_k_paths_agree_at_the_switches(monkeypatch):
+    cases = [(2000, 10, 64), (2000, 1000, 5), (10**6, 500, 900), (2**40, 3000, 3000)]
+    exact = [estimators.pass_at_k(*c) for c in cases]
+    monkeypatch.setattr(estimators, "_EXACT_BITS", 0)  # log space, term by term
+    for c, e in zip(cases, exact):
+        assert estimators.pass_at_k(*c) == pytest.approx(e, rel=1e-13)
+    monkeypatch.setattr(estimators, "_DIRECT_TERMS", 0)  # closed form where a/n, m/n are small
+    for c, e in zip(cases[2:], exact[2:]):
+        assert estimators.pass_at_k(*c) == pytest.approx(e, rel=1e-13)

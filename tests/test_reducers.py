@@ -428,3 +428,108 @@ def test_generation_logprob_summaries_are_float32():
     assert gen.sum_logprob().dtype == np.float32
     assert gen.mean_logprob().dtype == np.float32
     np.testing.assert_allclose(gen.mean_logprob(), [[-0.5, -1.0]])
+
+
+# ----------------------------------------------------------------------------
+# Regression tests: tiny (even subnormal) vote weights still rank; both ends
+# of the float32 range are handled by the same exact per-row scaling.
+# ----------------------------------------------------------------------------
+
+_ULP = float(np.float32(2.0**-149))  # the smallest float32 subnormal
+
+
+def test_majority_vote_tiny_float64_weights_rank():
+    # 3e-45 vs 2e-45 + 2e-45: float32 rounds them to 2, 1, 1 ulps (a tie);
+    # in float64 answer 1 has 4e-45 > 3e-45.
+    vote = reducers.majority_vote([[0, 1, 1]], None, [[3e-45, 2e-45, 2e-45]])
+    _vote_is_sane(vote, 3)
+    assert int(vote.winner[0]) == 1 and int(vote.first_branch[0]) == 1
+    np.testing.assert_allclose(vote.share, [4 / 7], rtol=1e-6)
+    assert float(vote.support[0]) == float(np.float32(4e-45))  # subnormal, not flushed to 0
+
+
+@pytest.mark.parametrize("scale", [1e-50, 1e-100, 1e-300, 1e-310, 2.0**-140, 1e-38, 1.0, 1e30])
+def test_majority_vote_float64_weights_at_any_scale(scale):
+    w = np.array([[1.0, 0.6, 0.6, 0.3]]) * scale
+    vote = reducers.majority_vote([[0, 1, 1, 2]], None, w)
+    _vote_is_sane(vote, 4)
+    assert int(vote.winner[0]) == 1 and int(vote.first_branch[0]) == 1
+    np.testing.assert_allclose(vote.share, [1.2 / 2.5], rtol=1e-6)
+    assert float(vote.support[0]) == pytest.approx(float(np.float32(1.2 * scale)), rel=1e-6, abs=_ULP)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_majority_vote_float32_subnormal_weights(jit):
+    # 4 ulps vs 3 + 3 ulps, all float32 subnormals: XLA CPU flushes them to 0
+    # in float arithmetic, which made every weight 0 and answer 0 win.
+    w = np.array([[4, 3, 3], [3, 2, 2], [1, 1, 0]], np.float32) * np.float32(_ULP)
+    ids = np.array([[0, 1, 1], [0, 1, 1], [5, 6, 6]], np.int32)
+    f = jax.jit(reducers.majority_vote) if jit else reducers.majority_vote
+    vote = f(jnp.asarray(ids) if jit else ids, None, jnp.asarray(w) if jit else w)
+    _vote_is_sane(vote, 3)
+    np.testing.assert_array_equal(vote.winner, [1, 1, 5])
+    np.testing.assert_array_equal(vote.first_branch, [1, 1, 0])
+    np.testing.assert_allclose(vote.share, [0.6, 4 / 7, 0.5], rtol=1e-6)
+    np.testing.assert_array_equal(vote.support, np.array([6, 4, 1], np.float32) * np.float32(_ULP))
+
+
+def test_majority_vote_rows_at_both_ends_of_the_range():
+    ids = np.array([[0, 1, 1]] * 4, np.int32)
+    w = np.array([[3e-45, 2e-45, 2e-45], [3e38, 2e38, 2e38], [3.0, 2.0, 2.0], [3e-30, 2e-30, 2e-30]])
+    vote = reducers.majority_vote(ids, None, w)
+    _vote_is_sane(vote, 3)
+    np.testing.assert_array_equal(vote.winner, [1, 1, 1, 1])
+    np.testing.assert_allclose(vote.share, [4 / 7] * 4, rtol=1e-6)
+    np.testing.assert_allclose(vote.support[1:], [np.inf, 4.0, 4e-30], rtol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_vote_inputs, st.integers(-1000, 126), st.booleans())  # weights <= 2: 2 * 2**126 fits float32
+def test_vote_is_invariant_to_scaling_a_row_by_a_power_of_two(inputs, p, jit):
+    ids, valid, weights = (np.array(x) for x in inputs)
+    w = weights.astype(np.float64)
+    scaled = np.ldexp(w, p)  # exact in float64 unless it leaves float64's range
+    ref = reducers.majority_vote(ids.astype(np.int32), valid, w.astype(np.float32))
+    if jit and -120 <= p <= 120:  # traced: float32 weights, scaled on the bits in the kernel
+        got = jax.jit(reducers.majority_vote)(jnp.asarray(ids, jnp.int32), jnp.asarray(valid),
+                                               jnp.asarray(scaled.astype(np.float32)))
+    else:
+        got = reducers.majority_vote(ids.astype(np.int32), valid, scaled)
+    np.testing.assert_array_equal(got.winner, ref.winner)
+    np.testing.assert_array_equal(got.first_branch, ref.first_branch)
+    np.testing.assert_array_equal(got.share, ref.share)
+    _vote_is_sane(got, ids.shape[1])
+
+
+def test_majority_vote_refuses_tiny_negative_weights():
+    # -1e-50 is -0.0 in float32, but it is negative as given.
+    with pytest.raises(ValueError, match="non-negative"):
+        reducers.majority_vote([[1, 2, 2]], weights=[[-1e-50, 1.0, 1.0]])
+
+
+def test_ldexp_f32_matches_numpy_including_subnormals():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(0.5, 64.0, 2000), [0.5, 1.0, 0.75, 0.0, 1.5, 63.99]]).astype(np.float32)
+    for k in list(range(-160, -120)) + [-300, -151, -150, -149, -126, -1, 0, 1, 100, 121, 122, 300]:
+        got = np.asarray(reducers._ldexp_f32(jnp.asarray(x), jnp.full(x.shape, k, jnp.int32)))
+        with np.errstate(over="ignore"):
+            want = np.ldexp(x.astype(np.float64), k).astype(np.float32)  # one rounding, to nearest even
+        np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
+
+
+def test_self_consistency_mean_logprob_weights_rank_when_tiny():
+    # exp(-110) is 0 in float32: every weight used to be 0 and the first answer won.
+    texts = [["#### 5", "#### 7", "#### 7"]]
+    lp = np.zeros((1, 3, 4), np.float32)
+    lp[0, 0] = -110.0
+    lp[0, 1:] = -110.5
+    sc = reducers.self_consistency(make_generation(texts, logprobs=lp), weights="mean_logprob")
+    assert sc.winner == ["7"] and int(sc.first_branch[0]) == 1
+    np.testing.assert_allclose(sc.share, [2 * np.exp(-110.5) / (np.exp(-110.0) + 2 * np.exp(-110.5))], rtol=1e-6)
+    assert np.all(np.isfinite(sc.support)) and float(sc.support[0]) == 0.0  # 2e-48 is below float32's range
+
+
+def test_majority_vote_single_positive_subnormal_weight():
+    vote = reducers.majority_vote([[0, 1, 0]], None, [[0.0, 1e-45, 0.0]])
+    assert int(vote.winner[0]) == 1 and float(vote.share[0]) == 1.0
+    assert float(vote.support[0]) == float(np.float32(1e-45))
