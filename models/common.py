@@ -275,6 +275,24 @@ def run_layer_stack(block, layers, x, attend_for_layer, layer_xs=None, post_laye
     return jax.lax.scan(body, x, (layers, layer_xs, post_xs, consts))
 
 
+def forward_one(family, cfg, params: Params, tokens: jax.Array, valid_len=None):
+    """Causal forward of one sequence through a family module (its `embed`,
+    `run_causal`, `logits`): tokens `[S]` -> (logits `[S, V]` float32, kv).
+
+    Either parameter layout (see `run_layer_stack`).
+    """
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    x = family.embed(params, tokens)
+    x, kv = family.run_causal(cfg, params, x, positions, valid_len)
+    return family.logits(cfg, params, x), kv
+
+
+def forward(family, cfg, params: Params, tokens: jax.Array) -> jax.Array:
+    """Plain causal forward of `[B, S]` int32 tokens without a cache -> logits
+    `[B, S, V]` float32 (scoring, and the oracle of cached decode)."""
+    return jax.vmap(lambda t: forward_one(family, cfg, params, t)[0])(tokens)
+
+
 def unstack_layers(params: Params) -> Params:
     """Stacked layout (`layers` leaves `[L, ...]`) -> list layout (L dicts); idempotent."""
     layers = params["layers"]

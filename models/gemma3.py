@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import ClassVar
 
 import jax
@@ -358,11 +359,7 @@ def forward_one(cfg: Gemma3Config, params: Params, tokens: jax.Array, valid_len=
 
     Either parameter layout (see `run_layers`).
     """
-    S = tokens.shape[0]
-    positions = jnp.arange(S, dtype=jnp.int32)
-    x = embed(params, tokens)
-    x, kv = run_causal(cfg, params, x, positions, valid_len)
-    return logits(cfg, params, x), kv
+    return common.forward_one(sys.modules[__name__], cfg, params, tokens, valid_len)
 
 
 def forward(cfg: Gemma3Config, params: Params, tokens: jax.Array) -> jax.Array:
@@ -373,4 +370,4 @@ def forward(cfg: Gemma3Config, params: Params, tokens: jax.Array) -> jax.Array:
     Returns:
       logits `[B, S, V]` float32.
     """
-    return jax.vmap(lambda t: forward_one(cfg, params, t)[0])(tokens)
+    return common.forward(sys.modules[__name__], cfg, params, tokens)

@@ -235,19 +235,9 @@ def params_from_gguf(reader, cfg: gemma3.Gemma3Config, source: str) -> dict[str,
                                      f"transposing to [in, out], expected {layers[key].shape[1:]}")
             layers[key][i] = a
             filled.add((key, i))
-    for key in layers:
-        for i in range(cfg.n_layers):
-            if (key, i) not in filled:
-                gguf_name = next(k for k, v in _GGUF_LAYER_TENSORS.items() if v[0] == key)
-                raise ModelLoadError(f"{source}: missing tensor blk.{i}.{gguf_name}")
-    for key, gguf_name in (("embed", "token_embd.weight"), ("final_norm", "output_norm.weight")):
-        if key not in params:
-            raise ModelLoadError(f"{source}: missing tensor {gguf_name}")
-    try:
-        gemma3.check_params(cfg, params, source)
-    except ValueError as e:
-        raise ModelLoadError(str(e)) from e
-    return params
+    from models.gguf_loader import check_complete
+
+    return check_complete(gemma3, cfg, params, filled, _GGUF_LAYER_TENSORS, source)
 
 
 # ---------------------------------------------------------------------------

@@ -351,16 +351,30 @@ def load_gguf_params(reader, cfg: llama.LlamaConfig, source: str) -> dict[str, A
                 a = a.T
             layers[key][i] = a
             filled.add((key, i))
-    for key in layers:
+    return check_complete(llama, cfg, params, filled, _LAYER_TENSORS, source)
+
+
+def check_complete(family, cfg, params, filled, layer_tensors, source: str):
+    """Every layer tensor, the embedding and the final norm were read; shapes check.
+
+    Args:
+      family: the model module (`models.llama`, `models.gemma3`): its `check_params`.
+      filled: the (key, layer) pairs read; layer_tensors: GGUF name -> (key, is_matrix).
+    Returns:
+      params.
+    Raises:
+      ModelLoadError: naming the file and the first missing tensor, or a bad shape.
+    """
+    for key in params["layers"]:
         for i in range(cfg.n_layers):
             if (key, i) not in filled:
-                gguf_name = next(k for k, v in _LAYER_TENSORS.items() if v[0] == key)
+                gguf_name = next(k for k, v in layer_tensors.items() if v[0] == key)
                 raise ModelLoadError(f"{source}: missing tensor blk.{i}.{gguf_name}")
     for key, gguf_name in (("embed", "token_embd.weight"), ("final_norm", "output_norm.weight")):
         if key not in params:
             raise ModelLoadError(f"{source}: missing tensor {gguf_name}")
     try:
-        llama.check_params(cfg, params, source)
+        family.check_params(cfg, params, source)
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
     return params

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import ClassVar
 
 import jax
@@ -354,11 +355,7 @@ def forward_one(cfg: LlamaConfig, params: Params, tokens: jax.Array, valid_len=N
 
     Either parameter layout (see `run_layers`).
     """
-    S = tokens.shape[0]
-    positions = jnp.arange(S, dtype=jnp.int32)
-    x = embed(params, tokens)
-    x, kv = run_causal(cfg, params, x, positions, valid_len)
-    return logits(cfg, params, x), kv
+    return common.forward_one(sys.modules[__name__], cfg, params, tokens, valid_len)
 
 
 def forward(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
@@ -369,4 +366,4 @@ def forward(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
     Returns:
       logits `[B, S, V]` float32.
     """
-    return jax.vmap(lambda t: forward_one(cfg, params, t)[0])(tokens)
+    return common.forward(sys.modules[__name__], cfg, params, tokens)
