@@ -227,8 +227,8 @@ def load_jax_model(model, dtype):
         lm = dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer))
     elif model == "llama-1b":
         from jaxsample.lm import LanguageModel
-        from models import llama
-        from models.tokenizer import ByteTokenizer
+        from jaxsample.models import llama
+        from jaxsample.models.tokenizer import ByteTokenizer
 
         cfg = llama.LlamaConfig(**LLAMA_1B, dtype=dtype)
         params = jax.jit(lambda k: llama.init_params(cfg, k, 0.02))(jax.random.key(0))
@@ -359,7 +359,7 @@ def load_hf_model(model, dtype):
     if model == "smollm2":
         import importlib.metadata as md
 
-        from models import registry
+        from jaxsample.models import registry
 
         path = registry.embedded_path(registry.DEFAULT_MODEL)
         m = transformers.AutoModelForCausalLM.from_pretrained(
@@ -462,7 +462,7 @@ def run_hf_cell(m, dev, vocab, P, N, T, args):
 
 def _hf_cost_config(m):
     """A LlamaConfig for `jaxsample.cost` from the HF model's config (same shapes)."""
-    from models import llama
+    from jaxsample.models import llama
 
     c = m.config
     heads = c.num_attention_heads

@@ -68,7 +68,7 @@ def main(argv=None):
 
     models = [("smollm2-135m-instruct", None)]
     try:
-        from models import registry
+        from jaxsample.models import registry
 
         registry.embedded_path(registry.GEMMA3_270M)
         models.append((registry.GEMMA3_270M, None))

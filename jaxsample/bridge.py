@@ -53,7 +53,7 @@ import numpy as np
 from flax import struct
 
 from jaxsample.sharding import branch_index, gather_branches
-from models import llama
+from jaxsample.models import llama
 
 __all__ = ["BridgeConfig", "Bridge", "init", "apply_block", "param_count", "param_fraction",
            "zeros_like_output"]

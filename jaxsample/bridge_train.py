@@ -60,7 +60,7 @@ from jaxsample import bridge as bridge_lib
 from jaxsample import engine
 from jaxsample.sampling import SamplingParams
 from jaxsample.sharding import BRANCH_AXIS
-from models import llama
+from jaxsample.models import llama
 
 __all__ = ["Problem", "TrainState", "Batch", "group_forward", "group_logprobs", "pg_loss",
            "make_optimizer", "init_state", "update", "rollout", "reward", "train",

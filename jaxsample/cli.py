@@ -605,7 +605,7 @@ def resolve_model_config(name: str | None):
     Raises:
       ModelLoadError / InputError: unknown name or unreadable checkpoint.
     """
-    from models.llama import LlamaConfig
+    from jaxsample.models.llama import LlamaConfig
 
     from jaxsample import loading
 
@@ -631,7 +631,7 @@ def resolve_model_config(name: str | None):
 
 def _default_model_name() -> str:
     try:
-        from models.registry import DEFAULT_MODEL
+        from jaxsample.models.registry import DEFAULT_MODEL
     except ImportError:  # pragma: no cover - the registry ships with the package
         return "smollm2-135m-instruct"
     return DEFAULT_MODEL

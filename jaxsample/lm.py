@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import families
+from jaxsample.models import families
 
 
 class Tokenizer(Protocol):

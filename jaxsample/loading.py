@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import LanguageModel
-from models import families, registry
+from jaxsample.models import families, registry
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -60,11 +60,11 @@ def _load_cached(path: str, mtime_ns: int, dtype: str, name: str | None) -> Lang
     p = pathlib.Path(path)
     try:
         if p.is_dir():
-            from models.hf_loader import load_hf_dir
+            from jaxsample.models.hf_loader import load_hf_dir
             cfg, params, tokenizer = load_hf_dir(p, dtype=dtype)
             default_name = p.name
         elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
-            from models.gguf_loader import load_gguf
+            from jaxsample.models.gguf_loader import load_gguf
             cfg, params, tokenizer = load_gguf(p, dtype=dtype)
             default_name = p.stem
         else:

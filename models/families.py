@@ -26,7 +26,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Union
 
-from models import gemma3, llama
+from jaxsample.models import gemma3, llama
 
 ModelConfig = Union[llama.LlamaConfig, gemma3.Gemma3Config]
 

@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import common
-from models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
+from jaxsample.models import common
+from jaxsample.models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
                            merge_attention, partial_attention, stack_layers, unstack_layers)
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from models import gemma3
+from jaxsample.models import gemma3
 
 GGUF_ARCH = "gemma3"
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
@@ -203,7 +203,7 @@ def params_from_gguf(reader, cfg: gemma3.Gemma3Config, source: str) -> dict[str,
       ModelLoadError: a tensor is missing, misshapen or cannot be dequantised;
         UnsupportedModelError: a tensor the model has no place for.
     """
-    from models.gguf_loader import dequantize_tensor
+    from jaxsample.models.gguf_loader import dequantize_tensor
 
     shapes = gemma3.param_shapes(cfg)
     layers = {k: np.empty(s, np.float32) for k, s in shapes["layers"].items()}
@@ -235,7 +235,7 @@ def params_from_gguf(reader, cfg: gemma3.Gemma3Config, source: str) -> dict[str,
                                      f"transposing to [in, out], expected {layers[key].shape[1:]}")
             layers[key][i] = a
             filled.add((key, i))
-    from models.gguf_loader import check_complete
+    from jaxsample.models.gguf_loader import check_complete
 
     return check_complete(gemma3, cfg, params, filled, _GGUF_LAYER_TENSORS, source)
 

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from models import checks, llama
-from models.tokenizer import CheckpointTokenizer
+from jaxsample.models import checks, llama
+from jaxsample.models.tokenizer import CheckpointTokenizer
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 
@@ -399,7 +399,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32"):
     tensors = {t.name: t for t in reader.tensors}
     load_params = load_gguf_params
     if meta.get("general.architecture") == "gemma3":
-        from models import gemma3_loader
+        from jaxsample.models import gemma3_loader
 
         cfg = gemma3_loader.config_from_gguf_metadata(meta, tensors, source, dtype=dtype)
         load_params = gemma3_loader.params_from_gguf

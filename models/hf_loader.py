@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from models import checks, llama
-from models.tokenizer import CheckpointTokenizer
+from jaxsample.models import checks, llama
+from jaxsample.models.tokenizer import CheckpointTokenizer
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -274,7 +274,7 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: str = "float32"):
     if not isinstance(hf, dict):
         raise ModelLoadError(f"{cfg_path}: the top level must be a JSON object, "
                              f"got a JSON {_json_kind(hf)}")
-    from models import gemma3_loader
+    from jaxsample.models import gemma3_loader
 
     gemma = gemma3_loader.is_gemma3_hf(hf)
     cfg = (gemma3_loader.config_from_hf if gemma else config_from_hf)(hf, source, dtype=dtype)

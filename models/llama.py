@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import common
+from jaxsample.models import common
 # Shared building blocks, re-exported under their historical names.
-from models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
+from jaxsample.models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
                            merge_attention, partial_attention, rms_norm, stack_layers,
                            unstack_layers)
 

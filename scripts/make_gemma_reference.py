@@ -63,7 +63,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from models.tokenizer import GEMMA_CHAT_TEMPLATE  # noqa: E402
+from jaxsample.models.tokenizer import GEMMA_CHAT_TEMPLATE  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 TOP = 64

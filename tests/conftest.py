@@ -23,8 +23,8 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 from jaxsample.lm import LanguageModel  # noqa: E402
-from models import llama  # noqa: E402
-from models.tokenizer import ByteTokenizer  # noqa: E402
+from jaxsample.models import llama  # noqa: E402
+from jaxsample.models.tokenizer import ByteTokenizer  # noqa: E402
 
 
 def byte_tokenizer() -> ByteTokenizer:

@@ -17,7 +17,7 @@ import pytest
 from jaxsample import bridge as bridge_lib
 from jaxsample import bridge_train, engine
 from jaxsample.sampling import SamplingParams
-from models import llama
+from jaxsample.models import llama
 from ties import assert_same_tokens_up_to_ties, rows
 
 BCFG = bridge_lib.BridgeConfig(dim=8, n_heads=2)

@@ -210,7 +210,7 @@ def test_any_loader_failure_is_one_line_and_exit_2(capsys, broken_gguf, monkeypa
     """Whatever a loader raises on a bad file reaches the user as one line, exit 2."""
     import builtins
 
-    from models import gguf_loader
+    from jaxsample.models import gguf_loader
 
     def boom(*args, **kwargs):
         raise getattr(builtins, error)("deep inside the loader")

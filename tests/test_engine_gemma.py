@@ -17,7 +17,7 @@ import pytest
 from jaxsample import engine
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling import SamplingParams
-from models import gemma3
+from jaxsample.models import gemma3
 from ties import assert_same_tokens_up_to_ties
 
 from conftest import byte_tokenizer

@@ -13,7 +13,7 @@ import pytest
 
 from jaxsample.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from jaxsample.loading import load
-from models import gguf_loader, llama, registry
+from jaxsample.models import gguf_loader, llama, registry
 
 DATA = pathlib.Path(__file__).parent / "data"
 TINY_GGUF = DATA / "tiny_llama.gguf"
@@ -442,3 +442,18 @@ def test_hf_non_finite_weights_and_bad_embedding_shape(tmp_path):
     _edit_config(d, vocab_size=299)
     with pytest.raises(ModelLoadError, match=r"tiny_qwen2.*model.embed_tokens.weight has shape"):
         load(d)
+
+
+def test_model_families_install_under_the_library_namespace(tmp_path):
+    """`jaxsample.models` is ours; a top-level `models` never resolves to our folder."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, pathlib, jaxsample.models as m, jaxsample.models.families as f; "
+            "spec = importlib.util.find_spec('models'); ours = pathlib.Path(m.__file__).parent; "
+            "print(f.module_for.__module__, spec is None or "
+            "pathlib.Path(spec.origin).parent != ours)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["jaxsample.models.families", "True"]

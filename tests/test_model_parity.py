@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxsample.loading import load
-from models import gguf_loader, llama
+from jaxsample.models import gguf_loader, llama
 
 DATA = pathlib.Path(__file__).parent / "data"
 REF = json.loads((DATA / "smollm2_reference.json").read_text())

@@ -8,9 +8,9 @@ import pathlib
 import numpy as np
 import pytest
 
-from models import registry
-from models.gguf_loader import read_gguf
-from models.tokenizer import CheckpointTokenizer
+from jaxsample.models import registry
+from jaxsample.models.gguf_loader import read_gguf
+from jaxsample.models.tokenizer import CheckpointTokenizer
 
 DATA = pathlib.Path(__file__).parent / "data"
 REF = json.loads((DATA / "smollm2_reference.json").read_text())

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxsample import sampling
 from jaxsample.engine.state import PrefixCache, PromptLogprobs
-from models import families
+from jaxsample.models import families
 
 PROMPT_LOGPROB_BLOCK = 64  # positions whose [block, V] logits exist at once (per row)
 

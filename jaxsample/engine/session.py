@@ -32,7 +32,7 @@ from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling import SamplingParams
 from jaxsample.sharding import BRANCH_AXIS, DATA_AXIS, LOCAL_BRANCH_AXIS
-from models import families
+from jaxsample.models import families
 
 # ---------------------------------------------------------------------------
 # Parameters and placement

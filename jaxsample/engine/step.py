@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxsample import sampling
 from jaxsample.engine.prefill import prefix_start
 from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
-from models import common, families
+from jaxsample.models import common, families
 
 
 def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, post_layer=None,
