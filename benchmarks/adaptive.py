@@ -237,12 +237,14 @@ def plot(summary, config, path):
     import matplotlib.pyplot as plt
 
     fams = list(summary)
+    colors = {"esc": "tab:green", "beta": "tab:red", "deepconf-low": "tab:purple",
+              "deepconf-high": "tab:brown", "dirichlet": "tab:pink"}
     fig, axes = plt.subplots(2, len(fams), figsize=(6 * len(fams), 8), squeeze=False)
     for j, fam in enumerate(fams):
         s = summary[fam]
         full_tokens = s["fixed"][-1]["tokens"]
         ax = axes[0, j]
-        xs = [r["tokens"] / len(s["fixed"]) * 0 + r["tokens"] for r in s["fixed"]]
+        xs = [r["tokens"] for r in s["fixed"]]
         ax.errorbar(xs, [r["maj"] for r in s["fixed"]], yerr=[r["maj_se"] for r in s["fixed"]],
                     marker="o", label="fixed-N maj@N")
         ax.errorbar(xs, [r["best"] for r in s["fixed"]], yerr=[r["best_se"] for r in s["fixed"]],
@@ -250,7 +252,7 @@ def plot(summary, config, path):
         for name, e in s["rules"].items():
             if "acc" in e:
                 ax.errorbar([e["tokens"]], [e["acc"]], yerr=[e["se"]], marker="*", markersize=12,
-                            linestyle="none", label=name)
+                            linestyle="none", label=name, color=colors[name])
         ax.set_xscale("log")
         ax.set_xlabel("decoded tokens (all problems)")
         ax.set_ylabel("accuracy")
@@ -265,7 +267,7 @@ def plot(summary, config, path):
         for name, e in s["rules"].items():
             if "acc" in e:
                 ax.errorbar([e["decode_s"]], [e["acc"]], yerr=[e["se"]], marker="*", markersize=12,
-                            linestyle="none", label=name)
+                            linestyle="none", label=name, color=colors[name])
         ax.axvline(0.5 * s["pool_decode_s"], color="grey", linestyle=":", label="50% of maj@max time")
         ax.set_xlabel("decode wall time (s, all problems)")
         ax.set_ylabel("accuracy")
