@@ -646,9 +646,7 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
                                  vocab_limit)
     raw, z, greedy_tok = _prepare(logits, temperature, vocab_limit)
     keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
-    g = jax.random.gumbel(key, z.shape, jnp.float32)
-    sampled = _first_argmax(jnp.where(keep, z + g, -jnp.inf))
-    token = jnp.where(jnp.asarray(temperature) == 0, greedy_tok, sampled)
+    token = _draw(z, keep, greedy_tok, key, temperature)
     # log_softmax(raw)[token]; raw[greedy_tok] is the max. Subtract the max before
     # adding the log-sum, so a max near the float32 limit loses no precision.
     m = raw[greedy_tok]
@@ -659,14 +657,24 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
     return token, logprob.astype(jnp.float32)
 
 
+def _draw(z, keep, greedy_tok, key, temperature):
+    """The chosen token: Gumbel-max over the kept tokens, or `greedy_tok` at
+    temperature 0, where no noise is drawn at all (a `lax.cond` on the scalar
+    temperature: V Gumbel draws per slot are a large part of a step at V = 262k)."""
+
+    def sample(_):
+        g = jax.random.gumbel(key, z.shape, jnp.float32)
+        return _first_argmax(jnp.where(keep, z + g, -jnp.inf))
+
+    return jax.lax.cond(jnp.asarray(temperature) > 0, sample, lambda _: greedy_tok, None)
+
+
 def _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p, vocab_limit):
     """`choose_token` with the token chosen from `processed`, the logprob from `logits`."""
     raw, _, raw_top = _prepare(logits, 1.0, vocab_limit)
     _, z, greedy_tok = _prepare(processed, temperature, vocab_limit)
     keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
-    g = jax.random.gumbel(key, z.shape, jnp.float32)
-    sampled = _first_argmax(jnp.where(keep, z + g, -jnp.inf))
-    token = jnp.where(jnp.asarray(temperature) == 0, greedy_tok, sampled)
+    token = _draw(z, keep, greedy_tok, key, temperature)
     m = raw[raw_top]
     has_dist = (m > -jnp.inf) & (z[greedy_tok] > -jnp.inf)
     shifted = jnp.where(m > -jnp.inf, raw - m, -jnp.inf)
