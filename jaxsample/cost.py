@@ -49,7 +49,11 @@ Counting conventions (letters as in `models/llama.py`):
       are still read once per step but each of the N rows reads its own copy
       of the prefix;
     - separate retries run one after another: `N*(weights + (P + t)*kv)`.
-* KV memory held at the end: shared `(P + N*T)*kv` against `N*(P + T)*kv`.
+* KV memory held at the end: shared `(P + N*T)*kv` against `N*(P + T)*kv`,
+  where a local (sliding-window) layer of window w holds at most w - 1
+  positions of each segment (`kv_bytes`); the last decode step's bytes use
+  the same rule. FLOPs and the bytes summed over all steps count every
+  layer as global (an upper bound for models with local layers).
 
 References: Kaplan et al. 2020, "Scaling Laws for Neural Language Models"
 (2 FLOPs per parameter per token); Juravsky et al. 2024, "Hydragen"
@@ -121,6 +125,19 @@ def kv_bytes_per_token(config, dtype_bytes: int | None = None) -> int:
     """KV-cache bytes per token of one sequence: `2 * L * K * D * dtype_bytes`."""
     b = _dtype_bytes(config, dtype_bytes)
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * b
+
+
+def kv_bytes(config, positions: int, dtype_bytes: int | None = None) -> int:
+    """KV-cache bytes of `positions` positions of one sequence, as the engine stores them:
+    every position on a global layer, at most w - 1 on a local (sliding-window) layer
+    of window w (`engine.prefill.window_extent`). Equals positions x
+    `kv_bytes_per_token` for a model without local layers."""
+    b = _dtype_bytes(config, dtype_bytes)
+    per = 2 * config.n_kv_heads * config.head_dim * b
+    windows = getattr(config, "layer_windows", (None,) * config.n_layers)
+    if not positions:
+        return 0
+    return per * sum(positions if w is None else max(min(positions, w - 1), 1) for w in windows)
 
 
 def weight_bytes(config, dtype_bytes: int | None = None) -> int:
@@ -294,13 +311,13 @@ def estimate(config, prompt_tokens: int, new_tokens: int, n: int,
         decode_flops_per_token=df / T if T else 0.0,
         decode_flops_last_token=int(last),
         decode_flops_shared=N * df, decode_flops_separate=N * df,
-        decode_step_bytes_shared=W + P * kv + N * T * kv,
-        decode_step_bytes_separate=W + N * (P + T) * kv,
-        decode_step_bytes_sequential=N * (W + (P + T) * kv),
+        decode_step_bytes_shared=W + kv_bytes(config, P, b) + N * kv_bytes(config, T, b),
+        decode_step_bytes_separate=W + N * kv_bytes(config, P + T, b),
+        decode_step_bytes_sequential=N * (W + kv_bytes(config, P + T, b)),
         decode_bytes_shared=T * (W + P * kv) + N * tail_sum * kv,
         decode_bytes_separate=T * W + N * (T * P + tail_sum) * kv,
-        kv_bytes_shared=(P + N * T) * kv,
-        kv_bytes_separate=N * (P + T) * kv,
+        kv_bytes_shared=kv_bytes(config, P, b) + N * kv_bytes(config, T, b),
+        kv_bytes_separate=N * kv_bytes(config, P + T, b),
     )
 
 
