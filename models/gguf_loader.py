@@ -352,12 +352,14 @@ def load_gguf_params(reader, cfg: llama.LlamaConfig, source: str) -> dict[str, A
     return params
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: str = "float32"):
+def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", header=None):
     """Load a GGUF checkpoint: config, dequantised parameters and tokenizer.
 
     Args:
       path: the `.gguf` file.
       dtype: "float32" or "bfloat16" for the parameters.
+      header: optional `(reader, metadata)` from an earlier `read_gguf(path)` of
+        the same file, so the header is not parsed twice.
     Returns:
       (cfg `LlamaConfig`, params pytree of numpy float32 `[in, out]` arrays,
        tokenizer `CheckpointTokenizer`).
@@ -366,7 +368,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32"):
         `config_from_metadata`, `load_gguf_params`; every message names the file.
     """
     source = str(path)
-    reader, meta = read_gguf(path)
+    reader, meta = header if header is not None else read_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     cfg = config_from_metadata(meta, tensors, source, dtype=dtype)
     tokenizer = CheckpointTokenizer.from_gguf_metadata(meta, source)
