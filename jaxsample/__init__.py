@@ -19,6 +19,11 @@ _EXPORTS = {
     "LanguageModel": "jaxsample.lm",
     "SamplingParams": "jaxsample.sampling",
     "generate": "jaxsample.engine",
+    "stream": "jaxsample.engine",
+    "StreamEvent": "jaxsample.engine",
+    "TextDelta": "jaxsample.engine",
+    "enable_compilation_cache": "jaxsample.cache",
+    "Progress": "jaxsample.progress",
     "Generation": "jaxsample.generation",
     "best_of_n": "jaxsample.reducers",
     "majority_vote": "jaxsample.reducers",
@@ -31,9 +36,9 @@ _EXPORTS = {
     "adaptive_self_consistency": "jaxsample.adaptive",
     "AdaptiveResult": "jaxsample.adaptive",
 }
-_SUBMODULES = {"adaptive", "answers", "bridge", "cost", "engine", "errors", "estimators",
+_SUBMODULES = {"adaptive", "answers", "bridge", "cache", "cost", "engine", "errors", "estimators",
                "reducers", "sampling", "config", "loading", "lm", "generation", "sharding",
-               "stopping"}
+               "stopping", "progress"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 
