@@ -19,6 +19,11 @@ _EXPORTS = {
     "LanguageModel": "jaxsample.lm",
     "SamplingParams": "jaxsample.sampling",
     "generate": "jaxsample.engine",
+    "stream": "jaxsample.engine",
+    "StreamEvent": "jaxsample.engine",
+    "TextDelta": "jaxsample.engine",
+    "enable_compilation_cache": "jaxsample.cache",
+    "Progress": "jaxsample.progress",
     "Generation": "jaxsample.generation",
     "RequestOutput": "jaxsample.generation",
     "CompletionOutput": "jaxsample.generation",
@@ -34,9 +39,9 @@ _EXPORTS = {
     "adaptive_self_consistency": "jaxsample.adaptive",
     "AdaptiveResult": "jaxsample.adaptive",
 }
-_SUBMODULES = {"adaptive", "answers", "bridge", "cost", "engine", "errors", "estimators",
+_SUBMODULES = {"adaptive", "answers", "bridge", "cache", "cost", "engine", "errors", "estimators",
                "reducers", "sampling", "config", "loading", "lm", "generation", "sharding",
-               "stopping"}
+               "stopping", "progress"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

@@ -2,30 +2,47 @@
 
     jaxsample run --prompt "What is 3 + 4? Answer with a number." --n 16
     jaxsample run --prompt-file q.txt --config configs/best_of_n.yaml --json
+    jaxsample run --prompt-file requests.jsonl --json        # one JSON line per request
     jaxsample price --model smollm2-135m --prompt-tokens 4096 --new-tokens 256 --n 1,4,16,64
 
 `run` loads a model (`jaxsample.loading.load`), samples N branches that
 share the prompt's KV cache (`jaxsample.engine.generate`), reduces them
 (self-consistency vote, best-of-N or none) and prints the branches, the
-result and the bill; `--json` prints exactly one JSON object instead.
+result and the bill; `--json` prints exactly one JSON object instead (one
+JSON line per request of a `.jsonl` prompt file: `read_requests`).
 `price` prints the analytic cost table of `jaxsample.cost` (shared prefix
 against N separate retries) from the model's config alone.
+
+Before any weight is read, `run` checks the request against the model's
+metadata and tokenizer (`loading.read_model`: the budget and each prompt
+against the context), so bad input is refused in about a second. While it
+works it reports on stderr (`jaxsample.progress`): loading, compiling and
+decoding, as a rich bar on a terminal and as plain `jaxsample: ...` lines
+otherwise; `--quiet` silences it; stdout carries only the result. `run`
+turns on JAX's persistent compilation cache and the weight cache
+(`jaxsample.cache`, under `$JAXSAMPLE_CACHE_DIR` or
+`$XDG_CACHE_HOME/jaxsample`), so a second run skips dequantising and
+compiling; `--no-cache` or `JAXSAMPLE_NO_CACHE=1` turns both off.
 
 Flags given explicitly override the `--config` file, which overrides the
 defaults (`jaxsample.config`). Bad input (unknown model, missing file, a
 broken or impossible checkpoint, bad flag values, empty or too long prompt,
-unreadable config, a model whose logits are all NaN) prints one line on
-stderr and exits with status 2, never a traceback: every `JaxsampleError`
-(`ModelLoadError`, `ConfigError`, `InputError`, `NumericalError`) and any
-`ValueError`, `OSError` or `OverflowError` maps to that.
+a malformed request line, unreadable config, a model whose logits are all
+NaN) prints one line on stderr (`jaxsample: error: ...`; progress lines, if
+any came before it, never contain "error:") and exits with status 2, never
+a traceback: every `JaxsampleError` (`ModelLoadError`, `ConfigError`,
+`InputError`, `NumericalError`) and any `ValueError`, `OSError` or
+`OverflowError` maps to that.
 
 Flag values: integers are decimal (`1e3` and `1.5` are refused); `price
 --n` takes comma-separated integers >= 1 without empty items (repeats are
 dropped); `--prompt-tokens` / `--new-tokens` are integers >= 0; names and
 paths (`--model`, `--config`, `--prompt-file`, `--plot`) must be non-empty.
+`price --plot` writes exactly the file it reports (`.png` added to a name
+without an extension) and needs matplotlib (`pip install 'jaxsample[plot]'`).
 
-JAX is imported only when a model is needed, so `--help` and `price` with a
-named config answer immediately.
+JAX is imported only when a model is needed, so `--help`, `--version` and
+`price` with a named config answer immediately.
 """
 
 from __future__ import annotations
@@ -33,7 +50,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import json
 import math
 import sys
@@ -41,6 +57,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from jaxsample import cache as cache_lib
 from jaxsample import config as config_lib
 from jaxsample import cost
 from jaxsample.errors import ConfigError, InputError, JaxsampleError, ModelLoadError
@@ -71,6 +88,21 @@ PRICE_PRESETS["smollm2-135m-instruct"] = PRICE_PRESETS["smollm2-135m"]
 
 # ---------------------------------------------------------------------------
 # Argument parsing
+
+
+def _version_line() -> str:
+    """'jaxsample 0.1.0 (jax 0.10.2, jaxlib 0.10.2)', without importing JAX."""
+    import importlib.metadata
+
+    from jaxsample import __version__
+
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"jaxsample {__version__} (jax {version('jax')}, jaxlib {version('jaxlib')})"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -144,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxsample",
                      description="Parallel sampling from language models in JAX: one prompt, "
                                  "N branches sharing its KV cache, then a vote or best-of-N.")
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -155,7 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", metavar="F", type=_non_empty,
                      help="read the prompt (UTF-8) from a file, a pipe or /dev/stdin; '-' is "
-                          "stdin (a file named '-': ./-)")
+                          "stdin (a file named '-': ./-). A .jsonl file holds one request per "
+                          "line: {\"prompt\": TEXT} or {\"messages\": [{\"role\": ..., "
+                          "\"content\": ...}, ...]}, optional \"id\" and SamplingParams "
+                          "fields (n, temperature, top_p, max_new_tokens or max_tokens, stop, "
+                          "seed, ...) overriding the flags for that request; they run as one "
+                          "batch (consecutive requests with equal settings share a call)")
+    run.add_argument("--prompt-format", choices=("auto", "text", "jsonl"), default="auto",
+                     help="how to read --prompt-file: auto (jsonl for a name ending in .jsonl, "
+                          "else one text prompt), text or jsonl")
     run.add_argument("--model", metavar="NAME_OR_PATH", type=_non_empty,
                      help="a model name or a .gguf file / Hugging Face directory "
                           "(default: the embedded SmolLM2-135M-Instruct)")
@@ -195,7 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threshold", type=float, default=0.95,
                      help="--adaptive beta/dirichlet/deepconf: the posterior probability that "
                           "stops (default 0.95)")
-    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.add_argument("--json", action="store_true",
+                     help="print one JSON object (one JSON line per request of a .jsonl file)")
+    run.add_argument("--no-cache", action="store_true",
+                     help="neither read nor write the compilation and weight caches "
+                          f"(also {cache_lib.ENV_OFF}=1; the directory is ${cache_lib.ENV_DIR}, "
+                          "else $XDG_CACHE_HOME/jaxsample)")
+    run.add_argument("-q", "--quiet", action="store_true",
+                     help="no progress on stderr (loading, compiling, decoding)")
 
     price = sub.add_parser("price", help="the analytic cost table: shared prefix vs N retries",
                            description="Price N branches over one shared prompt against N "
@@ -213,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     price.add_argument("--dtype", choices=config_lib.DTYPES,
                        help="bytes per weight/KV element (default: the model's dtype)")
     price.add_argument("--plot", metavar="FILE.png", type=_non_empty,
-                       help="also plot the table to a PNG file")
+                       help="also plot the table to this file (.png added to a name without "
+                            "an extension; .pdf, .svg, ... by their extension); needs "
+                            "matplotlib: pip install 'jaxsample[plot]'")
     price.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -354,45 +404,183 @@ def _read_text(name: str, where: str) -> str:
                          f"{e.start})") from None
 
 
-class _Progress:
-    """Transient progress on stderr: a rich spinner on a terminal, nothing otherwise."""
-
-    def __init__(self, enabled: bool):
-        self.console = None
-        if enabled and sys.stderr.isatty():
-            from rich.console import Console
-            self.console = Console(file=sys.stderr)
-
-    @contextlib.contextmanager
-    def step(self, message: str):
-        if self.console is None:
-            yield
-            return
-        with self.console.status(message):
-            yield
-
-    def note(self, message: str):
-        if self.console is not None:
-            self.console.print(message, style="dim")
+# ---------------------------------------------------------------------------
+# Requests: one prompt, or one per line of a .jsonl file
 
 
-def _load_model(name: str | None, dtype: str):
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt of a run.
+
+    Attributes:
+      index: its position in the run (0 for --prompt; the request's order in a
+        .jsonl file, blank lines not counted).
+      id: the "id" the .jsonl line gave (any JSON scalar), or None.
+      prompt: the prompt text (None when `messages` is given).
+      messages: a chat message list [{"role": ..., "content": ...}, ...], or None.
+      sampling: the `SamplingParams` for this request (flags and config, then
+        the line's own fields).
+      where: the line ("F line 3") or the flag, for messages.
+    """
+
+    index: int
+    id: Any
+    prompt: str | None
+    messages: list | None
+    sampling: Any
+    where: str
+
+
+# SamplingParams fields a .jsonl line may set, with vLLM's max_tokens as an alias.
+_ALIASES = {"max_tokens": "max_new_tokens"}
+
+
+def _sampling_fields(cfg: config_lib.RunConfig) -> set[str]:
+    return {f.name for f in dataclasses.fields(cfg.sampling)}
+
+
+def read_requests(args, cfg: config_lib.RunConfig) -> list[Request]:
+    """The run's requests: --prompt, a text --prompt-file, or a .jsonl --prompt-file.
+
+    Raises:
+      InputError: an unreadable or empty file or prompt; for .jsonl, a line
+        that is not a JSON object, has neither or both of "prompt" and
+        "messages", a malformed message list, an unknown key, or a sampling
+        value SamplingParams refuses (each naming the line).
+    """
+    if not _is_jsonl(args):
+        where = "--prompt" if args.prompt is not None else (
+            "stdin" if args.prompt_file == "-" else args.prompt_file)
+        return [Request(0, None, _read_prompt(args), None, cfg.sampling, where)]
+    name = args.prompt_file
+    where = "stdin" if name == "-" else name
+    text = _read_text(name, where)
+    fields = _sampling_fields(cfg)
+    requests = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        at = f"--prompt-file: {where} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise InputError(f"{at}: not JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{at}: expected a JSON object like {{\"prompt\": \"...\"}}, got "
+                             f"{type(obj).__name__}")
+        if ("prompt" in obj) == ("messages" in obj):
+            raise InputError(f"{at}: give exactly one of \"prompt\" (a string) and "
+                             "\"messages\" (a chat message list)")
+        prompt, messages = obj.get("prompt"), obj.get("messages")
+        if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+            raise InputError(f"{at}: \"prompt\" must be a non-empty string")
+        if "prompt" in obj and prompt is None:
+            raise InputError(f"{at}: \"prompt\" must be a non-empty string")
+        if "messages" in obj:
+            ok = isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages)
+            if not ok:
+                raise InputError(f"{at}: \"messages\" must be a non-empty list of "
+                                 "{\"role\": string, \"content\": string} objects")
+        rid = obj.get("id")
+        if isinstance(rid, (dict, list)):
+            raise InputError(f"{at}: \"id\" must be a string or a number")
+        overrides = {}
+        for key, value in obj.items():
+            if key in ("prompt", "messages", "id"):
+                continue
+            field = _ALIASES.get(key, key)
+            if field not in fields:
+                raise InputError(f"{at}: unknown key {key!r}; a line holds \"prompt\" or "
+                                 f"\"messages\", optionally \"id\", and SamplingParams fields "
+                                 f"{sorted(fields | set(_ALIASES))}")
+            if field in overrides:
+                raise InputError(f"{at}: {key!r} repeats {field!r}")
+            overrides[field] = tuple(value) if isinstance(value, list) else value
+        try:
+            sampling = cfg.sampling.replace(**overrides) if overrides else cfg.sampling
+        except (ConfigError, TypeError) as e:
+            raise InputError(f"{at}: {e}") from None
+        requests.append(Request(len(requests), rid, prompt, messages, sampling, at))
+    if not requests:
+        raise InputError(f"--prompt-file: {where}: no requests (every line is blank)")
+    return requests
+
+
+def check_requests(model_cfg, tokenizer, requests: list[Request], chat: bool) -> None:
+    """Refuse what the context cannot hold, from the model's metadata and tokenizer,
+    before any weight is read: a budget `max_new_tokens` plus one prompt token, then
+    each rendered prompt's tokens plus the budget.
+
+    Raises:
+      InputError: naming the flag or the .jsonl line, the counts and the context.
+    """
+    ctx = model_cfg.max_seq_len
+    for r in requests:
+        T = r.sampling.max_new_tokens
+        line = " line " in r.where
+        if T + 1 > ctx:
+            what = r.where if line else "--max-new-tokens"
+            raise InputError(f"{what}: max_new_tokens={T} plus at least one prompt token exceeds "
+                             f"the model's context of {ctx} tokens (its metadata); use at most "
+                             f"{ctx - 1}")
+        n = len(tokenizer.encode(_render(tokenizer, r, chat)))
+        if n + T > ctx:
+            what = f"{r.where}: " if line else ""
+            raise InputError(f"{what}the prompt has {n} tokens; with max_new_tokens={T} that "
+                             f"is {n + T} > the model's context of {ctx} tokens")
+
+
+def check_adaptive(args) -> None:
+    """The ranges `adaptive_self_consistency` checks, before the model loads.
+
+    Raises:
+      InputError: as `adaptive_self_consistency` (max_n, window, threshold, warmup).
+    """
+    def int_in(name, value, lo, hi):
+        if not lo <= value <= hi:
+            raise InputError(f"--{name.replace('_', '-')}: {name} must be an int in [{lo}, "
+                             f"{hi}], got {value}")
+
+    int_in("max_n", args.max_n, 1, 2**20)
+    int_in("window", args.window, 1, args.max_n)
+    if not 0.0 < args.threshold < 1.0:
+        raise InputError(f"--threshold: threshold must be a float in (0, 1), got {args.threshold}")
+    if ADAPTIVE[args.adaptive][1] is not None:  # DeepConf's warm-up: two windows
+        int_in("max_n", args.max_n, 2 * args.window, 2**20)
+
+
+def _batches(requests: list[Request]) -> list[list[Request]]:
+    """Consecutive requests with equal SamplingParams, each run as one call.
+
+    Each call passes `prompt_index_offset` = the index of its first request, so
+    a request draws the same branches as it would in one call of all requests.
+    """
+    out: list[list[Request]] = []
+    for r in requests:
+        if out and out[-1][-1].sampling == r.sampling:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
+def _render(tokenizer, r: Request, chat: bool) -> str:
+    """The text given to the model: a message list through the chat template, a
+    prompt through it as one user turn when `chat`, else the prompt as is (what
+    `generate(chat=...)` does; rendered here so that one call can mix both)."""
+    if r.messages is not None:
+        return tokenizer.apply_chat_template(r.messages)
+    if chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}])
+    return r.prompt
+
+
+def _load_model(name: str | None, dtype: str, *, use_cache: bool = True):
     from jaxsample import loading
 
-    kwargs = {}
-    if "dtype" in inspect.signature(loading.load).parameters:
-        kwargs["dtype"] = dtype
-    lm = loading.load(name, **kwargs) if name is not None else loading.load(**kwargs)
-    if lm.config.dtype != dtype:  # a loader without a dtype option: cast here
-        import jax
-        import jax.numpy as jnp
-
-        from jaxsample.lm import LanguageModel
-        new_cfg = lm.config.replace(dtype=dtype)
-        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, new_cfg.jnp_dtype), lm.params)
-        lm = LanguageModel(config=new_cfg, params=params, tokenizer=lm.tokenizer,
-                           name=lm.name, source=lm.source)
-    return lm
+    return loading.load(name, dtype=dtype, cache=None if use_cache else False)
 
 
 def _make_mesh(mesh_cfg: config_lib.MeshConfig, n: int):
@@ -414,96 +602,180 @@ def _finite(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _model_header(cfg: config_lib.RunConfig, use_cache: bool):
+    """(config, tokenizer) of the run's model, without its weights."""
+    from jaxsample import loading
+
+    return loading.read_model(cfg.model.name, cache=None if use_cache else False)
+
+
 def _run(args) -> int:
     t_start = time.perf_counter()
     cfg = resolve_run_config(args)
-    prompt = _read_prompt(args)
-    progress = _Progress(enabled=not args.json)
+    requests = read_requests(args, cfg)
+    use_cache = not args.no_cache and not cache_lib.cache_disabled()
+    if args.adaptive:
+        if cfg.reducer.kind != "vote":
+            raise InputError(f"--adaptive votes; it cannot be combined with --reduce "
+                             f"{cfg.reducer.kind}")
+        check_adaptive(args)
+    for r in requests:
+        _make_mesh(cfg.mesh, r.sampling.n)
+    # Every check that needs the model, made on its metadata and tokenizer alone, so bad
+    # input is refused before the weights load (and before any progress line).
+    check_requests(*_model_header(cfg, use_cache), requests, cfg.chat)
+    from jaxsample import loading
+    from jaxsample.progress import Progress
 
-    from jaxsample import engine
-
-    mesh = _make_mesh(cfg.mesh, cfg.sampling.n)
+    progress = None if args.quiet else Progress()
+    if use_cache:
+        cache_lib.enable_compilation_cache()
     what = cfg.model.name or "the embedded model"
-    with progress.step(f"loading and dequantising {what}"):
-        t0 = time.perf_counter()
-        lm = _load_model(cfg.model.name, cfg.model.dtype)
-        t_load = time.perf_counter() - t0
-    adaptive = None
-    with progress.step(f"compiling (first call) and decoding {cfg.sampling.n} branches of up to "
-                       f"{cfg.sampling.max_new_tokens} tokens"):
-        kwargs = {"chat": cfg.chat}
+    t0 = time.perf_counter()
+    if progress is not None:
+        with progress.phase(f"loading {what}") as ph:
+            lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
+            ph.cancel()
+        info = loading.load_info(lm)
+        how = ("dequantised weights from the cache" if info.get("weights") == "cache"
+               else "dequantised; cached for the next run" if info.get("cache_entry")
+               else "read from the checkpoint")
+        progress.line(f"loaded {lm.name} in {time.perf_counter() - t0:.1f} s ({how})")
+    else:
+        lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
+    t_load = time.perf_counter() - t0
+    outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
+    batches = _batches(requests)
+    for k, batch in enumerate(batches):
+        run_cfg = cfg.replace(sampling=batch[0].sampling)
+        mesh = _make_mesh(cfg.mesh, run_cfg.sampling.n)
+        texts = [_render(lm.tokenizer, r, cfg.chat) for r in batch]
+        kwargs = {"chat": False, "prompt_index_offset": batch[0].index}
         if mesh is not None:
             kwargs["mesh"] = mesh
+        t_batch = time.perf_counter()
         if args.adaptive:
-            adaptive = _run_adaptive(lm, prompt, cfg, args, kwargs)
+            adaptive = _run_adaptive(lm, texts, run_cfg, args, kwargs, progress)
             gen = adaptive.generation
+            per = [_adaptive_result(adaptive, b, args) for b in range(len(batch))]
         else:
-            gen = engine.generate(lm, [prompt], cfg.sampling, **kwargs)
-    if adaptive is not None:
-        n_used = int(adaptive.n_used[0])
-        counted = adaptive.counted[0]
-        first = next((i for i, (a, c) in enumerate(zip(adaptive.answers[0], counted))
-                      if c and a == adaptive.winner[0]), None)
-        result = {"answer": adaptive.winner[0], "share": _finite(adaptive.share[0]),
-                  "support": float(sum(counted)) if adaptive.winner[0] is not None else 0.0,
-                  "branch": first, "n_used": n_used,
-                  "terminated": int(adaptive.terminated[0]), "adaptive": args.adaptive,
-                  "saving": adaptive.bill.to_dict()}
-        answers = list(adaptive.answers[0])
-    else:
-        result, answers = _reduce(gen, cfg.reducer)
-    timings = {"load": t_load,
-               "compile": float(gen.timings.get("compile", 0.0)),
-               "prefill": float(gen.timings.get("prefill", 0.0)),
-               "decode": float(gen.timings.get("decode", 0.0)),
-               "total": time.perf_counter() - t_start}
-    mean_lp = gen.mean_logprob()[0]
-    shown = gen.n if adaptive is None else int(adaptive.n_used[0])
-    branches = [{"text": gen.texts[0][i], "answer": answers[i], "tokens": int(gen.lengths[0, i]),
-                 "mean_logprob": _finite(mean_lp[i]), "finish_reason": gen.finish_reason[0][i]}
-                for i in range(shown)]
+            from jaxsample import engine
+
+            adaptive = None
+            gen = engine.generate(lm, texts, run_cfg.sampling, progress=progress or False,
+                                  **kwargs)
+            sc = _vote(gen, cfg.reducer) if cfg.reducer.kind == "vote" else None
+            per = [_reduce(gen, cfg.reducer, b, sc) for b in range(len(batch))]
+        timings = {"load": t_load,
+                   "compile": float(gen.timings.get("compile", 0.0)),
+                   "prefill": float(gen.timings.get("prefill", 0.0)),
+                   "decode": float(gen.timings.get("decode", 0.0)),
+                   "total": time.perf_counter() - (t_start if k == 0 else t_batch)}
+        for b, (r, (result, answers)) in enumerate(zip(batch, per)):
+            outputs.append(dict(request=r, batch=k, gen=gen, b=b, result=result,
+                                answers=answers, adaptive=adaptive, timings=timings,
+                                cfg=run_cfg, requests=[x.index for x in batch]))
+    if progress is not None:
+        progress.close()
+    single = not _is_jsonl(args)  # one prompt: one JSON object / one table, as ever
     if args.json:
-        params = cfg.to_dict()["sampling"]
-        params["seed"] = gen.params.seed
-        out = {"model": lm.name, "prompt": prompt,
-               "params": {**params, "chat": cfg.chat,
-                          "reducer": dataclasses.asdict(cfg.reducer)},
-               "branches": branches, "result": result, "bill": gen.bill.to_dict(),
-               "timings": timings}
-        print(json.dumps(out, ensure_ascii=False))
+        for out in outputs:
+            print(json.dumps(_json_record(lm, cfg, out, single), ensure_ascii=False))
         return EXIT_OK
-    _print_run(lm, cfg, gen, branches, result, timings, adaptive)
+    console = _stdout_console()
+    for i, out in enumerate(outputs):
+        last_of_batch = i + 1 == len(outputs) or outputs[i + 1]["batch"] != out["batch"]
+        _print_run(console, lm, out, single, bill=last_of_batch,
+                   batch_requests=None if single else out["requests"])
     return EXIT_OK
 
 
-def _run_adaptive(lm, prompt, cfg, args, kwargs):
-    """`jaxsample.adaptive_self_consistency` for `run --adaptive` (one prompt)."""
+def _is_jsonl(args) -> bool:
+    return args.prompt is None and (args.prompt_format == "jsonl" or (
+        args.prompt_format == "auto" and args.prompt_file.lower().endswith(".jsonl")))
+
+
+def _branches(out) -> list[dict]:
+    gen, b, adaptive = out["gen"], out["b"], out["adaptive"]
+    mean_lp = gen.mean_logprob()[b]
+    shown = gen.n if adaptive is None else int(adaptive.n_used[b])
+    answers = out["answers"]
+    return [{"text": gen.texts[b][i], "answer": answers[i], "tokens": int(gen.lengths[b, i]),
+             "mean_logprob": _finite(mean_lp[i]), "finish_reason": gen.finish_reason[b][i]}
+            for i in range(shown)]
+
+
+def _json_record(lm, cfg, out, single: bool) -> dict:
+    """The JSON object of one request (the documented schema of `run --json`)."""
+    r, gen, b = out["request"], out["gen"], out["b"]
+    params = out["cfg"].to_dict()["sampling"]
+    params["seed"] = gen.params.seed
+    record = {"model": lm.name, "prompt": r.prompt if r.messages is None else None,
+              "params": {**params, "chat": cfg.chat,
+                         "reducer": dataclasses.asdict(cfg.reducer)},
+              "branches": _branches(out), "result": out["result"], "bill": gen.bill.to_dict(),
+              "timings": out["timings"]}
+    if single:
+        return record
+    lengths = gen.bill.decoded_tokens_per_branch[b]
+    head = {"index": r.index, "id": r.id}
+    if r.messages is not None:
+        head["messages"] = r.messages
+    record["usage"] = {"prompt_tokens": len(gen.prompt_tokens[b]),
+                       "decoded_tokens": int(sum(lengths)),
+                       "kept_tokens": int(gen.lengths[b].sum())}
+    record["batch"] = {"index": out["batch"], "requests": out["requests"]}
+    return {**head, **record}
+
+
+def _run_adaptive(lm, prompts, cfg, args, kwargs, progress=None):
+    """`jaxsample.adaptive_self_consistency` for `run --adaptive`."""
     from jaxsample import adaptive as adaptive_lib
 
-    if cfg.reducer.kind != "vote":
-        raise InputError(f"--adaptive votes; it cannot be combined with --reduce "
-                         f"{cfg.reducer.kind}")
     rule, confidence = ADAPTIVE[args.adaptive]
-    return adaptive_lib.adaptive_self_consistency(
-        lm, [prompt], cfg.sampling, max_n=args.max_n, window=args.window, rule=rule,
-        threshold=args.threshold, confidence=confidence, extract=cfg.reducer.extract,
-        warmup=2 * args.window if confidence else 16, **kwargs)
+    ctx = (progress.phase("adaptive self-consistency: rounds of "
+                          f"{args.window} branches, up to {args.max_n}")
+           if progress is not None else contextlib.nullcontext())
+    with ctx:
+        return adaptive_lib.adaptive_self_consistency(
+            lm, prompts, cfg.sampling, max_n=args.max_n, window=args.window, rule=rule,
+            threshold=args.threshold, confidence=confidence, extract=cfg.reducer.extract,
+            warmup=2 * args.window if confidence else 16, **kwargs)
 
 
-def _reduce(gen, reducer: config_lib.ReducerConfig):
-    """The result ({"answer", "share", "branch"}) and each branch's extracted answer."""
+def _adaptive_result(adaptive, b: int, args):
+    counted = adaptive.counted[b]
+    first = next((i for i, (a, c) in enumerate(zip(adaptive.answers[b], counted))
+                  if c and a == adaptive.winner[b]), None)
+    result = {"answer": adaptive.winner[b], "share": _finite(adaptive.share[b]),
+              "support": float(sum(counted)) if adaptive.winner[b] is not None else 0.0,
+              "branch": first, "n_used": int(adaptive.n_used[b]),
+              "terminated": int(adaptive.terminated[b]), "adaptive": args.adaptive,
+              "saving": adaptive.bill.to_dict()}
+    return result, list(adaptive.answers[b])
+
+
+def _vote(gen, reducer: config_lib.ReducerConfig):
+    from jaxsample import reducers
+
+    return reducers.self_consistency(gen, extract=reducer.extract, weights=reducer.weights)
+
+
+def _reduce(gen, reducer: config_lib.ReducerConfig, b: int = 0, sc=None):
+    """The result ({"answer", "share", "branch"}) of prompt b and each branch's extracted
+    answer; `sc` is the batch's `self_consistency` (computed here if None)."""
     import numpy as np
 
     from jaxsample import answers as answers_lib
     from jaxsample import reducers
 
-    texts = gen.texts[0]
+    texts = gen.texts[b]
     if reducer.kind == "vote":
-        sc = reducers.self_consistency(gen, extract=reducer.extract, weights=reducer.weights)
-        branch = int(sc.first_branch[0])
-        result = {"answer": sc.winner[0], "share": _finite(sc.share[0]),
-                  "support": _finite(sc.support[0]), "branch": branch if branch >= 0 else None}
-        return result, list(sc.answers[0])
+        sc = _vote(gen, reducer) if sc is None else sc
+        branch = int(sc.first_branch[b])
+        result = {"answer": sc.winner[b], "share": _finite(sc.share[b]),
+                  "support": _finite(sc.support[b]), "branch": branch if branch >= 0 else None}
+        return result, list(sc.answers[b])
 
     def one(text):
         a = answers_lib.extract(text, reducer.extract)
@@ -514,50 +786,83 @@ def _reduce(gen, reducer: config_lib.ReducerConfig):
         scores = gen.mean_logprob() if reducer.score == "mean_logprob" else gen.sum_logprob()
         # Prefer complete branches (ended by a stop): a branch cut at max_new_tokens
         # may carry a truncated answer. Without any complete branch, take them all.
-        complete = np.array([[r == "stop" for r in gen.finish_reason[0]]]) & (gen.lengths > 0)
-        valid = complete if complete.any() else gen.lengths > 0
-        idx = int(reducers.best_of_n(scores, valid)[0])
+        lengths = np.asarray(gen.lengths)[b:b + 1]
+        complete = np.array([[r == "stop" for r in gen.finish_reason[b]]]) & (lengths > 0)
+        valid = complete if complete.any() else lengths > 0
+        idx = int(reducers.best_of_n(np.asarray(scores)[b:b + 1], valid)[0])
         if idx < 0:
             return {"answer": None, "share": None, "branch": None}, answers
         return {"answer": answers[idx], "share": None, "branch": idx,
-                "score": _finite(scores[0, idx])}, answers
+                "score": _finite(scores[b, idx])}, answers
     return {"answer": None, "share": None, "branch": None}, answers
 
 
-def _stdout_console():
-    """A rich console on stdout: the terminal's width, or 120 columns into a pipe or file."""
+def _stdout_console(width: int | None = None):
+    """A rich console on stdout: the terminal's width; into a pipe or file, $COLUMNS
+    if set, else 120 columns."""
+    import os
+
     from rich.console import Console
 
-    return Console(file=sys.stdout, highlight=False,
-                   width=None if sys.stdout.isatty() else 120)
+    if width is None and not sys.stdout.isatty():
+        try:
+            width = int(os.environ.get("COLUMNS", "")) or 120
+        except ValueError:
+            width = 120
+    return Console(file=sys.stdout, highlight=False, width=width)
 
 
 def _first_line(text: str, width: int = 60) -> str:
+    """The first non-blank line, control characters shown as spaces, cut to `width`."""
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    line = "".join(c if c.isprintable() else " " for c in line)
     return line if len(line) <= width else line[:width - 1] + "…"
 
 
-def _print_run(lm, cfg, gen, branches, result, timings, adaptive=None):
-    from rich.console import Console
+def branch_table(title: str, branches: list[dict], chosen: int | None, width: int):
+    """The table of N branches, readable at `width` columns (>= 40).
+
+    Columns, widest first to go: # | answer | tokens | finish | mean logprob |
+    first line (what is left of the width, cut with an ellipsis). Below 72
+    columns the headers shorten; below 60 "finish" goes, below 48 "mean
+    logprob" too. Answers longer than 12 characters are cut with an ellipsis.
+    """
+    from rich import box
     from rich.table import Table
 
-    console = _stdout_console()
-    p = cfg.sampling
-    table = Table(title=f"{lm.name}: {len(branches)} branches (temperature {p.temperature}, "
-                        f"top-p {p.top_p}, top-k {p.top_k}, min-p {p.min_p}, seed {gen.params.seed})")
-    table.add_column("#", justify="right")
-    table.add_column("answer")
-    table.add_column("tokens", justify="right")
-    table.add_column("finish")
-    table.add_column("mean logprob", justify="right")
-    table.add_column("first line", overflow="ellipsis", no_wrap=True, max_width=60)
-    chosen = result.get("branch")
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, expand=True,
+                  title_justify="left")
+    narrow = width < 72
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("answer", no_wrap=True, overflow="ellipsis", max_width=12)
+    table.add_column("tok" if narrow else "tokens", justify="right", no_wrap=True)
+    show_finish, show_lp = width >= 60, width >= 48
+    if show_finish:
+        table.add_column("finish", no_wrap=True)
+    if show_lp:
+        table.add_column("logprob" if narrow else "mean logprob", justify="right",
+                         no_wrap=True)
+    table.add_column("first line", no_wrap=True, overflow="ellipsis", ratio=1, min_width=8)
     for i, b in enumerate(branches):
-        lp = "n/a" if b["mean_logprob"] is None else f"{b['mean_logprob']:.3f}"
-        table.add_row(str(i), str(b["answer"]) if b["answer"] is not None else "-",
-                      str(b["tokens"]), b["finish_reason"], lp, _first_line(b["text"]),
-                      style="bold" if i == chosen else None)
-    console.print(table)
+        row = [str(i), str(b["answer"]) if b["answer"] is not None else "-", str(b["tokens"])]
+        if show_finish:
+            row.append(b["finish_reason"])
+        if show_lp:
+            row.append("n/a" if b["mean_logprob"] is None else f"{b['mean_logprob']:.3f}")
+        row.append(_first_line(b["text"], 200))
+        table.add_row(*row, style="bold" if i == chosen else None)
+    return table
+
+
+def _print_run(console, lm, out, single: bool, *, bill: bool = True, batch_requests=None):
+    cfg, gen, result, timings = out["cfg"], out["gen"], out["result"], out["timings"]
+    adaptive, r = out["adaptive"], out["request"]
+    branches = _branches(out)
+    p = cfg.sampling
+    head = "" if single else f"request {r.index}" + (f" ({r.id})" if r.id is not None else "") + ": "
+    title = (f"{head}{lm.name}: {len(branches)} branches (temperature {p.temperature}, "
+             f"top-p {p.top_p}, top-k {p.top_k}, min-p {p.min_p}, seed {gen.params.seed})")
+    console.print(branch_table(title, branches, result.get("branch"), console.width))
     kind = cfg.reducer.kind
     if kind == "vote":
         if result["answer"] is None:
@@ -574,21 +879,29 @@ def _print_run(lm, cfg, gen, branches, result, timings, adaptive=None):
         else:
             console.print(f"best-of-N by {cfg.reducer.score}: branch {result['branch']} "
                           f"(score {result['score']:.3f}), answer {result['answer']}")
-            console.print(gen.texts[0][result["branch"]], markup=False)
+            console.print(gen.texts[out["b"]][result["branch"]], markup=False)
     if "n_used" in result:
         console.print(f"adaptive ({result['adaptive']}): {result['n_used']} branches drawn, "
                       f"{result['terminated']} terminated", markup=False)
-    console.print("[bold]bill[/bold]")
-    console.print(gen.bill.summary(), markup=False, soft_wrap=True)
+    if not bill:
+        console.print()
+        return
+    which = "" if batch_requests is None else (
+        f" (requests {batch_requests[0]}-{batch_requests[-1]}, one call)"
+        if len(batch_requests) > 1 else f" (request {batch_requests[0]})")
+    console.print(f"[bold]bill[/bold]{which}")
+    console.print(gen.bill.summary(), markup=False)
     if adaptive is not None:
-        console.print(adaptive.bill.summary(), markup=False, soft_wrap=True)
+        console.print(adaptive.bill.summary(), markup=False)
     tokens = gen.bill.decoded_tokens_total
     rate = tokens / timings["decode"] if timings["decode"] > 0 else float("nan")
     console.print(f"timings: load {timings['load']:.2f} s, compile (first call) "
                   f"{timings['compile']:.2f} s, prefill {timings['prefill']:.3f} s, decode "
                   f"{timings['decode']:.2f} s ({rate:.0f} tokens/s over all branches), "
                   f"total {timings['total']:.2f} s (with tokenisation, reduction, imports)",
-                  markup=False, soft_wrap=True)
+                  markup=False)
+    if not single:
+        console.print()
 
 
 # ---------------------------------------------------------------------------
@@ -652,13 +965,14 @@ def _price(args) -> int:
         raise InputError(f"--n: branch counts must be >= 1, got {args.n}")
     if args.prompt_tokens < 0 or args.new_tokens < 0:
         raise InputError("--prompt-tokens and --new-tokens must be >= 0")
+    plot = _plot_target(args.plot) if args.plot else None  # before any work: bad paths fail fast
     model_cfg, label = resolve_model_config(args.model)
     dtype_bytes = cost._DTYPE_BYTES[args.dtype or model_cfg.dtype]
     P, T = args.prompt_tokens, args.new_tokens
     rows = cost.table(model_cfg, P, T, args.n, dtype_bytes=dtype_bytes)
     head = cost.estimate(model_cfg, P, T, 1, dtype_bytes=dtype_bytes)
-    if args.plot:
-        _plot(rows, args.plot, f"{label}: P={P}, T={T}")
+    if plot is not None:
+        _plot(rows, plot, f"{label}: P={P}, T={T}, {dtype_bytes} bytes per element")
     if args.json:
         out = {"model": label, "config": dataclasses.asdict(model_cfg),
                "prompt_tokens": P, "new_tokens": T, "dtype_bytes": dtype_bytes,
@@ -667,8 +981,8 @@ def _price(args) -> int:
                "fits_context": P + T <= model_cfg.max_seq_len,
                "rows": rows, "estimates": [cost.estimate(model_cfg, P, T, n, dtype_bytes)
                                            .to_dict() for n in args.n]}
-        if args.plot:
-            out["plot"] = args.plot
+        if plot is not None:
+            out["plot"] = str(plot)
         print(json.dumps(out))
         return EXIT_OK
 
@@ -702,39 +1016,107 @@ def _price(args) -> int:
     console.print("Prefix sharing saves prefill FLOPs and prefix KV memory and reads; decode "
                   "FLOPs are the same either way. read/step: bytes the last decode step reads "
                   "(weights once + KV). Counting conventions: jaxsample/cost.py.", markup=False)
-    if args.plot:
-        console.print(f"plot written to {args.plot}", markup=False)
+    if plot is not None:
+        console.print(f"plot written to {plot}", markup=False)
     return EXIT_OK
 
 
-def _plot(rows, path: str, title: str) -> None:
-    out = Path(path)
-    if not out.parent.is_dir():
-        raise InputError(f"--plot: directory {out.parent} does not exist")
+PLOT_EXTRA = "pip install 'jaxsample[plot]'"
+
+
+def _plot_target(text: str) -> Path:
+    """The file `price --plot` writes, exactly as it will be reported.
+
+    A name without an extension gets ".png"; an extension picks the format
+    (png, pdf, svg, ... whatever matplotlib writes).
+
+    Raises:
+      InputError: matplotlib is not installed (naming the extra that brings
+        it), the path is a directory (or ends with a slash), its directory
+        does not exist, or matplotlib cannot write that extension.
+    """
+    import os
+
+    try:
+        import matplotlib
+    except ImportError:
+        raise InputError(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}") from None
+    path = Path(text).expanduser()
+    if text.endswith(("/", os.sep)) or path.is_dir():
+        raise InputError(f"--plot: {text} is a directory; give a file name such as "
+                         f"{path / 'price.png'}")
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    if not path.parent.is_dir():
+        raise InputError(f"--plot: directory {path.parent} does not exist")
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise InputError(f"--plot: cannot write {path.suffix!r} files; use one of "
+                         f"{', '.join('.' + f for f in sorted(formats))} (or no extension "
+                         "for .png)")
+    return path
+
+
+def _unit(values, kind: str) -> tuple[float, str]:
+    """(divisor, unit) that puts the largest of `values` in [1, 1024) (bytes: KiB, MiB,
+    GiB, TiB) or [1, 1000) (FLOPs: kFLOP ... PFLOP)."""
+    top = max([abs(float(v)) for v in values] + [1.0])
+    if kind == "bytes":
+        units, base = ("B", "KiB", "MiB", "GiB", "TiB"), 1024.0
+    else:
+        units, base = ("FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP"), 1000.0
+    k = 0
+    while k + 1 < len(units) and top >= base ** (k + 1):
+        k += 1
+    return base ** k, units[k]
+
+
+def _plot(rows, path: Path, title: str) -> None:
+    """Three panels against N (log-log): KV cache held, bytes read by the last decode
+    step, total FLOPs; shared prefix against separate retries. Each y axis is in one
+    unit (MiB, GiB, GFLOP, ... chosen by its largest value); the N axis has a tick at
+    each N priced and nowhere else."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     ns = [r["n"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     series = [
-        ("KV cache held (bytes)", "kv_bytes_shared", "kv_bytes_separate"),
-        ("bytes read by the last decode step", "step_bytes_shared", "step_bytes_separate"),
-        ("total FLOPs (prefill + decode)", "total_flops_shared", "total_flops_separate"),
+        ("KV cache held", "kv_bytes_shared", "kv_bytes_separate", "bytes"),
+        ("bytes read by the last decode step", "step_bytes_shared", "step_bytes_separate",
+         "bytes"),
+        ("total FLOPs (prefill + decode)", "total_flops_shared", "total_flops_separate",
+         "flops"),
     ]
-    for ax, (name, shared, separate) in zip(axes, series):
-        ax.plot(ns, [r[shared] for r in rows], "o-", label="shared prefix")
-        ax.plot(ns, [r[separate] for r in rows], "s--", label="separate retries")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+    for ax, (name, shared, separate, kind) in zip(axes, series):
+        values = [r[shared] for r in rows] + [r[separate] for r in rows]
+        div, unit = _unit(values, kind)
+        ax.plot(ns, [r[shared] / div for r in rows], "o-", label="shared prefix")
+        ax.plot(ns, [r[separate] / div for r in rows], "s--", label="separate retries")
+        if len(ns) > 1:
+            ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(ns))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        positive = [v / div for v in values if v > 0]
+        if positive and max(positive) / min(positive) > 10:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
         ax.set_xlabel("branches N")
-        ax.set_title(name, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
+        ax.set_ylabel(unit)
+        ax.set_title(f"{name} ({unit})", fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
     axes[0].legend()
     fig.suptitle(title)
     fig.tight_layout()
     try:
-        fig.savefig(out, dpi=120)
+        fig.savefig(path, dpi=120, format=path.suffix[1:].lower())
     finally:
         plt.close(fig)

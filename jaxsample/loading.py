@@ -1,22 +1,36 @@
-"""`load`: a name or a path -> a ready `LanguageModel` (config, parameters, tokenizer)."""
+"""`load`: a name or a path -> a ready `LanguageModel` (config, parameters, tokenizer).
+
+`read_config` answers the model's `LlamaConfig` without dequantising any
+weight (the command line checks a request against the context before the
+load). A GGUF file's dequantised weights, config and tokenizer are kept in
+the weight cache (`jaxsample.cache`), so a second process loads them in a
+fraction of a second instead of parsing and dequantising the file again.
+"""
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
+import time
+import weakref
 
 import jax
 import jax.numpy as jnp
 
+from jaxsample import cache as cache_lib
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import LanguageModel
 from jaxsample.models import families, registry
 
 _DTYPES = ("float32", "bfloat16")
 
+# How each loaded model was read: {"weights": "cache" | "checkpoint", "seconds": ...,
+# "cache_entry": path or None}; see `load_info`.
+_INFO: "weakref.WeakKeyDictionary[LanguageModel, dict]" = weakref.WeakKeyDictionary()
 
-def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32") -> LanguageModel:
+
+def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32",
+         cache: bool | str | os.PathLike | None = None) -> LanguageModel:
     """Load a language model with its own tokenizer.
 
     Args:
@@ -27,8 +41,17 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         directory); a path to a `.gguf` file; or a Hugging Face directory with
         config.json, *.safetensors and tokenizer.json.
       dtype: "float32" (default) or "bfloat16" for weights and activations.
+      cache: the weight cache for GGUF files of at least 16 MiB (smaller ones
+        dequantise fast): None or True for the default directory
+        (`jaxsample.cache.cache_dir()`: `$JAXSAMPLE_CACHE_DIR`, else
+        `$XDG_CACHE_HOME/jaxsample`; off when `JAXSAMPLE_NO_CACHE` is set),
+        False for none, or a directory. The first load writes the dequantised
+        float32 weights (4 bytes per parameter: 0.5 GB for SmolLM2-135M) with
+        the config and tokenizer; later loads of the same file (same size,
+        modification time and header hash) read them back in well under a
+        second. A corrupt or stale entry is ignored and rewritten.
     Returns:
-      A `LanguageModel`. Loads are cached per (resolved path, file
+      A `LanguageModel`. Loads are also cached per (resolved path, file
       modification time, dtype) for the process, so loading twice is free.
     Raises:
       ConfigError: an unknown dtype.
@@ -37,52 +60,212 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         UnsupportedModelError (a subclass) for architectures or options the
         model does not implement. Any other exception escaping a loader
         (other than MemoryError) is re-raised as ModelLoadError naming the
-        file, with the original as `__cause__`.
+        file, with the original as `__cause__`. Cache failures are never
+        errors (a warning at most).
     """
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
-    name = None
+    path, name = _resolve(name_or_path)
+    key = (str(path), path.stat().st_mtime_ns, dtype, name)
+    if key not in _LOADED:  # the weights are the same with or without the cache
+        if len(_LOADED) >= 4:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = _load_uncached(*key, _cache_base(cache))
+    return _LOADED[key]
+
+
+def read_config(name_or_path: str | os.PathLike | None = None, *,
+                cache: bool | str | os.PathLike | None = None) -> llama.LlamaConfig:
+    """The model's `LlamaConfig` (float32), without reading any weight.
+
+    A GGUF file is answered from its weight-cache entry when there is a valid
+    one (milliseconds), else from its header (seconds for a large vocabulary;
+    the parsed header is then kept for the `load` that usually follows, so it
+    is not parsed twice). A Hugging Face directory reads config.json.
+
+    Args:
+      name_or_path, cache: as `load`.
+    Raises:
+      ModelLoadError: as `load` (unknown name, missing or broken checkpoint).
+    """
+    return _read_model(name_or_path, cache, with_tokenizer=False)[0]
+
+
+def read_model(name_or_path: str | os.PathLike | None = None, *,
+               cache: bool | str | os.PathLike | None = None):
+    """(`LlamaConfig` float32, tokenizer) without reading any weight, as `read_config`.
+
+    Enough to check a request (its prompt's token count against the
+    context, the chat template) before the load.
+
+    Raises:
+      ModelLoadError: as `load`.
+    """
+    return _read_model(name_or_path, cache, with_tokenizer=True)
+
+
+def _read_model(name_or_path, cache, *, with_tokenizer: bool):
+    path, _ = _resolve(name_or_path)
+    source = str(path)
+    with _backstop(path):
+        if path.is_dir():
+            import json
+
+            from jaxsample.models.hf_loader import config_from_hf
+            from jaxsample.models.tokenizer import CheckpointTokenizer
+            try:
+                hf = json.loads((path / "config.json").read_text())
+            except (OSError, ValueError) as e:
+                raise ModelLoadError(f"{path / 'config.json'}: cannot read: {e}") from e
+            if not isinstance(hf, dict):
+                raise ModelLoadError(f"{path / 'config.json'}: the top level must be a JSON object")
+            cfg = config_from_hf(hf, source)
+            return cfg, CheckpointTokenizer.from_hf_dir(path) if with_tokenizer else None
+        if not _is_gguf(path):
+            raise ModelLoadError(_not_a_checkpoint(path))
+        base = _cache_base(cache)
+        if base is not None and path.stat().st_size >= cache_lib.WEIGHT_CACHE_MIN_BYTES:
+            try:
+                key = cache_lib.WeightKey.of(path)
+                return cache_lib.read_cached_model(cache_lib.weights_entry(base, key), key,
+                                                   tokenizer=with_tokenizer)
+            except (OSError, cache_lib.CacheMiss):
+                pass
+        from jaxsample.models import gguf_loader
+        from jaxsample.models.tokenizer import CheckpointTokenizer
+
+        reader, meta = _read_header(path)
+        tensors = {t.name: t for t in reader.tensors}
+        cfg = gguf_loader.config_from_metadata(meta, tensors, source)
+        return cfg, CheckpointTokenizer.from_gguf_metadata(meta, source) if with_tokenizer else None
+
+
+def load_info(lm: LanguageModel) -> dict:
+    """How `lm` was loaded: {"weights": "cache" or "checkpoint", "seconds": float,
+    "cache_entry": the weight-cache file or None}; {} for models not made by `load`."""
+    return dict(_INFO.get(lm, {}))
+
+
+# ---------------------------------------------------------------------------
+
+
+def _resolve(name_or_path) -> tuple[pathlib.Path, str | None]:
     if name_or_path is None or str(name_or_path).lower() in registry.EMBEDDED_MODELS:
         name = registry.DEFAULT_MODEL if name_or_path is None else str(name_or_path).lower()
-        path = registry.embedded_path(name)
-    else:
-        path = pathlib.Path(name_or_path).expanduser()
-        if not path.exists():
-            raise ModelLoadError(
-                f"{path}: no such file or directory, and not a known model name; known names: "
-                f"{registry.known_names()} (or pass a .gguf file or a Hugging Face model directory)")
-        path = path.resolve()
-    return _load_cached(str(path), path.stat().st_mtime_ns, dtype, name)
+        return registry.embedded_path(name), name
+    path = pathlib.Path(name_or_path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"{path}: no such file or directory, and not a known model name; known names: "
+            f"{registry.known_names()} (or pass a .gguf file or a Hugging Face model directory)")
+    return path.resolve(), None
 
 
-@functools.lru_cache(maxsize=4)
-def _load_cached(path: str, mtime_ns: int, dtype: str, name: str | None) -> LanguageModel:
+def _cache_base(cache) -> pathlib.Path | None:
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        return cache_lib.cache_dir()
+    return pathlib.Path(cache).expanduser()
+
+
+class _backstop:
+    """Re-raise anything but our own errors (and MemoryError) as ModelLoadError naming the file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or isinstance(e, (JaxsampleError, MemoryError)) or not isinstance(e, Exception):
+            return False
+        # The loaders validate what they read and raise ModelLoadError naming the
+        # key; anything else escaping them is still caused by this file's content
+        # (or is a loader bug), so the caller gets one error type that names the file.
+        raise ModelLoadError(f"{self.path}: malformed checkpoint: {type(e).__name__}: {e}") from e
+
+
+# One parsed GGUF header kept between `read_config` and the `load` that follows.
+_HEADER: dict[tuple[str, int], tuple] = {}
+
+
+def _read_header(path: pathlib.Path):
+    from jaxsample.models import gguf_loader
+
+    key = (str(path), path.stat().st_mtime_ns)
+    if key not in _HEADER:
+        _HEADER.clear()
+        _HEADER[key] = gguf_loader.read_gguf(path)
+    return _HEADER[key]
+
+
+def _take_header(path: pathlib.Path):
+    """The header `read_config` parsed for this file (then forgotten), or None."""
+    return _HEADER.pop((str(path), path.stat().st_mtime_ns), None)
+
+
+def _is_gguf(p: pathlib.Path) -> bool:
+    return p.suffix.lower() == ".gguf" or _has_gguf_magic(p)
+
+
+def _not_a_checkpoint(p: pathlib.Path) -> str:
+    return (f"{p}: neither a .gguf file nor a Hugging Face model directory "
+            f"(config.json + *.safetensors + tokenizer.json); known names: "
+            f"{registry.known_names()}")
+
+
+def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None):
+    """(cfg, stacked numpy params, tokenizer, info) through the weight cache."""
+    from jaxsample.models.gguf_loader import load_gguf
+
+    info = {"weights": "checkpoint", "cache_entry": None}
+    entry = key = None
+    if base is not None and p.stat().st_size >= cache_lib.WEIGHT_CACHE_MIN_BYTES:
+        try:
+            key = cache_lib.WeightKey.of(p)
+            entry = cache_lib.weights_entry(base, key)
+            cfg, params, tokenizer = cache_lib.load_weights(entry, key)
+            _take_header(p)
+            return cfg.replace(dtype=dtype), params, tokenizer, {"weights": "cache",
+                                                                 "cache_entry": str(entry)}
+        except OSError:
+            key = entry = None
+        except cache_lib.CacheMiss:
+            pass  # absent, stale or corrupt: read the checkpoint and (re)write the entry
+    cfg, params, tokenizer = load_gguf(p, dtype=dtype, header=_take_header(p))
+    if entry is not None and cache_lib.store_weights(entry, key, cfg, params, tokenizer):
+        info["cache_entry"] = str(entry)
+    return cfg, params, tokenizer, info
+
+
+# Models loaded by this process: (path, mtime_ns, dtype, name) -> LanguageModel, at most 4.
+_LOADED: dict[tuple, LanguageModel] = {}
+
+
+def _load_uncached(path: str, mtime_ns: int, dtype: str, name: str | None,
+                   base: pathlib.Path | None) -> LanguageModel:
+    t0 = time.perf_counter()
     p = pathlib.Path(path)
-    try:
+    info = {"weights": "checkpoint", "cache_entry": None}
+    with _backstop(p):
         if p.is_dir():
             from jaxsample.models.hf_loader import load_hf_dir
             cfg, params, tokenizer = load_hf_dir(p, dtype=dtype)
             default_name = p.name
-        elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
-            from jaxsample.models.gguf_loader import load_gguf
-            cfg, params, tokenizer = load_gguf(p, dtype=dtype)
+        elif _is_gguf(p):
+            cfg, params, tokenizer, info = _load_gguf(p, dtype, base)
             default_name = p.stem
         else:
-            raise ModelLoadError(f"{p}: neither a .gguf file nor a Hugging Face model directory "
-                                 f"(config.json + *.safetensors + tokenizer.json); known names: "
-                                 f"{registry.known_names()}")
-    except (JaxsampleError, MemoryError):
-        raise
-    except Exception as e:  # noqa: BLE001
-        # Backstop: the loaders validate what they read and raise ModelLoadError naming the
-        # key; anything else escaping them is still caused by this file's content (or is a
-        # loader bug), so the caller gets one error type that names the file.
-        raise ModelLoadError(f"{p}: malformed checkpoint: {type(e).__name__}: {e}") from e
+            raise ModelLoadError(_not_a_checkpoint(p))
     # The serving layout: one dict per layer (see models.llama.run_layers).
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=cfg.jnp_dtype),
                                     families.module_for(cfg).unstack_layers(params))
-    return LanguageModel(config=cfg, params=params, tokenizer=tokenizer,
-                         name=name or default_name, source=path)
+    lm = LanguageModel(config=cfg, params=params, tokenizer=tokenizer,
+                       name=name or default_name, source=path)
+    _INFO[lm] = {**info, "seconds": time.perf_counter() - t0}
+    return lm
 
 
 def _has_gguf_magic(path: pathlib.Path) -> bool:
@@ -93,4 +276,4 @@ def _has_gguf_magic(path: pathlib.Path) -> bool:
         return False
 
 
-__all__ = ["load"]
+__all__ = ["load", "read_config", "read_model", "load_info"]

@@ -380,12 +380,14 @@ def check_complete(family, cfg, params, filled, layer_tensors, source: str):
     return params
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: str = "float32"):
+def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", header=None):
     """Load a GGUF checkpoint: config, dequantised parameters and tokenizer.
 
     Args:
       path: the `.gguf` file.
       dtype: "float32" or "bfloat16" for the parameters.
+      header: optional `(reader, metadata)` from an earlier `read_gguf(path)` of
+        the same file, so the header is not parsed twice.
     Returns:
       (cfg `LlamaConfig`, or `Gemma3Config` for `general.architecture = gemma3`
        (see `models.gemma3_loader`), params pytree of numpy float32 `[in, out]`
@@ -395,7 +397,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32"):
         `config_from_metadata`, `load_gguf_params`; every message names the file.
     """
     source = str(path)
-    reader, meta = read_gguf(path)
+    reader, meta = header if header is not None else read_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     load_params = load_gguf_params
     if meta.get("general.architecture") == "gemma3":

@@ -11,6 +11,18 @@ from jaxsample import cli, cost
 from jaxsample.config import DEFAULT_SAMPLING
 
 QUESTION = "What is 3 + 4? Answer with a number."
+TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
+
+
+@pytest.fixture(autouse=True)
+def _no_global_compilation_cache(monkeypatch):
+    """`run` turns on JAX's persistent compilation cache for its process; in-process tests
+    record the call instead of changing this test process's JAX config (tests/test_cache.py
+    runs the real thing in subprocesses)."""
+    calls = []
+    monkeypatch.setattr(cli.cache_lib, "enable_compilation_cache",
+                        lambda *a, **k: calls.append((a, k)))
+    return calls
 
 
 def _one_line_error(capsys, argv):
@@ -443,3 +455,214 @@ def test_best_of_n_prefers_complete_branches():
     assert result["branch"] == 2 and result["answer"] == "7"  # best complete branch
     result, _ = cli._reduce(gen(["length", "length", "length"]), reducer)
     assert result["branch"] == 0  # no complete branch: all are candidates
+
+
+# ---------------------------------------------------------------------------
+# --version, progress on stderr, caches
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("jaxsample 0.1.0 (jax ") and "jaxlib" in out
+
+
+TINY_RUN = ["run", "--model", TINY_GGUF, "--prompt", "hi", "--n", "3", "--max-new-tokens", "6",
+            "--seed", "0"]
+
+
+def test_progress_goes_to_stderr_and_json_stays_clean(_no_global_compilation_cache):
+    code, out, err = _main_captured(TINY_RUN + ["--json"])
+    assert code == 0, err
+    json.loads(out)  # stdout is exactly one JSON object
+    lines = err.splitlines()
+    assert lines and all(line.startswith("jaxsample: ") and "error:" not in line
+                         for line in lines), err
+    assert any(line.startswith("jaxsample: loading ") for line in lines)
+    assert any("loaded tiny_llama in" in line for line in lines)
+    assert "decoded" in lines[-1]
+    assert len(_no_global_compilation_cache) == 1  # the compile cache is turned on
+    code, out, err = _main_captured(TINY_RUN + ["--json", "--quiet", "--no-cache"])
+    assert code == 0 and err == "" and json.loads(out)["params"]["n"] == 3
+    assert len(_no_global_compilation_cache) == 1  # --no-cache: not again
+
+
+# ---------------------------------------------------------------------------
+# --prompt-file requests.jsonl
+
+
+def test_jsonl_batch(tmp_path):
+    reqs = tmp_path / "requests.jsonl"
+    reqs.write_text("\n".join([
+        json.dumps({"prompt": "What is 2 + 2?", "id": "a"}),
+        json.dumps({"prompt": "What is 3 + 3?"}),
+        "",  # blank lines are skipped
+        json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "Hi"}],
+                    "n": 2, "max_tokens": 5, "temperature": 0.5, "id": 7}),
+    ]) + "\n")
+    argv = ["run", "--model", TINY_GGUF, "--prompt-file", str(reqs), "--n", "3",
+            "--max-new-tokens", "6", "--seed", "0"]
+    code, out, err = _main_captured(argv + ["--json"])
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [d["index"] for d in lines] == [0, 1, 2] and [d["id"] for d in lines] == ["a", None, 7]
+    a, b, c = lines
+    assert a["prompt"] == "What is 2 + 2?" and "messages" not in a
+    assert c["prompt"] is None and c["messages"][1] == {"role": "user", "content": "Hi"}
+    assert len(a["branches"]) == 3 and len(c["branches"]) == 2
+    assert c["params"]["max_new_tokens"] == 5 and c["params"]["temperature"] == 0.5
+    assert all(br["tokens"] <= 5 for br in c["branches"])
+    # Equal settings share one call (one prefill of both prompts); the third has its own.
+    assert a["batch"] == b["batch"] == {"index": 0, "requests": [0, 1]}
+    assert c["batch"] == {"index": 1, "requests": [2]}
+    assert a["bill"]["num_prompts"] == 2 and c["bill"]["num_prompts"] == 1
+    for d in lines:
+        assert d["usage"]["decoded_tokens"] == sum(br["tokens"] for br in d["branches"])
+    # The same request alone, at the same index, draws the same branches (keys follow
+    # the request's index, not its batch).
+    alone = tmp_path / "alone.jsonl"
+    alone.write_text(reqs.read_text().splitlines()[0] + "\n")
+    code, out, err = _main_captured(["run", "--model", TINY_GGUF, "--prompt-file", str(alone),
+                                     "--n", "3", "--max-new-tokens", "6", "--seed", "0",
+                                     "--json"])
+    assert code == 0, err
+    assert [br["text"] for br in json.loads(out)["branches"]] == [br["text"] for br in
+                                                                  a["branches"]]
+    # Text mode: one table per request, the bill once per call.
+    code, out, err = _main_captured(argv)
+    assert code == 0, err
+    assert "request 0 (a)" in out and "request 1:" in out and "request 2 (7)" in out
+    assert out.count("bill (requests 0-1, one call)") == 1 and "bill (request 2)" in out
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("not json", "line 1: not JSON"),
+    ('["a list"]', "expected a JSON object"),
+    ('{"prompt": "x", "messages": []}', "exactly one of"),
+    ('{"id": 3}', "exactly one of"),
+    ('{"prompt": ""}', "non-empty string"),
+    ('{"prompt": 5}', "non-empty string"),
+    ('{"messages": [{"role": "user"}]}', "\"messages\" must be"),
+    ('{"messages": "hi"}', "\"messages\" must be"),
+    ('{"prompt": "x", "temprature": 0.5}', "unknown key 'temprature'"),
+    ('{"prompt": "x", "temperature": -1}', "temperature"),
+    ('{"prompt": "x", "n": 0}', "SamplingParams.n"),
+    ('{"prompt": "x", "max_tokens": 3, "max_new_tokens": 4}', "repeats"),
+    ('{"prompt": "x", "id": [1]}', "\"id\" must be"),
+    ("", "no requests"),
+])
+def test_jsonl_errors_name_the_line(capsys, tmp_path, line, needle):
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps({"prompt": "fine"}) + "\n" + line + "\n" if line else "\n\n")
+    err = _one_line_error(capsys, ["run", "--prompt-file", str(f)])
+    assert needle.replace("line 1", "line 2") in err
+    if line:
+        assert f"{f} line 2" in err
+
+
+def test_prompt_format_forces_the_reading(tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text('{"prompt": "x"}\n')
+    args = cli.build_parser().parse_args(["run", "--prompt-file", str(f)])
+    cfg = cli.resolve_run_config(args)
+    assert cli.read_requests(args, cfg)[0].prompt == '{"prompt": "x"}\n'  # text: as is
+    args = cli.build_parser().parse_args(["run", "--prompt-file", str(f), "--prompt-format",
+                                          "jsonl"])
+    assert cli.read_requests(args, cfg)[0].prompt == "x"
+
+
+# ---------------------------------------------------------------------------
+# Checks made from the model's metadata, before its weights load
+
+
+def _no_load(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(cli, "_load_model", boom)
+    from jaxsample import loading
+    monkeypatch.setattr(loading, "load", boom)
+
+
+def test_context_is_checked_before_loading(capsys, monkeypatch, tmp_path):
+    _no_load(monkeypatch)
+    err = _one_line_error(capsys, ["run", "--model", TINY_GGUF, "--prompt", "x",
+                                   "--max-new-tokens", "100000"])
+    assert "context of 512 tokens" in err and "--max-new-tokens" in err
+    err = _one_line_error(capsys, ["run", "--prompt", "x", "--max-new-tokens", "100000"])
+    assert "context of 8192 tokens" in err  # the embedded model, from its metadata
+    err = _one_line_error(capsys, ["run", "--model", TINY_GGUF, "--prompt", "word " * 400,
+                                   "--max-new-tokens", "8"])
+    assert "the prompt has" in err and "context of 512" in err
+    f = tmp_path / "r.jsonl"
+    f.write_text('{"prompt": "x"}\n{"prompt": "y", "max_tokens": 600}\n')
+    err = _one_line_error(capsys, ["run", "--model", TINY_GGUF, "--prompt-file", str(f)])
+    assert f"{f} line 2" in err and "max_new_tokens=600" in err
+    err = _one_line_error(capsys, ["run", "--model", TINY_GGUF, "--prompt", "x", "--adaptive",
+                                   "esc", "--window", "9", "--max-n", "4"])
+    assert "window" in err
+
+
+# ---------------------------------------------------------------------------
+# The branch table at 80 columns
+
+
+def test_branch_table_fits_80_columns():
+    from rich.console import Console
+
+    branches = [{"text": "The answer is " + "very long text " * 20, "answer": "12345678901234567",
+                 "tokens": 128, "mean_logprob": -0.123456, "finish_reason": "length"},
+                {"text": "\n\n  7\x05 done", "answer": None, "tokens": 3, "mean_logprob": None,
+                 "finish_reason": "stop"}]
+    title = "smollm2-135m-instruct: 2 branches (temperature 0.8, top-p 0.95, top-k 0, " \
+            "min-p 0.0, seed 0)"
+    for width in (80, 60, 44, 120):
+        buf = io.StringIO()
+        Console(file=buf, width=width, highlight=False).print(
+            cli.branch_table(title, branches, 0, width))
+        lines = buf.getvalue().splitlines()
+        assert max(len(line) for line in lines) <= width, width
+        table = "\n".join(lines)
+        assert "The answer is" in table and "…" in table and "7  done" in table
+        assert ("finish" in table) == (width >= 60) and ("logprob" in table) == (width >= 48)
+        assert ("mean logprob" in table) == (width >= 72)
+
+
+def test_run_output_fits_columns_80(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = _main_captured(TINY_RUN + ["--stop", "e"])
+    assert code == 0, err
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "first line" in out and "bill" in out
+
+
+# ---------------------------------------------------------------------------
+# price --plot: the path it reports is the file it writes
+
+
+def test_plot_writes_exactly_the_path_it_reports(capsys, tmp_path):
+    base = ["price", "--model", "tiny", "--n", "1,4", "--json", "--plot"]
+    for given, written in (("noext", "noext.png"), ("fig.svg", "fig.svg"),
+                           ("fig.PDF", "fig.PDF"), ("x.y.png", "x.y.png")):
+        assert cli.main(base + [str(tmp_path / given)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["plot"] == str(tmp_path / written) and (tmp_path / written).is_file()
+    assert not (tmp_path / "noext").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["noext.png", "fig.svg", "fig.PDF", "x.y.png"])
+    assert "is a directory" in _one_line_error(capsys, base + [str(tmp_path)])
+    assert "is a directory" in _one_line_error(capsys, base + [str(tmp_path / "sub") + "/"])
+    assert "cannot write '.frob'" in _one_line_error(capsys, base + [str(tmp_path / "a.frob")])
+    assert cli.main(["price", "--model", "tiny", "--n", "4", "--plot",
+                     str(tmp_path / "t")]) == 0
+    assert f"plot written to {tmp_path / 't.png'}" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    err = _one_line_error(capsys, ["price", "--model", "tiny", "--plot", str(tmp_path / "p")])
+    assert "needs matplotlib" in err and "pip install 'jaxsample[plot]'" in err
+    assert not list(tmp_path.iterdir())

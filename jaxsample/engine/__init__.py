@@ -18,7 +18,10 @@ Data flow of one request, one file per stage:
                 copied to host arrays at (prompt, branch)
     stops.py    stop strings seen on the way (incremental detokenisation),
                 cut exactly at the end
-    api.py      generate() -> Generation (tokens/logprobs [B, N, T], texts, bill)
+    api.py      generate() -> Generation (tokens/logprobs [B, N, T], texts, bill),
+                and the host loop it shares with stream.py
+    stream.py   stream(): the same loop, yielding text deltas per (prompt,
+                branch) after each chunk, then the Generation
 
 Letters: see `models/llama.py` and `state.py`. Keys: branch key =
 fold_in(fold_in(key(seed), prompt_index), branch_index), folded with the
@@ -34,11 +37,12 @@ from jaxsample.engine.api import STOP_CHUNK, finish, generate
 from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
 from jaxsample.engine.prefill import prefill
 from jaxsample.engine.session import Round, Session, serving_params
+from jaxsample.engine.stream import StreamEvent, TextDelta, stream
 from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, DecodeState, Knobs, PrefixCache,
                                     Static, bucket, slot_bucket)
 from jaxsample.engine.step import branch_step
 
-__all__ = ["generate", "finish", "Session", "Round", "prefill", "decode_chunk", "init_state",
+__all__ = ["generate", "stream", "StreamEvent", "TextDelta", "finish", "Session", "Round", "prefill", "decode_chunk", "init_state",
            "compact", "branch_step", "serving_params", "PROGRAMS", "PrefixCache", "DecodeState",
            "Knobs", "Static", "bucket", "slot_bucket", "MAX_STOP_IDS", "MAX_LOGPROBS",
            "STOP_CHUNK"]

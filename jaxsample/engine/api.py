@@ -1,4 +1,5 @@
-"""`generate`: the public entry point of the engine, and the Generation it returns."""
+"""`generate`: the public entry point of the engine, its host loop (shared with
+`stream`), and the Generation it returns."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 import numpy as np
 
 from jaxsample import cost
+from jaxsample import progress as progress_lib
 from jaxsample.engine import stops as stops_lib
 from jaxsample.engine.inputs import check_int
 from jaxsample.engine.session import Round, Session
@@ -21,7 +23,7 @@ STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are 
 def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
              chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
              naive: bool = False, chunk_size: int | None = None,
-             compact: bool = False) -> Generation:
+             compact: bool = False, progress=False) -> Generation:
     """Sample `params.n` continuations of each prompt, sharing each prompt's KV cache.
 
     The prompts are prefilled once; the N branches are decoded together, in
@@ -29,6 +31,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     size: chunked and single-call runs give the same tokens). Between chunks
     the host marks branches whose text holds a stop string as done, and, with
     `compact=True`, gathers the live branches into smaller buckets.
+    `jaxsample.stream` runs the same loop and yields the text as it comes.
 
     Args:
       lm: a loaded `LanguageModel`.
@@ -54,10 +57,14 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
       chunk_size: decode steps per device call, in [1, 2**31 - 1]; default: the
         whole budget in one call, or `STOP_CHUNK` (8) when `params.stop` is set
         (a stop string is then seen at most 7 tokens late, and decoding of that
-        branch stops there).
+        branch stops there) or progress is shown (the bar moves once per chunk).
       compact: gather live branches (and rows) into power-of-two buckets when
         half the slots are idle, so later steps cost what the live branches
         need. Each new bucket compiles once.
+      progress: True to report compiling and decoding on stderr (a rich bar on
+        a terminal, a plain line every 5 s otherwise: steps done, live
+        branches, tokens/s, time left; see `jaxsample.progress`), or a
+        `jaxsample.progress.Progress` to choose the stream and the pace.
     Returns:
       `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
       `[B, N]`, finish reasons, texts, the bill, with `params.logprobs = k`
@@ -67,35 +74,88 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     Raises:
       InputError: empty prompt, a malformed chat prompt, prompt + max_new_tokens
         beyond the context, bad token ids, `logit_bias` ids outside the
-        vocabulary, a bad chunk_size, or a mesh that does not fit the request.
+        vocabulary, a bad chunk_size or progress, or a mesh that does not fit
+        the request.
         Raised before any compute.
       NumericalError: a sampled token's logits were all NaN or -inf (no distribution;
         see `sampling.check_logprobs`). Raised after decoding, before returning.
     """
+    session, rnd, chunk_size, observer = start(
+        lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
+        prompt_index_offset=prompt_index_offset, naive=naive, chunk_size=chunk_size,
+        progress=progress)
+    for _ in chunks(session, rnd, chunk_size, compact, observer):
+        pass
+    return finish(session, [rnd])
+
+
+def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive, chunk_size,
+          progress, default_chunk: int | None = None):
+    """Validate, prefill and open the one round of `generate` / `stream`.
+
+    Returns:
+      (session, round with all branches, chunk size, progress observer or None).
+    Raises:
+      InputError: as `generate`, before any compute.
+    """
+    observer = progress_lib.resolve(progress)
     session = Session(lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
-                      prompt_index_offset=prompt_index_offset, naive=naive)
+                      prompt_index_offset=prompt_index_offset, naive=naive, observer=observer)
     params = session.params
     if chunk_size is None:
-        chunk_size = STOP_CHUNK if params.stop else params.max_new_tokens
+        chunk_size = (default_chunk if default_chunk is not None
+                      else STOP_CHUNK if params.stop or observer is not None
+                      else params.max_new_tokens)
     chunk_size = check_int("chunk_size", chunk_size, 1, 2**31 - 1)
     B, N = session.B, session.N
     if naive:  # rows are (prompt, branch) copies, one branch each
         rnd = session.round(range(B * N), np.arange(B * N, dtype=np.int32)[:, None] % N)
     else:
         rnd = session.round(range(B), np.broadcast_to(np.arange(N, dtype=np.int32), (B, N)))
-    watch = (stops_lib.StopWatch(lm.tokenizer, params.stop, params.min_tokens)
+    return session, rnd, chunk_size, observer
+
+
+def chunks(session: Session, rnd: Round, chunk_size: int, compact: bool, observer=None):
+    """The host loop of `generate` and `stream`: decode `rnd` chunk by chunk.
+
+    After each chunk: branches whose new text holds a stop string are marked
+    done, the observer is told the progress, then this yields `(t0, more)`
+    (the chunk decoded tokens `[t0, rnd.t)`; `more` is False after the last
+    chunk), and, with `compact`, the live branches are gathered.
+    """
+    params = session.params
+    watch = (stops_lib.StopWatch(session.lm.tokenizer, params.stop, params.min_tokens)
              if params.stop else None)
-    t0 = 0
-    while rnd.run(chunk_size):
-        if watch is not None:
-            hit = np.zeros(rnd.done.shape, bool)
-            for r, c, new in rnd.new_tokens(t0):
-                hit[r, c] = watch.feed((r, c), new)
-            rnd.finish_slots(hit)
-        t0 = rnd.t
-        if compact:
-            rnd.compact()
-    return finish(session, [rnd])
+    c0 = session.timings["compile"]
+    if observer is not None:
+        observer.decode_start(session.T, session.B, session.N)
+    ok = False
+    try:
+        t0 = 0
+        while True:
+            more = rnd.run(chunk_size)
+            if more and watch is not None:
+                hit = np.zeros(rnd.done.shape, bool)
+                for r, c, new in rnd.new_tokens(t0):
+                    hit[r, c] = watch.feed((r, c), new)
+                rnd.finish_slots(hit)
+            if observer is not None:
+                observer.decode_update(rnd.t, int((~rnd.done).sum()) if more else 0,
+                                       int(rnd.lengths.sum()),
+                                       session.timings["compile"] - c0)
+            yield t0, more
+            if not more:
+                break
+            t0 = rnd.t
+            if compact:
+                rnd.compact()
+        ok = True
+    finally:
+        if observer is not None:
+            if ok:
+                observer.decode_end(int(rnd.lengths.sum()), session.timings["compile"] - c0)
+            else:
+                observer.close()
 
 
 def branch_text(tokenizer, tokens, length, stopped, stop_strings, min_tokens: int = 0):

@@ -13,6 +13,7 @@ branch) as each chunk ends, so compaction never loses or moves them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 import time
@@ -156,6 +157,9 @@ class Session:
       lm, prompts, params, chat, mesh, bridge, prompt_index_offset, naive: as
         `jaxsample.generate`.
       top_logprobs: k of the top-k log-probabilities to record per token (0: none).
+      observer: optional `jaxsample.progress.Progress` (anything with a
+        `compiling(name)` context manager): told around every program lookup,
+        so a long compile can be shown.
 
     Raises:
       InputError: as `jaxsample.generate`, before any compute.
@@ -163,8 +167,9 @@ class Session:
 
     def __init__(self, lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
                  chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
-                 naive: bool = False, top_logprobs: int | None = None):
+                 naive: bool = False, top_logprobs: int | None = None, observer=None):
         self.t_start = time.perf_counter()
+        self.observer = observer
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -259,8 +264,7 @@ class Session:
                              (m.prefix_spec, m.Ps(m.d)) + extra)
             args = (self.model_params, _put(tokens, m.rows), _put(lengths, m.rows),
                     self.bridge_dev)
-        prog, dt = PROGRAMS.get(("prefill", cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
-        self.timings["compile"] += dt
+        prog = self.program(("prefill", cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
         t0 = time.perf_counter()
         out = jax.block_until_ready(prog(*args))
         self.prefix, self.last = out[:2]
@@ -290,6 +294,20 @@ class Session:
         """
         return Round(self, list(rows), np.asarray(branch_ids, np.int32))
 
+    def program(self, key, fn, args, **kwargs):
+        """`PROGRAMS.get(key, fn, args, **kwargs)`: the compiled program; the
+        seconds spent compiling are added to `timings["compile"]`, and the
+        observer (if any) is told while it compiles (`key[0]` names it; a
+        handle with `cancel()` may come back: called when nothing compiled)."""
+        ctx = (self.observer.compiling(str(key[0])) if self.observer is not None
+               else contextlib.nullcontext())
+        with ctx as handle:
+            prog, dt = PROGRAMS.get(key, fn, args, **kwargs)
+            if dt == 0.0 and handle is not None:
+                handle.cancel()  # found compiled: nothing to report
+        self.timings["compile"] += dt
+        return prog
+
     def knob_args(self, t_stop: int):
         knobs = self.knobs._replace(t_stop=np.int32(t_stop))
         return knobs if self.m is None else _put(knobs, self.m.rep)
@@ -309,13 +327,9 @@ class Session:
         devices once, which is what makes later steps cheaper.
         """
         if self.m is None:
-            prog, dt = PROGRAMS.get((name,), fn, args)
-            self.timings["compile"] += dt
-            return prog(*args)
+            return self.program((name,), fn, args)(*args)
         rep = jax.tree_util.tree_map(lambda a: jax.device_put(a, self.m.rep), args)
-        prog, dt = PROGRAMS.get((name, self.mesh), fn, rep)
-        self.timings["compile"] += dt
-        out = prog(*rep)
+        out = self.program((name, self.mesh), fn, rep)(*rep)
         return jax.tree_util.tree_map(
             lambda spec, sub: jax.tree_util.tree_map(
                 lambda a: jax.device_put(a, self.m.NamedSharding(self.mesh, spec)), sub),
@@ -404,8 +418,7 @@ class Round:
             m = s.m
             fn = m.shard_map(fn, (m.Ps(m.d), m.Ps(m.d), m.Ps(m.d, BRANCH_AXIS),
                                   m.Ps(m.d, BRANCH_AXIS), m.Ps(m.d)), m.state_spec)
-        prog, dt = PROGRAMS.get(("init", st, s.mesh), fn, args)
-        s.timings["compile"] += dt
+        prog = s.program(("init", st, s.mesh), fn, args)
         self.prefix, self.state = prefix, prog(*args)
         # The tails as first allocated (the largest they get: compaction shrinks them).
         self.tail_bytes = _kv_bytes(self.state.tail_k + self.state.tail_v, self.R,
@@ -427,8 +440,7 @@ class Round:
             m = s.m
             fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, m.state_spec, m.knob_spec, m.Ps()),
                              m.state_spec)
-        prog, dt = PROGRAMS.get(("decode", st, s.mesh), fn, args, donate=(2,))
-        s.timings["compile"] += dt
+        prog = s.program(("decode", st, s.mesh), fn, args, donate=(2,))
         t_run = time.perf_counter()
         self.state = jax.block_until_ready(prog(*args))
         s.timings["decode"] += time.perf_counter() - t_run

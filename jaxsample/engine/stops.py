@@ -1,9 +1,10 @@
 """Stop strings: seen on the way (at chunk boundaries), cut exactly at the end.
 
 During decode, `StopWatch` detokenises only each branch's new tokens
-(incrementally, as vLLM's `detokenize_incrementally`: decode from a few tokens
-back and keep the new suffix; hold back a trailing replacement character for
-up to 3 more tokens, the longest a UTF-8 character can still be completed) and looks for the stop strings in the new text plus the
+(incrementally, as vLLM's `detokenize_incrementally`: decode from an anchor a
+few tokens back and keep the new suffix; a trailing replacement character,
+which the next bytes may still turn into a character, is held back; see
+`IncrementalText`) and looks for the stop strings in the new text plus the
 `max(len(stop)) - 1` characters before it, so the host can mark the branch
 done at the next chunk boundary. At the end, `cut` keeps the fewest leading
 tokens whose text contains a stop string and the text before it, so tokens
@@ -73,41 +74,70 @@ def cut(tokenizer, body: list[int], stops, min_tokens: int = 0) -> tuple[str, in
 
 
 class IncrementalText:
-    """One branch's text, extended by decoding only new tokens."""
+    """One branch's text, extended by decoding only new tokens, exactly as a full decode.
 
-    __slots__ = ("tokens", "text", "_prefix", "_read")
+    `text` is always the stable part of `decode(tokens)`: every later token only
+    appends to it. For byte-level tokenizers (bytes joined, invalid UTF-8
+    replaced by U+FFFD) only the last character of a decode can still change: a
+    trailing U+FFFD that stands for a UTF-8 sequence the next bytes may complete
+    (or show invalid, which gives one U+FFFD again). So `text` is the decode
+    without a trailing U+FFFD; at the end `decode(tokens)` may add that one.
+
+    Decoding starts at an anchor, a token boundary where the text so far ended
+    with a complete character (the UTF-8 decoder is then between characters, so
+    decoding from there continues the full decode exactly), and the difference
+    is taken against the decode from the anchor before it (vLLM's prefix
+    offset), so a tokenizer that drops the leading space of the first token
+    decoded (SentencePiece) loses nothing. The anchor advances to one of the
+    last few token boundaries whose decode ends with a complete character, so
+    each call decodes a handful of tokens (vLLM's `detokenize_incrementally`
+    keeps 5 tokens of context for the same reason).
+    """
+
+    __slots__ = ("tokens", "text", "_ctx", "_anchor", "_anchor_len")
+
+    SEARCH = 8  # token boundaries tried, from the end, when advancing the anchor
 
     def __init__(self):
         self.tokens: list[int] = []
         self.text = ""
-        self._prefix = 0  # decode from here (a few tokens of context)
-        self._read = 0  # tokens whose text is already in self.text
+        self._ctx = 0  # the anchor before the current one (decode from here)
+        self._anchor = 0  # a token boundary between characters
+        self._anchor_len = 0  # len(decode(tokens[:anchor]))
+
+    def _decode_from_anchor(self, tokenizer, end: int) -> str:
+        base = tokenizer.decode(self.tokens[self._ctx:self._anchor])
+        full = tokenizer.decode(self.tokens[self._ctx:end])
+        return full[len(base):] if full.startswith(base) else full
 
     def extend(self, tokenizer, new: Sequence[int]) -> str:
-        """Append tokens; returns the new text (possibly '' while a character is incomplete).
-
-        The text grows up to the last token after which it does not end in a
-        replacement character, holding back at most 3 tokens (a UTF-8
-        character has at most 4 bytes); a replacement character that no
-        later token can complete is then let through, as the full decode has it.
-        """
+        """Append tokens; returns the text they added (possibly '' while a UTF-8
+        character is incomplete)."""
         self.tokens.extend(int(t) for t in new)
-        before = tokenizer.decode(self.tokens[self._prefix:self._read])
-        end, after = len(self.tokens), ""
-        for hold in range(min(4, len(self.tokens) - self._read + 1)):
-            after = tokenizer.decode(self.tokens[self._prefix:len(self.tokens) - hold])
-            if not after.endswith("\ufffd"):
-                end = len(self.tokens) - hold
-                break
-        else:
-            if len(self.tokens) - self._read < 4:
-                return ""  # wait: the next tokens may complete the character
-            after = tokenizer.decode(self.tokens[self._prefix:])
-        if end <= self._read or len(after) < len(before):
-            return ""
-        delta = after[len(before):]
+        end = len(self.tokens)
+        tail = self._decode_from_anchor(tokenizer, end)  # text since the anchor
+        stable = tail[:-1] if tail.endswith("\ufffd") else tail
+        done = len(self.text) - self._anchor_len  # already returned of `tail`
+        delta = stable[done:] if len(stable) > done else ""
         self.text += delta
-        self._prefix, self._read = max(end - 4, 0), end
+        # Advance the anchor to the latest boundary whose text ends with a complete
+        # character (its decode is then final, and the decoder between characters).
+        for e in range(end, max(self._anchor, end - self.SEARCH), -1):
+            head = tail if e == end else self._decode_from_anchor(tokenizer, e)
+            if head and not head.endswith("\ufffd") and len(head) <= len(stable) \
+                    and stable.startswith(head):
+                self._ctx, self._anchor = self._anchor, e
+                self._anchor_len += len(head)
+                break
+        return delta
+
+    def finish(self, tokenizer) -> str:
+        """The text of all tokens (a last U+FFFD included); `text` becomes it. Returns
+        what it adds."""
+        tail = self._decode_from_anchor(tokenizer, len(self.tokens))
+        done = len(self.text) - self._anchor_len
+        delta = tail[done:]
+        self.text += delta
         return delta
 
 
@@ -133,3 +163,68 @@ class StopWatch:
         if key not in self.floors:
             self.floors[key] = min_tokens_floor(self.tokenizer, inc.tokens, self.min_tokens)
         return first_stop(inc.text[start:], self.stops, self.floors[key] - start) is not None
+
+
+class StreamText:
+    """One branch's text as deltas that never show what the final text will not hold.
+
+    The deltas concatenate to a prefix of the branch's final text
+    (`Generation.texts`, stop string cut) at every point, and `finish`
+    completes them to exactly that text. Two things are held back, as vLLM's
+    streaming does: the characters of an incomplete UTF-8 character (by
+    `IncrementalText`), and the last `max(len(stop)) - 1` characters, which
+    may turn out to be the start of a stop string. Once a stop string is seen
+    nothing more is streamed until `finish` (the exact cut is decided on the
+    tokens, see `cut`).
+
+    Why this is a prefix of the final text: a final text cut at a stop string
+    ends where the earliest stop string starts; that string was not in the
+    text seen so far (else streaming would have stopped), so it ends past it,
+    and starts at most `len(stop) - 1` characters before its end.
+    """
+
+    __slots__ = ("inc", "sent", "stops", "back", "seen_stop")
+
+    def __init__(self, stops: Sequence[str] = ()):
+        self.inc = IncrementalText()
+        self.sent = ""
+        self.stops = tuple(stops)
+        self.back = max(map(len, self.stops)) - 1 if self.stops else 0
+        self.seen_stop = False
+
+    def feed(self, tokenizer, new_tokens: Sequence[int]) -> str:
+        """Add new tokens (a final stop token excluded); returns the text now safe to show."""
+        start = max(len(self.inc.text) - self.back, 0)
+        self.inc.extend(tokenizer, new_tokens)
+        if self.seen_stop:
+            return ""
+        if self.stops and first_stop(self.inc.text[start:], self.stops) is not None:
+            self.seen_stop = True
+            return ""
+        safe = len(self.inc.text) - self.back
+        if safe <= len(self.sent):
+            return ""
+        delta = self.inc.text[len(self.sent):safe]
+        self.sent += delta
+        return delta
+
+    def finish(self, final: str) -> tuple[str, bool]:
+        """(the rest of `final`, True) once the branch's final text is known.
+
+        The second value is False if the text streamed so far is not a prefix
+        of `final` (a tokenizer whose decoding is not incremental, which
+        byte-level BPE always is); the delta then only completes the common
+        prefix, and `Generation.texts` stays the reference.
+        """
+        ok = final.startswith(self.sent)
+        if not ok:
+            common = 0
+            for a, b in zip(self.sent, final):
+                if a != b:
+                    break
+                common += 1
+            delta = final[common:]
+        else:
+            delta = final[len(self.sent):]
+        self.sent = final
+        return delta, ok
