@@ -311,8 +311,11 @@ def _read_header(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, str], in
     return header, meta, 8 + n
 
 
-def load_weights(entry: pathlib.Path, key: WeightKey):
+def load_weights(entry: pathlib.Path, key: WeightKey, tokenizer=None):
     """Read one entry: (cfg float32, stacked params of read-only numpy views, tokenizer).
+
+    `tokenizer`: one already read from this entry (`read_cached_model`), so its
+    JSON is not parsed again.
 
     The tensors are views of a read-only memory map of the entry (no copy;
     on CPU `jnp.asarray` can then alias them too). The entry is only ever
@@ -331,7 +334,8 @@ def load_weights(entry: pathlib.Path, key: WeightKey):
         raise CacheMiss("stale entry")
     try:
         cfg = _config_from_json(meta["config"])
-        tokenizer = _tokenizer_from_json(meta["tokenizer"], key.source)
+        if tokenizer is None:
+            tokenizer = _tokenizer_from_json(meta["tokenizer"], key.source)
     except Exception as e:  # noqa: BLE001  (any malformed JSON, field or tokenizer)
         raise CacheMiss(f"bad config or tokenizer: {type(e).__name__}: {e}") from None
     try:

@@ -623,7 +623,9 @@ def _run(args) -> int:
         _make_mesh(cfg.mesh, r.sampling.n)
     # Every check that needs the model, made on its metadata and tokenizer alone, so bad
     # input is refused before the weights load (and before any progress line).
+    t0 = time.perf_counter()
     check_requests(*_model_header(cfg, use_cache), requests, cfg.chat)
+    t_meta = time.perf_counter() - t0  # reading the header counts as loading
     from jaxsample import loading
     from jaxsample.progress import Progress
 
@@ -643,7 +645,7 @@ def _run(args) -> int:
         progress.line(f"loaded {lm.name} in {time.perf_counter() - t0:.1f} s ({how})")
     else:
         lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
-    t_load = time.perf_counter() - t0
+    t_load = t_meta + time.perf_counter() - t0
     outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
     batches = _batches(requests)
     for k, batch in enumerate(batches):

@@ -127,8 +127,12 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
         if base is not None and path.stat().st_size >= cache_lib.WEIGHT_CACHE_MIN_BYTES:
             try:
                 key = cache_lib.WeightKey.of(path)
-                return cache_lib.read_cached_model(cache_lib.weights_entry(base, key), key,
-                                                   tokenizer=with_tokenizer)
+                entry = cache_lib.weights_entry(base, key)
+                cfg, tok = cache_lib.read_cached_model(entry, key, tokenizer=with_tokenizer)
+                if tok is not None:  # kept for the load that usually follows
+                    _CACHED_TOKENIZER.clear()
+                    _CACHED_TOKENIZER[(str(entry), key)] = tok
+                return cfg, tok
             except (OSError, cache_lib.CacheMiss):
                 pass
         from jaxsample.models import gguf_loader
@@ -187,8 +191,10 @@ class _backstop:
         raise ModelLoadError(f"{self.path}: malformed checkpoint: {type(e).__name__}: {e}") from e
 
 
-# One parsed GGUF header kept between `read_config` and the `load` that follows.
+# One parsed GGUF header, or one tokenizer read from a weight-cache entry, kept between
+# `read_model` and the `load` that usually follows, so neither is parsed twice.
 _HEADER: dict[tuple[str, int], tuple] = {}
+_CACHED_TOKENIZER: dict[tuple, object] = {}
 
 
 def _read_header(path: pathlib.Path):
@@ -226,7 +232,8 @@ def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None):
         try:
             key = cache_lib.WeightKey.of(p)
             entry = cache_lib.weights_entry(base, key)
-            cfg, params, tokenizer = cache_lib.load_weights(entry, key)
+            cfg, params, tokenizer = cache_lib.load_weights(
+                entry, key, _CACHED_TOKENIZER.pop((str(entry), key), None))
             _take_header(p)
             return cfg.replace(dtype=dtype), params, tokenizer, {"weights": "cache",
                                                                  "cache_entry": str(entry)}
