@@ -93,7 +93,7 @@ def main(argv=None) -> int:
 
     # Warm the page cache with the GGUF and the code (not what is measured).
     sys.path.insert(0, str(ROOT))
-    from models import registry
+    from jaxsample.models import registry
 
     gguf = pathlib.Path(args.model) if args.model else registry.embedded_path()
     gguf.read_bytes()
