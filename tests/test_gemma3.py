@@ -51,11 +51,11 @@ def load(name_or_path, dtype="float32"):
     expect `load()` to return from it.
     """
     name = str(name_or_path).lower()
+    base = loading._cache_base(None)  # the weight cache, as load() uses it
     if name in registry.EMBEDDED_MODELS:
-        return loading._load_cached.__wrapped__(str(registry.embedded_path(name)), 0, dtype,
-                                                name)
+        return loading._load_uncached(str(registry.embedded_path(name)), 0, dtype, name, base)
     path = pathlib.Path(name_or_path).resolve()
-    return loading._load_cached.__wrapped__(str(path), 0, dtype, None)
+    return loading._load_uncached(str(path), 0, dtype, None, base)
 
 
 def _gemma_installed() -> bool:
