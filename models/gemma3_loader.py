@@ -371,12 +371,6 @@ def params_from_hf_tensors(cfg: gemma3.Gemma3Config, tensors: dict[str, np.ndarr
                 raise ModelLoadError(f"{source}: tensor model.layers.{i}.{hf_name} has shape "
                                      f"{a.shape} after transposing, expected {layers[key].shape[1:]}")
             layers[key][i] = a
-    if tensors:
-        extra = sorted(tensors)
-        raise UnsupportedModelError(f"{source}: unexpected tensors {extra[:5]}"
-                                    f"{' ...' if len(extra) > 5 else ''}")
-    try:
-        gemma3.check_params(cfg, params, source)
-    except ValueError as e:
-        raise ModelLoadError(str(e)) from e
-    return params
+    from jaxsample.models.hf_loader import check_leftovers
+
+    return check_leftovers(gemma3, cfg, params, tensors, source)

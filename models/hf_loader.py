@@ -330,12 +330,25 @@ def params_from_hf_tensors(cfg: llama.LlamaConfig, tensors: dict[str, np.ndarray
                 raise ModelLoadError(f"{source}: tensor model.layers.{i}.{hf_name} has shape "
                                      f"{a.shape} after transposing, expected {layers[key].shape[1:]}")
             layers[key][i] = a
+    return check_leftovers(llama, cfg, params, tensors, source)
+
+
+def check_leftovers(family, cfg, params, tensors, source: str):
+    """No tensor of the checkpoint was left unread (RoPE `inv_freq` buffers aside),
+    and the params fit the family's shapes (`family.check_params`).
+
+    Returns:
+      params.
+    Raises:
+      UnsupportedModelError: unread tensors (the first five named).
+      ModelLoadError: a shape that does not fit the config.
+    """
     extra = sorted(k for k in tensors if not k.endswith("rotary_emb.inv_freq"))
     if extra:
         raise UnsupportedModelError(f"{source}: unexpected tensors {extra[:5]}"
                                     f"{' ...' if len(extra) > 5 else ''}")
     try:
-        llama.check_params(cfg, params, source)
+        family.check_params(cfg, params, source)
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
     return params
