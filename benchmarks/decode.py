@@ -1,7 +1,10 @@
 """Decode speed and memory: jaxsample's shared-prefix engine against the naive
-engine (N materialised prefix copies), a peer (Hugging Face transformers
-`generate(num_return_sequences=N)`) and the hardware limit (a memory-bandwidth
-roofline measured in the same run).
+engine (N materialised prefix copies), two peers (Hugging Face transformers
+`generate(num_return_sequences=N)`; optionally llama.cpp's
+`llama-batched-bench -pps -kvu`, engine `llamacpp`, see benchmarks/llamacpp.py:
+`--llamacpp-bin DIR --llamacpp-model F32.gguf`, skipped with the reason in the
+row when absent) and the hardware limit (a memory-bandwidth roofline measured
+in the same run).
 
 Usage (CPU, the embedded SmolLM2-135M-Instruct in float32):
 
@@ -75,7 +78,7 @@ import traceback
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINES = ("jaxsample", "naive", "hf")
+ENGINES = ("jaxsample", "naive", "hf", "llamacpp")
 
 # Named configurations (presets for --config).
 CONFIGS = {
@@ -535,6 +538,8 @@ def worker(spec):
     engine, P = spec["engine"], spec["P"]
     base = dict(kind="cell", engine=engine, config=args.config, P=P, T=args.new_tokens,
                 isolate=args.isolate, warmup=args.warmup, engine_sha=_engine_sha())
+    if engine == "llamacpp":  # an external process: benchmarks/llamacpp.py
+        return _llamacpp_worker(spec, args, base)
     try:
         if engine == "hf":  # never start a jax backend in the peer's process
             import torch
@@ -570,6 +575,30 @@ def worker(spec):
                 print("RESULT " + json.dumps(dict(base, N=N2, error="skipped: smaller N ran "
                                                   "out of memory")), flush=True)
             return
+
+
+def _llamacpp_worker(spec, args, base):
+    """llama.cpp cells (`llama-batched-bench -pps -kvu`, see benchmarks/llamacpp.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import llamacpp
+
+    exe, model, why = llamacpp.locate(args.llamacpp_bin, args.llamacpp_model)
+    cfg = None
+    if args.model == "smollm2":
+        from jaxsample.loading import read_config
+
+        cfg = read_config()
+    base.update(platform="cpu", dtype="float32 (gguf F32)", llamacpp_model=model)
+    for N in spec["Ns"]:
+        row = dict(base, N=N)
+        try:
+            if why:
+                raise RuntimeError(why)
+            row.update(llamacpp.run_cell(exe, model, spec["P"], N, args.new_tokens,
+                                         args.llamacpp_threads, args.cell_timeout, cfg))
+        except Exception as e:  # noqa: BLE001
+            row.update(error=str(e)[:2000])
+        print("RESULT " + json.dumps(row), flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -619,7 +648,7 @@ def _pairs(cells):
     for (eng, P, N), c in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if eng != "jaxsample":
             continue
-        for other in ("naive", "hf"):
+        for other in ("naive", "hf", "llamacpp"):
             o = by.get((other, P, N))
             if o is None:
                 continue
@@ -701,6 +730,14 @@ def main(argv=None):
     ap.add_argument("--bandwidth-repeats", type=int, default=5)
     ap.add_argument("--llama-override", default=None,
                     help='JSON dict overriding the llama-1b shapes, e.g. \'{"n_layers": 2}\' (smoke tests)')
+    ap.add_argument("--cost-analysis", action="store_true",
+                    help="also print XLA's cost analysis of the compiled decode step (shared, "
+                         "naive, ideal bytes) at each (P, N): benchmarks/cost_analysis.py")
+    ap.add_argument("--llamacpp-bin", default=None,
+                    help="directory of llama-batched-bench (else $JAXSAMPLE_LLAMACPP_BIN)")
+    ap.add_argument("--llamacpp-model", default=None,
+                    help="GGUF for llama.cpp, e.g. the F32 SmolLM2 (else $JAXSAMPLE_LLAMACPP_MODEL)")
+    ap.add_argument("--llamacpp-threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSONL path (default benchmarks/results/<config>_<platform>.jsonl)")
     ap.add_argument("--plot", default=None, help="PNG path for benchmarks/plot.py (optional)")
@@ -754,6 +791,14 @@ def main(argv=None):
         for P in Ps:
             for e in engines:
                 specs.append(dict(engine=e, P=P, Ns=sorted(Ns)))
+    llamacpp_why = None
+    if "llamacpp" in engines:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import llamacpp
+
+        llamacpp_why = llamacpp.locate(a.llamacpp_bin, a.llamacpp_model)[2]
+        if a.model != "smollm2" and not llamacpp_why:
+            llamacpp_why = "skipped: the llama.cpp peer runs the smollm2 config only"
     cells = []
     for spec in specs:
         e, P = spec["engine"], spec["P"]
@@ -764,6 +809,8 @@ def main(argv=None):
         skip = None
         if a.deadline and time.perf_counter() - t_begin > a.deadline:
             skip = f"skipped: past --deadline {a.deadline:.0f} s"
+        elif e == "llamacpp" and llamacpp_why:
+            skip = llamacpp_why
         elif e == "hf" and a.hf_max_p and P > a.hf_max_p:
             skip = f"skipped: P > --hf-max-p {a.hf_max_p}"
         elif e == "hf" and a.hf_skip_above and a.isolate == "cell":
@@ -796,6 +843,16 @@ def main(argv=None):
     fh.close()
     print()
     print(_table(cells, pairs))
+    if a.cost_analysis:  # in a subprocess: the parent never starts a jax backend
+        env2 = dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + os.environ["PYTHONPATH"]
+                                                   if os.environ.get("PYTHONPATH") else ""))
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "cost_analysis.py"),
+                            "--model", a.model, "--prompt-lengths", ",".join(map(str, Ps)),
+                            "--branches", ",".join(map(str, Ns)), "--new-tokens",
+                            str(a.new_tokens), "--json", out], capture_output=True, text=True,
+                           env=env2, cwd=ROOT)
+        print("\nXLA cost analysis of one compiled decode step (bytes accessed):\n"
+              + (p.stdout if p.returncode == 0 else f"failed: {p.stderr[-1500:]}"))
     print(f"\nwrote {out} ({time.perf_counter() - t_begin:.0f} s)")
     if a.plot:
         try:

@@ -549,22 +549,24 @@ def _keep(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
     so an inactive filter costs nothing.
     """
     v = z.shape[0]
-    kz = _order_keys(z)
     sampling = jnp.asarray(temperature, jnp.float32) > 0
     top_k = jnp.asarray(top_k, jnp.int32)
     top_p = jnp.asarray(top_p, jnp.float32)
     min_p = jnp.asarray(min_p, jnp.float32)
 
-    def no_top_k(z, kz, top_k):
+    def no_top_k(z, top_k):
         return jnp.ones((v,), bool)
 
-    def no_top_p(z, kz, keep_k, top_p):
+    def no_top_p(z, keep_k, top_p):
         return keep_k
 
+    # The order keys are computed inside each filter's branch (one O(V) pass
+    # each), so a step without filters never computes them.
     k_on = sampling & (top_k > 0) & (top_k < vocab_limit)
-    keep = jax.lax.cond(k_on, _top_k_mask, no_top_k, z, kz, top_k)
+    keep = jax.lax.cond(k_on, lambda z, k: _top_k_mask(z, _order_keys(z), k), no_top_k, z, top_k)
     p_on = sampling & (top_p < 1.0)
-    keep = jax.lax.cond(p_on, _top_p_mask, no_top_p, z, kz, keep, top_p)
+    keep = jax.lax.cond(p_on, lambda z, kk, p: _top_p_mask(z, _order_keys(z), kk, p), no_top_p,
+                        z, keep, top_p)
     # min-p: prob_i / prob_max = exp(z_i - max z) = exp(z_i), the max token is
     # never filtered; log(0) = -inf keeps everything.
     keep &= z >= jnp.log(min_p) + jnp.log1p(-MIN_P_TOL)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxsample import sampling
 from jaxsample.engine.prefill import prefix_start
+from jaxsample.engine.prefix_attention import prefix_attention
 from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
 from jaxsample.models import common, families
 
@@ -58,7 +59,7 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
 
         def attend(q, k, v):
             out = common.merge_attention([
-                common.partial_attention(q, lpk, lpv, prefix_mask[None], scale),
+                prefix_attention(q, lpk, lpv, prefix_mask, scale),
                 common.partial_attention(q, ltk, ltv, tail_mask[None], scale),
                 common.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask,
                                          scale),

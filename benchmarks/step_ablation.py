@@ -1,0 +1,127 @@
+"""Decode-step time with and without a change, side by side in one process (CPU).
+
+One worker process loads the model once, compiles every variant's programs
+(each variant has its own program cache), then alternates the variants call
+by call (A B A B ...), so a noisy neighbour on a shared machine hits them
+alike. The step time of a call is its decode seconds / forward steps (T - 1
+forwards for T tokens); every figure is a median over `--reps` calls (>= 5)
+of T - 1 steps each. The "before" of a change is recreated by a patch
+(`PATCHES`) that puts the old code back while that variant is traced and
+compiled; "now" is the code as it is.
+
+Usage:
+
+    PYTHONPATH=. python benchmarks/step_ablation.py --variants now,old_prefix_attention \
+        --prompt-length 1024 --branches 1,16 --new-tokens 16 --reps 7
+
+Prints a markdown table (median, min, max step ms per variant and N) and,
+with `--out`, one JSON line per (variant, N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+
+@contextlib.contextmanager
+def _old_prefix_attention():
+    """The prefix segment as a plain vmap of `partial_attention` (before engine/prefix_attention.py)."""
+    from jaxsample.engine import step
+    from jaxsample.models import common
+
+    new = step.prefix_attention
+    step.prefix_attention = lambda q, k, v, m, s: common.partial_attention(q, k, v, m[None], s)
+    try:
+        yield
+    finally:
+        step.prefix_attention = new
+
+
+PATCHES = {
+    "now": contextlib.nullcontext,
+    "old_prefix_attention": _old_prefix_attention,
+}
+
+
+def _decode(s, N, T):
+    """One fresh round of N branches over the session's prefix: seconds per forward step."""
+    import numpy as np
+
+    d0, k0 = s.timings["decode"], s.decode_steps
+    rnd = s.round([0], np.arange(N, dtype=np.int32)[None])
+    while rnd.run(T):
+        pass
+    assert (rnd.lengths == T).all()
+    return (s.timings["decode"] - d0) / max(s.decode_steps - k0 - 1, 1)
+
+
+def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0):
+    """{(variant, N): [step seconds per call]}, the variants interleaved call by call."""
+    import dataclasses
+
+    from jaxsample.engine import loop, session
+    from jaxsample.loading import load
+    from jaxsample.sampling import SamplingParams
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode import NoEosTokenizer, _prompt_ids
+
+    lm = load(None, dtype="float32")
+    lm = dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer))
+    ids = _prompt_ids(0, P, lm.vocab_limit)
+    programs = {v: loop.Programs() for v in variants}
+    out = {}
+    for N in Ns:
+        sp = SamplingParams(n=N, temperature=temperature, top_k=top_k, top_p=top_p,
+                            max_new_tokens=T, seed=0)
+        sessions = {}
+        for v in variants:  # prefill once; compile each variant (and warm up) under its patch
+            session.PROGRAMS = programs[v]
+            with PATCHES[v]():
+                sessions[v] = s = session.Session(lm, [ids], sp)
+                _decode(s, N, T)
+        for _ in range(reps):
+            for v in variants:
+                session.PROGRAMS = programs[v]
+                s = sessions[v]
+                c0 = s.timings["compile"]
+                out.setdefault((v, N), []).append(_decode(s, N, T))
+                assert s.timings["compile"] == c0, "a variant recompiled"
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default="now")
+    ap.add_argument("--prompt-length", type=int, default=1024)
+    ap.add_argument("--branches", default="1,16")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    variants = [v for v in a.variants.split(",") if v]
+    for v in variants:
+        if v not in PATCHES:
+            ap.error(f"unknown variant {v!r}; choose from {sorted(PATCHES)}")
+    res = run(variants, a.prompt_length, [int(x) for x in a.branches.split(",")],
+              a.new_tokens, a.reps, a.temperature, a.top_k, a.top_p)
+    print("| variant | N | median step ms | min | max | calls |\n|---|---|---|---|---|---|")
+    for (v, N), xs in sorted(res.items(), key=lambda kv: (kv[0][1], variants.index(kv[0][0]))):
+        print(f"| {v} | {N} | {statistics.median(xs) * 1e3:.2f} | {min(xs) * 1e3:.2f} | "
+              f"{max(xs) * 1e3:.2f} | {len(xs)} |")
+    if a.out:
+        with open(a.out, "a") as fh:
+            for (v, N), xs in res.items():
+                fh.write(json.dumps(dict(variant=v, N=N, P=a.prompt_length, T=a.new_tokens,
+                                         step_s=xs, median_step_s=statistics.median(xs))) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""XLA's own count of what one compiled decode step reads: "read once", proven.
+
+`decode_step_cost` lowers and compiles the engine's decode step for a model
+config and (P prompt tokens, N branches, T new tokens), with abstract inputs
+only (no weights, no data: `jax.ShapeDtypeStruct`s), and returns the
+compiled program's `cost_analysis()`: bytes accessed and FLOPs. It does so
+for the shared-prefix engine (one row of N slots over one prefix) and for the
+naive engine (N rows of one slot, each with its own prefix copy, what
+`generate(..., naive=True)` runs), beside the ideal bytes of one step
+(`ideal_step_bytes`: the weights, the prefix once, N tails, N rows of logits).
+A regression that silently broadcasts the prefix to the N branches shows as
+shared bytes near the naive ones, without any accelerator or timing.
+
+What is compiled: the loop body alone (`engine.step.make_step`, one sampled
+token and one forward pass of every slot), jitted with the state donated,
+exactly as it runs inside `loop.decode_chunk`'s `lax.while_loop`. The body is
+compiled on its own rather than the chunk because XLA's `HloCostAnalysis`
+counts a `while` instruction as one pass of its body and condition whatever
+the trip count (jaxlib 0.10.2 on CPU: a `fori_loop` of 10 or of a traced n
+passes of an 8.4 MB body both count 16.8 MB, the body once plus the
+loop's copy of its carry), which is right for one step but adds the loop's
+own carry traffic; the body alone is the step. Two caveats of the counts,
+both from XLA:
+
+* A `conditional` counts as its most expensive branch. The step has three:
+  the forward pass against "every slot done" (the forward pass is the
+  step), and in `sampling.choose_token` the Gumbel draw against greedy and
+  the top-k / top-p filters against "off" (`lax.cond` on traced knobs). The
+  filters' branches are 32-pass bisections (`sampling._largest_key`) run as
+  a `fori_loop`, i.e. a `while`, counted as one pass; so the count bounds a
+  step with the filters on from below and a step without them from above,
+  by the filters' branches (SmolLM2, N = 16: about 135 MB, some 40 passes
+  over the `[N, V]` float32 logits).
+* Bytes accessed is the sum over the optimised program's instructions of
+  operand and output bytes (after fusion: a fused computation counts its
+  inputs and outputs once). An in-place `dynamic-update-slice` counts the
+  update, not the buffer; a `gather` counts its whole operand, so the
+  embedding lookup of N > 1 tokens (a gather under the branch vmap) is
+  charged the whole table (113 MB for SmolLM2) though it reads N rows.
+
+Letters as in `models/llama.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsample import cost
+
+__all__ = ["StepCost", "decode_step_cost", "ideal_step_bytes", "compile_decode_step"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """XLA's cost analysis of one compiled decode step.
+
+    Attributes:
+      engine: "shared" (one row of N slots, one prefix) or "naive" (N rows of
+        one slot, N prefix copies).
+      prompt_tokens, n, new_tokens: P (the prefix buffer length), N, T (the tail
+        buffer length).
+      bytes_accessed: bytes (`cost_analysis()["bytes accessed"]`).
+      flops: FLOPs (`cost_analysis()["flops"]`; XLA counts a multiply-add as 2).
+      ideal_bytes: `ideal_step_bytes` for the same (P, N, T).
+      weight_bytes, prefix_bytes, tail_bytes, logits_bytes: the ideal's parts
+        (bytes; the prefix once, N tails of T slots, N rows of V float32 logits).
+    """
+
+    engine: str
+    prompt_tokens: int
+    n: int
+    new_tokens: int
+    bytes_accessed: float
+    flops: float
+    ideal_bytes: int
+    weight_bytes: int
+    prefix_bytes: int
+    tail_bytes: int
+    logits_bytes: int
+
+    @property
+    def ratio_to_ideal(self) -> float:
+        """bytes_accessed / ideal_bytes (1 is the limit; the naive engine is ~N x prefix)."""
+        return self.bytes_accessed / self.ideal_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["ratio_to_ideal"] = self.ratio_to_ideal
+        return d
+
+
+def ideal_step_bytes(config, prompt_tokens: int, n: int, new_tokens: int) -> dict[str, int]:
+    """The bytes one shared-prefix decode step must touch at least.
+
+    Weights once (every parameter, `cost.weight_bytes`), the prefix KV once
+    (P positions), N tails of T positions (the whole tail buffer: the step
+    reads slots < t and masks the rest, so a full buffer is the fair bound
+    for a fixed-shape program), and N rows of V float32 logits (written by the
+    forward pass, read once by the sampling). From `cost.estimate`'s
+    `decode_step_bytes_shared` (last step, context P + T) plus the logits.
+
+    Args:
+      config: a model config (`models.llama.LlamaConfig`, `Gemma3Config`).
+      prompt_tokens, n, new_tokens: P >= 0, N >= 1, T >= 0.
+    Returns:
+      dict with "weights", "prefix", "tails", "logits", "total" (bytes).
+    Raises:
+      ValueError: as `cost.estimate`.
+    """
+    est = cost.estimate(config, prompt_tokens, new_tokens, n)
+    w = est.weight_bytes
+    prefix = cost.kv_bytes(config, prompt_tokens)
+    tails = n * cost.kv_bytes(config, new_tokens)
+    logits = n * config.vocab_size * 4
+    assert w + prefix + tails == est.decode_step_bytes_shared
+    return dict(weights=w, prefix=prefix, tails=tails, logits=logits,
+                total=w + prefix + tails + logits)
+
+
+def _abstract(tree):
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
+                        naive: bool = False, vocab_limit: int | None = None):
+    """The compiled decode step (`jax.stages.Compiled`) for abstract inputs.
+
+    Args:
+      config: a model config; its family module builds the parameter shapes.
+      prompt_tokens: P, the prefix buffer length (an engine bucket in practice).
+      n: N branches. Shared: one row of N slots; naive: N rows of one slot.
+      new_tokens: T, the tail buffer length.
+      naive: compile the naive engine's step (N prefix copies).
+      vocab_limit: rows of the logits that may be sampled (default V).
+    Returns:
+      `jax.stages.Compiled` of `step(params, prefix, state, knobs) -> state`
+      (state donated), the loop body of `loop.decode_chunk`.
+    Raises:
+      ValueError: P < 1, N < 1 or T < 1.
+    """
+    from jaxsample.engine import init_state
+    from jaxsample.engine.state import MAX_STOP_IDS, Knobs, PrefixCache, Static
+    from jaxsample.engine.step import branch_keys, make_step
+    from jaxsample.models import families
+
+    for name, v in (("prompt_tokens", prompt_tokens), ("n", n), ("new_tokens", new_tokens)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    fam = families.module_for(config)
+    V = config.vocab_size
+    vocab_limit = V if vocab_limit is None else vocab_limit
+    R, slots = (n, 1) if naive else (1, n)
+    st = Static(cfg=config, n=slots, t_cap=new_tokens, vocab_limit=vocab_limit, pad_id=0)
+    params = jax.eval_shape(
+        lambda: fam.unstack_layers(fam.init_params(config, jax.random.key(0))))
+    dt = config.jnp_dtype
+    K, D = config.n_kv_heads, config.head_dim
+    from jaxsample.engine.prefill import window_extent
+
+    pre = tuple(jax.ShapeDtypeStruct((R, K, window_extent(prompt_tokens, w), D), dt)
+                for w in config.layer_windows)
+    prefix = PrefixCache(pre, pre, jax.ShapeDtypeStruct((R,), jnp.int32))
+    state = jax.eval_shape(
+        lambda: init_state(st, jnp.zeros((R, V), jnp.float32), jnp.zeros((R,), jnp.int32),
+                           jnp.zeros((R, slots), jnp.int32), jnp.ones((R, slots), bool)))
+    scalar = lambda d: jax.ShapeDtypeStruct((), d)
+    knobs = Knobs(temperature=scalar(jnp.float32), top_k=scalar(jnp.int32),
+                  top_p=scalar(jnp.float32), min_p=scalar(jnp.float32),
+                  seed=scalar(jnp.uint32), max_new_tokens=scalar(jnp.int32),
+                  stop_ids=jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32),
+                  t_stop=scalar(jnp.int32), logit_bias=jax.ShapeDtypeStruct((0,), jnp.float32),
+                  min_tokens=scalar(jnp.int32),
+                  min_stop_ids=jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32),
+                  repetition_penalty=scalar(jnp.float32),
+                  frequency_penalty=scalar(jnp.float32), presence_penalty=scalar(jnp.float32))
+
+    def step(p, pf, s, kn):
+        keys = branch_keys(kn, s.prompt_index, s.branch_ids)
+        return make_step(st, p, pf, kn, keys)(s)
+
+    return jax.jit(step, donate_argnums=(2,)).lower(
+        _abstract(params), prefix, _abstract(state), knobs).compile()
+
+
+def _cost_dict(compiled) -> dict:
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):  # older jax: one dict per computation
+        ca = ca[0]
+    return ca
+
+
+def decode_step_cost(config, prompt_tokens: int, n: int, new_tokens: int, *,
+                     naive: bool = False) -> StepCost:
+    """Bytes accessed and FLOPs of one compiled decode step (see the module docstring).
+
+    Args:
+      config: a model config (`models.llama.LlamaConfig`, `Gemma3Config`).
+      prompt_tokens: P, the prefix buffer length.
+      n: N branches.
+      new_tokens: T, the tail buffer length.
+      naive: the naive engine (N rows with N prefix copies) instead of the shared one.
+    Returns:
+      A `StepCost`.
+    Raises:
+      ValueError: P, N or T not a positive integer.
+    """
+    ca = _cost_dict(compile_decode_step(config, prompt_tokens, n, new_tokens, naive=naive))
+    ideal = ideal_step_bytes(config, prompt_tokens, n, new_tokens)
+    return StepCost(engine="naive" if naive else "shared", prompt_tokens=prompt_tokens, n=n,
+                    new_tokens=new_tokens, bytes_accessed=float(ca["bytes accessed"]),
+                    flops=float(ca["flops"]), ideal_bytes=ideal["total"],
+                    weight_bytes=ideal["weights"], prefix_bytes=ideal["prefix"],
+                    tail_bytes=ideal["tails"], logits_bytes=ideal["logits"])
