@@ -1,0 +1,180 @@
+"""Blockwise (flash-style) causal self-attention in plain JAX: no `[S, S]` square.
+
+Letters as in `models/llama.py` (S positions, H query heads, K kv heads,
+G = H / K query heads per kv head, D head dim).
+
+The sequence is cut into query blocks of `block_q` positions and key blocks of
+`block_k`. For each query block a running maximum, a running sum of
+exponentials and a rescaled float32 accumulator are carried over the key
+blocks (the online softmax of Milakov & Gimelshein 2018, as used by
+FlashAttention, Dao et al. 2022, arXiv 2205.14135), so at most one
+`[K, G*block_q, block_k]` score block exists at a time and memory grows
+linearly with S.
+
+Skipping is decided by loop indices only, never by vmapped values: the query
+block index comes from a `lax.scan` over the (static) query blocks, the key
+block index from a `lax.scan` over the key blocks, and a key block is computed
+under a `lax.cond` whose predicate depends on those two indices, the static
+`q_offset` and the layer's window (a Python int, or a traced int32 that is the
+same for every prompt: the stacked layout's per-layer scan input). Under the
+engine's `vmap` over prompts the predicate is therefore unbatched and the cond
+stays a real branch: key blocks entirely above the diagonal, and on a local
+layer entirely before the window, cost only the loop step. `valid_len` (right
+padding, batched under vmap) only masks. Everything is `lax.scan` + `lax.cond`,
+so the kernel is reverse-differentiable (Bridge training runs the base model
+through `causal_attend`).
+
+Layout conventions are those of `common.partial_attention`: keys and values
+kv-head-major `[K, Sk, D]`; the G query heads of one kv head are one matmul's
+rows (`[K, G*block_q, D] x [K, block_k, D]`); scores, softmax statistics and
+the accumulator are float32; the probabilities are cast to the value dtype for
+the second product (float32 accumulation), as in the dense kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Query / key block size (positions). Measured on the 2-core AVX2 CPU with the
+# SmolLM2-135M shapes (H=9, K=3, D=64), see benchmarks/notes_prefill.md.
+BLOCK = 512
+# `causal_attend` uses the blockwise kernel from this many positions on (the
+# dense kernel is as fast below it, and its square is small). Read at trace time.
+BLOCKWISE_MIN_LEN = 1024
+
+
+def use_blockwise(S: int) -> bool:
+    """The one place that chooses the causal kernel for a call of S positions."""
+    return S >= BLOCKWISE_MIN_LEN
+
+
+def blockwise_attention(q, k, v, *, valid_len=None, window=None, scale: float | None = None,
+                        q_offset: int = 0, block_q: int | None = None,
+                        block_k: int | None = None, return_lse: bool = False):
+    """Causal attention of queries over keys, block by block with an online softmax.
+
+    Query i sits at absolute position `q_offset + i`, key j at position j. The
+    query at p sees the key at j iff `j <= p`, `j > p - window` (a local
+    layer), and `j < valid_len` (right padding). With `q_offset = 0` and
+    `Sk = Sq` this is `common.causal_attend`'s self-attention; with keys
+    `[context; suffix]` and `q_offset = len(context)` it is a suffix attending
+    to an already-computed context plus itself causally.
+
+    Args:
+      q: `[Sq, H, D]` (normalised and roped, not scaled), any float dtype.
+      k, v: `[K, Sk, D]` kv-head-major (the caches' layout); H a multiple of K.
+      valid_len: None or `[]` int32: keys at positions `>= valid_len` are masked
+        (may be batched under vmap: it only masks).
+      window: None (global layer) or the sliding window: a Python int >= 1 or
+        a traced int32 that does not vary across a vmap (blocks entirely
+        outside the window are skipped; `common.NO_WINDOW` means global).
+      scale: the score scale (None: `1/sqrt(D)`), applied to q in its dtype.
+      q_offset: static Python int >= 0, the absolute position of query 0.
+      block_q, block_k: static block sizes in positions (default `BLOCK`),
+        clipped to Sq / Sk; S need not be a multiple (padding is masked).
+      return_lse: also return the log-sum-exp of each query's scores.
+    Returns:
+      out `[Sq, H, D]` float32, normalised (0 where a query sees no key), and
+      with `return_lse` also lse `[Sq, H]` float32 (-inf where it sees no
+      key), the pair `common.merge_attention` merges.
+    Raises:
+      ValueError: shapes that do not fit (naming the argument), block sizes
+        or q_offset that are not non-negative Python ints.
+    """
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
+        raise ValueError(f"blockwise_attention: q must be [Sq, H, D] and k, v [K, Sk, D] alike, "
+                         f"got q {q.shape}, k {k.shape}, v {v.shape}")
+    Sq, H, D = q.shape
+    K, Sk = k.shape[0], k.shape[1]
+    if k.shape[2] != D or H % K:
+        raise ValueError(f"blockwise_attention: k {k.shape} does not fit q {q.shape} "
+                         f"(head dim must match, H a multiple of K)")
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"blockwise_attention: {name} must be a positive int, got {value!r}")
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
+        raise ValueError(f"blockwise_attention: q_offset must be a Python int >= 0, "
+                         f"got {q_offset!r}")
+    G = H // K
+    bq = min(block_q or BLOCK, Sq)
+    bk = min(block_k or BLOCK, Sk)
+    nq, nk = -(-Sq // bq), -(-Sk // bk)
+    sc = 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+    qs = q * jnp.asarray(sc, q.dtype)
+    qs = jnp.pad(qs, ((0, nq * bq - Sq), (0, 0), (0, 0)))
+    # [nq*bq, H, D] -> [nq, K, G*bq, D]: each block's rows grouped per kv head.
+    qb = qs.reshape(nq, bq, K, G, D).transpose(0, 2, 3, 1, 4).reshape(nq, K, G * bq, D)
+    kp = jnp.pad(k, ((0, 0), (0, nk * bk - Sk), (0, 0)))
+    vp = jnp.pad(v, ((0, 0), (0, nk * bk - Sk), (0, 0)))
+    padded_keys = nk * bk != Sk
+
+    def key_block(i, qi, carry, j):
+        acc, m, l = carry  # [K, G*bq, D], [K, G*bq], [K, G*bq] float32
+        q_pos = q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)  # [bq]
+        k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+        kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
+        vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
+        s = jnp.einsum("kqd,kmd->kqm", qi, kj, preferred_element_type=jnp.float32)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
+        if valid_len is not None:
+            mask = mask & (k_pos < valid_len)[None, :]
+        if padded_keys:
+            mask = mask & (k_pos < Sk)[None, :]
+        s = jnp.where(mask[None, None], s.reshape(K, G, bq, bk), -jnp.inf).reshape(K, G * bq, bk)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])  # exactly 0 at masked keys
+        alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen (m = -inf)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("kqm,kmd->kqd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
+        return alpha[..., None] * acc + pv, m_new, l
+
+    def query_block(_, xs):
+        i, qi = xs
+        q_first = q_offset + i * bq  # positions q_first .. q_first + bq - 1
+        j_hi = (q_first + bq - 1) // bk + 1  # key blocks >= j_hi lie above the diagonal
+        j_lo = 0 if window is None else jnp.maximum((q_first - window + 1) // bk, 0)
+
+        def step(carry, j):
+            visible = (j >= j_lo) & (j < j_hi)
+            return jax.lax.cond(visible, lambda c: key_block(i, qi, c, j), lambda c: c,
+                                carry), None
+
+        init = (jnp.zeros((K, G * bq, D), jnp.float32),
+                jnp.full((K, G * bq), -jnp.inf, jnp.float32),
+                jnp.zeros((K, G * bq), jnp.float32))
+        (acc, m, l), _ = jax.lax.scan(step, init, jnp.arange(nk, dtype=jnp.int32))
+        safe = jnp.where(l > 0, l, 1.0)
+        out = acc / safe[..., None]
+        lse = jnp.where(l > 0, jnp.log(safe) + m, -jnp.inf)
+        return None, (out, lse)
+
+    _, (out, lse) = jax.lax.scan(query_block, None, (jnp.arange(nq, dtype=jnp.int32), qb))
+    out = out.reshape(nq, K, G, bq, D).transpose(0, 3, 1, 2, 4).reshape(nq * bq, H, D)[:Sq]
+    if not return_lse:
+        return out
+    lse = lse.reshape(nq, K, G, bq).transpose(0, 3, 1, 2).reshape(nq * bq, H)[:Sq]
+    return out, lse
+
+
+def block_pairs(Sq: int, Sk: int, block_q: int, block_k: int, q_offset: int = 0,
+                window: int | None = None) -> np.ndarray:
+    """`[nq, nk]` bool: which (query block, key block) pairs the kernel computes
+    (the same rule as `blockwise_attention`, in numpy; for tests and cost notes)."""
+    bq, bk = min(block_q, Sq), min(block_k, Sk)
+    nq, nk = -(-Sq // bq), -(-Sk // bk)
+    i = np.arange(nq)[:, None]
+    j = np.arange(nk)[None, :]
+    q_first = q_offset + i * bq
+    visible = j < (q_first + bq - 1) // bk + 1
+    if window is not None:
+        visible &= j >= np.maximum((q_first - window + 1) // bk, 0)
+    return visible
