@@ -40,11 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 
 # Query / key block size (positions). Measured on the 2-core AVX2 CPU with the
-# SmolLM2-135M shapes (H=9, K=3, D=64), see benchmarks/notes_prefill.md.
-BLOCK = 512
-# `causal_attend` uses the blockwise kernel from this many positions on (the
-# dense kernel is as fast below it, and its square is small). Read at trace time.
-BLOCKWISE_MIN_LEN = 1024
+# SmolLM2-135M shapes (H=9, K=3, D=64): 128-256 fastest from S = 512 to 4096
+# (a [K, G*256, 256] float32 score block is 2.4 MB), 512 within 10-30 %, one block
+# of S (the dense kernel's shape) 3-4x slower; see benchmarks/notes_prefill.md.
+BLOCK = 256
+# `causal_attend` uses the blockwise kernel from this many positions on; below
+# it the dense square is small (at most 9 MB per layer at H = 9) and the dense
+# program compiles faster. Read at trace time.
+BLOCKWISE_MIN_LEN = 512
 
 
 def use_blockwise(S: int) -> bool:

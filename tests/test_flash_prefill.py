@@ -287,3 +287,25 @@ def test_engine_prefill_both_kernels(family):
         for a, b, w in zip(pb.k + pb.v, pd.k + pd.v, cfg.layer_windows * 2):
             upto = n if w is None else min(n, a.shape[2])
             _close(a[r, :, :upto], b[r, :, :upto])
+
+
+def test_engine_prefill_with_bridge_both_kernels(tiny_lm):
+    """The Bridge's prefill hook (`post_layer` after every block, no branch axes) with
+    either kernel: a Bridge with a non-zero output projection, so the hook acts."""
+    from jaxsample import bridge as bridge_lib
+
+    b = bridge_lib.init(tiny_lm, bridge_lib.BridgeConfig(dim=16, n_heads=2))
+    bp = dict(b.params, wo=0.3 * jax.random.normal(jax.random.key(5), b.params["wo"].shape))
+    post = lambda x, p_l: bridge_lib.apply_block(b.config, p_l, x, True, ())
+    cfg, params = tiny_lm.config, common.unstack_layers(tiny_lm.params)
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, 256, size=(2, 40)), jnp.int32)
+    lengths = jnp.array([40, 29], jnp.int32)
+    run = lambda p, t, n, q: engine_prefill(cfg, p, t, n, post, q)
+    (pd, ld), (pb, lb) = (_with_kernel(k, run, params, tokens, lengths, bp) for k in (False, True))
+    base = _with_kernel(False, lambda p, t, n: engine_prefill(cfg, p, t, n)[1], params, tokens,
+                        lengths)
+    assert np.abs(ld - base).max() > 1e-3  # the Bridge changed the logits
+    _close(lb, ld)
+    for r, n in enumerate(np.asarray(lengths)):
+        for a, c in zip(pb.k + pb.v, pd.k + pd.v):
+            _close(a[r, :, :n], c[r, :, :n])
