@@ -163,7 +163,11 @@ def causal_attend(valid_len: jax.Array | None = None, window=None,
     """Plain causal self-attention within the call, keys `< valid_len` only.
 
     Args:
-      valid_len: `[]` int32 or None: keys at positions `>= valid_len` are masked.
+      valid_len: `[]` int32 or None: positions `>= valid_len` are right
+        padding. The dense kernel masks them as keys; causality already hides
+        them from every query below valid_len, so the outputs there are the
+        same either way, and the blockwise kernel does not mask (outputs at
+        padded positions are unspecified).
       window: None (global attention) or the layer's sliding window (a Python
         int or a traced int32): the query at p sees keys in `(p - window, p]`.
       scale: the score scale (None: `1/sqrt(D)`).
@@ -171,7 +175,7 @@ def causal_attend(valid_len: jax.Array | None = None, window=None,
         length S), "dense" (one `[S, S]` masked `partial_attention`) or
         "blockwise" (`flash.blockwise_attention`: online softmax over key
         blocks, no square, blocks above the diagonal or outside the window
-        skipped). Both agree to float32 rounding.
+        skipped). Both agree to float32 rounding below valid_len.
     """
     if impl not in ("auto", "dense", "blockwise"):
         raise ValueError(f"causal_attend: impl must be 'auto', 'dense' or 'blockwise', "
@@ -180,8 +184,9 @@ def causal_attend(valid_len: jax.Array | None = None, window=None,
     def attend(q, k, v):
         S = q.shape[0]
         if impl == "blockwise" or (impl == "auto" and flash.use_blockwise(S)):
+            # No valid_len mask needed: causality hides padding from real queries.
             out = flash.blockwise_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1),
-                                            valid_len=valid_len, window=window, scale=scale)
+                                            window=window, scale=scale)
             return out.astype(q.dtype)
         pos = jnp.arange(S)
         mask = pos[None, :] <= pos[:, None]

@@ -13,16 +13,20 @@ linearly with S.
 
 Skipping is decided by loop indices only, never by vmapped values: the query
 block index comes from a `lax.scan` over the (static) query blocks, the key
-block index from a `lax.scan` over the key blocks, and a key block is computed
-under a `lax.cond` whose predicate depends on those two indices, the static
-`q_offset` and the layer's window (a Python int, or a traced int32 that is the
-same for every prompt: the stacked layout's per-layer scan input). Under the
-engine's `vmap` over prompts the predicate is therefore unbatched and the cond
-stays a real branch: key blocks entirely above the diagonal, and on a local
-layer entirely before the window, cost only the loop step. `valid_len` (right
-padding, batched under vmap) only masks. Everything is `lax.scan` + `lax.cond`,
-so the kernel is reverse-differentiable (Bridge training runs the base model
-through `causal_attend`).
+block index from a `lax.scan` over the key blocks, and each key block goes
+through a `lax.switch` (skip / no mask / masked) whose index depends on those
+two indices, the static `q_offset` and the layer's window (a Python int, or a
+traced int32 that is the same for every prompt: the stacked layout's
+per-layer scan input). Under the engine's `vmap` over prompts the index is
+therefore unbatched and the switch stays a real branch (a batched one would
+become a select that runs every side): key blocks entirely above the
+diagonal, and on a local layer entirely before the window, cost only the
+loop step; blocks entirely inside skip the elementwise mask (15-20 % of the
+kernel's time on CPU). Right padding (the prompt's length, batched under
+vmap) needs no mask at all: causality already hides it from every real
+query. Everything is `lax.scan` + `lax.switch`, so the kernel is
+reverse-differentiable (Bridge training runs the base model through
+`causal_attend`).
 
 Layout conventions are those of `common.partial_attention`: keys and values
 kv-head-major `[K, Sk, D]`; the G query heads of one kv head are one matmul's
@@ -55,35 +59,44 @@ def use_blockwise(S: int) -> bool:
     return S >= BLOCKWISE_MIN_LEN
 
 
-def blockwise_attention(q, k, v, *, valid_len=None, window=None, scale: float | None = None,
+def blockwise_attention(q, k, v, *, window=None, scale: float | None = None,
                         q_offset: int = 0, block_q: int | None = None,
                         block_k: int | None = None, return_lse: bool = False):
     """Causal attention of queries over keys, block by block with an online softmax.
 
     Query i sits at absolute position `q_offset + i`, key j at position j. The
-    query at p sees the key at j iff `j <= p`, `j > p - window` (a local
-    layer), and `j < valid_len` (right padding). With `q_offset = 0` and
-    `Sk = Sq` this is `common.causal_attend`'s self-attention; with keys
-    `[context; suffix]` and `q_offset = len(context)` it is a suffix attending
-    to an already-computed context plus itself causally.
+    query at p sees the key at j iff `j <= p` and, on a local layer,
+    `j > p - window`. With `q_offset = 0` and `Sk = Sq` this is
+    `common.causal_attend`'s self-attention; with keys `[context; suffix]` and
+    `q_offset = len(context)` it is a suffix attending to an already-computed
+    context plus itself causally.
+
+    Right padding needs no mask: a query below the prompt's length never sees
+    a key at or past it (causality), so the outputs there do not depend on the
+    padding; outputs at padded query positions are finite and unspecified
+    (the dense kernel's `valid_len` mask gives other values there).
+
+    Key block j of query block i is skipped when it lies entirely above the
+    diagonal or entirely before the window, computed without any mask when
+    it lies entirely inside (the common case), and masked elementwise only
+    on the diagonal and the window's edge.
 
     Args:
       q: `[Sq, H, D]` (normalised and roped, not scaled), any float dtype.
       k, v: `[K, Sk, D]` kv-head-major (the caches' layout); H a multiple of K.
-      valid_len: None or `[]` int32: keys at positions `>= valid_len` are masked
-        (may be batched under vmap: it only masks).
       window: None (global layer) or the sliding window: a Python int >= 1 or
-        a traced int32 that does not vary across a vmap (blocks entirely
-        outside the window are skipped; `common.NO_WINDOW` means global).
+        a traced int32 that does not vary across a vmap (`common.NO_WINDOW`
+        means global).
       scale: the score scale (None: `1/sqrt(D)`), applied to q in its dtype.
       q_offset: static Python int >= 0, the absolute position of query 0.
       block_q, block_k: static block sizes in positions (default `BLOCK`),
         clipped to Sq / Sk; S need not be a multiple (padding is masked).
       return_lse: also return the log-sum-exp of each query's scores.
     Returns:
-      out `[Sq, H, D]` float32, normalised (0 where a query sees no key), and
-      with `return_lse` also lse `[Sq, H]` float32 (-inf where it sees no
-      key), the pair `common.merge_attention` merges.
+      out `[Sq, H, D]` float32, normalised (0 where a query sees no key, which
+      needs `q_offset + i >= Sk + window - 1`), and with `return_lse` also lse
+      `[Sq, H]` float32 (-inf where it sees no key): the pair
+      `common.merge_attention` merges.
     Raises:
       ValueError: shapes that do not fit (naming the argument), block sizes
         or q_offset that are not non-negative Python ints.
@@ -117,21 +130,21 @@ def blockwise_attention(q, k, v, *, valid_len=None, window=None, scale: float | 
     vp = jnp.pad(v, ((0, 0), (0, nk * bk - Sk), (0, 0)))
     padded_keys = nk * bk != Sk
 
-    def key_block(i, qi, carry, j):
+    def key_block(i, qi, carry, j, masked: bool):
         acc, m, l = carry  # [K, G*bq, D], [K, G*bq], [K, G*bq] float32
-        q_pos = q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)  # [bq]
-        k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
         kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
         vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
         s = jnp.einsum("kqd,kmd->kqm", qi, kj, preferred_element_type=jnp.float32)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        if window is not None:
-            mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
-        if valid_len is not None:
-            mask = mask & (k_pos < valid_len)[None, :]
-        if padded_keys:
-            mask = mask & (k_pos < Sk)[None, :]
-        s = jnp.where(mask[None, None], s.reshape(K, G, bq, bk), -jnp.inf).reshape(K, G * bq, bk)
+        if masked:
+            q_pos = q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)  # [bq]
+            k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
+            if padded_keys:
+                mask = mask & (k_pos < Sk)[None, :]
+            s = jnp.where(mask[None, None], s.reshape(K, G, bq, bk),
+                          -jnp.inf).reshape(K, G * bq, bk)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])  # exactly 0 at masked keys
@@ -142,14 +155,26 @@ def blockwise_attention(q, k, v, *, valid_len=None, window=None, scale: float | 
 
     def query_block(_, xs):
         i, qi = xs
-        q_first = q_offset + i * bq  # positions q_first .. q_first + bq - 1
-        j_hi = (q_first + bq - 1) // bk + 1  # key blocks >= j_hi lie above the diagonal
-        j_lo = 0 if window is None else jnp.maximum((q_first - window + 1) // bk, 0)
+        q_first = q_offset + i * bq  # positions q_first .. q_last
+        q_last = q_first + bq - 1
+        j_hi = q_last // bk + 1  # key blocks >= j_hi lie entirely above the diagonal
+        full_hi = (q_first + 1) // bk  # blocks < full_hi lie entirely below it
+        if window is None:
+            j_lo = full_lo = 0
+        else:
+            j_lo = jnp.maximum((q_first - window + 1) // bk, 0)  # blocks < j_lo: before it
+            full_lo = -((window - q_last - 1) // bk)  # ceil((q_last - window + 1) / bk)
+        if padded_keys:
+            full_hi = jnp.minimum(full_hi, nk - 1)  # the last key block holds padding
 
         def step(carry, j):
             visible = (j >= j_lo) & (j < j_hi)
-            return jax.lax.cond(visible, lambda c: key_block(i, qi, c, j), lambda c: c,
-                                carry), None
+            inside = (j >= full_lo) & (j < full_hi)
+            branch = jnp.where(visible, jnp.where(inside, 1, 2), 0)
+            return jax.lax.switch(branch, [
+                lambda c: c,
+                lambda c: key_block(i, qi, c, j, masked=False),
+                lambda c: key_block(i, qi, c, j, masked=True)], carry), None
 
         init = (jnp.zeros((K, G * bq, D), jnp.float32),
                 jnp.full((K, G * bq), -jnp.inf, jnp.float32),
