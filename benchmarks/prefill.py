@@ -66,7 +66,9 @@ def _analytic(cfg, P, kernel, block):
     E, F, L = cfg.dim, cfg.ffn_dim, cfg.n_layers
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     proj = 2 * P * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * F) * L
-    if kernel == "dense":
+    if kernel == "noattn":
+        keys_per_query = 0
+    elif kernel == "dense":
         keys_per_query = P
     else:
         b = min(block, P)

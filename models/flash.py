@@ -48,10 +48,14 @@ import numpy as np
 # (a [K, G*256, 256] float32 score block is 2.4 MB), 512 within 10-30 %, one block
 # of S (the dense kernel's shape) 3-4x slower; see benchmarks/notes_prefill.md.
 BLOCK = 256
-# `causal_attend` uses the blockwise kernel from this many positions on; below
-# it the dense square is small (at most 9 MB per layer at H = 9) and the dense
-# program compiles faster. Read at trace time.
-BLOCKWISE_MIN_LEN = 512
+# `causal_attend` uses the blockwise kernel from this many positions on. Below
+# it the dense square is small (at most 38 MB per layer at H = 9) and the time
+# saved per call (SmolLM2 on the loaded 2-core CPU: about 0.9 s at P = 512 from
+# one-layer timings, 1.6 s measured at 1024) is small against the blockwise
+# program's extra compile time (about 6 s for 30 unrolled layers, once per
+# prompt bucket and process; the persistent compilation cache keeps it).
+# Read at trace time.
+BLOCKWISE_MIN_LEN = 1024
 
 
 def use_blockwise(S: int) -> bool:
