@@ -310,3 +310,20 @@ def test_engine_prefill_with_bridge_both_kernels(tiny_lm):
     for r, n in enumerate(np.asarray(lengths)):
         for a, c in zip(pb.k + pb.v, pd.k + pd.v):
             _close(a[r, :, :n], c[r, :, :n])
+
+
+def test_suffix_over_context_by_merge():
+    """The three-level recipe: a suffix attending to a computed context (all of it
+    visible) plus itself causally = `partial_attention` over the context merged by
+    log-sum-exp with the blockwise kernel over the suffix; equals one call over
+    `[context; suffix]` keys with `q_offset = C`, and the float64 oracle."""
+    C, S = 21, 37
+    q, k, v = _qkv(S, C + S, 4, 2, 8, seed=7)
+    ctx = common.partial_attention(q, k[:, :C], v[:, :C], jnp.ones((S, C), bool), 0.3)
+    own = blockwise(q, k[:, C:], v[:, C:], scale=0.3, block_q=16, block_k=16, return_lse=True)
+    merged = common.merge_attention([ctx, own])
+    one_call = blockwise(q, k, v, scale=0.3, q_offset=C, block_q=16, block_k=16)
+    want, _ = _oracle(q, k, v, _mask(S, C + S, q_offset=C), 0.3)
+    vmax = float(np.abs(np.asarray(v)).max())
+    _check(merged, want, vmax)
+    _check(one_call, want, vmax)
