@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepared H200 run: the random-weight 1B Llama (bfloat16) at P=4096,
 # N in {1, 16, 64}, T=128, for jaxsample, the Hugging Face peer and the naive
-# engine, plus the bandwidth roofline. Budget: about five minutes including
-# compile.
+# engine, plus the bandwidth roofline, then the prefill (dense vs blockwise
+# attention, P=4096/16384). Budget: about ten minutes including compile.
 #
 #   bash benchmarks/gpu_run.sh            # from the repository root
 #
@@ -33,3 +33,15 @@ timeout 330 python benchmarks/decode.py --config llama-1b \
     --cell-timeout 150 --deadline 240 --hf-skip-above 0 \
     --out "$OUT/gpu_llama1b.jsonl" --plot "$OUT/gpu_llama1b.png" 2>&1 | tee "$OUT/gpu_llama1b.log"
 echo "exit ${PIPESTATUS[0]}; results in $OUT/gpu_llama1b.jsonl"
+# Prefill speed, dense vs blockwise causal attention (models/flash.py), the same
+# random 1B Llama in bfloat16, one prompt of 4096 and 16384 tokens, one process
+# per cell (a dense out-of-memory at 16384 is a row with its error). Runs after
+# the decode rows, so a failure here loses only these rows. Sizes can be
+# shrunk for a CPU smoke run: PREFILL_LENGTHS=64 PREFILL_MODEL=smollm2 bash ...
+# The float32 exactness checks are the CPU run's (--layer-check 0 here); the
+# bfloat16 logits/KV comparison is reported against a bfloat16-sized 5e-2.
+timeout 300 python benchmarks/prefill.py --model "${PREFILL_MODEL:-llama-1b}" --dtype bfloat16 \
+    --prompt-lengths "${PREFILL_LENGTHS:-4096,16384}" --kernels dense,blockwise --repeats 3 \
+    --cell-timeout 120 --layer-check 0 --check-rtol 5e-2 \
+    --out "$OUT/gpu_prefill.json" 2>&1 | tee "$OUT/gpu_prefill.log"
+echo "prefill exit ${PIPESTATUS[0]}; results in $OUT/gpu_prefill.json"

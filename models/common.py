@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsample.models import flash
+
 Params = dict[str, Any]
 # attend(q [S, H, D], k [S, K, D], v [S, K, D]) -> out [S, H, D]
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -157,18 +159,35 @@ def window_mask(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
 
 
 def causal_attend(valid_len: jax.Array | None = None, window=None,
-                  scale: float | None = None) -> AttendFn:
+                  scale: float | None = None, impl: str = "auto") -> AttendFn:
     """Plain causal self-attention within the call, keys `< valid_len` only.
 
     Args:
-      valid_len: `[]` int32 or None: keys at positions `>= valid_len` are masked.
+      valid_len: `[]` int32 or None: positions `>= valid_len` are right
+        padding. The dense kernel masks them as keys; causality already hides
+        them from every query below valid_len, so the outputs there are the
+        same either way, and the blockwise kernel does not mask (outputs at
+        padded positions are unspecified).
       window: None (global attention) or the layer's sliding window (a Python
         int or a traced int32): the query at p sees keys in `(p - window, p]`.
       scale: the score scale (None: `1/sqrt(D)`).
+      impl: "auto" (default: `flash.use_blockwise(S)` chooses by the call's
+        length S), "dense" (one `[S, S]` masked `partial_attention`) or
+        "blockwise" (`flash.blockwise_attention`: online softmax over key
+        blocks, no square, blocks above the diagonal or outside the window
+        skipped). Both agree to float32 rounding below valid_len.
     """
+    if impl not in ("auto", "dense", "blockwise"):
+        raise ValueError(f"causal_attend: impl must be 'auto', 'dense' or 'blockwise', "
+                         f"got {impl!r}")
 
     def attend(q, k, v):
         S = q.shape[0]
+        if impl == "blockwise" or (impl == "auto" and flash.use_blockwise(S)):
+            # No valid_len mask needed: causality hides padding from real queries.
+            out = flash.blockwise_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1),
+                                            window=window, scale=scale)
+            return out.astype(q.dtype)
         pos = jnp.arange(S)
         mask = pos[None, :] <= pos[:, None]
         if window is not None:
