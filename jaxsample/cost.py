@@ -157,6 +157,22 @@ def prefill_flops(config, prompt_tokens: int) -> int:
     return linear_flops_per_token(config) * P + attn + logits_flops_per_token(config)
 
 
+def suffix_prefill_flops(config, context_tokens: int, suffix_tokens: int) -> int:
+    """FLOPs to prefill a prompt's own S tokens after a C-token context already cached.
+
+    `2*L*linear_params*S + 2*L*H*D*(2*S*C + S*(S+1)) + 2*E*V`: suffix token j
+    attends to the C context positions and to suffix tokens 0..j (0 for an
+    empty suffix). `prefill_flops(C) + suffix_prefill_flops(C, S)` equals
+    `prefill_flops(C + S)` plus the context's one row of logits.
+    """
+    C, S = int(context_tokens), int(suffix_tokens)
+    if S == 0:
+        return 0
+    pairs = S * C + S * (S + 1) // 2
+    return (linear_flops_per_token(config) * S + attention_flops_per_pair(config) * pairs
+            + logits_flops_per_token(config))
+
+
 def decode_flops(config, prompt_tokens, new_tokens):
     """FLOPs to decode T new tokens of one branch after a P-token prompt.
 
@@ -403,6 +419,19 @@ class Bill:
         and tails read over the decode steps (separate = batched retries: weights
         once per step, N prefix copies).
       weight_bytes, kv_bytes_per_token: the model constants used.
+
+    Three levels (`generate(shared_prefix=...)`; all 0 / equal to the two-level
+    fields without one):
+      shared_context_tokens: C, tokens of the context common to all B prompts,
+        prefilled and stored once; `prompt_tokens_prefilled` is then
+        C + the B prompts' own tokens, and `prompt_tokens_if_separate`
+        N x sum(C + own).
+      kv_bytes_shared_context: `nbytes` of its one cache (padded to its bucket),
+        included in `kv_bytes_held` (context once + prompts' own once each +
+        tails); `kv_bytes_if_separate` counts B x N context copies.
+      prompt_tokens_if_context_per_prompt, prefill_flops_if_context_per_prompt:
+        what the context prefixed to every prompt would prefill (B contexts,
+        branches still sharing each prompt: `generate` without shared_prefix).
     """
 
     num_prompts: int
@@ -430,6 +459,10 @@ class Bill:
     devices: int = 1
     kv_bytes_per_device: int = 0
     kv_bytes_allocated: int = 0
+    shared_context_tokens: int = 0
+    kv_bytes_shared_context: int = 0
+    prompt_tokens_if_context_per_prompt: int = 0
+    prefill_flops_if_context_per_prompt: int = 0
 
     @property
     def tokens_discarded(self) -> int:
@@ -453,7 +486,15 @@ class Bill:
     def summary(self) -> str:
         """A few lines for people: what was shared, what was not."""
         N = self.n
-        lines = [
+        context = []
+        if self.shared_context_tokens:
+            context = [
+                f"shared context: {self.shared_context_tokens} tokens prefilled and stored once "
+                f"for {self.num_prompts} prompts x {N} branches "
+                f"({format_bytes(self.kv_bytes_shared_context)} of KV); prefixed to every "
+                f"prompt it would prefill {self.prompt_tokens_if_context_per_prompt} tokens "
+                f"({format_flops(self.prefill_flops_if_context_per_prompt)})"]
+        lines = context + [
             f"prefill: {self.prompt_tokens_prefilled} prompt tokens once "
             f"({format_flops(self.prefill_flops_shared)}); {N} separate retries would "
             f"prefill {self.prompt_tokens_if_separate} "
@@ -465,7 +506,9 @@ class Bill:
             + (f"; {self.tokens_discarded} of them decoded after a stop string and dropped"
                if self.tokens_discarded else ""),
             f"KV cache held: {format_bytes(self.kv_bytes_held)} "
-            f"(shared prefix {format_bytes(self.kv_bytes_shared_prefix)} once + tails "
+            + (f"(shared context {format_bytes(self.kv_bytes_shared_context)} once + "
+               if self.shared_context_tokens else "(")
+            + f"shared prefix {format_bytes(self.kv_bytes_shared_prefix)} once + tails "
             f"{format_bytes(self.kv_bytes_tails)}); separate retries: "
             f"{format_bytes(self.kv_bytes_if_separate)} ({self.kv_saving:.2f}x as much)",
             f"decode reads: {format_bytes(self.decode_bytes_read_shared)} against "
@@ -485,7 +528,8 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
               decode_steps: int, dtype_bytes: int | None = None,
               prefix_copies: int = 1, kept_lengths=None, devices: int = 1,
               kv_bytes_per_device: int | None = None,
-              kv_bytes_allocated: int | None = None, branch_steps: int | None = None) -> Bill:
+              kv_bytes_allocated: int | None = None, branch_steps: int | None = None,
+              context_length: int = 0, context_cache_bytes: int = 0) -> Bill:
     """The bill of one `generate` call (called by the engine).
 
     Args:
@@ -508,11 +552,16 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
       kv_bytes_per_device, kv_bytes_allocated: KV bytes allocated on one device
         and on all of them; default (one device): prefix + tail bytes.
       branch_steps: slots x steps computed; default decode_steps x B x N.
+      context_length: C, tokens of a context common to all prompts
+        (`shared_prefix=`), prefilled once before them; `prompt_lengths` are
+        then each prompt's own tokens after it.
+      context_cache_bytes: `nbytes` of the context's KV arrays (k and v, padded).
     Returns:
       A `Bill`.
     Raises:
       ValueError: branch_lengths or kept_lengths not `[B, N]`, negative counts,
-        kept_lengths above branch_lengths, or prefix_copies outside [1, N].
+        kept_lengths above branch_lengths, prefix_copies outside [1, N], or a
+        context with prefix_copies > 1.
     """
     try:
         prompts = np.asarray(list(prompt_lengths), dtype=np.int64).reshape(-1)
@@ -539,19 +588,27 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
     if kept.shape != lengths.shape or (kept < 0).any() or (kept > lengths).any():
         raise ValueError("kept_lengths must be [B, N] ints in [0, branch_lengths], "
                          f"got {kept.tolist()!r:.200}")
+    C = _check_count("context_length", context_length, 0)
+    ctx_bytes = _check_count("context_cache_bytes", context_cache_bytes, 0, 2**62, "2**62")
+    if C and copies > 1:
+        raise ValueError("a shared context is priced for the shared engine only (prefix_copies=1)")
     devices = _check_count("devices", devices, 1)
     branch_steps = steps * B * N if branch_steps is None else _check_count(
         "branch_steps", branch_steps, 0)
-    per_device = prefix_bytes + tail_bytes if kv_bytes_per_device is None else _check_count(
+    held = ctx_bytes + prefix_bytes + tail_bytes
+    per_device = held if kv_bytes_per_device is None else _check_count(
         "kv_bytes_per_device", kv_bytes_per_device, 0, 2**62, "2**62")
-    allocated = prefix_bytes + tail_bytes if kv_bytes_allocated is None else _check_count(
+    allocated = held if kv_bytes_allocated is None else _check_count(
         "kv_bytes_allocated", kv_bytes_allocated, 0, 2**62, "2**62")
 
     b = _dtype_bytes(config, dtype_bytes)
     W = weight_bytes(config, b)
     kv = kv_bytes_per_token(config, b)
-    prefill = sum(prefill_flops(config, int(p)) for p in prompts)
-    decode = int(np.sum(decode_flops(config, prompts[:, None], lengths)))
+    full = prompts + C  # the tokens before the first new one, context included
+    prefill = sum(prefill_flops(config, int(p)) for p in full)  # each prompt alone
+    prefill_shared = (copies * prefill if not C else prefill_flops(config, C) + sum(
+        suffix_prefill_flops(config, C, int(p)) for p in prompts))
+    decode = int(np.sum(decode_flops(config, full[:, None], lengths)))
 
     # Bytes read over the decode steps: at step s, branch (b, n) reads the
     # min(s + 1, length) tail tokens it has; the prefix is read once per
@@ -559,22 +616,22 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
     s = np.arange(steps, dtype=np.int64)[:, None, None]
     tail_tokens = int(np.minimum(s + 1, lengths[None]).sum()) if steps else 0
     prefix_tokens = int(prompts.sum())
-    read_shared = steps * (W + copies * prefix_tokens * kv) + tail_tokens * kv
-    read_separate = steps * (W + N * prefix_tokens * kv) + tail_tokens * kv
+    read_shared = steps * (W + (C + copies * prefix_tokens) * kv) + tail_tokens * kv
+    read_separate = steps * (W + N * (B * C + prefix_tokens) * kv) + tail_tokens * kv
 
     return Bill(
         num_prompts=B, n=N, decode_steps=steps, branch_steps=branch_steps,
-        prompt_tokens_prefilled=copies * prefix_tokens,
-        prompt_tokens_if_separate=N * prefix_tokens,
+        prompt_tokens_prefilled=C + copies * prefix_tokens,
+        prompt_tokens_if_separate=N * (B * C + prefix_tokens),
         decoded_tokens_per_branch=lengths.tolist(),
         decoded_tokens_total=int(lengths.sum()),
         kept_tokens_per_branch=kept.tolist(),
         kept_tokens_total=int(kept.sum()),
-        kv_bytes_held=prefix_bytes + tail_bytes,
+        kv_bytes_held=held,
         kv_bytes_shared_prefix=prefix_bytes,
         kv_bytes_tails=tail_bytes,
-        kv_bytes_if_separate=N * prefix_bytes // copies + tail_bytes,
-        prefill_flops_shared=copies * int(prefill),
+        kv_bytes_if_separate=N * (B * ctx_bytes + prefix_bytes // copies) + tail_bytes,
+        prefill_flops_shared=int(prefill_shared),
         prefill_flops_if_separate=N * int(prefill),
         decode_flops_shared=decode,
         decode_flops_if_separate=decode,
@@ -583,6 +640,9 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         weight_bytes=W,
         kv_bytes_per_token=kv,
         devices=devices, kv_bytes_per_device=per_device, kv_bytes_allocated=allocated,
+        shared_context_tokens=C, kv_bytes_shared_context=ctx_bytes,
+        prompt_tokens_if_context_per_prompt=int(full.sum()),
+        prefill_flops_if_context_per_prompt=int(prefill),
     )
 
 

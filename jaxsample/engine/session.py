@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample.engine import inputs
+from jaxsample.engine.context import prefill_context, prefill_suffix
 from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
 from jaxsample.engine.prefill import prefill, take_rows
 from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, DecodeState, Knobs, PrefixCache,
@@ -118,6 +119,7 @@ class _Mesh:
         self.rows = NamedSharding(mesh, Ps(d))
         self.slots = NamedSharding(mesh, Ps(d, b))
         self.prefix_spec = PrefixCache(Ps(d), Ps(d), Ps(d))
+        self.context_spec = Ps()  # the common context: replicated on every device
         self.state_spec = DecodeState(
             t=Ps(), logits=Ps(d, b), tokens=Ps(d, b), logprobs=Ps(d, b),
             top_logprobs=Ps(d, b), top_ids=Ps(d, b), lengths=Ps(d, b), done=Ps(d, b),
@@ -154,8 +156,8 @@ class Session:
     """One request: validated inputs, the prefill, and the rounds decoded over it.
 
     Args:
-      lm, prompts, params, chat, mesh, bridge, prompt_index_offset, naive: as
-        `jaxsample.generate`.
+      lm, prompts, params, chat, mesh, bridge, prompt_index_offset, naive,
+        shared_prefix: as `jaxsample.generate`.
       top_logprobs: k of the top-k log-probabilities to record per token (0: none).
       observer: optional `jaxsample.progress.Progress` (anything with a
         `compiling(name)` context manager): told around every program lookup,
@@ -167,7 +169,8 @@ class Session:
 
     def __init__(self, lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
                  chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
-                 naive: bool = False, top_logprobs: int | None = None, observer=None):
+                 naive: bool = False, top_logprobs: int | None = None, observer=None,
+                 shared_prefix=None):
         self.t_start = time.perf_counter()
         self.observer = observer
         params = SamplingParams() if params is None else params
@@ -176,14 +179,28 @@ class Session:
         if params.seed is None:
             params = params.replace(seed=secrets.randbits(31))
         self.lm, self.params, self.cfg = lm, params, lm.config
-        self.ids, self.texts = inputs.encode_prompts(lm, prompts, chat)
+        if shared_prefix is None:
+            self.context_ids: list[int] = []
+            self.ids, self.texts = inputs.encode_prompts(lm, prompts, chat)
+        else:
+            if naive:
+                raise InputError("naive=True is the baseline without sharing; pass "
+                                 "shared_prefix=None and put the context in every prompt")
+            self.context_ids, self.ids, self.texts = inputs.encode_shared(
+                lm, shared_prefix, prompts, chat)
+        # self.ids: each prompt's own tokens (after the context, if any); prompt_ids: all
+        # the tokens the model saw before the first new one.
+        self.prompt_ids = [self.context_ids + x for x in self.ids]
         B, N, T = len(self.ids), params.n, params.max_new_tokens
         self.B, self.N, self.T = B, N, T
+        C = len(self.context_ids)
         for i, toks in enumerate(self.ids):
-            if len(toks) + T > self.cfg.max_seq_len:
+            if C + len(toks) + T > self.cfg.max_seq_len:
+                head = f"shared_prefix ({C} tokens) + " if C else ""
                 raise InputError(
-                    f"prompt {i} has {len(toks)} tokens; with max_new_tokens={T} that is "
-                    f"{len(toks) + T} > the model's context of {self.cfg.max_seq_len} tokens")
+                    f"{head}prompt {i} has {C + len(toks)} tokens; with max_new_tokens={T} "
+                    f"that is {C + len(toks) + T} > the model's context of "
+                    f"{self.cfg.max_seq_len} tokens")
         # Stop ids: the model's end ids (unless ignore_eos) and stop_token_ids; min_tokens
         # masks all of them, end ids included even with ignore_eos (vLLM's all_stop_token_ids).
         all_stop_ids = sorted(set(lm.tokenizer.eos_token_ids) | set(params.stop_token_ids))
@@ -213,6 +230,8 @@ class Session:
         self.bridge_dev = (self.bridge_params if mesh is None or bridge is None
                            else _put(self.bridge_params, self.m.rep))
         self.timings = {"compile": 0.0, "prefill": 0.0, "decode": 0.0, "host": 0.0}
+        if C:
+            self.timings["prefill_context"] = 0.0  # part of "prefill"
         self.st = Static(cfg=self.cfg, n=1, t_cap=bucket(T), vocab_limit=lm.vocab_limit,
                          pad_id=int(lm.tokenizer.pad_token_id), top_logprobs=k,
                          axes=((BRANCH_AXIS,) + ((data_axis,) if data_axis else ())) if mesh else (),
@@ -243,6 +262,11 @@ class Session:
     # -- prefill ------------------------------------------------------------
 
     def _prefill(self):
+        self.context = None
+        self.context_bytes = (0, 0, 0)
+        ctx_lp = None
+        if self.context_ids:
+            ctx_lp = self._prefill_context()
         rows = self.row_prompt
         R = len(rows)
         R_pad = -(-R // self.nd) * self.nd  # a data axis must divide the rows
@@ -253,18 +277,29 @@ class Session:
             tokens[j, :len(self.ids[r])] = self.ids[r]
             lengths[j] = len(self.ids[r])
         cfg, st, pk, vl = self.cfg, self.st, self.prompt_k, self.st.vocab_limit
-        fn = lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b,
-                                        prompt_logprobs=pk, vocab_limit=vl)
+        if self.context is None:
+            fn = lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b,
+                                            prompt_logprobs=pk, vocab_limit=vl)
+            extra_args, extra_specs = (), ()
+            name = "prefill"
+        else:  # the suffixes after the common context
+            fn = lambda p, t, n, b, c, cl: prefill_suffix(
+                cfg, p, c, t, n, st.post_layer(True, ()), b, prompt_logprobs=pk,
+                vocab_limit=vl, ctx_logits=cl)
+            extra_args = (self.context, self.context_last)
+            extra_specs = () if self.m is None else (self.m.context_spec, self.m.Ps())
+            name = "prefill_suffix"
         if self.m is None:
-            args = (self.model_params, jnp.asarray(tokens), jnp.asarray(lengths), self.bridge_params)
+            args = (self.model_params, jnp.asarray(tokens), jnp.asarray(lengths),
+                    self.bridge_params) + extra_args
         else:
             m = self.m
             extra = (PromptLogprobs(*([m.Ps(m.d)] * 4)),) if pk >= 0 else ()
-            fn = m.shard_map(fn, (m.Ps(), m.Ps(m.d), m.Ps(m.d), m.Ps()),
+            fn = m.shard_map(fn, (m.Ps(), m.Ps(m.d), m.Ps(m.d), m.Ps()) + tuple(extra_specs),
                              (m.prefix_spec, m.Ps(m.d)) + extra)
             args = (self.model_params, _put(tokens, m.rows), _put(lengths, m.rows),
-                    self.bridge_dev)
-        prog = self.program(("prefill", cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
+                    self.bridge_dev) + extra_args
+        prog = self.program((name, cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
         t0 = time.perf_counter()
         out = jax.block_until_ready(prog(*args))
         self.prefix, self.last = out[:2]
@@ -275,11 +310,49 @@ class Session:
             first = {}  # the first row of each prompt (naive rows are copies)
             for j, r in enumerate(rows):
                 first.setdefault(r, j)
-            self.prompt_logprobs = [
-                PromptLogprobs(*(a[first[b], :len(self.ids[b]) - 1] for a in lp))
-                for b in range(self.B)]
+            if ctx_lp is None:
+                self.prompt_logprobs = [
+                    PromptLogprobs(*(a[first[b], :len(self.ids[b]) - 1] for a in lp))
+                    for b in range(self.B)]
+            else:  # the context's C - 1 entries, then the row's: entry 0 is about its token 0
+                C = len(self.context_ids)
+                self.prompt_logprobs = [
+                    PromptLogprobs(*(np.concatenate([c[:C - 1], a[first[b], :len(self.ids[b])]])
+                                     for c, a in zip(ctx_lp, lp)))
+                    for b in range(self.B)]
         self.rows_alloc = R_pad
         self.prefix_bytes = _kv_bytes(self.prefix.k + self.prefix.v, R, R_pad)
+
+    def _prefill_context(self):
+        """Prefill the common context once (replicated on a mesh); returns its
+        host PromptLogprobs (`[C]`) with prompt logprobs, else None."""
+        ids = self.context_ids
+        c_cap = bucket(len(ids))
+        tokens = np.zeros((c_cap,), np.int32)
+        tokens[:len(ids)] = ids
+        length = np.int32(len(ids))
+        cfg, st, pk, vl = self.cfg, self.st, self.prompt_k, self.st.vocab_limit
+        fn = lambda p, t, n, b: prefill_context(cfg, p, t, n, st.post_layer(True, ()), b,
+                                                prompt_logprobs=pk, vocab_limit=vl)
+        if self.m is None:
+            args = (self.model_params, jnp.asarray(tokens), jnp.asarray(length),
+                    self.bridge_params)
+        else:
+            m = self.m
+            extra = (PromptLogprobs(*([m.Ps()] * 4)),) if pk >= 0 else ()
+            fn = m.shard_map(fn, (m.Ps(),) * 4, (m.context_spec, m.Ps()) + extra)
+            args = (self.model_params, _put(tokens, m.rep), _put(length, m.rep),
+                    self.bridge_dev)
+        prog = self.program(("prefill_context", cfg, self.bridge_cfg, self.mesh, pk, vl), fn,
+                            args)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(prog(*args))
+        dt = time.perf_counter() - t0
+        self.timings["prefill"] += dt
+        self.timings["prefill_context"] += dt
+        self.context, self.context_last = out[:2]
+        self.context_bytes = _kv_bytes(self.context.k + self.context.v, 1, 1)
+        return PromptLogprobs(*map(_host, out[2])) if pk >= 0 else None
 
     # -- rounds ---------------------------------------------------------------
 
@@ -410,7 +483,7 @@ class Round:
         if st.penalties:
             for j, r in enumerate(prefix_rows):
                 if r < len(s.row_prompt):
-                    mask[j, s.ids[s.row_prompt[r]]] = True
+                    mask[j, s.prompt_ids[s.row_prompt[r]]] = True
         fn = lambda l, p, b, v, pm: init_state(st, l, p, b, v, pm)
         args = (last, s.put(pidx, "rows"), s.put(ids, "slots"), s.put(live, "slots"),
                 s.put(mask, "rows"))
@@ -434,12 +507,13 @@ class Round:
         t0 = self.t
         t_stop = min(t0 + max(int(steps), 1), s.T)
         st = self._static(self.col_of.shape[1])
-        fn = lambda p, pre, state, kn, bp: decode_chunk(st, p, pre, state, kn, bp)
-        args = (s.model_params, self.prefix, self.state, s.knob_args(t_stop), s.bridge_dev)
+        fn = lambda p, pre, state, kn, bp, c: decode_chunk(st, p, pre, state, kn, bp, c)
+        args = (s.model_params, self.prefix, self.state, s.knob_args(t_stop), s.bridge_dev,
+                s.context)
         if s.m is not None:
             m = s.m
-            fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, m.state_spec, m.knob_spec, m.Ps()),
-                             m.state_spec)
+            fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, m.state_spec, m.knob_spec, m.Ps(),
+                                  m.context_spec), m.state_spec)
         prog = s.program(("decode", st, s.mesh), fn, args, donate=(2,))
         t_run = time.perf_counter()
         self.state = jax.block_until_ready(prog(*args))
