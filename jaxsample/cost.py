@@ -193,15 +193,21 @@ def decode_flops(config, prompt_tokens, new_tokens):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostEstimate:
-    """Analytic cost of N branches of T new tokens over one P-token prompt.
+    """Analytic cost of N branches of T new tokens over one P-token prompt
+    (or B prompts of P own tokens after a C-token context common to all).
 
-    "shared" is this library's engine (prefix prefilled, held and read once);
-    "separate" is N independent retries batched together (N prefills, N
-    prefix copies); "sequential" is N retries run one after another.
-    FLOPs are counted as in the module docstring; bytes are bytes.
+    "shared" is this library's engine (prefix prefilled, held and read once;
+    with a context, three levels: the context once, each prompt's own P
+    tokens once, each branch's tail); "separate" is B x N independent retries
+    batched together (B x N prefills of C + P tokens, as many prefix copies);
+    "sequential" is those retries run one after another; "two_level" (with a
+    context) prefixes the context to each of the B prompts, whose branches
+    share it. FLOPs are counted as in the module docstring; bytes are bytes.
+    With C = 0 and B = 1 (the defaults) every field is that of one prompt.
 
     Attributes:
-      prompt_tokens, new_tokens, n: P, T, N.
+      prompt_tokens, new_tokens, n: P (each prompt's own tokens), T, N.
+      context_tokens, num_prompts: C and B.
       dtype_bytes: bytes per weight and per KV element.
       n_params: parameters of the model (elements).
       weight_bytes: bytes of all parameters.
@@ -215,13 +221,17 @@ class CostEstimate:
       decode_step_bytes_separate: same step, N retries batched (weights once, N prefixes).
       decode_step_bytes_sequential: same step, N retries one after another.
       decode_bytes_shared, decode_bytes_separate: bytes read over all T decode steps.
-      kv_bytes_shared: KV held at the end, `(P + N*T) * kv_bytes_per_token`.
-      kv_bytes_separate: `N * (P + T) * kv_bytes_per_token`.
+      kv_bytes_shared: KV held at the end, `(C + B*P + B*N*T) * kv_bytes_per_token`.
+      kv_bytes_separate: `B * N * (C + P + T) * kv_bytes_per_token`.
+      prefill_flops_two_level: B prefills of C + P tokens (the context per prompt).
+      kv_bytes_two_level: `(B*(C + P) + B*N*T) * kv_bytes_per_token`.
     """
 
     prompt_tokens: int
     new_tokens: int
     n: int
+    context_tokens: int
+    num_prompts: int
     dtype_bytes: int
     n_params: int
     weight_bytes: int
@@ -239,6 +249,8 @@ class CostEstimate:
     decode_bytes_separate: int
     kv_bytes_shared: int
     kv_bytes_separate: int
+    prefill_flops_two_level: int
+    kv_bytes_two_level: int
 
     @property
     def total_flops_shared(self) -> int:
@@ -258,13 +270,15 @@ class CostEstimate:
 
     @property
     def decode_step_intensity_shared(self) -> float:
-        """FLOPs per byte read by the last decode step, shared prefix (N tokens per step)."""
-        return self.n * self.decode_flops_last_token / max(self.decode_step_bytes_shared, 1)
+        """FLOPs per byte read by the last decode step, shared prefix (B*N tokens per step)."""
+        return (self.num_prompts * self.n * self.decode_flops_last_token
+                / max(self.decode_step_bytes_shared, 1))
 
     @property
     def decode_step_intensity_separate(self) -> float:
-        """FLOPs per byte read by the last decode step, N retries batched."""
-        return self.n * self.decode_flops_last_token / max(self.decode_step_bytes_separate, 1)
+        """FLOPs per byte read by the last decode step, B*N retries batched."""
+        return (self.num_prompts * self.n * self.decode_flops_last_token
+                / max(self.decode_step_bytes_separate, 1))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of the fields plus the derived totals."""
@@ -293,57 +307,73 @@ def _check_count(name: str, value, minimum: int, maximum: int = MAX_COUNT,
 
 
 def estimate(config, prompt_tokens: int, new_tokens: int, n: int,
-             dtype_bytes: int | None = None) -> CostEstimate:
-    """Analytic cost of N branches over one shared prompt against N separate retries.
+             dtype_bytes: int | None = None, *, context_tokens: int = 0,
+             num_prompts: int = 1) -> CostEstimate:
+    """Analytic cost of N branches over a shared prompt against separate retries.
 
     Args:
       config: a `models.llama.LlamaConfig`.
-      prompt_tokens: P, tokens in the prompt, an int in [0, 2**40) (`MAX_COUNT`).
+      prompt_tokens: P, tokens in the prompt (each prompt's own, after the
+        context), an int in [0, 2**40) (`MAX_COUNT`).
       new_tokens: T, tokens decoded per branch, an int in [0, 2**40).
-      n: N, branches, an int in [1, 2**40).
+      n: N, branches per prompt, an int in [1, 2**40).
       dtype_bytes: bytes per weight and per KV element; default from `config.dtype`
         (4 for float32, 2 for bfloat16).
+      context_tokens: C, tokens of a context common to all prompts
+        (`generate(shared_prefix=...)`), an int in [0, 2**40); 0: none.
+      num_prompts: B, prompts sharing the context, an int in [1, 2**40).
     Returns:
       A `CostEstimate` (see the module docstring for the counting conventions).
     Raises:
-      ValueError: a token count outside [0, 2**40), n outside [1, 2**40),
-        a non-integer count, or a bad dtype_bytes.
+      ValueError: a token count outside [0, 2**40), n or num_prompts outside
+        [1, 2**40), a non-integer count, or a bad dtype_bytes.
     """
     P = _check_count("prompt_tokens", prompt_tokens, 0)
     T = _check_count("new_tokens", new_tokens, 0)
     N = _check_count("n", n, 1)
+    C = _check_count("context_tokens", context_tokens, 0)
+    B = _check_count("num_prompts", num_prompts, 1)
     b = _dtype_bytes(config, dtype_bytes)
     W = weight_bytes(config, b)
     kv = kv_bytes_per_token(config, b)
-    pf = prefill_flops(config, P)
-    df = decode_flops(config, P, T)
+    pf = prefill_flops(config, C + P)  # one prompt with the context before it
+    shared_pf = (prefill_flops(config, C) + B * suffix_prefill_flops(config, C, P) if C
+                 else B * pf)
+    df = decode_flops(config, C + P, T)
     last = (linear_flops_per_token(config) + logits_flops_per_token(config)
-            + attention_flops_per_pair(config) * (P + T)) if T else 0
+            + attention_flops_per_pair(config) * (C + P + T)) if T else 0
     tail_sum = T * (T + 1) // 2  # tail tokens read, summed over steps t = 0 .. T-1
+    R = B * N  # branches in all
+    shared_kv = kv_bytes(config, C, b) + B * kv_bytes(config, P, b)
     return CostEstimate(
-        prompt_tokens=P, new_tokens=T, n=N, dtype_bytes=b,
+        prompt_tokens=P, new_tokens=T, n=N, context_tokens=C, num_prompts=B, dtype_bytes=b,
         n_params=param_count(config), weight_bytes=W, kv_bytes_per_token=kv,
-        prefill_flops_shared=pf, prefill_flops_separate=N * pf,
+        prefill_flops_shared=shared_pf, prefill_flops_separate=R * pf,
         decode_flops_per_token=df / T if T else 0.0,
         decode_flops_last_token=int(last),
-        decode_flops_shared=N * df, decode_flops_separate=N * df,
-        decode_step_bytes_shared=W + kv_bytes(config, P, b) + N * kv_bytes(config, T, b),
-        decode_step_bytes_separate=W + N * kv_bytes(config, P + T, b),
-        decode_step_bytes_sequential=N * (W + kv_bytes(config, P + T, b)),
-        decode_bytes_shared=T * (W + P * kv) + N * tail_sum * kv,
-        decode_bytes_separate=T * W + N * (T * P + tail_sum) * kv,
-        kv_bytes_shared=kv_bytes(config, P, b) + N * kv_bytes(config, T, b),
-        kv_bytes_separate=N * kv_bytes(config, P + T, b),
+        decode_flops_shared=R * df, decode_flops_separate=R * df,
+        decode_step_bytes_shared=W + shared_kv + R * kv_bytes(config, T, b),
+        decode_step_bytes_separate=W + R * kv_bytes(config, C + P + T, b),
+        decode_step_bytes_sequential=R * (W + kv_bytes(config, C + P + T, b)),
+        decode_bytes_shared=T * (W + (C + B * P) * kv) + R * tail_sum * kv,
+        decode_bytes_separate=T * W + R * (T * (C + P) + tail_sum) * kv,
+        kv_bytes_shared=shared_kv + R * kv_bytes(config, T, b),
+        kv_bytes_separate=R * kv_bytes(config, C + P + T, b),
+        prefill_flops_two_level=B * pf,
+        kv_bytes_two_level=B * kv_bytes(config, C + P, b) + R * kv_bytes(config, T, b),
     )
 
 
 def table(config, prompt_tokens: int, new_tokens: int, ns: Sequence[int],
-          dtype_bytes: int | None = None) -> list[dict[str, Any]]:
+          dtype_bytes: int | None = None, *, context_tokens: int = 0,
+          num_prompts: int = 1) -> list[dict[str, Any]]:
     """One row per N of the shared-prefix against separate-retries comparison.
 
     Args:
       config: a `LlamaConfig`; prompt_tokens: P; new_tokens: T.
       ns: the branch counts to price (each >= 1).
+      context_tokens, num_prompts: C and B, as `estimate` (with C > 0 the rows
+        also carry `prefill_flops_two_level` and `kv_bytes_two_level`).
     Returns:
       A list of dicts, one per N, with keys `n`, `prefill_flops_shared`,
       `prefill_flops_separate`, `decode_flops` (the same for both),
@@ -357,7 +387,10 @@ def table(config, prompt_tokens: int, new_tokens: int, ns: Sequence[int],
         raise ValueError("ns must list at least one branch count")
     rows = []
     for n in ns:
-        e = estimate(config, prompt_tokens, new_tokens, n, dtype_bytes)
+        e = estimate(config, prompt_tokens, new_tokens, n, dtype_bytes,
+                     context_tokens=context_tokens, num_prompts=num_prompts)
+        extra = (dict(prefill_flops_two_level=e.prefill_flops_two_level,
+                      kv_bytes_two_level=e.kv_bytes_two_level) if e.context_tokens else {})
         rows.append(dict(
             n=e.n,
             prefill_flops_shared=e.prefill_flops_shared,
@@ -370,7 +403,7 @@ def table(config, prompt_tokens: int, new_tokens: int, ns: Sequence[int],
             kv_saving=e.kv_saving,
             total_flops_shared=e.total_flops_shared,
             total_flops_separate=e.total_flops_separate,
-        ))
+        ) | extra)
     return rows
 
 

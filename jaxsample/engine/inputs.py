@@ -118,7 +118,7 @@ def encode_prompts(lm: LanguageModel, prompts, chat: bool):
     return ids, texts
 
 
-def _without_bos(tokenizer, ids: list[int]) -> list[int]:
+def without_bos(tokenizer, ids: list[int]) -> list[int]:
     """A prompt's own ids after a shared prefix: without the BOS the tokenizer may
     prepend (the BOS, if any, starts the shared prefix)."""
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -170,7 +170,7 @@ def encode_shared(lm: LanguageModel, shared_prefix, prompts, chat: bool):
         context = (list(tok.encode(sp)) if isinstance(sp, str)
                    else token_ids(lm, sp, 0, name="shared_prefix"))
         ids, texts = encode_prompts(lm, prompts, chat=False)
-        ids = [_without_bos(tok, x) if isinstance(t, str) else x for x, t in zip(ids, texts)]
+        ids = [without_bos(tok, x) if isinstance(t, str) else x for x, t in zip(ids, texts)]
         for i, x in enumerate(ids):
             if not x:
                 raise InputError(f"prompt {i} is empty (0 tokens after the shared prefix)")
@@ -195,7 +195,7 @@ def encode_shared(lm: LanguageModel, shared_prefix, prompts, chat: bool):
             raise InputError(f"prompt {i}: the chat template does not render the shared_prefix "
                              "turns as the start of the conversation; pass the whole "
                              "conversations as prompts without shared_prefix")
-        x = _without_bos(tok, list(tok.encode(full[len(head):])))
+        x = without_bos(tok, list(tok.encode(full[len(head):])))
         if not x:
             raise InputError(f"prompt {i} is empty (0 tokens after the shared prefix)")
         ids.append(x)
