@@ -550,10 +550,8 @@ def _prompt_tokens(tokenizer, r: Request, chat: bool, shared: str | None) -> int
     if chat:
         head = tokenizer.apply_chat_template([{"role": "system", "content": shared}],
                                              add_generation_prompt=False)
-        full = _render(tokenizer, Request(r.index, None, None, [
-            {"role": "system", "content": shared}] + (
-                r.messages if r.messages is not None
-                else [{"role": "user", "content": r.prompt}]), r.sampling, r.where), True)
+        turns = r.messages if r.messages is not None else [{"role": "user", "content": r.prompt}]
+        full = tokenizer.apply_chat_template([{"role": "system", "content": shared}] + turns)
         own = full[len(head):] if full.startswith(head) else full
     else:
         own = _render(tokenizer, r, False)

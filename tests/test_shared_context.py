@@ -310,3 +310,58 @@ def test_smollm2_shared_context_equals_concatenation(lm):
     suffix = [inputs.without_bos(lm.tokenizer, lm.tokenizer.encode(p)) for p in prompts]
     ref = engine.generate(lm, concat(lm, context, suffix), params)
     assert_close_generations(lm, ref, got)
+
+
+# ---------------------------------------------------------------------------
+# The command line (no weights loaded)
+
+
+def test_cli_price_knows_three_levels(capsys):
+    import json
+
+    from jaxsample import cli
+
+    argv = ["price", "--model", "smollm2-135m", "--prompt-tokens", "40", "--new-tokens", "16",
+            "--n", "1,8", "--context-tokens", "2000", "--prompts", "8"]
+    assert cli.main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg, _ = cli.resolve_model_config("smollm2-135m")
+    want = cost.table(cfg, 40, 16, [1, 8], context_tokens=2000, num_prompts=8)
+    assert out["rows"] == json.loads(json.dumps(want))
+    assert out["context_tokens"] == 2000 and out["num_prompts"] == 8
+    assert cli.main(argv) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "two levels" in text and "8 prompts of P=40 own tokens" in text
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["run", "--prompt", "x", "--shared-prefix", "  "], "--shared-prefix: the shared prefix is empty"),
+    (["run", "--prompt", "x", "--shared-prefix", "ctx", "--adaptive", "esc"],
+     "--shared-prefix cannot be combined with --adaptive"),
+    (["run", "--prompt", "x", "--shared-prefix-file", "/nonexistent/ctx.txt"],
+     "--shared-prefix-file: /nonexistent/ctx.txt: no such file"),
+    (["price", "--prompts", "0"], "--prompts"),
+])
+def test_cli_bad_shared_prefix_is_one_line_and_exit_2(capsys, argv, needle):
+    from jaxsample import cli
+
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_cli_checks_the_shared_prefix_against_the_context(tiny_lm):
+    """`check_requests` counts context + own tokens as generate splits them."""
+    from jaxsample import cli
+
+    r = cli.Request(0, None, "3+3=", None, SamplingParams(max_new_tokens=10), "--prompt")
+    n = cli._prompt_tokens(tiny_lm.tokenizer, r, False, CONTEXT)
+    s = engine.Session(tiny_lm, ["3+3="], SamplingParams(max_new_tokens=10),
+                       shared_prefix=CONTEXT)
+    assert n == len(s.prompt_ids[0])
+    n_chat = cli._prompt_tokens(tiny_lm.tokenizer, r, True, "Be brief.")
+    s = engine.Session(tiny_lm, ["3+3="], SamplingParams(max_new_tokens=10), chat=True,
+                       shared_prefix="Be brief.")
+    assert n_chat == len(s.prompt_ids[0])
+    with pytest.raises(InputError, match="--shared-prefix and the prompt have"):
+        cli.check_requests(tiny_lm.config, tiny_lm.tokenizer, [r], False, "y" * 500)
