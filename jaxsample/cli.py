@@ -554,9 +554,8 @@ def _prompt_tokens(tokenizer, r: Request, chat: bool, shared: str | None) -> int
         full = tokenizer.apply_chat_template([{"role": "system", "content": shared}] + turns)
         own = full[len(head):] if full.startswith(head) else full
     else:
-        own = _render(tokenizer, r, False)
-    return len(tokenizer.encode(shared)) + len(inputs.without_bos(tokenizer,
-                                                                  tokenizer.encode(own)))
+        head, own = shared, _render(tokenizer, r, False)
+    return len(tokenizer.encode(head)) + len(inputs.without_bos(tokenizer, tokenizer.encode(own)))
 
 
 def check_requests(model_cfg, tokenizer, requests: list[Request], chat: bool,

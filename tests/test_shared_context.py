@@ -34,17 +34,20 @@ def concat(lm, context, prompts):
     return [ids + (lm.tokenizer.encode(p) if isinstance(p, str) else list(p)) for p in prompts]
 
 
-def assert_close_generations(lm, ref, got, **kw):
-    """Same tokens up to float ties; same prompt tokens; the floats that exist equal."""
+def assert_close_generations(lm, ref, got, atol=1e-5):
+    """Same tokens up to float ties; same prompt tokens; the floats that exist equal.
+
+    atol: 1e-5 on the tiny models; 1e-4 on SmolLM2 (30 layers: the project's
+    tolerance between two float32 programs of it, see tests/ties.py)."""
     assert got.prompt_tokens == ref.prompt_tokens
-    assert_same_tokens_up_to_ties(lm, ref, got, **kw)
+    assert_same_tokens_up_to_ties(lm, ref, got, logprob_atol=atol)
     same = np.all(ref.tokens == got.tokens, axis=-1)  # compare floats where no tie flipped
-    np.testing.assert_allclose(got.logprobs[same], ref.logprobs[same], atol=1e-5)
+    np.testing.assert_allclose(got.logprobs[same], ref.logprobs[same], atol=atol)
     for name in ("top_logprobs", "token_ranks"):
         a, b = getattr(ref, name), getattr(got, name)
         assert (a is None) == (b is None)
         if a is not None:
-            np.testing.assert_allclose(b[same], a[same], atol=1e-5)
+            np.testing.assert_allclose(b[same], a[same], atol=atol)
 
 
 def sp(**kw):
@@ -309,7 +312,7 @@ def test_smollm2_shared_context_equals_concatenation(lm):
     assert got.bill.shared_context_tokens > 200
     suffix = [inputs.without_bos(lm.tokenizer, lm.tokenizer.encode(p)) for p in prompts]
     ref = engine.generate(lm, concat(lm, context, suffix), params)
-    assert_close_generations(lm, ref, got)
+    assert_close_generations(lm, ref, got, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------
