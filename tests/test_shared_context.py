@@ -290,6 +290,8 @@ def test_bad_shared_prefix(tiny_lm, bad, match):
 def test_bad_requests_with_a_shared_prefix(tiny_lm):
     with pytest.raises(InputError, match="with chat=True, shared_prefix must be"):
         engine.generate(tiny_lm, PROMPTS, sp(), chat=True, shared_prefix=[1, 2, 3])
+    with pytest.raises(InputError, match="shared_prefix, message 0: a chat message must be"):
+        engine.generate(tiny_lm, PROMPTS, sp(), chat=True, shared_prefix=[{"role": "user"}])
     long = "y" * 500  # 500 + prompt + 10 > 512
     with pytest.raises(InputError, match=r"shared_prefix \(500 tokens\) \+ prompt 0"):
         engine.generate(tiny_lm, PROMPTS, sp(), shared_prefix=long)

@@ -44,26 +44,28 @@ def _is_messages(p) -> bool:
     return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(m, Mapping) for m in p)
 
 
-def chat_messages(p, i: int) -> list[dict]:
+def chat_messages(p, i: int, name: str | None = None) -> list[dict]:
     """One chat prompt -> its messages, or InputError saying what was expected.
 
     A string is one user turn; a list of `{"role": str, "content": str}`
     mappings (other keys are passed to the template as they are) is used as
-    given, system and assistant turns included.
+    given, system and assistant turns included. Errors name `name` (default
+    "prompt i").
     """
+    what = name or f"prompt {i}"
     if isinstance(p, str):
         if not p.strip():
-            raise InputError(f"prompt {i} is empty")
+            raise InputError(f"{what} is empty")
         return [{"role": "user", "content": p}]
     if not _is_messages(p):
         got = "an empty list" if isinstance(p, (list, tuple)) and not p else _short(p)
-        raise InputError(f"prompt {i}: a chat prompt must be {CHAT_SHAPE}, got {got}")
+        raise InputError(f"{what}: a chat prompt must be {CHAT_SHAPE}, got {got}")
     out = []
     for j, m in enumerate(p):
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role or not isinstance(content, str):
             raise InputError(
-                f"prompt {i}, message {j}: a chat message must be a dict with a non-empty "
+                f"{what}, message {j}: a chat message must be a dict with a non-empty "
                 f"string 'role' and a string 'content', got {_short(dict(m))}")
         out.append(dict(m))
     return out
@@ -178,7 +180,7 @@ def encode_shared(lm: LanguageModel, shared_prefix, prompts, chat: bool):
     if isinstance(sp, str):
         common = [{"role": "system", "content": sp}]
     elif _is_messages(sp):
-        common = chat_messages(sp, 0)
+        common = chat_messages(sp, 0, name="shared_prefix")
     else:
         raise InputError(f"with chat=True, shared_prefix must be a string (one system turn) or "
                          f"a list of {{'role': ..., 'content': ...}} messages, got {_short(sp)}")
