@@ -186,7 +186,8 @@ def glm():
                          tokenizer=byte_tokenizer(), name="tiny-gemma")
 
 
-@pytest.mark.parametrize("context", ["0123456789abcdefghij", "ab"], ids=["C>w", "C<w"])
+# Both contexts fall in the same buckets (16; the concatenations in 48): one set of programs.
+@pytest.mark.parametrize("context", ["0123456789ab", "ab"], ids=["C>w", "C<w"])
 def test_sliding_windows_across_the_boundaries(glm, context):
     prompts = ["q", "suffix", "a suffix longer than the window"]
     params = sp(n=3, max_new_tokens=12, logprobs=1, prompt_logprobs=1)
