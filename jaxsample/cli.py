@@ -194,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "fields (n, temperature, top_p, max_new_tokens or max_tokens, stop, "
                           "seed, ...) overriding the flags for that request; they run as one "
                           "batch (consecutive requests with equal settings share a call)")
+    shared = run.add_mutually_exclusive_group()
+    shared.add_argument("--shared-prefix", metavar="TEXT",
+                        help="a context common to every prompt of the run (a few-shot block, a "
+                             "document; with --chat, one system turn before each "
+                             "conversation): prefilled and stored once for all prompts and "
+                             "branches (generate(shared_prefix=...)); not with --adaptive")
+    shared.add_argument("--shared-prefix-file", metavar="F", type=_non_empty,
+                        help="read --shared-prefix (UTF-8) from a file ('-' is stdin)")
     run.add_argument("--prompt-format", choices=("auto", "text", "jsonl"), default="auto",
                      help="how to read --prompt-file: auto (jsonl for a name ending in .jsonl, "
                           "else one text prompt), text or jsonl")
@@ -255,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt length P in tokens (default 4096)")
     price.add_argument("--new-tokens", type=_non_negative_int, default=256, metavar="T",
                        help="new tokens per branch T (default 256)")
+    price.add_argument("--context-tokens", type=_non_negative_int, default=0, metavar="C",
+                       help="tokens of a context common to all --prompts, prefilled and "
+                            "stored once (three levels: generate(shared_prefix=...)); "
+                            "--prompt-tokens is then each prompt's own (default 0: none)")
+    price.add_argument("--prompts", type=_int, default=1, metavar="B",
+                       help="prompts sharing the context, an integer >= 1 (default 1)")
     price.add_argument("--n", type=_int_list, default=[1, 4, 16, 64], metavar="N,N,...",
                        help="branch counts, integers >= 1; repeats are dropped "
                             "(default 1,4,16,64)")
@@ -349,6 +363,25 @@ def resolve_run_config(args: argparse.Namespace) -> config_lib.RunConfig:
 PROMPT_FILE_LIMIT = 64 * 2**20  # bytes; a larger prompt file is an error, never truncated
 
 
+def read_shared_prefix(args) -> str | None:
+    """The text of --shared-prefix or --shared-prefix-file, or None.
+
+    Raises:
+      InputError: as --prompt-file for the file, or an empty (blank) text.
+    """
+    if getattr(args, "shared_prefix", None) is not None:
+        text, where = args.shared_prefix, "--shared-prefix"
+    elif getattr(args, "shared_prefix_file", None) is not None:
+        name = args.shared_prefix_file
+        where = "--shared-prefix-file: " + ("stdin" if name == "-" else name)
+        text = _read_text(name, "stdin" if name == "-" else name, "--shared-prefix-file")
+    else:
+        return None
+    if not text.strip():
+        raise InputError(f"{where}: the shared prefix is empty")
+    return text
+
+
 def _read_prompt(args) -> str:
     """The prompt text of --prompt or --prompt-file.
 
@@ -370,8 +403,7 @@ def _read_prompt(args) -> str:
     return prompt
 
 
-def _read_text(name: str, where: str) -> str:
-    flag = "--prompt-file"
+def _read_text(name: str, where: str, flag: str = "--prompt-file") -> str:
     try:
         if name == "-":
             stream = getattr(sys.stdin, "buffer", sys.stdin)
@@ -508,10 +540,29 @@ def read_requests(args, cfg: config_lib.RunConfig) -> list[Request]:
     return requests
 
 
-def check_requests(model_cfg, tokenizer, requests: list[Request], chat: bool) -> None:
+def _prompt_tokens(tokenizer, r: Request, chat: bool, shared: str | None) -> int:
+    """Tokens before the first new one: the rendered prompt, or the shared prefix
+    and the prompt's own tokens (as `engine.inputs.encode_shared` splits them)."""
+    if shared is None:
+        return len(tokenizer.encode(_render(tokenizer, r, chat)))
+    from jaxsample.engine import inputs
+
+    if chat:
+        head = tokenizer.apply_chat_template([{"role": "system", "content": shared}],
+                                             add_generation_prompt=False)
+        turns = r.messages if r.messages is not None else [{"role": "user", "content": r.prompt}]
+        full = tokenizer.apply_chat_template([{"role": "system", "content": shared}] + turns)
+        own = full[len(head):] if full.startswith(head) else full
+    else:
+        head, own = shared, _render(tokenizer, r, False)
+    return len(tokenizer.encode(head)) + len(inputs.without_bos(tokenizer, tokenizer.encode(own)))
+
+
+def check_requests(model_cfg, tokenizer, requests: list[Request], chat: bool,
+                   shared: str | None = None) -> None:
     """Refuse what the context cannot hold, from the model's metadata and tokenizer,
     before any weight is read: a budget `max_new_tokens` plus one prompt token, then
-    each rendered prompt's tokens plus the budget.
+    each rendered prompt's tokens (after the shared prefix, if any) plus the budget.
 
     Raises:
       InputError: naming the flag or the .jsonl line, the counts and the context.
@@ -525,10 +576,11 @@ def check_requests(model_cfg, tokenizer, requests: list[Request], chat: bool) ->
             raise InputError(f"{what}: max_new_tokens={T} plus at least one prompt token exceeds "
                              f"the model's context of {ctx} tokens (its metadata); use at most "
                              f"{ctx - 1}")
-        n = len(tokenizer.encode(_render(tokenizer, r, chat)))
+        n = _prompt_tokens(tokenizer, r, chat, shared)
         if n + T > ctx:
             what = f"{r.where}: " if line else ""
-            raise InputError(f"{what}the prompt has {n} tokens; with max_new_tokens={T} that "
+            whose = "--shared-prefix and the prompt have" if shared else "the prompt has"
+            raise InputError(f"{what}{whose} {n} tokens; with max_new_tokens={T} that "
                              f"is {n + T} > the model's context of {ctx} tokens")
 
 
@@ -613,7 +665,10 @@ def _run(args) -> int:
     t_start = time.perf_counter()
     cfg = resolve_run_config(args)
     requests = read_requests(args, cfg)
+    shared = read_shared_prefix(args)
     use_cache = not args.no_cache and not cache_lib.cache_disabled()
+    if shared is not None and args.adaptive:
+        raise InputError("--shared-prefix cannot be combined with --adaptive")
     if args.adaptive:
         if cfg.reducer.kind != "vote":
             raise InputError(f"--adaptive votes; it cannot be combined with --reduce "
@@ -624,7 +679,7 @@ def _run(args) -> int:
     # Every check that needs the model, made on its metadata and tokenizer alone, so bad
     # input is refused before the weights load (and before any progress line).
     t0 = time.perf_counter()
-    check_requests(*_model_header(cfg, use_cache), requests, cfg.chat)
+    check_requests(*_model_header(cfg, use_cache), requests, cfg.chat, shared)
     t_meta = time.perf_counter() - t0  # reading the header counts as loading
     from jaxsample import loading
     from jaxsample.progress import Progress
@@ -664,6 +719,11 @@ def _run(args) -> int:
             from jaxsample import engine
 
             adaptive = None
+            if shared is not None:  # the prompts after the common context
+                # With chat, generate renders [system turn] + each conversation itself.
+                kwargs.update(chat=cfg.chat, shared_prefix=shared)
+                texts = [(r.messages if r.messages is not None else r.prompt) if cfg.chat
+                         else _render(lm.tokenizer, r, False) for r in batch]
             gen = engine.generate(lm, texts, run_cfg.sampling, progress=progress or False,
                                   **kwargs)
             sc = _vote(gen, cfg.reducer) if cfg.reducer.kind == "vote" else None
@@ -967,22 +1027,27 @@ def _price(args) -> int:
         raise InputError(f"--n: branch counts must be >= 1, got {args.n}")
     if args.prompt_tokens < 0 or args.new_tokens < 0:
         raise InputError("--prompt-tokens and --new-tokens must be >= 0")
+    if args.prompts < 1:
+        raise InputError(f"--prompts: the number of prompts must be >= 1, got {args.prompts}")
     plot = _plot_target(args.plot) if args.plot else None  # before any work: bad paths fail fast
     model_cfg, label = resolve_model_config(args.model)
     dtype_bytes = cost._DTYPE_BYTES[args.dtype or model_cfg.dtype]
     P, T = args.prompt_tokens, args.new_tokens
-    rows = cost.table(model_cfg, P, T, args.n, dtype_bytes=dtype_bytes)
-    head = cost.estimate(model_cfg, P, T, 1, dtype_bytes=dtype_bytes)
+    C, B = args.context_tokens, args.prompts
+    levels = dict(context_tokens=C, num_prompts=B)
+    rows = cost.table(model_cfg, P, T, args.n, dtype_bytes=dtype_bytes, **levels)
+    head = cost.estimate(model_cfg, P, T, 1, dtype_bytes=dtype_bytes, **levels)
     if plot is not None:
         _plot(rows, plot, f"{label}: P={P}, T={T}, {dtype_bytes} bytes per element")
     if args.json:
         out = {"model": label, "config": dataclasses.asdict(model_cfg),
                "prompt_tokens": P, "new_tokens": T, "dtype_bytes": dtype_bytes,
+               "context_tokens": C, "num_prompts": B,
                "n_params": head.n_params, "weight_bytes": head.weight_bytes,
                "kv_bytes_per_token": head.kv_bytes_per_token,
-               "fits_context": P + T <= model_cfg.max_seq_len,
-               "rows": rows, "estimates": [cost.estimate(model_cfg, P, T, n, dtype_bytes)
-                                           .to_dict() for n in args.n]}
+               "fits_context": C + P + T <= model_cfg.max_seq_len,
+               "rows": rows, "estimates": [cost.estimate(model_cfg, P, T, n, dtype_bytes,
+                                                         **levels).to_dict() for n in args.n]}
         if plot is not None:
             out["plot"] = str(plot)
         print(json.dumps(out))
@@ -998,8 +1063,13 @@ def _price(args) -> int:
                   f"{fb(head.weight_bytes)}, KV {fb(head.kv_bytes_per_token)}/token "
                   f"({dtype_bytes} bytes per element); P={P} prompt tokens, T={T} new tokens "
                   "per branch", markup=False)
-    if P + T > model_cfg.max_seq_len:
-        console.print(f"note: P + T = {P + T} exceeds the model's context "
+    if C or B > 1:
+        console.print(f"{B} prompts of P={P} own tokens after a C={C}-token context common to "
+                      "all: shared = the context once, each prompt once, N tails per prompt; "
+                      f"separate = {B} x N retries of C + P tokens", markup=False)
+    if C + P + T > model_cfg.max_seq_len:
+        what = "C + P + T" if C else "P + T"
+        console.print(f"note: {what} = {C + P + T} exceeds the model's context "
                       f"({model_cfg.max_seq_len} tokens)", markup=False)
     table = Table(title="shared prefix (this engine) vs N separate retries, batched",
                   caption="FLOPs with decimal prefixes, bytes with binary ones (Ki, Mi, Gi)",
@@ -1015,6 +1085,12 @@ def _price(args) -> int:
                       _short_bytes(r["kv_bytes_shared"]),
                       _short_bytes(r["kv_bytes_separate"]), f"{r['kv_saving']:.1f}x")
     console.print(table)
+    if C:
+        console.print(f"the context prefixed to each prompt instead (two levels): prefill "
+                      f"{_short_flops(rows[0]['prefill_flops_two_level'])} against "
+                      f"{_short_flops(rows[0]['prefill_flops_shared'])} "
+                      f"({rows[0]['prefill_flops_two_level'] / max(rows[0]['prefill_flops_shared'], 1):.1f}x)",
+                      markup=False)
     console.print("Prefix sharing saves prefill FLOPs and prefix KV memory and reads; decode "
                   "FLOPs are the same either way. read/step: bytes the last decode step reads "
                   "(weights once + KV). Counting conventions: jaxsample/cost.py.", markup=False)

@@ -157,6 +157,22 @@ def prefill_flops(config, prompt_tokens: int) -> int:
     return linear_flops_per_token(config) * P + attn + logits_flops_per_token(config)
 
 
+def suffix_prefill_flops(config, context_tokens: int, suffix_tokens: int) -> int:
+    """FLOPs to prefill a prompt's own S tokens after a C-token context already cached.
+
+    `2*L*linear_params*S + 2*L*H*D*(2*S*C + S*(S+1)) + 2*E*V`: suffix token j
+    attends to the C context positions and to suffix tokens 0..j (0 for an
+    empty suffix). `prefill_flops(C) + suffix_prefill_flops(C, S)` equals
+    `prefill_flops(C + S)` plus the context's one row of logits.
+    """
+    C, S = int(context_tokens), int(suffix_tokens)
+    if S == 0:
+        return 0
+    pairs = S * C + S * (S + 1) // 2
+    return (linear_flops_per_token(config) * S + attention_flops_per_pair(config) * pairs
+            + logits_flops_per_token(config))
+
+
 def decode_flops(config, prompt_tokens, new_tokens):
     """FLOPs to decode T new tokens of one branch after a P-token prompt.
 
@@ -177,15 +193,21 @@ def decode_flops(config, prompt_tokens, new_tokens):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostEstimate:
-    """Analytic cost of N branches of T new tokens over one P-token prompt.
+    """Analytic cost of N branches of T new tokens over one P-token prompt
+    (or B prompts of P own tokens after a C-token context common to all).
 
-    "shared" is this library's engine (prefix prefilled, held and read once);
-    "separate" is N independent retries batched together (N prefills, N
-    prefix copies); "sequential" is N retries run one after another.
-    FLOPs are counted as in the module docstring; bytes are bytes.
+    "shared" is this library's engine (prefix prefilled, held and read once;
+    with a context, three levels: the context once, each prompt's own P
+    tokens once, each branch's tail); "separate" is B x N independent retries
+    batched together (B x N prefills of C + P tokens, as many prefix copies);
+    "sequential" is those retries run one after another; "two_level" (with a
+    context) prefixes the context to each of the B prompts, whose branches
+    share it. FLOPs are counted as in the module docstring; bytes are bytes.
+    With C = 0 and B = 1 (the defaults) every field is that of one prompt.
 
     Attributes:
-      prompt_tokens, new_tokens, n: P, T, N.
+      prompt_tokens, new_tokens, n: P (each prompt's own tokens), T, N.
+      context_tokens, num_prompts: C and B.
       dtype_bytes: bytes per weight and per KV element.
       n_params: parameters of the model (elements).
       weight_bytes: bytes of all parameters.
@@ -199,13 +221,17 @@ class CostEstimate:
       decode_step_bytes_separate: same step, N retries batched (weights once, N prefixes).
       decode_step_bytes_sequential: same step, N retries one after another.
       decode_bytes_shared, decode_bytes_separate: bytes read over all T decode steps.
-      kv_bytes_shared: KV held at the end, `(P + N*T) * kv_bytes_per_token`.
-      kv_bytes_separate: `N * (P + T) * kv_bytes_per_token`.
+      kv_bytes_shared: KV held at the end, `(C + B*P + B*N*T) * kv_bytes_per_token`.
+      kv_bytes_separate: `B * N * (C + P + T) * kv_bytes_per_token`.
+      prefill_flops_two_level: B prefills of C + P tokens (the context per prompt).
+      kv_bytes_two_level: `(B*(C + P) + B*N*T) * kv_bytes_per_token`.
     """
 
     prompt_tokens: int
     new_tokens: int
     n: int
+    context_tokens: int
+    num_prompts: int
     dtype_bytes: int
     n_params: int
     weight_bytes: int
@@ -223,6 +249,8 @@ class CostEstimate:
     decode_bytes_separate: int
     kv_bytes_shared: int
     kv_bytes_separate: int
+    prefill_flops_two_level: int
+    kv_bytes_two_level: int
 
     @property
     def total_flops_shared(self) -> int:
@@ -242,13 +270,15 @@ class CostEstimate:
 
     @property
     def decode_step_intensity_shared(self) -> float:
-        """FLOPs per byte read by the last decode step, shared prefix (N tokens per step)."""
-        return self.n * self.decode_flops_last_token / max(self.decode_step_bytes_shared, 1)
+        """FLOPs per byte read by the last decode step, shared prefix (B*N tokens per step)."""
+        return (self.num_prompts * self.n * self.decode_flops_last_token
+                / max(self.decode_step_bytes_shared, 1))
 
     @property
     def decode_step_intensity_separate(self) -> float:
-        """FLOPs per byte read by the last decode step, N retries batched."""
-        return self.n * self.decode_flops_last_token / max(self.decode_step_bytes_separate, 1)
+        """FLOPs per byte read by the last decode step, B*N retries batched."""
+        return (self.num_prompts * self.n * self.decode_flops_last_token
+                / max(self.decode_step_bytes_separate, 1))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of the fields plus the derived totals."""
@@ -277,57 +307,73 @@ def _check_count(name: str, value, minimum: int, maximum: int = MAX_COUNT,
 
 
 def estimate(config, prompt_tokens: int, new_tokens: int, n: int,
-             dtype_bytes: int | None = None) -> CostEstimate:
-    """Analytic cost of N branches over one shared prompt against N separate retries.
+             dtype_bytes: int | None = None, *, context_tokens: int = 0,
+             num_prompts: int = 1) -> CostEstimate:
+    """Analytic cost of N branches over a shared prompt against separate retries.
 
     Args:
       config: a `models.llama.LlamaConfig`.
-      prompt_tokens: P, tokens in the prompt, an int in [0, 2**40) (`MAX_COUNT`).
+      prompt_tokens: P, tokens in the prompt (each prompt's own, after the
+        context), an int in [0, 2**40) (`MAX_COUNT`).
       new_tokens: T, tokens decoded per branch, an int in [0, 2**40).
-      n: N, branches, an int in [1, 2**40).
+      n: N, branches per prompt, an int in [1, 2**40).
       dtype_bytes: bytes per weight and per KV element; default from `config.dtype`
         (4 for float32, 2 for bfloat16).
+      context_tokens: C, tokens of a context common to all prompts
+        (`generate(shared_prefix=...)`), an int in [0, 2**40); 0: none.
+      num_prompts: B, prompts sharing the context, an int in [1, 2**40).
     Returns:
       A `CostEstimate` (see the module docstring for the counting conventions).
     Raises:
-      ValueError: a token count outside [0, 2**40), n outside [1, 2**40),
-        a non-integer count, or a bad dtype_bytes.
+      ValueError: a token count outside [0, 2**40), n or num_prompts outside
+        [1, 2**40), a non-integer count, or a bad dtype_bytes.
     """
     P = _check_count("prompt_tokens", prompt_tokens, 0)
     T = _check_count("new_tokens", new_tokens, 0)
     N = _check_count("n", n, 1)
+    C = _check_count("context_tokens", context_tokens, 0)
+    B = _check_count("num_prompts", num_prompts, 1)
     b = _dtype_bytes(config, dtype_bytes)
     W = weight_bytes(config, b)
     kv = kv_bytes_per_token(config, b)
-    pf = prefill_flops(config, P)
-    df = decode_flops(config, P, T)
+    pf = prefill_flops(config, C + P)  # one prompt with the context before it
+    shared_pf = (prefill_flops(config, C) + B * suffix_prefill_flops(config, C, P) if C
+                 else B * pf)
+    df = decode_flops(config, C + P, T)
     last = (linear_flops_per_token(config) + logits_flops_per_token(config)
-            + attention_flops_per_pair(config) * (P + T)) if T else 0
+            + attention_flops_per_pair(config) * (C + P + T)) if T else 0
     tail_sum = T * (T + 1) // 2  # tail tokens read, summed over steps t = 0 .. T-1
+    R = B * N  # branches in all
+    shared_kv = kv_bytes(config, C, b) + B * kv_bytes(config, P, b)
     return CostEstimate(
-        prompt_tokens=P, new_tokens=T, n=N, dtype_bytes=b,
+        prompt_tokens=P, new_tokens=T, n=N, context_tokens=C, num_prompts=B, dtype_bytes=b,
         n_params=param_count(config), weight_bytes=W, kv_bytes_per_token=kv,
-        prefill_flops_shared=pf, prefill_flops_separate=N * pf,
+        prefill_flops_shared=shared_pf, prefill_flops_separate=R * pf,
         decode_flops_per_token=df / T if T else 0.0,
         decode_flops_last_token=int(last),
-        decode_flops_shared=N * df, decode_flops_separate=N * df,
-        decode_step_bytes_shared=W + kv_bytes(config, P, b) + N * kv_bytes(config, T, b),
-        decode_step_bytes_separate=W + N * kv_bytes(config, P + T, b),
-        decode_step_bytes_sequential=N * (W + kv_bytes(config, P + T, b)),
-        decode_bytes_shared=T * (W + P * kv) + N * tail_sum * kv,
-        decode_bytes_separate=T * W + N * (T * P + tail_sum) * kv,
-        kv_bytes_shared=kv_bytes(config, P, b) + N * kv_bytes(config, T, b),
-        kv_bytes_separate=N * kv_bytes(config, P + T, b),
+        decode_flops_shared=R * df, decode_flops_separate=R * df,
+        decode_step_bytes_shared=W + shared_kv + R * kv_bytes(config, T, b),
+        decode_step_bytes_separate=W + R * kv_bytes(config, C + P + T, b),
+        decode_step_bytes_sequential=R * (W + kv_bytes(config, C + P + T, b)),
+        decode_bytes_shared=T * (W + (C + B * P) * kv) + R * tail_sum * kv,
+        decode_bytes_separate=T * W + R * (T * (C + P) + tail_sum) * kv,
+        kv_bytes_shared=shared_kv + R * kv_bytes(config, T, b),
+        kv_bytes_separate=R * kv_bytes(config, C + P + T, b),
+        prefill_flops_two_level=B * pf,
+        kv_bytes_two_level=B * kv_bytes(config, C + P, b) + R * kv_bytes(config, T, b),
     )
 
 
 def table(config, prompt_tokens: int, new_tokens: int, ns: Sequence[int],
-          dtype_bytes: int | None = None) -> list[dict[str, Any]]:
+          dtype_bytes: int | None = None, *, context_tokens: int = 0,
+          num_prompts: int = 1) -> list[dict[str, Any]]:
     """One row per N of the shared-prefix against separate-retries comparison.
 
     Args:
       config: a `LlamaConfig`; prompt_tokens: P; new_tokens: T.
       ns: the branch counts to price (each >= 1).
+      context_tokens, num_prompts: C and B, as `estimate` (with C > 0 the rows
+        also carry `prefill_flops_two_level` and `kv_bytes_two_level`).
     Returns:
       A list of dicts, one per N, with keys `n`, `prefill_flops_shared`,
       `prefill_flops_separate`, `decode_flops` (the same for both),
@@ -341,7 +387,10 @@ def table(config, prompt_tokens: int, new_tokens: int, ns: Sequence[int],
         raise ValueError("ns must list at least one branch count")
     rows = []
     for n in ns:
-        e = estimate(config, prompt_tokens, new_tokens, n, dtype_bytes)
+        e = estimate(config, prompt_tokens, new_tokens, n, dtype_bytes,
+                     context_tokens=context_tokens, num_prompts=num_prompts)
+        extra = (dict(prefill_flops_two_level=e.prefill_flops_two_level,
+                      kv_bytes_two_level=e.kv_bytes_two_level) if e.context_tokens else {})
         rows.append(dict(
             n=e.n,
             prefill_flops_shared=e.prefill_flops_shared,
@@ -354,7 +403,7 @@ def table(config, prompt_tokens: int, new_tokens: int, ns: Sequence[int],
             kv_saving=e.kv_saving,
             total_flops_shared=e.total_flops_shared,
             total_flops_separate=e.total_flops_separate,
-        ))
+        ) | extra)
     return rows
 
 
@@ -403,6 +452,19 @@ class Bill:
         and tails read over the decode steps (separate = batched retries: weights
         once per step, N prefix copies).
       weight_bytes, kv_bytes_per_token: the model constants used.
+
+    Three levels (`generate(shared_prefix=...)`; all 0 / equal to the two-level
+    fields without one):
+      shared_context_tokens: C, tokens of the context common to all B prompts,
+        prefilled and stored once; `prompt_tokens_prefilled` is then
+        C + the B prompts' own tokens, and `prompt_tokens_if_separate`
+        N x sum(C + own).
+      kv_bytes_shared_context: `nbytes` of its one cache (padded to its bucket),
+        included in `kv_bytes_held` (context once + prompts' own once each +
+        tails); `kv_bytes_if_separate` counts B x N context copies.
+      prompt_tokens_if_context_per_prompt, prefill_flops_if_context_per_prompt:
+        what the context prefixed to every prompt would prefill (B contexts,
+        branches still sharing each prompt: `generate` without shared_prefix).
     """
 
     num_prompts: int
@@ -430,6 +492,10 @@ class Bill:
     devices: int = 1
     kv_bytes_per_device: int = 0
     kv_bytes_allocated: int = 0
+    shared_context_tokens: int = 0
+    kv_bytes_shared_context: int = 0
+    prompt_tokens_if_context_per_prompt: int = 0
+    prefill_flops_if_context_per_prompt: int = 0
 
     @property
     def tokens_discarded(self) -> int:
@@ -453,7 +519,15 @@ class Bill:
     def summary(self) -> str:
         """A few lines for people: what was shared, what was not."""
         N = self.n
-        lines = [
+        context = []
+        if self.shared_context_tokens:
+            context = [
+                f"shared context: {self.shared_context_tokens} tokens prefilled and stored once "
+                f"for {self.num_prompts} prompts x {N} branches "
+                f"({format_bytes(self.kv_bytes_shared_context)} of KV); prefixed to every "
+                f"prompt it would prefill {self.prompt_tokens_if_context_per_prompt} tokens "
+                f"({format_flops(self.prefill_flops_if_context_per_prompt)})"]
+        lines = context + [
             f"prefill: {self.prompt_tokens_prefilled} prompt tokens once "
             f"({format_flops(self.prefill_flops_shared)}); {N} separate retries would "
             f"prefill {self.prompt_tokens_if_separate} "
@@ -465,7 +539,9 @@ class Bill:
             + (f"; {self.tokens_discarded} of them decoded after a stop string and dropped"
                if self.tokens_discarded else ""),
             f"KV cache held: {format_bytes(self.kv_bytes_held)} "
-            f"(shared prefix {format_bytes(self.kv_bytes_shared_prefix)} once + tails "
+            + (f"(shared context {format_bytes(self.kv_bytes_shared_context)} once + "
+               if self.shared_context_tokens else "(")
+            + f"shared prefix {format_bytes(self.kv_bytes_shared_prefix)} once + tails "
             f"{format_bytes(self.kv_bytes_tails)}); separate retries: "
             f"{format_bytes(self.kv_bytes_if_separate)} ({self.kv_saving:.2f}x as much)",
             f"decode reads: {format_bytes(self.decode_bytes_read_shared)} against "
@@ -485,7 +561,8 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
               decode_steps: int, dtype_bytes: int | None = None,
               prefix_copies: int = 1, kept_lengths=None, devices: int = 1,
               kv_bytes_per_device: int | None = None,
-              kv_bytes_allocated: int | None = None, branch_steps: int | None = None) -> Bill:
+              kv_bytes_allocated: int | None = None, branch_steps: int | None = None,
+              context_length: int = 0, context_cache_bytes: int = 0) -> Bill:
     """The bill of one `generate` call (called by the engine).
 
     Args:
@@ -508,11 +585,16 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
       kv_bytes_per_device, kv_bytes_allocated: KV bytes allocated on one device
         and on all of them; default (one device): prefix + tail bytes.
       branch_steps: slots x steps computed; default decode_steps x B x N.
+      context_length: C, tokens of a context common to all prompts
+        (`shared_prefix=`), prefilled once before them; `prompt_lengths` are
+        then each prompt's own tokens after it.
+      context_cache_bytes: `nbytes` of the context's KV arrays (k and v, padded).
     Returns:
       A `Bill`.
     Raises:
       ValueError: branch_lengths or kept_lengths not `[B, N]`, negative counts,
-        kept_lengths above branch_lengths, or prefix_copies outside [1, N].
+        kept_lengths above branch_lengths, prefix_copies outside [1, N], or a
+        context with prefix_copies > 1.
     """
     try:
         prompts = np.asarray(list(prompt_lengths), dtype=np.int64).reshape(-1)
@@ -539,19 +621,27 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
     if kept.shape != lengths.shape or (kept < 0).any() or (kept > lengths).any():
         raise ValueError("kept_lengths must be [B, N] ints in [0, branch_lengths], "
                          f"got {kept.tolist()!r:.200}")
+    C = _check_count("context_length", context_length, 0)
+    ctx_bytes = _check_count("context_cache_bytes", context_cache_bytes, 0, 2**62, "2**62")
+    if C and copies > 1:
+        raise ValueError("a shared context is priced for the shared engine only (prefix_copies=1)")
     devices = _check_count("devices", devices, 1)
     branch_steps = steps * B * N if branch_steps is None else _check_count(
         "branch_steps", branch_steps, 0)
-    per_device = prefix_bytes + tail_bytes if kv_bytes_per_device is None else _check_count(
+    held = ctx_bytes + prefix_bytes + tail_bytes
+    per_device = held if kv_bytes_per_device is None else _check_count(
         "kv_bytes_per_device", kv_bytes_per_device, 0, 2**62, "2**62")
-    allocated = prefix_bytes + tail_bytes if kv_bytes_allocated is None else _check_count(
+    allocated = held if kv_bytes_allocated is None else _check_count(
         "kv_bytes_allocated", kv_bytes_allocated, 0, 2**62, "2**62")
 
     b = _dtype_bytes(config, dtype_bytes)
     W = weight_bytes(config, b)
     kv = kv_bytes_per_token(config, b)
-    prefill = sum(prefill_flops(config, int(p)) for p in prompts)
-    decode = int(np.sum(decode_flops(config, prompts[:, None], lengths)))
+    full = prompts + C  # the tokens before the first new one, context included
+    prefill = sum(prefill_flops(config, int(p)) for p in full)  # each prompt alone
+    prefill_shared = (copies * prefill if not C else prefill_flops(config, C) + sum(
+        suffix_prefill_flops(config, C, int(p)) for p in prompts))
+    decode = int(np.sum(decode_flops(config, full[:, None], lengths)))
 
     # Bytes read over the decode steps: at step s, branch (b, n) reads the
     # min(s + 1, length) tail tokens it has; the prefix is read once per
@@ -559,22 +649,22 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
     s = np.arange(steps, dtype=np.int64)[:, None, None]
     tail_tokens = int(np.minimum(s + 1, lengths[None]).sum()) if steps else 0
     prefix_tokens = int(prompts.sum())
-    read_shared = steps * (W + copies * prefix_tokens * kv) + tail_tokens * kv
-    read_separate = steps * (W + N * prefix_tokens * kv) + tail_tokens * kv
+    read_shared = steps * (W + (C + copies * prefix_tokens) * kv) + tail_tokens * kv
+    read_separate = steps * (W + N * (B * C + prefix_tokens) * kv) + tail_tokens * kv
 
     return Bill(
         num_prompts=B, n=N, decode_steps=steps, branch_steps=branch_steps,
-        prompt_tokens_prefilled=copies * prefix_tokens,
-        prompt_tokens_if_separate=N * prefix_tokens,
+        prompt_tokens_prefilled=C + copies * prefix_tokens,
+        prompt_tokens_if_separate=N * (B * C + prefix_tokens),
         decoded_tokens_per_branch=lengths.tolist(),
         decoded_tokens_total=int(lengths.sum()),
         kept_tokens_per_branch=kept.tolist(),
         kept_tokens_total=int(kept.sum()),
-        kv_bytes_held=prefix_bytes + tail_bytes,
+        kv_bytes_held=held,
         kv_bytes_shared_prefix=prefix_bytes,
         kv_bytes_tails=tail_bytes,
-        kv_bytes_if_separate=N * prefix_bytes // copies + tail_bytes,
-        prefill_flops_shared=copies * int(prefill),
+        kv_bytes_if_separate=N * (B * ctx_bytes + prefix_bytes // copies) + tail_bytes,
+        prefill_flops_shared=int(prefill_shared),
         prefill_flops_if_separate=N * int(prefill),
         decode_flops_shared=decode,
         decode_flops_if_separate=decode,
@@ -583,6 +673,9 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         weight_bytes=W,
         kv_bytes_per_token=kv,
         devices=devices, kv_bytes_per_device=per_device, kv_bytes_allocated=allocated,
+        shared_context_tokens=C, kv_bytes_shared_context=ctx_bytes,
+        prompt_tokens_if_context_per_prompt=int(full.sum()),
+        prefill_flops_if_context_per_prompt=int(prefill),
     )
 
 

@@ -33,7 +33,8 @@ class Generation:
         "length" (max_new_tokens reached), and in adaptive runs "terminated"
         (ended early by a confidence rule) or "not_drawn" (never sampled).
       texts: B lists of N decoded strings; stop token and stop string excluded.
-      prompt_tokens: B lists of prompt token ids (what was prefilled).
+      prompt_tokens: B lists of prompt token ids (what was prefilled; with
+        `shared_prefix=`, the context's ids then the prompt's own).
       prompts: the B prompt strings as rendered (chat template applied), or
         None for prompts given as token ids.
       params: the `SamplingParams` used (with the seed actually used).

@@ -6,6 +6,10 @@ Data flow of one request, one file per stage:
                 before any compute
     prefill.py  tokens [R, P] (right-padded to a bucket) --prefill, once per
                 prompt--> PrefixCache k, v L x [R, K, P, D], last logits [R, V]
+    context.py  with shared_prefix=: the context common to all prompts prefilled
+                once (ContextCache k, v L x [K, C, D], no row or branch axis),
+                then each prompt's suffix after it (context + causal suffix
+                merged by log-sum-exp)
     step.py     one decode step of one branch, vmapped over the N slots
                 (axis_name "branch") with the prefix unbatched: the prefix is
                 read once per step for all branches; prefix / tail / current
@@ -13,6 +17,8 @@ Data flow of one request, one file per stage:
     loop.py     a chunk: the step in one lax.while_loop up to a traced t_stop
                 (so every chunk size runs one program); fresh states;
                 compaction (gather the live slots into smaller buckets)
+    placement.py  serving params, host <-> device copies, KV bytes, mesh
+                shardings and shard_map wrappers
     session.py  the host loop: prefill once, rounds of branches over the same
                 prefix cache, chunks, host-side done marks, compaction, outputs
                 copied to host arrays at (prompt, branch)
@@ -38,11 +44,12 @@ from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
 from jaxsample.engine.prefill import prefill
 from jaxsample.engine.session import Round, Session, serving_params
 from jaxsample.engine.stream import StreamEvent, TextDelta, stream
-from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, DecodeState, Knobs, PrefixCache,
-                                    Static, bucket, slot_bucket)
+from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, ContextCache, DecodeState, Knobs,
+                                    PrefixCache, Static, bucket, slot_bucket)
 from jaxsample.engine.step import branch_step
 
 __all__ = ["generate", "stream", "StreamEvent", "TextDelta", "finish", "Session", "Round", "prefill", "decode_chunk", "init_state",
-           "compact", "branch_step", "serving_params", "PROGRAMS", "PrefixCache", "DecodeState",
+           "compact", "branch_step", "serving_params", "PROGRAMS", "PrefixCache", "ContextCache",
+           "DecodeState",
            "Knobs", "Static", "bucket", "slot_bucket", "MAX_STOP_IDS", "MAX_LOGPROBS",
            "STOP_CHUNK"]

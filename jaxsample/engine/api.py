@@ -23,7 +23,7 @@ STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are 
 def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
              chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
              naive: bool = False, chunk_size: int | None = None,
-             compact: bool = False, progress=False) -> Generation:
+             compact: bool = False, progress=False, shared_prefix=None) -> Generation:
     """Sample `params.n` continuations of each prompt, sharing each prompt's KV cache.
 
     The prompts are prefilled once; the N branches are decoded together, in
@@ -65,6 +65,18 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         a terminal, a plain line every 5 s otherwise: steps done, live
         branches, tokens/s, time left; see `jaxsample.progress`), or a
         `jaxsample.progress.Progress` to choose the stream and the pace.
+      shared_prefix: optional context common to all B prompts (a few-shot
+        block, a document, a system prompt): a string or token ids; with
+        `chat=True` the conversations' common first turns (a list of
+        messages, or a string: one system turn). Three levels of sharing
+        (Hydragen, arXiv 2402.05099; `engine/context.py`): the C context
+        tokens are prefilled and stored once (KV L x `[K, C, D]`, no prompt
+        and no branch axis), each prompt's own tokens once (positions from C
+        on), each branch's tail per branch. The tokens equal those of
+        `generate` on `context ids + prompt ids` without it (a string prompt
+        is tokenised alone, without a BOS: the BOS, if any, starts the
+        context); `Generation.prompt_tokens` and the prompt logprobs cover
+        both. Not with `naive=True`.
     Returns:
       `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
       `[B, N]`, finish reasons, texts, the bill, with `params.logprobs = k`
@@ -73,7 +85,8 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
       top k. `Generation.outputs()` gives vLLM-style `RequestOutput`s.
     Raises:
       InputError: empty prompt, a malformed chat prompt, prompt + max_new_tokens
-        beyond the context, bad token ids, `logit_bias` ids outside the
+        beyond the context (shared_prefix included), an empty or malformed
+        shared_prefix, bad token ids, `logit_bias` ids outside the
         vocabulary, a bad chunk_size or progress, or a mesh that does not fit
         the request.
         Raised before any compute.
@@ -83,14 +96,14 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     session, rnd, chunk_size, observer = start(
         lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
         prompt_index_offset=prompt_index_offset, naive=naive, chunk_size=chunk_size,
-        progress=progress)
+        progress=progress, shared_prefix=shared_prefix)
     for _ in chunks(session, rnd, chunk_size, compact, observer):
         pass
     return finish(session, [rnd])
 
 
 def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive, chunk_size,
-          progress, default_chunk: int | None = None):
+          progress, default_chunk: int | None = None, shared_prefix=None):
     """Validate, prefill and open the one round of `generate` / `stream`.
 
     Returns:
@@ -100,7 +113,8 @@ def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive
     """
     observer = progress_lib.resolve(progress)
     session = Session(lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
-                      prompt_index_offset=prompt_index_offset, naive=naive, observer=observer)
+                      prompt_index_offset=prompt_index_offset, naive=naive, observer=observer,
+                      shared_prefix=shared_prefix)
     params = session.params
     if chunk_size is None:
         chunk_size = (default_chunk if default_chunk is not None
@@ -226,15 +240,19 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
     placement = dict(devices=1 if s.mesh is None else s.mesh.size,
                      kv_bytes_per_device=prefix_dev + max(t[1] for t in tails),
                      kv_bytes_allocated=prefix_all + max(t[2] for t in tails))
+    ctx_bytes, ctx_dev, ctx_all = s.context_bytes
+    placement["kv_bytes_per_device"] += ctx_dev
+    placement["kv_bytes_allocated"] += ctx_all
     bill = cost.make_bill(s.cfg, prompt_lengths=[len(x) for x in s.ids], branch_lengths=decoded,
                           n=width, prefix_cache_bytes=prefix_bytes, tail_cache_bytes=tail_bytes,
                           decode_steps=s.decode_steps, kept_lengths=lens,
                           prefix_copies=s.N if s.naive else 1, branch_steps=s.branch_steps,
+                          context_length=len(s.context_ids), context_cache_bytes=ctx_bytes,
                           **placement)
     s.timings["total"] = time.perf_counter() - s.t_start
     plp = s.prompt_logprobs
     return Generation(tokens=tok, logprobs=lp, lengths=lens, finish_reason=reasons,
-                      texts=texts, prompt_tokens=s.ids, prompts=s.texts, params=params,
+                      texts=texts, prompt_tokens=s.prompt_ids, prompts=s.texts, params=params,
                       bill=bill, timings=s.timings, pad_id=pad,
                       top_logprobs=top_lp if k else None, top_token_ids=top_id if k else None,
                       token_ranks=ranks if s.st.token_ranks else None,

@@ -24,7 +24,7 @@ from jaxsample.engine.step import all_done, branch_keys, make_step
 
 
 def decode_chunk(st: Static, params, prefix: PrefixCache, state: DecodeState, knobs: Knobs,
-                 bridge_params=None) -> DecodeState:
+                 bridge_params=None, context=None) -> DecodeState:
     """Advance every slot until token `knobs.t_stop`, the budget, or all are done.
 
     Args:
@@ -32,9 +32,10 @@ def decode_chunk(st: Static, params, prefix: PrefixCache, state: DecodeState, kn
       prefix: the rows' PrefixCache (L x `[R, K, P, D]`).
       state: the DecodeState (`[R, N, ...]`), donated.
       bridge_params: `[L, ...]` Bridge parameters when `st.bridge` is set.
+      context: None or the `ContextCache` common to all rows (`shared_prefix=`).
     """
     keys = branch_keys(knobs, state.prompt_index, state.branch_ids)
-    step = make_step(st, params, prefix, knobs, keys, bridge_params)
+    step = make_step(st, params, prefix, knobs, keys, bridge_params, context)
     end = jnp.minimum(knobs.t_stop, knobs.max_new_tokens)
 
     def cond(s: DecodeState):

@@ -41,23 +41,6 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
       `PromptLogprobs` (`[R, P]`, `[R, P, k]`) when prompt_logprobs >= 0.
     """
     k_prompt = prompt_logprobs
-
-    def prompt_lp(x, toks):
-        """x [P, E] hidden states -> PromptLogprobs of one row."""
-        P = x.shape[0]
-        blk = min(P, PROMPT_LOGPROB_BLOCK)
-        nb = -(-P // blk)
-        xs = jnp.pad(x, ((0, nb * blk - P), (0, 0))).reshape(nb, blk, x.shape[-1])
-        targets = jnp.pad(toks[1:], (0, nb * blk - P + 1)).reshape(nb, blk)
-
-        def block(args):
-            xb, tb = args
-            return sampling.position_logprobs(fam.logits(cfg, params, xb), tb, k_prompt,
-                                              vocab_limit)
-
-        out = jax.lax.map(block, (xs, targets))
-        return PromptLogprobs(*(a.reshape((nb * blk,) + a.shape[2:])[:P] for a in out))
-
     fam = families.module_for(cfg)
 
     def one(toks, length):
@@ -71,13 +54,41 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
         # L x [P_l, K, D] -> L x [K, P_l, D], once per prompt.
         out = (fam.logits(cfg, params, last), tuple(a.swapaxes(0, 1) for a in k),
                tuple(a.swapaxes(0, 1) for a in v))
-        return out + ((prompt_lp(x, toks),) if k_prompt >= 0 else ())
+        return out + ((prompt_logprobs_of(cfg, params, x, toks, k_prompt, vocab_limit),)
+                      if k_prompt >= 0 else ())
 
     if k_prompt >= 0 and vocab_limit is None:
         raise ValueError("prompt_logprobs needs vocab_limit")
     out = jax.vmap(one)(tokens, lengths)
     logits, k, v = out[:3]
     return (PrefixCache(k, v, lengths), logits) + tuple(out[3:])
+
+
+def prompt_logprobs_of(cfg, params, x: jax.Array, toks: jax.Array, k: int,
+                       vocab_limit: int) -> PromptLogprobs:
+    """Prompt logprobs of one row from its hidden states, in blocks of
+    `PROMPT_LOGPROB_BLOCK` positions (at most `[block, V]` float32 logits at once).
+
+    Args:
+      x: `[P, E]` the last layer's hidden states; toks: `[P]` int32 the row's tokens.
+      k, vocab_limit: static, as `prefill`.
+    Returns:
+      `PromptLogprobs` of `[P]` / `[P, k]`: entry i is about token i + 1 (the
+      last entry, whose target is padding, is ignored by the callers).
+    """
+    fam = families.module_for(cfg)
+    P = x.shape[0]
+    blk = min(P, PROMPT_LOGPROB_BLOCK)
+    nb = -(-P // blk)
+    xs = jnp.pad(x, ((0, nb * blk - P), (0, 0))).reshape(nb, blk, x.shape[-1])
+    targets = jnp.pad(toks[1:], (0, nb * blk - P + 1)).reshape(nb, blk)
+
+    def block(args):
+        xb, tb = args
+        return sampling.position_logprobs(fam.logits(cfg, params, xb), tb, k, vocab_limit)
+
+    out = jax.lax.map(block, (xs, targets))
+    return PromptLogprobs(*(a.reshape((nb * blk,) + a.shape[2:])[:P] for a in out))
 
 
 def window_extent(size: int, window: int | None) -> int:

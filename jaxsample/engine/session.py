@@ -14,137 +14,25 @@ branch) as each chunk ends, so compaction never loses or moves them.
 from __future__ import annotations
 
 import contextlib
-import math
 import secrets
 import time
-import weakref
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsample.engine import inputs
+from jaxsample.engine.context import prefill_context, prefill_suffix
 from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
+from jaxsample.engine.placement import (_host, _kv_bytes, _Mesh, _params_on_mesh, _put,
+                                        serving_params)
 from jaxsample.engine.prefill import prefill, take_rows
-from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, DecodeState, Knobs, PrefixCache,
-                                    PromptLogprobs, Static, bucket, slot_bucket)
+from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PromptLogprobs, Static,
+                                    bucket, slot_bucket)
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling import SamplingParams
-from jaxsample.sharding import BRANCH_AXIS, DATA_AXIS, LOCAL_BRANCH_AXIS
-from jaxsample.models import families
-
-# ---------------------------------------------------------------------------
-# Parameters and placement
-
-_SERVING: "weakref.WeakKeyDictionary[LanguageModel, Any]" = weakref.WeakKeyDictionary()
-
-
-def serving_params(lm: LanguageModel):
-    """The model's parameters in the list layout (one dict per layer), made once per model.
-
-    `jaxsample.load` already returns this layout; stacked parameters (random
-    test models) are split once here and cached for the model's lifetime.
-    """
-    if isinstance(lm.params["layers"], (list, tuple)):
-        return lm.params
-    if lm not in _SERVING:
-        _SERVING[lm] = families.module_for(lm.config).unstack_layers(lm.params)
-    return _SERVING[lm]
-
-
-_ON_MESH: "weakref.WeakKeyDictionary[LanguageModel, dict]" = weakref.WeakKeyDictionary()
-
-
-def _params_on_mesh(lm: LanguageModel, mesh):
-    """The serving params replicated over `mesh`, placed once per (model, mesh).
-
-    Placing them goes through host memory (`_put`), so doing it on every
-    `generate` call would copy all the weights each time.
-    """
-    per_mesh = _ON_MESH.setdefault(lm, {})
-    if mesh not in per_mesh:
-        from jax.sharding import NamedSharding, PartitionSpec as Ps
-
-        per_mesh[mesh] = _put(serving_params(lm), NamedSharding(mesh, Ps()))
-    return per_mesh[mesh]
-
-
-def _put(tree, sharding):
-    """Host values -> global arrays on a mesh (works across processes: each
-    process passes the same values and provides its own devices' shards)."""
-
-    def one(x):
-        x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-    return jax.tree_util.tree_map(one, tree)
-
-
-def _host(x) -> np.ndarray:
-    """A (possibly multi-process) global array as one numpy array on every process."""
-    if jax.process_count() > 1 and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
-def _kv_bytes(arrays, rows: int, rows_alloc: int) -> tuple[int, int, int]:
-    """(bytes of the request's rows, bytes on one device, bytes on all devices).
-
-    The first counts one copy of each array's real rows (axis 0), without the
-    padding rows that fill a data axis; the others are what was allocated:
-    one device's shard, and the shards summed over every device (an array
-    replicated over the "branch" axis counts once per replica).
-    """
-    logical = sum(int(a.nbytes) for a in arrays) * rows // max(rows_alloc, 1)
-    shard = lambda a: math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-    per_device = sum(shard(a) for a in arrays)
-    total = sum(len(a.sharding.device_set) * shard(a) for a in arrays)
-    return logical, int(per_device), int(total)
-
-
-class _Mesh:
-    """Shardings and shard_map wrappers of the engine's programs on a mesh."""
-
-    def __init__(self, mesh, data_axis):
-        from jax.sharding import NamedSharding, PartitionSpec as Ps
-
-        self.mesh, self.d = mesh, data_axis
-        d, b = data_axis, BRANCH_AXIS
-        self.rep = NamedSharding(mesh, Ps())
-        self.rows = NamedSharding(mesh, Ps(d))
-        self.slots = NamedSharding(mesh, Ps(d, b))
-        self.prefix_spec = PrefixCache(Ps(d), Ps(d), Ps(d))
-        self.state_spec = DecodeState(
-            t=Ps(), logits=Ps(d, b), tokens=Ps(d, b), logprobs=Ps(d, b),
-            top_logprobs=Ps(d, b), top_ids=Ps(d, b), lengths=Ps(d, b), done=Ps(d, b),
-            stopped=Ps(d, b), prompt_index=Ps(d), branch_ids=Ps(d, b), tail_k=Ps(d, b),
-            tail_v=Ps(d, b), token_ranks=Ps(d, b), counts=Ps(d, b), prompt_mask=Ps(d))
-        self.knob_spec = Knobs(*([Ps()] * len(Knobs._fields)))
-        self.Ps = Ps
-        self.NamedSharding = NamedSharding
-
-    def shard_map(self, fn, in_specs, out_specs):
-        shard_map = getattr(jax, "shard_map", None)
-        if shard_map is None:  # older jax
-            from jax.experimental.shard_map import shard_map  # type: ignore
-        kwargs = dict(mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
-        try:
-            return shard_map(fn, check_vma=False, **kwargs)
-        except TypeError:  # older signature
-            return shard_map(fn, check_rep=False, **kwargs)
-
-    def shardings(self, spec_tree, like):
-        """NamedShardings for the pytree `like`, following the spec prefix `spec_tree`."""
-        is_spec = lambda x: isinstance(x, self.Ps)
-        return jax.tree_util.tree_map(
-            lambda spec, sub: jax.tree_util.tree_map(
-                lambda _: self.NamedSharding(self.mesh, spec), sub),
-            spec_tree, like, is_leaf=is_spec)
-
+from jaxsample.sharding import BRANCH_AXIS, LOCAL_BRANCH_AXIS
 
 # ---------------------------------------------------------------------------
 # Session
@@ -154,8 +42,8 @@ class Session:
     """One request: validated inputs, the prefill, and the rounds decoded over it.
 
     Args:
-      lm, prompts, params, chat, mesh, bridge, prompt_index_offset, naive: as
-        `jaxsample.generate`.
+      lm, prompts, params, chat, mesh, bridge, prompt_index_offset, naive,
+        shared_prefix: as `jaxsample.generate`.
       top_logprobs: k of the top-k log-probabilities to record per token (0: none).
       observer: optional `jaxsample.progress.Progress` (anything with a
         `compiling(name)` context manager): told around every program lookup,
@@ -167,7 +55,8 @@ class Session:
 
     def __init__(self, lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
                  chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
-                 naive: bool = False, top_logprobs: int | None = None, observer=None):
+                 naive: bool = False, top_logprobs: int | None = None, observer=None,
+                 shared_prefix=None):
         self.t_start = time.perf_counter()
         self.observer = observer
         params = SamplingParams() if params is None else params
@@ -176,14 +65,28 @@ class Session:
         if params.seed is None:
             params = params.replace(seed=secrets.randbits(31))
         self.lm, self.params, self.cfg = lm, params, lm.config
-        self.ids, self.texts = inputs.encode_prompts(lm, prompts, chat)
+        if shared_prefix is None:
+            self.context_ids: list[int] = []
+            self.ids, self.texts = inputs.encode_prompts(lm, prompts, chat)
+        else:
+            if naive:
+                raise InputError("naive=True is the baseline without sharing; pass "
+                                 "shared_prefix=None and put the context in every prompt")
+            self.context_ids, self.ids, self.texts = inputs.encode_shared(
+                lm, shared_prefix, prompts, chat)
+        # self.ids: each prompt's own tokens (after the context, if any); prompt_ids: all
+        # the tokens the model saw before the first new one.
+        self.prompt_ids = [self.context_ids + x for x in self.ids]
         B, N, T = len(self.ids), params.n, params.max_new_tokens
         self.B, self.N, self.T = B, N, T
+        C = len(self.context_ids)
         for i, toks in enumerate(self.ids):
-            if len(toks) + T > self.cfg.max_seq_len:
+            if C + len(toks) + T > self.cfg.max_seq_len:
+                head = f"shared_prefix ({C} tokens) + " if C else ""
                 raise InputError(
-                    f"prompt {i} has {len(toks)} tokens; with max_new_tokens={T} that is "
-                    f"{len(toks) + T} > the model's context of {self.cfg.max_seq_len} tokens")
+                    f"{head}prompt {i} has {C + len(toks)} tokens; with max_new_tokens={T} "
+                    f"that is {C + len(toks) + T} > the model's context of "
+                    f"{self.cfg.max_seq_len} tokens")
         # Stop ids: the model's end ids (unless ignore_eos) and stop_token_ids; min_tokens
         # masks all of them, end ids included even with ignore_eos (vLLM's all_stop_token_ids).
         all_stop_ids = sorted(set(lm.tokenizer.eos_token_ids) | set(params.stop_token_ids))
@@ -213,6 +116,8 @@ class Session:
         self.bridge_dev = (self.bridge_params if mesh is None or bridge is None
                            else _put(self.bridge_params, self.m.rep))
         self.timings = {"compile": 0.0, "prefill": 0.0, "decode": 0.0, "host": 0.0}
+        if C:
+            self.timings["prefill_context"] = 0.0  # part of "prefill"
         self.st = Static(cfg=self.cfg, n=1, t_cap=bucket(T), vocab_limit=lm.vocab_limit,
                          pad_id=int(lm.tokenizer.pad_token_id), top_logprobs=k,
                          axes=((BRANCH_AXIS,) + ((data_axis,) if data_axis else ())) if mesh else (),
@@ -243,6 +148,11 @@ class Session:
     # -- prefill ------------------------------------------------------------
 
     def _prefill(self):
+        self.context = None
+        self.context_bytes = (0, 0, 0)
+        ctx_lp = None
+        if self.context_ids:
+            ctx_lp = self._prefill_context()
         rows = self.row_prompt
         R = len(rows)
         R_pad = -(-R // self.nd) * self.nd  # a data axis must divide the rows
@@ -253,18 +163,29 @@ class Session:
             tokens[j, :len(self.ids[r])] = self.ids[r]
             lengths[j] = len(self.ids[r])
         cfg, st, pk, vl = self.cfg, self.st, self.prompt_k, self.st.vocab_limit
-        fn = lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b,
-                                        prompt_logprobs=pk, vocab_limit=vl)
+        if self.context is None:
+            fn = lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b,
+                                            prompt_logprobs=pk, vocab_limit=vl)
+            extra_args, extra_specs = (), ()
+            name = "prefill"
+        else:  # the suffixes after the common context
+            fn = lambda p, t, n, b, c, cl: prefill_suffix(
+                cfg, p, c, t, n, st.post_layer(True, ()), b, prompt_logprobs=pk,
+                vocab_limit=vl, ctx_logits=cl)
+            extra_args = (self.context, self.context_last)
+            extra_specs = () if self.m is None else (self.m.context_spec, self.m.Ps())
+            name = "prefill_suffix"
         if self.m is None:
-            args = (self.model_params, jnp.asarray(tokens), jnp.asarray(lengths), self.bridge_params)
+            args = (self.model_params, jnp.asarray(tokens), jnp.asarray(lengths),
+                    self.bridge_params) + extra_args
         else:
             m = self.m
             extra = (PromptLogprobs(*([m.Ps(m.d)] * 4)),) if pk >= 0 else ()
-            fn = m.shard_map(fn, (m.Ps(), m.Ps(m.d), m.Ps(m.d), m.Ps()),
+            fn = m.shard_map(fn, (m.Ps(), m.Ps(m.d), m.Ps(m.d), m.Ps()) + tuple(extra_specs),
                              (m.prefix_spec, m.Ps(m.d)) + extra)
             args = (self.model_params, _put(tokens, m.rows), _put(lengths, m.rows),
-                    self.bridge_dev)
-        prog = self.program(("prefill", cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
+                    self.bridge_dev) + extra_args
+        prog = self.program((name, cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
         t0 = time.perf_counter()
         out = jax.block_until_ready(prog(*args))
         self.prefix, self.last = out[:2]
@@ -275,11 +196,49 @@ class Session:
             first = {}  # the first row of each prompt (naive rows are copies)
             for j, r in enumerate(rows):
                 first.setdefault(r, j)
-            self.prompt_logprobs = [
-                PromptLogprobs(*(a[first[b], :len(self.ids[b]) - 1] for a in lp))
-                for b in range(self.B)]
+            if ctx_lp is None:
+                self.prompt_logprobs = [
+                    PromptLogprobs(*(a[first[b], :len(self.ids[b]) - 1] for a in lp))
+                    for b in range(self.B)]
+            else:  # the context's C - 1 entries, then the row's: entry 0 is about its token 0
+                C = len(self.context_ids)
+                self.prompt_logprobs = [
+                    PromptLogprobs(*(np.concatenate([c[:C - 1], a[first[b], :len(self.ids[b])]])
+                                     for c, a in zip(ctx_lp, lp)))
+                    for b in range(self.B)]
         self.rows_alloc = R_pad
         self.prefix_bytes = _kv_bytes(self.prefix.k + self.prefix.v, R, R_pad)
+
+    def _prefill_context(self):
+        """Prefill the common context once (replicated on a mesh); returns its
+        host PromptLogprobs (`[C]`) with prompt logprobs, else None."""
+        ids = self.context_ids
+        c_cap = bucket(len(ids))
+        tokens = np.zeros((c_cap,), np.int32)
+        tokens[:len(ids)] = ids
+        length = np.int32(len(ids))
+        cfg, st, pk, vl = self.cfg, self.st, self.prompt_k, self.st.vocab_limit
+        fn = lambda p, t, n, b: prefill_context(cfg, p, t, n, st.post_layer(True, ()), b,
+                                                prompt_logprobs=pk, vocab_limit=vl)
+        if self.m is None:
+            args = (self.model_params, jnp.asarray(tokens), jnp.asarray(length),
+                    self.bridge_params)
+        else:
+            m = self.m
+            extra = (PromptLogprobs(*([m.Ps()] * 4)),) if pk >= 0 else ()
+            fn = m.shard_map(fn, (m.Ps(),) * 4, (m.context_spec, m.Ps()) + extra)
+            args = (self.model_params, _put(tokens, m.rep), _put(length, m.rep),
+                    self.bridge_dev)
+        prog = self.program(("prefill_context", cfg, self.bridge_cfg, self.mesh, pk, vl), fn,
+                            args)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(prog(*args))
+        dt = time.perf_counter() - t0
+        self.timings["prefill"] += dt
+        self.timings["prefill_context"] += dt
+        self.context, self.context_last = out[:2]
+        self.context_bytes = _kv_bytes(self.context.k + self.context.v, 1, 1)
+        return PromptLogprobs(*map(_host, out[2])) if pk >= 0 else None
 
     # -- rounds ---------------------------------------------------------------
 
@@ -410,7 +369,7 @@ class Round:
         if st.penalties:
             for j, r in enumerate(prefix_rows):
                 if r < len(s.row_prompt):
-                    mask[j, s.ids[s.row_prompt[r]]] = True
+                    mask[j, s.prompt_ids[s.row_prompt[r]]] = True
         fn = lambda l, p, b, v, pm: init_state(st, l, p, b, v, pm)
         args = (last, s.put(pidx, "rows"), s.put(ids, "slots"), s.put(live, "slots"),
                 s.put(mask, "rows"))
@@ -434,12 +393,13 @@ class Round:
         t0 = self.t
         t_stop = min(t0 + max(int(steps), 1), s.T)
         st = self._static(self.col_of.shape[1])
-        fn = lambda p, pre, state, kn, bp: decode_chunk(st, p, pre, state, kn, bp)
-        args = (s.model_params, self.prefix, self.state, s.knob_args(t_stop), s.bridge_dev)
+        fn = lambda p, pre, state, kn, bp, c: decode_chunk(st, p, pre, state, kn, bp, c)
+        args = (s.model_params, self.prefix, self.state, s.knob_args(t_stop), s.bridge_dev,
+                s.context)
         if s.m is not None:
             m = s.m
-            fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, m.state_spec, m.knob_spec, m.Ps()),
-                             m.state_spec)
+            fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, m.state_spec, m.knob_spec, m.Ps(),
+                                  m.context_spec), m.state_spec)
         prog = s.program(("decode", st, s.mesh), fn, args, donate=(2,))
         t_run = time.perf_counter()
         self.state = jax.block_until_ready(prog(*args))

@@ -2,7 +2,8 @@
 
 Letters (see `models/llama.py`): R decode rows (prompts, or prompt copies in
 the naive baseline), N branch slots per row, P prefix bucket, T tail bucket,
-L layers, K kv heads, D head dim, V logits rows, k top logprobs per token.
+C common-context bucket (`generate(shared_prefix=...)`), L layers, K kv
+heads, D head dim, V logits rows, k top logprobs per token.
 """
 
 from __future__ import annotations
@@ -32,6 +33,22 @@ class PrefixCache(NamedTuple):
     k: Any
     v: Any
     lengths: jax.Array
+
+
+class ContextCache(NamedTuple):
+    """The KV cache of a context common to every prompt (`shared_prefix=`), stored
+    once: neither a prompt (row) nor a branch axis (Hydragen's inter-request prefix).
+
+    k, v: tuples of L arrays `[K, C_l, D]` in the model dtype (C_l = C, the
+      context bucket, or the last min(C, w - 1) positions on a local layer of
+      window w, as `PrefixCache`); positions `>= length` are padding.
+    length: `[]` int32, the context's length in tokens. The rows' own
+      prompts (`PrefixCache`) start at position `length`.
+    """
+
+    k: Any
+    v: Any
+    length: jax.Array
 
 
 class PromptLogprobs(NamedTuple):

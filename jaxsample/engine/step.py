@@ -21,12 +21,13 @@ from jaxsample.models import common, families
 
 
 def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, post_layer=None,
-                bridge_params=None):
+                bridge_params=None, context=None):
     """One decode step of one branch (vmapped over branches and rows).
 
     Any model family (`models.families.module_for(cfg)`). On a local layer of
-    window w (`cfg.layer_windows[l]`) the token at position p = prefix_len + t
-    attends to positions in (p - w, p] only, across the prefix/tail boundary.
+    window w (`cfg.layer_windows[l]`) the token at position p = C + prefix_len + t
+    attends to positions in (p - w, p] only, across the context/prefix/tail
+    boundaries.
 
     Args:
       token: `[]` int32 the token to feed; position: `[]` int32 its position.
@@ -37,6 +38,9 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
       tk, tv: L x `[K, T_l, D]` this branch's tail (a ring on local layers).
       post_layer, bridge_params: the optional Bridge hook (collectives over the
         branch axes) and its `[L, ...]` params.
+      context: None, or the `ContextCache` common to all prompts (unbatched over
+        rows and branches; k, v L x `[K, C_l, D]`, length C): a fourth segment
+        of the attention, and the prefix's positions start at C.
     Returns:
       (logits `[V]` float32, new k L x `[K, D]`, new v L x `[K, D]`).
     """
@@ -44,33 +48,46 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
     scale = cfg.attention_scale
     self_mask = jnp.ones((1, 1), bool)
 
+    base = 0 if context is None else context.length  # position of the prefix's slot 0
+
     def attend_for_layer(xs):
-        lpk, lpv, ltk, ltv, window = xs
+        lpk, lpv, ltk, ltv, window, lck, lcv = xs
         # A local layer stores the last P_l <= w - 1 prefix positions (slot j holds
-        # position start + j) and a ring of T_l <= w - 1 tail slots (written at t mod
-        # T_l), so every written tail slot lies within the window.
+        # position base + start + j) and a ring of T_l <= w - 1 tail slots (written at
+        # t mod T_l), so every written tail slot lies within the window.
         start = prefix_start(prefix_len, lpk.shape[1], window)
-        key_pos = start + jnp.arange(lpk.shape[1])
-        prefix_mask = key_pos < prefix_len
+        key_pos = base + start + jnp.arange(lpk.shape[1])
+        prefix_mask = key_pos < base + prefix_len
         tail_mask = jnp.arange(ltk.shape[1]) < t
-        if window is not None:  # keys at positions > p - w, p = prefix_len + t
+        if window is not None:  # keys at positions > p - w, p = base + prefix_len + t
             prefix_mask &= key_pos > position - window
             tail_mask &= window > 1  # a window of 1 is the token itself
+        shared = []  # (k, v, mask) segments without a branch axis
+        if context is not None:  # the common context: positions [0, C), its last C_l kept
+            c_pos = prefix_start(base, lck.shape[1], window) + jnp.arange(lck.shape[1])
+            c_mask = c_pos < base
+            if window is not None:
+                c_mask &= c_pos > position - window
+            shared.append((lck, lcv, c_mask))
+        shared.append((lpk, lpv, prefix_mask))
 
         def attend(q, k, v):
-            out = common.merge_attention([
-                prefix_attention(q, lpk, lpv, prefix_mask, scale),
-                common.partial_attention(q, ltk, ltv, tail_mask[None], scale),
-                common.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask,
-                                         scale),
-            ])
+            # The context and the prefix are unbatched over the branches: one
+            # matmul per kv head for all branches (`prefix_attention`).
+            out = common.merge_attention(
+                [prefix_attention(q, a, b, m, scale) for a, b, m in shared]
+                + [common.partial_attention(q, ltk, ltv, tail_mask[None], scale),
+                   common.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask,
+                                            scale)])
             return out.astype(q.dtype)
 
         return attend
 
+    L = len(pk)
+    ck, cv = (context.k, context.v) if context is not None else ((None,) * L, (None,) * L)
     x = fam.embed(params, token[None])
     x, (k, v) = fam.run_layers(cfg, params, x, position[None], attend_for_layer,
-                               list(zip(pk, pv, tk, tv, cfg.layer_windows)), post_layer,
+                               list(zip(pk, pv, tk, tv, cfg.layer_windows, ck, cv)), post_layer,
                                bridge_params)
     return fam.logits(cfg, params, x[0]), [a[0] for a in k], [a[0] for a in v]
 
@@ -95,7 +112,7 @@ def branch_keys(knobs: Knobs, prompt_index: jax.Array, branch_ids: jax.Array) ->
 
 
 def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.Array,
-              bridge_params=None):
+              bridge_params=None, context=None):
     """The loop body: choose each live slot's token t, then run its forward pass.
 
     With `st.processors`, each slot's logits go through
@@ -107,6 +124,8 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
 
     Args:
       keys: `[R, N]` the slots' branch keys (`branch_keys`); token t folds in t.
+      context: None or the `ContextCache` common to all rows (closed over: one
+        copy for every row and branch, read once per step).
     Returns:
       `step(state) -> state`, advancing every slot by one token.
     """
@@ -133,7 +152,7 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
     # Row-level vmap: prefix per row (in_axes 0); branch-level vmap: prefix unbatched.
     def one_branch(tok, pos, t, pk, pv, plen, tk, tv, alive):
         return branch_step(cfg, params, tok, pos, t, pk, pv, plen, tk, tv,
-                           st.post_layer(alive, st.branch_axes), bridge_params)
+                           st.post_layer(alive, st.branch_axes), bridge_params, context)
 
     step_branches = jax.vmap(one_branch, in_axes=(0, None, None, None, None, None, 0, 0, 0),
                              axis_name=st.branch_axis)
@@ -182,6 +201,8 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
 
         def forward(_):
             positions = prefix.lengths + s.t  # [R]
+            if context is not None:
+                positions = positions + context.length
             # A branch that just stopped no longer influences the others (Bridge).
             return step_rows(tok, positions, s.t, prefix.k, prefix.v, prefix.lengths,
                              s.tail_k, s.tail_v, ~done)
