@@ -57,6 +57,26 @@ def test_deltas_concatenate_to_the_final_texts(tiny_lm, stop, chunk):
         assert any(r == "stop" for row in gen.finish_reason for r in row)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_min_tokens_with_stop_strings_streams_the_final_text(tiny_lm, chunk):
+    """A stop string inside the first `min_tokens` tokens does not end the stream
+    (regression: StreamText and the done branch's text ignored min_tokens, so the
+    stream stopped at a stop string the final text keeps)."""
+    params = SamplingParams(n=4, max_new_tokens=20, seed=1, temperature=1.0, stop=["e"],
+                            min_tokens=2)
+    prompts = ["ctx: e ab e hello"]
+    with _no_warning():
+        per, gen = _collect(jaxsample.stream(tiny_lm, prompts, params, chunk_size=chunk))
+    _assert_exact(per, gen)
+    ref = jaxsample.generate(tiny_lm, prompts, params, chunk_size=chunk)
+    assert ref.texts == gen.texts and ref.finish_reason == gen.finish_reason
+    # the case the regression needs: a final text holding a stop string in the
+    # first min_tokens tokens' text
+    toks = [t for row in gen.tokens for t in row]
+    assert any("e" in tiny_lm.tokenizer.decode([int(x) for x in b[:2]])
+               and len(t) > 1 for b, t in zip(toks, gen.texts[0])), gen.texts
+
+
 def test_stream_with_compaction_and_random_bytes(tiny_lm):
     """Random bytes are mostly invalid UTF-8: the replacement characters of the final
     decode are streamed exactly, whatever the chunk and compaction."""

@@ -175,7 +175,8 @@ class StreamText:
     `IncrementalText`), and the last `max(len(stop)) - 1` characters, which
     may turn out to be the start of a stop string. Once a stop string is seen
     nothing more is streamed until `finish` (the exact cut is decided on the
-    tokens, see `cut`).
+    tokens, see `cut`). With `min_tokens`, as in `cut` and `StopWatch`, only
+    stop strings ending past the text of the first `min_tokens` tokens count.
 
     Why this is a prefix of the final text: a final text cut at a stop string
     ends where the earliest stop string starts; that string was not in the
@@ -183,14 +184,16 @@ class StreamText:
     and starts at most `len(stop) - 1` characters before its end.
     """
 
-    __slots__ = ("inc", "sent", "stops", "back", "seen_stop")
+    __slots__ = ("inc", "sent", "stops", "back", "seen_stop", "min_tokens", "floor")
 
-    def __init__(self, stops: Sequence[str] = ()):
+    def __init__(self, stops: Sequence[str] = (), min_tokens: int = 0):
         self.inc = IncrementalText()
         self.sent = ""
         self.stops = tuple(stops)
         self.back = max(map(len, self.stops)) - 1 if self.stops else 0
         self.seen_stop = False
+        self.min_tokens = int(min_tokens)  # stop strings count only past these tokens' text
+        self.floor: int | None = None
 
     def feed(self, tokenizer, new_tokens: Sequence[int]) -> str:
         """Add new tokens (a final stop token excluded); returns the text now safe to show."""
@@ -198,9 +201,12 @@ class StreamText:
         self.inc.extend(tokenizer, new_tokens)
         if self.seen_stop:
             return ""
-        if self.stops and first_stop(self.inc.text[start:], self.stops) is not None:
-            self.seen_stop = True
-            return ""
+        if self.stops and len(self.inc.tokens) > self.min_tokens:
+            if self.floor is None:
+                self.floor = min_tokens_floor(tokenizer, self.inc.tokens, self.min_tokens)
+            if first_stop(self.inc.text[start:], self.stops, self.floor - start) is not None:
+                self.seen_stop = True
+                return ""
         safe = len(self.inc.text) - self.back
         if safe <= len(self.sent):
             return ""

@@ -134,11 +134,11 @@ def _events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent
             key = where(r, c)
             if key in ended:
                 continue
-            st = texts.setdefault(key, stops_lib.StreamText(stops))
+            st = texts.setdefault(key, stops_lib.StreamText(stops, s.params.min_tokens))
             text = st.feed(tok, new[(r, c)]) if (r, c) in new else ""
             if rnd.done[r, c]:  # ended by a stop token or a stop string: its text is final now
                 final, _ = api.branch_text(tok, rnd.tokens[r, c], rnd.lengths[r, c],
-                                           rnd.stopped[r, c], stops)
+                                           rnd.stopped[r, c], stops, s.params.min_tokens)
                 rest, ok = st.finish(final)
                 _check(ok, key)
                 text += rest
@@ -153,7 +153,7 @@ def _events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent
         for n in range(s.N):
             if (b, n) in ended:
                 continue
-            st = texts.get((b, n)) or stops_lib.StreamText(stops)
+            st = texts.get((b, n)) or stops_lib.StreamText(stops, s.params.min_tokens)
             rest, ok = st.finish(gen.texts[b][n])
             _check(ok, (b, n))
             deltas.append(TextDelta(b, n, rest, gen.finish_reason[b][n]))
