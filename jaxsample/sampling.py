@@ -541,41 +541,198 @@ def _top_p_mask(z: jax.Array, kz: jax.Array, keep_k: jax.Array,
     return above | (ties & (base + rank.astype(jnp.float32) * e_tie < q))
 
 
-def _keep(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
-          min_p, vocab_limit: int) -> jax.Array:
-    """[V] bool keep set of the sampling (temperature > 0) path.
+# Top-k pre-selection (the default path). The rank filters keep a rank prefix
+# (z descending, lower index first on ties), so when that prefix has at most
+# K0 tokens it is found on the K0 best candidates of `lax.top_k` (one cumsum
+# over K0 instead of 32 passes over V), and the Gumbel noise is needed only at
+# those K0 indices. Rows whose prefix does not fit fall back to the bisection.
+TOP_CANDIDATES = 256  # K0: 16 x 262144 top_k costs ~12 ms at 256, ~22 ms at 1024 (notes_topp.md)
 
-    Top-k and top-p each run behind a `lax.cond` on the scalar parameters,
-    so an inactive filter costs nothing.
+
+def _rows(rows_fn):
+    """Make `rows_fn(*args)`, defined on a leading axis of M rows, batch by flattening.
+
+    Under `vmap` (any nesting, batched or unbatched arguments) the rule moves
+    every vmapped axis into M and calls the function again, so `rows_fn` always
+    sees all rows at once: a `lax.cond` on a predicate reduced over the rows
+    (`jnp.any`) stays a real cond instead of becoming a select that runs both
+    sides. Outputs are pytrees of arrays with the leading M axis.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def f(*args):
+        return rows_fn(*args)
+
+    @f.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        def flat(a, b):
+            a = a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            return a.reshape((axis_size * a.shape[1],) + a.shape[2:])
+
+        outs = f(*(flat(a, b) for a, b in zip(args, in_batched)))
+        outs = jax.tree.map(lambda o: o.reshape((axis_size, -1) + o.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return f
+
+
+def _one_row(f, *args):
+    """Call a `_rows` function on a single row (a leading axis of 1 added and removed)."""
+    return jax.tree.map(lambda o: o[0], f(*(jnp.asarray(a)[None] for a in args)))
+
+
+def _bisection_rows(z, top_k, top_p, k_on, p_on):
+    """[M, V] keep set of top-k then top-p by the exact bisection, row by row."""
+    def one(z, k, p, k_on, p_on):
+        kz = _order_keys(z)
+        keep = jnp.where(k_on, _top_k_mask(z, kz, k), True)
+        return jnp.where(p_on, _top_p_mask(z, kz, keep, p), keep)
+
+    return jax.vmap(one)(z, top_k, top_p, k_on, p_on)
+
+
+def _rank_filter_rows(z, top_k, top_p, k_on, p_on, *, k0: int):
+    """Top-k then top-p on the K0 best candidates, with the bisection as fallback.
+
+    Args: z [M, V] tempered logits (max 0, -inf where invalid); top_k [M]
+    int32; top_p [M] float32; k_on, p_on [M] bool (a filter is active).
+    Returns: keep [M, V] bool (the module table's top-k / top-p sets), idx
+    [M, K0] int32 (the candidates) and ok [M] bool: the row's keep set lies
+    within its candidates (False for rows that took the fallback).
+    """
+    m, v = z.shape
+    vals, idx = jax.lax.top_k(z, k0)  # ranks 0..K0-1: z descending, lower index on ties
+    pos = jnp.arange(k0, dtype=jnp.int32)
+    kk = jnp.where(k_on, top_k, v)
+    k_fits = kk <= k0
+    e_c = jnp.where(pos < kk[:, None], jnp.exp(vals), 0.0)  # max z is 0: no overflow
+    # Mass of the top-k survivors: the first k candidates, or all of V without top-k.
+    total = jnp.where(k_fits, jnp.sum(e_c, axis=1), jnp.sum(jnp.exp(z), axis=1))
+    q = (top_p - TOP_P_TOL) * total
+    incl = jnp.cumsum(e_c, axis=1)
+    # Rank j is kept iff the mass ranked above it is < q: n_p = 1 + #{incl < q}.
+    n_p = jnp.minimum(1 + jnp.sum(incl < q[:, None], axis=1), k0).astype(jnp.int32)
+    p_fits = incl[:, -1] >= q
+    fits = jnp.where(k_on, k_fits, ~p_on | p_fits)
+    n = jnp.minimum(jnp.where(k_on, jnp.minimum(kk, k0), k0), jnp.where(p_on, n_p, k0))
+    last_v = jnp.take_along_axis(vals, (n - 1)[:, None], axis=1)
+    last_i = jnp.take_along_axis(idx, (n - 1)[:, None], axis=1)
+    # The first n tokens by rank: strictly above the n-th, or tied with it at a lower index.
+    fast = (z > last_v) | ((z == last_v) & (jnp.arange(v, dtype=jnp.int32) <= last_i))
+    fast = fast | ~(k_on | p_on)[:, None]  # both off (only with per-row knobs): keep all
+
+    def slow(fast):  # the exact bisection for every row, kept only where it is needed
+        return jnp.where(fits[:, None], fast, _bisection_rows(z, top_k, top_p, k_on, p_on))
+
+    keep = jax.lax.cond(jnp.all(fits), lambda f: f, slow, fast)
+    return keep, idx.astype(jnp.int32), fits & (k_on | p_on)
+
+
+def _gumbel_at(data: jax.Array, idx: jax.Array) -> jax.Array:
+    """`jax.random.gumbel(key, (V,), float32)[idx]`, computed at `idx` only.
+
+    With `jax_threefry_partitionable` (the default) element i of a 1-D draw is
+    `threefry2x32(key, (0, i))`, its two words xor-ed, made a uniform in
+    [tiny, 1) as `jax.random.uniform` does and transformed by -log(-log(u))
+    (the "low" Gumbel mode); tests pin the equality. data: uint32[2] key data;
+    idx: [K] int32 in [0, V), V < 2**32.
+    """
+    from jax.extend.random import threefry_2x32
+
+    k = idx.shape[0]
+    out = threefry_2x32((data[0], data[1]),
+                        jnp.concatenate([jnp.zeros((k,), jnp.uint32), idx.astype(jnp.uint32)]))
+    bits = out[:k] ^ out[k:]
+    one = np.array(1.0, np.float32)
+    floats = jax.lax.bitcast_convert_type((bits >> np.uint32(9)) | one.view(np.uint32),
+                                          jnp.float32) - one
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    u = jnp.maximum(tiny, floats * (one - tiny) + tiny)
+    return -jnp.log(-jnp.log(u))
+
+
+def _candidate_noise_ok(key) -> bool:
+    """Whether `_gumbel_at` reproduces `jax.random.gumbel` for this key (static)."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    impl = str(jax.random.key_impl(key)) if typed else jax.config.jax_default_prng_impl
+    return (impl == "threefry2x32" and jax.config.jax_threefry_partitionable
+            and not jax.config.jax_high_dynamic_range_gumbel)
+
+
+def _draw_rows(z, keep, idx, ok, data, impl, *, use_candidates: bool):
+    """[M] Gumbel-max tokens; the noise is drawn at the candidates only when
+    every row's keep set lies within its candidates (the same noise values)."""
+    def full(_):
+        def one(z, keep, d):
+            g = jax.random.gumbel(jax.random.wrap_key_data(d, impl=impl), z.shape, jnp.float32)
+            return _first_argmax(jnp.where(keep, z + g, -jnp.inf))
+        return jax.vmap(one)(z, keep, data)
+
+    if not use_candidates:
+        return full(None)
+
+    def cand(_):
+        def one(z, keep, idx, d):
+            s = jnp.where(keep[idx], z[idx] + _gumbel_at(d, idx), -jnp.inf)
+            # the lowest token index among the maxima, as _first_argmax over V
+            return jnp.min(jnp.where(s == jnp.max(s), idx, z.shape[0])).astype(jnp.int32)
+        return jax.vmap(one)(z, keep, idx, data)
+
+    return jax.lax.cond(jnp.all(ok), cand, full, None)
+
+
+def _keep(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
+          min_p, vocab_limit: int, candidates: int):
+    """[V] bool keep set of the sampling (temperature > 0) path, and the
+    candidates `(idx [K0] int32, ok bool)` (None on the bisection path).
+
+    Top-k and top-p together run behind one `lax.cond` on the scalar
+    parameters, so inactive filters cost nothing.
     """
     v = z.shape[0]
     sampling = jnp.asarray(temperature, jnp.float32) > 0
     top_k = jnp.asarray(top_k, jnp.int32)
     top_p = jnp.asarray(top_p, jnp.float32)
     min_p = jnp.asarray(min_p, jnp.float32)
-
-    def no_top_k(z, top_k):
-        return jnp.ones((v,), bool)
-
-    def no_top_p(z, keep_k, top_p):
-        return keep_k
-
-    # The order keys are computed inside each filter's branch (one O(V) pass
-    # each), so a step without filters never computes them.
     k_on = sampling & (top_k > 0) & (top_k < vocab_limit)
-    keep = jax.lax.cond(k_on, lambda z, k: _top_k_mask(z, _order_keys(z), k), no_top_k, z, top_k)
     p_on = sampling & (top_p < 1.0)
-    keep = jax.lax.cond(p_on, lambda z, kk, p: _top_p_mask(z, _order_keys(z), kk, p), no_top_p,
-                        z, keep, top_p)
+    k0 = min(candidates, v)
+    if k0 <= 0:
+        # The bisection path (candidates=0): top-k and top-p each behind a cond.
+        # The order keys are computed inside each filter's branch.
+        keep = jax.lax.cond(k_on, lambda z, k: _top_k_mask(z, _order_keys(z), k),
+                            lambda z, k: jnp.ones((v,), bool), z, top_k)
+        keep = jax.lax.cond(p_on, lambda z, kk, p: _top_p_mask(z, _order_keys(z), kk, p),
+                            lambda z, kk, p: kk, z, keep, top_p)
+        cand = None
+    else:
+        rows = _rows(lambda *a: _rank_filter_rows(*a, k0=k0))
+
+        def on(z, k, p, k_on, p_on):
+            return _one_row(rows, z, k, p, k_on, p_on)
+
+        def off(z, k, p, k_on, p_on):
+            return jnp.ones((v,), bool), jnp.zeros((k0,), jnp.int32), jnp.bool_(False)
+
+        keep, idx, ok = jax.lax.cond(k_on | p_on, on, off, z, top_k, top_p, k_on, p_on)
+        cand = (idx, ok)
     # min-p: prob_i / prob_max = exp(z_i - max z) = exp(z_i), the max token is
     # never filtered; log(0) = -inf keeps everything.
     keep &= z >= jnp.log(min_p) + jnp.log1p(-MIN_P_TOL)
     keep &= z > -jnp.inf
-    return keep | (jnp.arange(v) == greedy_tok)
+    return keep | (jnp.arange(v) == greedy_tok), cand
+
+
+def _check_candidates(candidates) -> int:
+    if not _is_int(candidates) or int(candidates) < 0:
+        raise ValueError(f"candidates must be a static int >= 0 (0: the bisection path), "
+                         f"got {candidates!r}")
+    return int(candidates)
 
 
 def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-              top_p: jax.Array, min_p: jax.Array, vocab_limit: int) -> jax.Array:
+              top_p: jax.Array, min_p: jax.Array, vocab_limit: int,
+              candidates: int = TOP_CANDIDATES) -> jax.Array:
     """The set of tokens `choose_token` may sample (see the module table).
 
     Args:
@@ -585,23 +742,27 @@ def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
       top_p: float32 scalar in (0, 1] (traced); 1 is off.
       min_p: float32 scalar in [0, 1] (traced); 0 is off.
       vocab_limit: static int in [1, V]; rows >= vocab_limit are padding.
+      candidates: static int K0 >= 0, the top-k pre-selection size (module
+        docstring, "Cost"); 0 runs the bisection alone. The set is the same
+        for every K0 (up to float32 rounding of the top-p mass).
 
     Returns:
       [V] bool; never empty; for temperature 0 exactly the greedy token.
 
     Raises:
-      ValueError: logits is not 1-D or vocab_limit is out of range.
+      ValueError: logits is not 1-D, vocab_limit or candidates is out of range.
     """
+    candidates = _check_candidates(candidates)
     _, z, greedy_tok = _prepare(logits, temperature, vocab_limit)
-    keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
+    keep, _ = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates)
     greedy = jnp.arange(z.shape[0]) == greedy_tok
     return jnp.where(jnp.asarray(temperature) == 0, greedy, keep)
 
 
 def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
                  top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                 vocab_limit: int, processed: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+                 vocab_limit: int, processed: jax.Array | None = None,
+                 candidates: int = TOP_CANDIDATES) -> tuple[jax.Array, jax.Array]:
     """Sample one token from one distribution (see the module table).
 
     Works under `jit`, `vmap` and inside `lax.while_loop`; the filter
@@ -612,7 +773,9 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
     The Gumbel noise is drawn per token index from `key` whatever the
     filters, so filters that keep every token (e.g. top_k = V) sample the
     same token as no filter, and tightening a filter only changes the draw
-    when it removes the token that was drawn.
+    when it removes the token that was drawn. (When the kept set lies within
+    the K0 candidates the noise is computed at those indices only: the same
+    values, see `_gumbel_at`.)
 
     Args:
       logits: [V] float32 raw logits (other float dtypes are cast).
@@ -628,6 +791,9 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
         filtered) while the logprob stays that of the raw `logits`. None
         (the default) chooses from `logits` itself, with exactly the
         arithmetic of a run without processors.
+      candidates: static int K0 >= 0, the top-k pre-selection size of top-k
+        and top-p (module docstring, "Cost"); 0 runs the bisection and the
+        full Gumbel draw alone (the reference path).
 
     NaN logits count as -inf and +inf logits as the largest finite float32
     (the module table's "NaN, inf" row).
@@ -641,14 +807,15 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
         `check_logprobs` turns it into an error.
 
     Raises:
-      ValueError: logits is not 1-D or vocab_limit is out of range.
+      ValueError: logits is not 1-D, vocab_limit or candidates is out of range.
     """
+    candidates = _check_candidates(candidates)
     if processed is not None:
         return _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p,
-                                 vocab_limit)
+                                 vocab_limit, candidates)
     raw, z, greedy_tok = _prepare(logits, temperature, vocab_limit)
-    keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
-    token = _draw(z, keep, greedy_tok, key, temperature)
+    keep, cand = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates)
+    token = _draw(z, keep, greedy_tok, key, temperature, cand)
     # log_softmax(raw)[token]; raw[greedy_tok] is the max. Subtract the max before
     # adding the log-sum, so a max near the float32 limit loses no precision.
     m = raw[greedy_tok]
@@ -659,24 +826,35 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
     return token, logprob.astype(jnp.float32)
 
 
-def _draw(z, keep, greedy_tok, key, temperature):
+def _draw(z, keep, greedy_tok, key, temperature, cand=None):
     """The chosen token: Gumbel-max over the kept tokens, or `greedy_tok` at
     temperature 0, where no noise is drawn at all (a `lax.cond` on the scalar
-    temperature: V Gumbel draws per slot are a large part of a step at V = 262k)."""
+    temperature: V Gumbel draws per slot are a large part of a step at V = 262k).
+    With candidates, the noise is drawn at the K0 candidates only when every
+    row's kept set lies within them (a cond reduced over the vmapped rows)."""
 
     def sample(_):
-        g = jax.random.gumbel(key, z.shape, jnp.float32)
-        return _first_argmax(jnp.where(keep, z + g, -jnp.inf))
+        if cand is None:
+            g = jax.random.gumbel(key, z.shape, jnp.float32)
+            return _first_argmax(jnp.where(keep, z + g, -jnp.inf))
+        idx, ok = cand
+        typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        impl = str(jax.random.key_impl(key)) if typed else jax.config.jax_default_prng_impl
+        data = jax.random.key_data(key) if typed else jnp.asarray(key, jnp.uint32)
+        use = _candidate_noise_ok(key)
+        rows = _rows(lambda *a: _draw_rows(*a, impl=impl, use_candidates=use))
+        return _one_row(rows, z, keep, idx, ok, data)
 
     return jax.lax.cond(jnp.asarray(temperature) > 0, sample, lambda _: greedy_tok, None)
 
 
-def _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p, vocab_limit):
+def _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p, vocab_limit,
+                      candidates):
     """`choose_token` with the token chosen from `processed`, the logprob from `logits`."""
     raw, _, raw_top = _prepare(logits, 1.0, vocab_limit)
     _, z, greedy_tok = _prepare(processed, temperature, vocab_limit)
-    keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
-    token = _draw(z, keep, greedy_tok, key, temperature)
+    keep, cand = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates)
+    token = _draw(z, keep, greedy_tok, key, temperature, cand)
     m = raw[raw_top]
     has_dist = (m > -jnp.inf) & (z[greedy_tok] > -jnp.inf)
     shifted = jnp.where(m > -jnp.inf, raw - m, -jnp.inf)
