@@ -546,7 +546,8 @@ def _top_p_mask(z: jax.Array, kz: jax.Array, keep_k: jax.Array,
 # K0 tokens it is found on the K0 best candidates of `lax.top_k` (one cumsum
 # over K0 instead of 32 passes over V), and the Gumbel noise is needed only at
 # those K0 indices. Rows whose prefix does not fit fall back to the bisection.
-TOP_CANDIDATES = 256  # K0: 16 x 262144 top_k costs ~12 ms at 256, ~22 ms at 1024 (notes_topp.md)
+# K0 of each stage; 16 x 262144 top_k costs ~12 ms at 256, ~22 ms at 1024 (notes_topp.md).
+TOP_CANDIDATES = (256, 1024)
 
 
 def _rows(rows_fn):
@@ -591,14 +592,14 @@ def _bisection_rows(z, top_k, top_p, k_on, p_on):
     return jax.vmap(one)(z, top_k, top_p, k_on, p_on)
 
 
-def _rank_filter_rows(z, top_k, top_p, k_on, p_on, *, k0: int):
-    """Top-k then top-p on the K0 best candidates, with the bisection as fallback.
+def _stage(z, top_k, top_p, k_on, p_on, k0: int):
+    """One pre-selection stage: top-k then top-p on the K0 best candidates.
 
     Args: z [M, V] tempered logits (max 0, -inf where invalid); top_k [M]
     int32; top_p [M] float32; k_on, p_on [M] bool (a filter is active).
-    Returns: keep [M, V] bool (the module table's top-k / top-p sets), idx
-    [M, K0] int32 (the candidates) and ok [M] bool: the row's keep set lies
-    within its candidates (False for rows that took the fallback).
+    Returns: keep [M, V] bool (the module table's top-k / top-p set where the
+    row fits), idx [M, K0] int32 (the candidates, by rank), fits [M] bool:
+    the row's set is decided within its K0 candidates.
     """
     m, v = z.shape
     vals, idx = jax.lax.top_k(z, k0)  # ranks 0..K0-1: z descending, lower index on ties
@@ -618,14 +619,42 @@ def _rank_filter_rows(z, top_k, top_p, k_on, p_on, *, k0: int):
     last_v = jnp.take_along_axis(vals, (n - 1)[:, None], axis=1)
     last_i = jnp.take_along_axis(idx, (n - 1)[:, None], axis=1)
     # The first n tokens by rank: strictly above the n-th, or tied with it at a lower index.
-    fast = (z > last_v) | ((z == last_v) & (jnp.arange(v, dtype=jnp.int32) <= last_i))
-    fast = fast | ~(k_on | p_on)[:, None]  # both off (only with per-row knobs): keep all
+    keep = (z > last_v) | ((z == last_v) & (jnp.arange(v, dtype=jnp.int32) <= last_i))
+    keep = keep | ~(k_on | p_on)[:, None]  # both off (only with per-row knobs): keep all
+    return keep, idx.astype(jnp.int32), fits
 
-    def slow(fast):  # the exact bisection for every row, kept only where it is needed
-        return jnp.where(fits[:, None], fast, _bisection_rows(z, top_k, top_p, k_on, p_on))
 
-    keep = jax.lax.cond(jnp.all(fits), lambda f: f, slow, fast)
-    return keep, idx.astype(jnp.int32), fits & (k_on | p_on)
+def _rank_filter_rows(z, top_k, top_p, k_on, p_on, *, k0s: tuple[int, ...]):
+    """Top-k then top-p by the pre-selection stages `k0s` (increasing), then
+    the exact bisection for the rows that fit in none.
+
+    Each stage after the first and the bisection run only when some row did
+    not fit the stage before (a `lax.cond` on the predicate reduced over all
+    rows); a row's set comes from the first stage it fits, whatever the other
+    rows, so batching never changes it.
+
+    Returns: keep [M, V] bool and, per stage, (idx [M, K0] int32, ok [M]
+    bool): ok where the row's keep set lies within that stage's candidates.
+    """
+    m = z.shape[0]
+    on = k_on | p_on
+    keep, idx, fits = _stage(z, top_k, top_p, k_on, p_on, k0s[0])
+    ok = fits & on
+
+    def done(_):
+        rest = tuple((jnp.zeros((m, k), jnp.int32), jnp.zeros((m,), bool)) for k in k0s[1:])
+        return keep, ((idx, ok),) + rest
+
+    def more(_):
+        if len(k0s) > 1:
+            keep2, cands = _rank_filter_rows(z, top_k, top_p, k_on, p_on, k0s=k0s[1:])
+        else:
+            keep2, cands = _bisection_rows(z, top_k, top_p, k_on, p_on), ()
+        # a set within K0 candidates is within every larger stage's candidates
+        cands = tuple((i, o | ok) for i, o in cands)
+        return jnp.where(fits[:, None], keep, keep2), ((idx, ok),) + cands
+
+    return jax.lax.cond(jnp.all(fits), done, more, None)
 
 
 def _gumbel_at(data: jax.Array, idx: jax.Array) -> jax.Array:
@@ -659,26 +688,36 @@ def _candidate_noise_ok(key) -> bool:
             and not jax.config.jax_high_dynamic_range_gumbel)
 
 
-def _draw_rows(z, keep, idx, ok, data, impl, *, use_candidates: bool):
-    """[M] Gumbel-max tokens; the noise is drawn at the candidates only when
-    every row's keep set lies within its candidates (the same noise values)."""
+def _draw_rows(z, keep, data, *cands, impl, use_candidates: bool):
+    """[M] Gumbel-max tokens. The noise is drawn at the candidates of the first
+    stage whose candidates hold every row's keep set (the same noise values),
+    over V otherwise. cands: idx_1, ok_1, idx_2, ok_2, ... (`_rank_filter_rows`)."""
     def full(_):
         def one(z, keep, d):
             g = jax.random.gumbel(jax.random.wrap_key_data(d, impl=impl), z.shape, jnp.float32)
             return _first_argmax(jnp.where(keep, z + g, -jnp.inf))
         return jax.vmap(one)(z, keep, data)
 
+    def at(idx):
+        def draw(_):
+            def one(z, keep, idx, d):
+                s = jnp.where(keep[idx], z[idx] + _gumbel_at(d, idx), -jnp.inf)
+                # the lowest token index among the maxima, as _first_argmax over V
+                return jnp.min(jnp.where(s == jnp.max(s), idx, z.shape[0])).astype(jnp.int32)
+            return jax.vmap(one)(z, keep, idx, data)
+        return draw
+
     if not use_candidates:
         return full(None)
+    pairs = list(zip(cands[0::2], cands[1::2]))
 
-    def cand(_):
-        def one(z, keep, idx, d):
-            s = jnp.where(keep[idx], z[idx] + _gumbel_at(d, idx), -jnp.inf)
-            # the lowest token index among the maxima, as _first_argmax over V
-            return jnp.min(jnp.where(s == jnp.max(s), idx, z.shape[0])).astype(jnp.int32)
-        return jax.vmap(one)(z, keep, idx, data)
+    def first_fitting(s):
+        if s == len(pairs):
+            return full
+        idx, ok = pairs[s]
+        return lambda _: jax.lax.cond(jnp.all(ok), at(idx), first_fitting(s + 1), None)
 
-    return jax.lax.cond(jnp.all(ok), cand, full, None)
+    return first_fitting(0)(None)
 
 
 def _keep(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
@@ -696,8 +735,8 @@ def _keep(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
     min_p = jnp.asarray(min_p, jnp.float32)
     k_on = sampling & (top_k > 0) & (top_k < vocab_limit)
     p_on = sampling & (top_p < 1.0)
-    k0 = min(candidates, v)
-    if k0 <= 0:
+    k0s = tuple(sorted({min(k, v) for k in candidates}))
+    if not k0s:
         # The bisection path (candidates=0): top-k and top-p each behind a cond.
         # The order keys are computed inside each filter's branch.
         keep = jax.lax.cond(k_on, lambda z, k: _top_k_mask(z, _order_keys(z), k),
@@ -706,16 +745,16 @@ def _keep(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
                             lambda z, kk, p: kk, z, keep, top_p)
         cand = None
     else:
-        rows = _rows(lambda *a: _rank_filter_rows(*a, k0=k0))
+        rows = _rows(lambda *a: _rank_filter_rows(*a, k0s=k0s))
 
         def on(z, k, p, k_on, p_on):
             return _one_row(rows, z, k, p, k_on, p_on)
 
         def off(z, k, p, k_on, p_on):
-            return jnp.ones((v,), bool), jnp.zeros((k0,), jnp.int32), jnp.bool_(False)
+            return jnp.ones((v,), bool), tuple(
+                (jnp.zeros((k,), jnp.int32), jnp.bool_(False)) for k in k0s)
 
-        keep, idx, ok = jax.lax.cond(k_on | p_on, on, off, z, top_k, top_p, k_on, p_on)
-        cand = (idx, ok)
+        keep, cand = jax.lax.cond(k_on | p_on, on, off, z, top_k, top_p, k_on, p_on)
     # min-p: prob_i / prob_max = exp(z_i - max z) = exp(z_i), the max token is
     # never filtered; log(0) = -inf keeps everything.
     keep &= z >= jnp.log(min_p) + jnp.log1p(-MIN_P_TOL)
@@ -723,16 +762,18 @@ def _keep(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
     return keep | (jnp.arange(v) == greedy_tok), cand
 
 
-def _check_candidates(candidates) -> int:
-    if not _is_int(candidates) or int(candidates) < 0:
-        raise ValueError(f"candidates must be a static int >= 0 (0: the bisection path), "
-                         f"got {candidates!r}")
-    return int(candidates)
+def _check_candidates(candidates) -> tuple[int, ...]:
+    """The pre-selection stages as a tuple of ints > 0; () for the bisection."""
+    ks = (candidates,) if _is_int(candidates) else candidates
+    if not isinstance(ks, (tuple, list)) or not all(_is_int(k) and k >= 0 for k in ks):
+        raise ValueError("candidates must be a static int >= 0 or a tuple of them (0 or (): "
+                         f"the bisection path), got {candidates!r}")
+    return tuple(int(k) for k in ks if k > 0)
 
 
 def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
               top_p: jax.Array, min_p: jax.Array, vocab_limit: int,
-              candidates: int = TOP_CANDIDATES) -> jax.Array:
+              candidates: int | tuple[int, ...] = TOP_CANDIDATES) -> jax.Array:
     """The set of tokens `choose_token` may sample (see the module table).
 
     Args:
@@ -742,9 +783,10 @@ def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
       top_p: float32 scalar in (0, 1] (traced); 1 is off.
       min_p: float32 scalar in [0, 1] (traced); 0 is off.
       vocab_limit: static int in [1, V]; rows >= vocab_limit are padding.
-      candidates: static int K0 >= 0, the top-k pre-selection size (module
-        docstring, "Cost"); 0 runs the bisection alone. The set is the same
-        for every K0 (up to float32 rounding of the top-p mass).
+      candidates: static, the top-k pre-selection stages: an int K0 > 0 or
+        a tuple of them (module docstring, "Cost"; default (256, 1024)); 0
+        or () runs the bisection alone. The set is the same for every choice
+        (up to float32 rounding of the top-p mass).
 
     Returns:
       [V] bool; never empty; for temperature 0 exactly the greedy token.
@@ -762,7 +804,7 @@ def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
                  top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
                  vocab_limit: int, processed: jax.Array | None = None,
-                 candidates: int = TOP_CANDIDATES) -> tuple[jax.Array, jax.Array]:
+                 candidates: int | tuple[int, ...] = TOP_CANDIDATES) -> tuple[jax.Array, jax.Array]:
     """Sample one token from one distribution (see the module table).
 
     Works under `jit`, `vmap` and inside `lax.while_loop`; the filter
@@ -791,9 +833,10 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
         filtered) while the logprob stays that of the raw `logits`. None
         (the default) chooses from `logits` itself, with exactly the
         arithmetic of a run without processors.
-      candidates: static int K0 >= 0, the top-k pre-selection size of top-k
-        and top-p (module docstring, "Cost"); 0 runs the bisection and the
-        full Gumbel draw alone (the reference path).
+      candidates: static, the top-k pre-selection stages of top-k and top-p:
+        an int K0 > 0 or a tuple of them (module docstring, "Cost"; default
+        (256, 1024)); 0 or () runs the bisection and the full Gumbel draw
+        alone (the reference path).
 
     NaN logits count as -inf and +inf logits as the largest finite float32
     (the module table's "NaN, inf" row).
@@ -837,13 +880,12 @@ def _draw(z, keep, greedy_tok, key, temperature, cand=None):
         if cand is None:
             g = jax.random.gumbel(key, z.shape, jnp.float32)
             return _first_argmax(jnp.where(keep, z + g, -jnp.inf))
-        idx, ok = cand
         typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
         impl = str(jax.random.key_impl(key)) if typed else jax.config.jax_default_prng_impl
         data = jax.random.key_data(key) if typed else jnp.asarray(key, jnp.uint32)
         use = _candidate_noise_ok(key)
         rows = _rows(lambda *a: _draw_rows(*a, impl=impl, use_candidates=use))
-        return _one_row(rows, z, keep, idx, ok, data)
+        return _one_row(rows, z, keep, data, *(x for pair in cand for x in pair))
 
     return jax.lax.cond(jnp.asarray(temperature) > 0, sample, lambda _: greedy_tok, None)
 
