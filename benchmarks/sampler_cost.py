@@ -4,8 +4,9 @@ Times `sampling.choose_token` vmapped over N rows of V synthetic logits
 (`normal * 4`, jitted) for each filter setting and each implementation:
 `bisection` (candidates=0: the exact 32-pass bisection over V for top-k /
 top-p and V Gumbel draws per row, the code before the top-k pre-selection)
-and `K0=...` (the default: `lax.top_k` pre-selection of K0 candidates, the
-bisection only as fallback, Gumbel noise only at the candidates). A measured,
+and `K0=...` (`lax.top_k` pre-selection of K0 candidates, in stages joined
+by `+`: 256+1024 is the default; the bisection only as the last fallback,
+Gumbel noise only at the candidates when the kept set fits in them). A measured,
 not adopted, alternative is timed beside them: `inverse CDF`, one uniform
 per row inverted through block sums of exp(z) over the kept set (a two-level
 search, no sort). The machine is shared: every repeat runs every
@@ -16,7 +17,7 @@ steps, top-p 0.95) is measured for the embedded SmolLM2 (V = 49,152) and
 Gemma 3 270M (V = 262,144, when installed), to give each figure's share.
 
     python benchmarks/sampler_cost.py [--n 16] [--repeats 15] [--vocab 49152,262144]
-        [--candidates 256,1024] [--step]
+        [--candidates 256+1024,1024] [--step]
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def sampler_ms(V: int, vocab_limit: int, n: int, repeats: int, k0s: list[int]):
 
     logits = jax.random.normal(jax.random.key(0), (n, V), jnp.float32) * 4.0
     keys = jax.random.split(jax.random.key(1), n)
-    impls = [("bisection", 0)] + [(f"K0={k}", k) for k in k0s]
+    impls = [("bisection", 0)] + [("K0=" + "+".join(map(str, k)), k) for k in k0s]
     fns = {}
     for name, kw in SETTINGS.items():
         args = (jnp.float32(kw["temperature"]), jnp.int32(kw["top_k"]),
@@ -137,10 +138,11 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--vocab", default="49152,262144")
-    ap.add_argument("--candidates", default="256,1024")
+    ap.add_argument("--candidates", default="256+1024,1024",
+                    help="pre-selection variants: stages joined by +, variants by commas")
     ap.add_argument("--step", action="store_true", help="also time a decode step per model")
     args = ap.parse_args(argv)
-    k0s = [int(k) for k in args.candidates.split(",") if k]
+    k0s = [tuple(int(x) for x in k.split("+")) for k in args.candidates.split(",") if k]
     steps = engine_steps(args.n) if args.step else {}
     for V in (int(v) for v in args.vocab.split(",")):
         ms, impls, sizes = sampler_ms(V, V, args.n, args.repeats, k0s)

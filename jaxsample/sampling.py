@@ -79,14 +79,35 @@ min-p before top-k / top-p; we keep Hugging Face's order for the filters.)
                  | chosen token, as vLLM reports by default
                  | (`logprobs_mode="raw_logprobs"`).
 
-Cost: no sort. The rank-based rules above are computed without sorting:
-top-k and top-p each find their cut-off value by an exact bisection over the
-int32 order keys of the tempered logits (32 passes of O(V) counting or
-summing), then break ties at the cut-off by token index with one cumsum.
-On CPU a full `lax.sort` of 16 x 49152 logits costs ~160 ms, the bisection
-~20 ms per active filter. Min-p is a single O(V) comparison. Top-k and top-p
-each sit behind a `lax.cond` on the scalar parameters (also skipped when
-temperature == 0), so an inactive filter costs nothing. Under `vmap` a
+Cost: no sort of V. Top-k, top-p and min-p each keep a rank prefix (z
+descending, the lower index first on ties), so top-k and top-p are first
+decided on a pre-selection: `lax.top_k` of K0 = 256 candidates, where the
+k-th token is read off and the nucleus is one cumsum over the K0 sorted
+masses (the mass of the top-k survivors: the first k candidates, or one sum
+over V). A row whose set does not fit in 256 candidates (k > 256, or a
+nucleus wider than 256) goes to a second stage of 1024, then to the exact
+bisection over the int32 order keys of the tempered logits (32 passes of
+O(V) counting or summing, then ties at the cut-off broken by index with one
+cumsum). The sets are the same on every path up to the float32 rounding of
+the top-p sums (a boundary token whose mass above lies within rounding of
+p - 1e-6; tests/test_sampling.py compares the paths off those tokens). When
+every kept set lies within the candidates, the Gumbel noise is computed at
+the candidates' indices only (the same values `jax.random.gumbel(key, (V,))`
+has there: element i of a threefry-partitionable draw depends on i alone),
+so the token is the same as with the full draw. Each later stage, the
+bisection and the full draw sit behind a `lax.cond` on a predicate reduced
+over all rows of the `vmap` (a `jax.custom_batching.custom_vmap` rule
+gathers the vmapped rows into one batch): under the engine's
+`vmap(vmap(choose_token))` a step whose rows all fit never runs the later
+stages, and a row's result never depends on the other rows (it comes from
+the first stage it fits). Measured at N = 16 on 2 shared cores
+(benchmarks/notes_topp.md): at V = 262,144 top-k 50 + top-p 0.95 + min-p
+0.05 went from ~330 to ~55 ms, top-p 0.95 (nuclei up to ~960 tokens) from
+~230 to ~60 ms; a row that needs the bisection costs the pre-selection on
+top of it. `candidates=0` selects the bisection and the full draw alone
+(the reference path). Min-p is a single O(V) comparison. Top-k and top-p
+sit behind a `lax.cond` on the scalar parameters (also skipped when
+temperature == 0), so inactive filters cost nothing. Under `vmap` a
 `cond` whose predicate is batched becomes a `select` that runs both sides,
 so the engine should keep temperature, top_k, top_p and min_p *unbatched*
 (`vmap(..., in_axes=(0, 0, None, None, None, None))`): they come from one
