@@ -79,14 +79,35 @@ min-p before top-k / top-p; we keep Hugging Face's order for the filters.)
                  | chosen token, as vLLM reports by default
                  | (`logprobs_mode="raw_logprobs"`).
 
-Cost: no sort. The rank-based rules above are computed without sorting:
-top-k and top-p each find their cut-off value by an exact bisection over the
-int32 order keys of the tempered logits (32 passes of O(V) counting or
-summing), then break ties at the cut-off by token index with one cumsum.
-On CPU a full `lax.sort` of 16 x 49152 logits costs ~160 ms, the bisection
-~20 ms per active filter. Min-p is a single O(V) comparison. Top-k and top-p
-each sit behind a `lax.cond` on the scalar parameters (also skipped when
-temperature == 0), so an inactive filter costs nothing. Under `vmap` a
+Cost: no sort of V. Top-k, top-p and min-p each keep a rank prefix (z
+descending, the lower index first on ties), so top-k and top-p are first
+decided on a pre-selection: `lax.top_k` of K0 = 256 candidates, where the
+k-th token is read off and the nucleus is one cumsum over the K0 sorted
+masses (the mass of the top-k survivors: the first k candidates, or one sum
+over V). A row whose set does not fit in 256 candidates (k > 256, or a
+nucleus wider than 256) goes to a second stage of 1024, then to the exact
+bisection over the int32 order keys of the tempered logits (32 passes of
+O(V) counting or summing, then ties at the cut-off broken by index with one
+cumsum). The sets are the same on every path up to the float32 rounding of
+the top-p sums (a boundary token whose mass above lies within rounding of
+p - 1e-6; tests/test_sampling.py compares the paths off those tokens). When
+every kept set lies within the candidates, the Gumbel noise is computed at
+the candidates' indices only (the same values `jax.random.gumbel(key, (V,))`
+has there: element i of a threefry-partitionable draw depends on i alone),
+so the token is the same as with the full draw. Each later stage, the
+bisection and the full draw sit behind a `lax.cond` on a predicate reduced
+over all rows of the `vmap` (a `jax.custom_batching.custom_vmap` rule
+gathers the vmapped rows into one batch): under the engine's
+`vmap(vmap(choose_token))` a step whose rows all fit never runs the later
+stages, and a row's result never depends on the other rows (it comes from
+the first stage it fits). Measured at N = 16 on 2 shared cores
+(benchmarks/notes_topp.md): at V = 262,144 top-k 50 + top-p 0.95 + min-p
+0.05 went from ~334 to ~54 ms, top-p 0.95 (nuclei up to ~960 tokens) from
+~212 to ~74 ms; a step with a row that needs the bisection costs ~1.6x the
+bisection alone (both stages and the full draw run too). `candidates=0` selects the bisection and the full draw alone
+(the reference path). Min-p is a single O(V) comparison. Top-k and top-p
+sit behind a `lax.cond` on the scalar parameters (also skipped when
+temperature == 0), so inactive filters cost nothing. Under `vmap` a
 `cond` whose predicate is batched becomes a `select` that runs both sides,
 so the engine should keep temperature, top_k, top_p and min_p *unbatched*
 (`vmap(..., in_axes=(0, 0, None, None, None, None))`): they come from one
@@ -541,41 +562,239 @@ def _top_p_mask(z: jax.Array, kz: jax.Array, keep_k: jax.Array,
     return above | (ties & (base + rank.astype(jnp.float32) * e_tie < q))
 
 
-def _keep(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
-          min_p, vocab_limit: int) -> jax.Array:
-    """[V] bool keep set of the sampling (temperature > 0) path.
+# Top-k pre-selection (the default path). The rank filters keep a rank prefix
+# (z descending, lower index first on ties), so when that prefix has at most
+# K0 tokens it is found on the K0 best candidates of `lax.top_k` (one cumsum
+# over K0 instead of 32 passes over V), and the Gumbel noise is needed only at
+# those K0 indices. Rows whose prefix does not fit fall back to the bisection.
+# K0 of each stage; 16 x 262144 top_k costs ~12 ms at 256, ~22 ms at 1024 (notes_topp.md).
+TOP_CANDIDATES = (256, 1024)
 
-    Top-k and top-p each run behind a `lax.cond` on the scalar parameters,
-    so an inactive filter costs nothing.
+
+def _rows(rows_fn):
+    """Make `rows_fn(*args)`, defined on a leading axis of M rows, batch by flattening.
+
+    Under `vmap` (any nesting, batched or unbatched arguments) the rule moves
+    every vmapped axis into M and calls the function again, so `rows_fn` always
+    sees all rows at once: a `lax.cond` on a predicate reduced over the rows
+    (`jnp.any`) stays a real cond instead of becoming a select that runs both
+    sides. Outputs are pytrees of arrays with the leading M axis.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def f(*args):
+        return rows_fn(*args)
+
+    @f.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        def flat(a, b):
+            a = a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            return a.reshape((axis_size * a.shape[1],) + a.shape[2:])
+
+        outs = f(*(flat(a, b) for a, b in zip(args, in_batched)))
+        outs = jax.tree.map(lambda o: o.reshape((axis_size, -1) + o.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return f
+
+
+def _one_row(f, *args):
+    """Call a `_rows` function on a single row (a leading axis of 1 added and removed)."""
+    return jax.tree.map(lambda o: o[0], f(*(jnp.asarray(a)[None] for a in args)))
+
+
+def _bisection_rows(z, top_k, top_p, k_on, p_on):
+    """[M, V] keep set of top-k then top-p by the exact bisection, row by row."""
+    def one(z, k, p, k_on, p_on):
+        kz = _order_keys(z)
+        keep = jnp.where(k_on, _top_k_mask(z, kz, k), True)
+        return jnp.where(p_on, _top_p_mask(z, kz, keep, p), keep)
+
+    return jax.vmap(one)(z, top_k, top_p, k_on, p_on)
+
+
+def _stage(z, top_k, top_p, k_on, p_on, k0: int):
+    """One pre-selection stage: top-k then top-p on the K0 best candidates.
+
+    Args: z [M, V] tempered logits (max 0, -inf where invalid); top_k [M]
+    int32; top_p [M] float32; k_on, p_on [M] bool (a filter is active).
+    Returns: keep [M, V] bool (the module table's top-k / top-p set where the
+    row fits), idx [M, K0] int32 (the candidates, by rank), fits [M] bool:
+    the row's set is decided within its K0 candidates.
+    """
+    m, v = z.shape
+    vals, idx = jax.lax.top_k(z, k0)  # ranks 0..K0-1: z descending, lower index on ties
+    pos = jnp.arange(k0, dtype=jnp.int32)
+    kk = jnp.where(k_on, top_k, v)
+    k_fits = kk <= k0
+    e_c = jnp.where(pos < kk[:, None], jnp.exp(vals), 0.0)  # max z is 0: no overflow
+    # Mass of the top-k survivors: the first k candidates, or all of V without top-k.
+    total = jnp.where(k_fits, jnp.sum(e_c, axis=1), jnp.sum(jnp.exp(z), axis=1))
+    q = (top_p - TOP_P_TOL) * total
+    incl = jnp.cumsum(e_c, axis=1)
+    # Rank j is kept iff the mass ranked above it is < q: n_p = 1 + #{incl < q}.
+    n_p = jnp.minimum(1 + jnp.sum(incl < q[:, None], axis=1), k0).astype(jnp.int32)
+    p_fits = incl[:, -1] >= q
+    fits = jnp.where(k_on, k_fits, ~p_on | p_fits)
+    n = jnp.minimum(jnp.where(k_on, jnp.minimum(kk, k0), k0), jnp.where(p_on, n_p, k0))
+    last_v = jnp.take_along_axis(vals, (n - 1)[:, None], axis=1)
+    last_i = jnp.take_along_axis(idx, (n - 1)[:, None], axis=1)
+    # The first n tokens by rank: strictly above the n-th, or tied with it at a lower index.
+    keep = (z > last_v) | ((z == last_v) & (jnp.arange(v, dtype=jnp.int32) <= last_i))
+    keep = keep | ~(k_on | p_on)[:, None]  # both off (only with per-row knobs): keep all
+    return keep, idx.astype(jnp.int32), fits
+
+
+def _rank_filter_rows(z, top_k, top_p, k_on, p_on, *, k0s: tuple[int, ...]):
+    """Top-k then top-p by the pre-selection stages `k0s` (increasing), then
+    the exact bisection for the rows that fit in none.
+
+    Each stage after the first and the bisection run only when some row did
+    not fit the stage before (a `lax.cond` on the predicate reduced over all
+    rows); a row's set comes from the first stage it fits, whatever the other
+    rows, so batching never changes it.
+
+    Returns: keep [M, V] bool and, per stage, (idx [M, K0] int32, ok [M]
+    bool): ok where the row's keep set lies within that stage's candidates.
+    """
+    m = z.shape[0]
+    on = k_on | p_on
+    keep, idx, fits = _stage(z, top_k, top_p, k_on, p_on, k0s[0])
+    ok = fits & on
+
+    def done(_):
+        rest = tuple((jnp.zeros((m, k), jnp.int32), jnp.zeros((m,), bool)) for k in k0s[1:])
+        return keep, ((idx, ok),) + rest
+
+    def more(_):
+        if len(k0s) > 1:
+            keep2, cands = _rank_filter_rows(z, top_k, top_p, k_on, p_on, k0s=k0s[1:])
+        else:
+            keep2, cands = _bisection_rows(z, top_k, top_p, k_on, p_on), ()
+        # a set within K0 candidates is within every larger stage's candidates
+        cands = tuple((i, o | ok) for i, o in cands)
+        return jnp.where(fits[:, None], keep, keep2), ((idx, ok),) + cands
+
+    return jax.lax.cond(jnp.all(fits), done, more, None)
+
+
+def _gumbel_at(data: jax.Array, idx: jax.Array) -> jax.Array:
+    """`jax.random.gumbel(key, (V,), float32)[idx]`, computed at `idx` only.
+
+    With `jax_threefry_partitionable` (the default) element i of a 1-D draw is
+    `threefry2x32(key, (0, i))`, its two words xor-ed, made a uniform in
+    [tiny, 1) as `jax.random.uniform` does and transformed by -log(-log(u))
+    (the "low" Gumbel mode); tests pin the equality. data: uint32[2] key data;
+    idx: [K] int32 in [0, V), V < 2**32.
+    """
+    from jax.extend.random import threefry_2x32
+
+    k = idx.shape[0]
+    out = threefry_2x32((data[0], data[1]),
+                        jnp.concatenate([jnp.zeros((k,), jnp.uint32), idx.astype(jnp.uint32)]))
+    bits = out[:k] ^ out[k:]
+    one = np.array(1.0, np.float32)
+    floats = jax.lax.bitcast_convert_type((bits >> np.uint32(9)) | one.view(np.uint32),
+                                          jnp.float32) - one
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    u = jnp.maximum(tiny, floats * (one - tiny) + tiny)
+    return -jnp.log(-jnp.log(u))
+
+
+def _candidate_noise_ok(key) -> bool:
+    """Whether `_gumbel_at` reproduces `jax.random.gumbel` for this key (static)."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    impl = str(jax.random.key_impl(key)) if typed else jax.config.jax_default_prng_impl
+    return (impl == "threefry2x32" and jax.config.jax_threefry_partitionable
+            and not jax.config.jax_high_dynamic_range_gumbel)
+
+
+def _draw_rows(z, keep, data, *cands, impl, use_candidates: bool):
+    """[M] Gumbel-max tokens. The noise is drawn at the candidates of the first
+    stage whose candidates hold every row's keep set (the same noise values),
+    over V otherwise. cands: idx_1, ok_1, idx_2, ok_2, ... (`_rank_filter_rows`)."""
+    def full(_):
+        def one(z, keep, d):
+            g = jax.random.gumbel(jax.random.wrap_key_data(d, impl=impl), z.shape, jnp.float32)
+            return _first_argmax(jnp.where(keep, z + g, -jnp.inf))
+        return jax.vmap(one)(z, keep, data)
+
+    def at(idx):
+        def draw(_):
+            def one(z, keep, idx, d):
+                s = jnp.where(keep[idx], z[idx] + _gumbel_at(d, idx), -jnp.inf)
+                # the lowest token index among the maxima, as _first_argmax over V
+                return jnp.min(jnp.where(s == jnp.max(s), idx, z.shape[0])).astype(jnp.int32)
+            return jax.vmap(one)(z, keep, idx, data)
+        return draw
+
+    if not use_candidates:
+        return full(None)
+    pairs = list(zip(cands[0::2], cands[1::2]))
+
+    def first_fitting(s):
+        if s == len(pairs):
+            return full
+        idx, ok = pairs[s]
+        return lambda _: jax.lax.cond(jnp.all(ok), at(idx), first_fitting(s + 1), None)
+
+    return first_fitting(0)(None)
+
+
+def _keep(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
+          min_p, vocab_limit: int, candidates: int):
+    """[V] bool keep set of the sampling (temperature > 0) path, and the
+    candidates `(idx [K0] int32, ok bool)` (None on the bisection path).
+
+    Top-k and top-p together run behind one `lax.cond` on the scalar
+    parameters, so inactive filters cost nothing.
     """
     v = z.shape[0]
     sampling = jnp.asarray(temperature, jnp.float32) > 0
     top_k = jnp.asarray(top_k, jnp.int32)
     top_p = jnp.asarray(top_p, jnp.float32)
     min_p = jnp.asarray(min_p, jnp.float32)
-
-    def no_top_k(z, top_k):
-        return jnp.ones((v,), bool)
-
-    def no_top_p(z, keep_k, top_p):
-        return keep_k
-
-    # The order keys are computed inside each filter's branch (one O(V) pass
-    # each), so a step without filters never computes them.
     k_on = sampling & (top_k > 0) & (top_k < vocab_limit)
-    keep = jax.lax.cond(k_on, lambda z, k: _top_k_mask(z, _order_keys(z), k), no_top_k, z, top_k)
     p_on = sampling & (top_p < 1.0)
-    keep = jax.lax.cond(p_on, lambda z, kk, p: _top_p_mask(z, _order_keys(z), kk, p), no_top_p,
-                        z, keep, top_p)
+    k0s = tuple(sorted({min(k, v) for k in candidates}))
+    if not k0s:
+        # The bisection path (candidates=0): top-k and top-p each behind a cond.
+        # The order keys are computed inside each filter's branch.
+        keep = jax.lax.cond(k_on, lambda z, k: _top_k_mask(z, _order_keys(z), k),
+                            lambda z, k: jnp.ones((v,), bool), z, top_k)
+        keep = jax.lax.cond(p_on, lambda z, kk, p: _top_p_mask(z, _order_keys(z), kk, p),
+                            lambda z, kk, p: kk, z, keep, top_p)
+        cand = None
+    else:
+        rows = _rows(lambda *a: _rank_filter_rows(*a, k0s=k0s))
+
+        def on(z, k, p, k_on, p_on):
+            return _one_row(rows, z, k, p, k_on, p_on)
+
+        def off(z, k, p, k_on, p_on):
+            return jnp.ones((v,), bool), tuple(
+                (jnp.zeros((k,), jnp.int32), jnp.bool_(False)) for k in k0s)
+
+        keep, cand = jax.lax.cond(k_on | p_on, on, off, z, top_k, top_p, k_on, p_on)
     # min-p: prob_i / prob_max = exp(z_i - max z) = exp(z_i), the max token is
     # never filtered; log(0) = -inf keeps everything.
     keep &= z >= jnp.log(min_p) + jnp.log1p(-MIN_P_TOL)
     keep &= z > -jnp.inf
-    return keep | (jnp.arange(v) == greedy_tok)
+    return keep | (jnp.arange(v) == greedy_tok), cand
+
+
+def _check_candidates(candidates) -> tuple[int, ...]:
+    """The pre-selection stages as a tuple of ints > 0; () for the bisection."""
+    ks = (candidates,) if _is_int(candidates) else candidates
+    if not isinstance(ks, (tuple, list)) or not all(_is_int(k) and k >= 0 for k in ks):
+        raise ValueError("candidates must be a static int >= 0 or a tuple of them (0 or (): "
+                         f"the bisection path), got {candidates!r}")
+    return tuple(int(k) for k in ks if k > 0)
 
 
 def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-              top_p: jax.Array, min_p: jax.Array, vocab_limit: int) -> jax.Array:
+              top_p: jax.Array, min_p: jax.Array, vocab_limit: int,
+              candidates: int | tuple[int, ...] = TOP_CANDIDATES) -> jax.Array:
     """The set of tokens `choose_token` may sample (see the module table).
 
     Args:
@@ -585,23 +804,28 @@ def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
       top_p: float32 scalar in (0, 1] (traced); 1 is off.
       min_p: float32 scalar in [0, 1] (traced); 0 is off.
       vocab_limit: static int in [1, V]; rows >= vocab_limit are padding.
+      candidates: static, the top-k pre-selection stages: an int K0 > 0 or
+        a tuple of them (module docstring, "Cost"; default (256, 1024)); 0
+        or () runs the bisection alone. The set is the same for every choice
+        (up to float32 rounding of the top-p mass).
 
     Returns:
       [V] bool; never empty; for temperature 0 exactly the greedy token.
 
     Raises:
-      ValueError: logits is not 1-D or vocab_limit is out of range.
+      ValueError: logits is not 1-D, vocab_limit or candidates is out of range.
     """
+    candidates = _check_candidates(candidates)
     _, z, greedy_tok = _prepare(logits, temperature, vocab_limit)
-    keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
+    keep, _ = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates)
     greedy = jnp.arange(z.shape[0]) == greedy_tok
     return jnp.where(jnp.asarray(temperature) == 0, greedy, keep)
 
 
 def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
                  top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                 vocab_limit: int, processed: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+                 vocab_limit: int, processed: jax.Array | None = None,
+                 candidates: int | tuple[int, ...] = TOP_CANDIDATES) -> tuple[jax.Array, jax.Array]:
     """Sample one token from one distribution (see the module table).
 
     Works under `jit`, `vmap` and inside `lax.while_loop`; the filter
@@ -612,7 +836,9 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
     The Gumbel noise is drawn per token index from `key` whatever the
     filters, so filters that keep every token (e.g. top_k = V) sample the
     same token as no filter, and tightening a filter only changes the draw
-    when it removes the token that was drawn.
+    when it removes the token that was drawn. (When the kept set lies within
+    the K0 candidates the noise is computed at those indices only: the same
+    values, see `_gumbel_at`.)
 
     Args:
       logits: [V] float32 raw logits (other float dtypes are cast).
@@ -628,6 +854,10 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
         filtered) while the logprob stays that of the raw `logits`. None
         (the default) chooses from `logits` itself, with exactly the
         arithmetic of a run without processors.
+      candidates: static, the top-k pre-selection stages of top-k and top-p:
+        an int K0 > 0 or a tuple of them (module docstring, "Cost"; default
+        (256, 1024)); 0 or () runs the bisection and the full Gumbel draw
+        alone (the reference path).
 
     NaN logits count as -inf and +inf logits as the largest finite float32
     (the module table's "NaN, inf" row).
@@ -641,14 +871,15 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
         `check_logprobs` turns it into an error.
 
     Raises:
-      ValueError: logits is not 1-D or vocab_limit is out of range.
+      ValueError: logits is not 1-D, vocab_limit or candidates is out of range.
     """
+    candidates = _check_candidates(candidates)
     if processed is not None:
         return _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p,
-                                 vocab_limit)
+                                 vocab_limit, candidates)
     raw, z, greedy_tok = _prepare(logits, temperature, vocab_limit)
-    keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
-    token = _draw(z, keep, greedy_tok, key, temperature)
+    keep, cand = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates)
+    token = _draw(z, keep, greedy_tok, key, temperature, cand)
     # log_softmax(raw)[token]; raw[greedy_tok] is the max. Subtract the max before
     # adding the log-sum, so a max near the float32 limit loses no precision.
     m = raw[greedy_tok]
@@ -659,24 +890,34 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
     return token, logprob.astype(jnp.float32)
 
 
-def _draw(z, keep, greedy_tok, key, temperature):
+def _draw(z, keep, greedy_tok, key, temperature, cand=None):
     """The chosen token: Gumbel-max over the kept tokens, or `greedy_tok` at
     temperature 0, where no noise is drawn at all (a `lax.cond` on the scalar
-    temperature: V Gumbel draws per slot are a large part of a step at V = 262k)."""
+    temperature: V Gumbel draws per slot are a large part of a step at V = 262k).
+    With candidates, the noise is drawn at the K0 candidates only when every
+    row's kept set lies within them (a cond reduced over the vmapped rows)."""
 
     def sample(_):
-        g = jax.random.gumbel(key, z.shape, jnp.float32)
-        return _first_argmax(jnp.where(keep, z + g, -jnp.inf))
+        if cand is None:
+            g = jax.random.gumbel(key, z.shape, jnp.float32)
+            return _first_argmax(jnp.where(keep, z + g, -jnp.inf))
+        typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        impl = str(jax.random.key_impl(key)) if typed else jax.config.jax_default_prng_impl
+        data = jax.random.key_data(key) if typed else jnp.asarray(key, jnp.uint32)
+        use = _candidate_noise_ok(key)
+        rows = _rows(lambda *a: _draw_rows(*a, impl=impl, use_candidates=use))
+        return _one_row(rows, z, keep, data, *(x for pair in cand for x in pair))
 
     return jax.lax.cond(jnp.asarray(temperature) > 0, sample, lambda _: greedy_tok, None)
 
 
-def _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p, vocab_limit):
+def _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p, vocab_limit,
+                      candidates):
     """`choose_token` with the token chosen from `processed`, the logprob from `logits`."""
     raw, _, raw_top = _prepare(logits, 1.0, vocab_limit)
     _, z, greedy_tok = _prepare(processed, temperature, vocab_limit)
-    keep = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit)
-    token = _draw(z, keep, greedy_tok, key, temperature)
+    keep, cand = _keep(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates)
+    token = _draw(z, keep, greedy_tok, key, temperature, cand)
     m = raw[raw_top]
     has_dist = (m > -jnp.inf) & (z[greedy_tok] > -jnp.inf)
     shifted = jnp.where(m > -jnp.inf, raw - m, -jnp.inf)

@@ -589,3 +589,198 @@ def test_bad_shapes_raise():
         keep_mask(jnp.zeros(4), *_args(), vocab_limit=5)
     with pytest.raises(ValueError, match=r"\[V\]"):
         choose_token(jnp.zeros((2, 4)), jax.random.key(0), *_args(), vocab_limit=4)
+
+
+# --------------------------------------------------------------------------
+# The top-k pre-selection (candidates=K0) against the bisection (candidates=0)
+# --------------------------------------------------------------------------
+
+_keep_k0 = jax.jit(keep_mask, static_argnames=("vocab_limit", "candidates"))
+_choose_k0 = jax.jit(
+    jax.vmap(choose_token, in_axes=(None, 0, None, None, None, None, None, None, None)),
+    static_argnums=(6, 8))
+# rows and parameters both batched: the engine's vmap(vmap(choose)) over [R, N]
+_rows_k0 = jax.jit(jax.vmap(jax.vmap(
+    lambda x, key, t, k, p, m, vl, k0: keep_mask(x, t, k, p, m, vl, k0),
+    in_axes=(0, None, None, None, None, None, None, None)),
+    in_axes=(0, None, None, None, None, None, None, None)), static_argnums=(6, 7))
+
+
+def _assert_keep_equal_off_ambiguity(logits, params, vocab_limit, k0, eps=1e-4):
+    """The pre-selection's keep set equals the bisection's, except at tokens whose
+    top-p / min-p decision lies within eps of its boundary (float32 sums in a
+    different order may round either way there: the reference says so)."""
+    _, ambiguous = _reference(logits, *params, vocab_limit, eps=eps)
+    new = np.asarray(_keep_k0(logits, *_args(*params), vocab_limit=vocab_limit, candidates=k0))
+    old = np.asarray(_keep_k0(logits, *_args(*params), vocab_limit=vocab_limit, candidates=0))
+    np.testing.assert_array_equal(new[~ambiguous], old[~ambiguous],
+                                  err_msg=f"{params} K0={k0}")
+    return new, old, ambiguous
+
+
+@_PROP
+@given(_problems(), st.sampled_from([1, 2, 3, 5, V_SMALL]))
+def test_pre_selection_keeps_the_bisection_set(problem, k0):
+    """Any K0, including k > K0 and nuclei wider than K0 (the fallback), ties likely."""
+    logits, params, vocab_limit = problem
+    new, _, ambiguous = _assert_keep_equal_off_ambiguity(logits, params, vocab_limit, k0)
+    ref, _ = _reference(logits, *params, vocab_limit)
+    np.testing.assert_array_equal(new[~ambiguous], ref[~ambiguous])
+
+
+@pytest.mark.parametrize("k0", [0, 1, 2, 3, (1, 2), (2, 8)])
+def test_handed_keep_sets_on_every_path(k0):
+    """The handed cases (the top-p boundary within rounding included) on the
+    bisection (0), single stages and two-stage pre-selections."""
+    for case in CASES:
+        if "keep" in case:
+            keep = _keep_k0(_case_logits(case), *_args(case.get("temperature", 1.0),
+                                                        case.get("top_k", 0),
+                                                        case.get("top_p", 1.0),
+                                                        case.get("min_p", 0.0)),
+                            vocab_limit=CASE_V, candidates=k0)
+            assert np.flatnonzero(np.asarray(keep)).tolist() == case["keep"], case["name"]
+
+
+@pytest.mark.parametrize("params", [
+    (1.0, 0, 0.9, 0.0),     # nucleus of ~58 tokens, K0 = 4: fallback
+    (1.0, 10, 0.95, 0.0),   # k > K0: fallback for top-k
+    (1.0, 10, 1.0, 0.0),    # top-k alone, k > K0
+    (0.5, 3, 0.99, 0.0),    # k <= K0: no fallback
+    (1.0, 0, 0.3, 0.01),    # small nucleus: no fallback
+])
+def test_fallback_when_the_set_does_not_fit_in_k0(params):
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal(64) * 0.3).astype(np.float32)  # flat: wide nuclei
+    new, old, _ = _assert_keep_equal_off_ambiguity(logits, params, 64, 4, eps=1e-5)
+    assert new.sum() == old.sum()
+
+
+def test_ties_at_the_cut_off_are_broken_by_index():
+    """Seven equal logits straddle the k-th rank and the top-p boundary."""
+    logits = np.array([0.0, 1.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0, -1.0, 0.0, 1.0, -3.0],
+                      np.float32)
+    for k0 in (1, 3, 6, 12):
+        for params in [(1.0, 4, 1.0, 0.0), (1.0, 6, 1.0, 0.0), (1.0, 0, 0.7, 0.0),
+                       (1.0, 5, 0.9, 0.0), (2.0, 0, 0.8, 0.0)]:
+            new, old, _ = _assert_keep_equal_off_ambiguity(logits, params, 12, k0)
+            if params[1] and params[2] == 1.0:  # exactly k, the lower indices among ties
+                assert new.sum() == params[1]
+                assert np.flatnonzero(new).tolist() == np.flatnonzero(old).tolist()
+
+
+@pytest.mark.parametrize("k0", [1, 2, 5])
+def test_pre_selection_on_nan_inf_and_padding_rows(k0):
+    rows = [np.array([np.nan, 0.0, 1.0, np.nan, -1.0, np.nan, 80.0, 1e30], np.float32),
+            np.array([-np.inf, 0.0, -np.inf, 0.0, -np.inf, -np.inf, 0.0, 0.0], np.float32),
+            np.array([0.0, np.inf, 5.0, np.inf, 1.0, 1.0, 9.0, 9.0], np.float32),
+            np.array([-np.inf, np.nan, -np.inf, np.nan, -np.inf, -np.inf, 3.0, 3.0], np.float32)]
+    keys = jax.random.split(jax.random.key(11), 32)
+    for logits in rows:
+        for params in FILTERS + [(1.0, 2, 1.0, 0.0), (1.0, 0, 0.99, 0.0)]:
+            a = _args(*params)
+            new = np.asarray(_keep_k0(logits, *a, vocab_limit=6, candidates=k0))
+            old = np.asarray(_keep_k0(logits, *a, vocab_limit=6, candidates=0))
+            np.testing.assert_array_equal(new, old, err_msg=f"{logits} {params}")
+            assert not new[6:].any() and new.any()
+            tok, lp = (np.asarray(x) for x in _choose_k0(logits, keys, *a, 6, None, k0))
+            tok0, lp0 = (np.asarray(x) for x in _choose_k0(logits, keys, *a, 6, None, 0))
+            assert new[tok].all() and (tok < 6).all()
+            np.testing.assert_array_equal(np.isnan(lp), np.isnan(lp0))
+            if np.isnan(lp0).all():  # no distribution: token 0 on both paths
+                assert (tok == 0).all() and (tok0 == 0).all()
+
+
+def test_candidate_noise_is_the_full_draw_at_those_indices():
+    """`_gumbel_at` reproduces jax.random.gumbel's value at each index (threefry
+    partitionable): the pre-selection keeps the documented per-index noise."""
+    from jaxsample.sampling import _gumbel_at
+
+    for v, seed in [(1000, 0), (262144, 5)]:
+        key = jax.random.fold_in(jax.random.key(seed), 3)
+        idx = jnp.asarray([0, 1, 7, v // 2 - 1, v // 2, v - 1], jnp.int32)
+        full = np.asarray(jax.random.gumbel(key, (v,), jnp.float32))[np.asarray(idx)]
+        got = np.asarray(jax.jit(_gumbel_at)(jax.random.key_data(key), idx))
+        np.testing.assert_allclose(got, full, rtol=1e-6, atol=1e-6)
+
+
+def _assert_same_draws_up_to_ties(logits, keys, temperature, tok_a, tok_b, tol=1e-5):
+    """Two programs' tokens agree except where both tokens' perturbed scores
+    z + g (the documented noise of each key) tie within tol."""
+    z = logits.astype(np.float64) / temperature
+    for key, a, b in zip(keys, tok_a, tok_b):
+        if a != b:
+            g = np.asarray(jax.random.gumbel(key, logits.shape, jnp.float32), np.float64)
+            assert abs(z[a] + g[a] - z[b] - g[b]) <= tol, (a, b)
+
+
+@pytest.mark.parametrize("params", [(0.8, 0, 0.9, 0.0), (0.8, 5, 0.95, 0.05),
+                                    (1.0, 0, 0.999, 0.0), (0.7, 20, 1.0, 0.0)])
+def test_pre_selection_draws_the_bisection_tokens(params):
+    """Same keep set and the same per-index noise: the same tokens (up to float
+    ties between the two programs), whether the noise is drawn at the candidates
+    (small sets) or over V (the fallback)."""
+    logits = (np.random.default_rng(4).standard_normal(64) * 2).astype(np.float32)
+    keys = jax.random.split(jax.random.key(21), 256)
+    a = _args(*params)
+    new = np.asarray(_choose_k0(logits, keys, *a, 64, None, 8)[0])
+    old = np.asarray(_choose_k0(logits, keys, *a, 64, None, 0)[0])
+    keep = np.asarray(_keep_k0(logits, *a, vocab_limit=64, candidates=8))
+    assert keep[new].all()
+    _assert_same_draws_up_to_ties(logits, keys, params[0], new, old)
+
+
+def test_a_row_that_falls_back_does_not_change_the_others():
+    """Under the engine's vmap(vmap(...)) the fallback cond is reduced over all
+    rows: rows that fit keep the pre-selection's set, and every row equals the
+    row computed alone."""
+    rng = np.random.default_rng(9)
+    sharp = (rng.standard_normal((2, 3, 64)) * 6).astype(np.float32)
+    sharp[1, 2] = rng.standard_normal(64).astype(np.float32) * 0.1  # flat: falls back
+    a = _args(1.0, 0, 0.9, 0.0)
+    both = np.asarray(_rows_k0(sharp, None, *a, 64, 4))
+    for r in range(2):
+        for b in range(3):
+            alone = np.asarray(_keep_k0(sharp[r, b], *a, vocab_limit=64, candidates=4))
+            np.testing.assert_array_equal(both[r, b], alone)
+    assert both[1, 2].sum() > 4 and both[0, 0].sum() <= 4
+
+
+def _enclosing(jaxpr, names, chain=()):
+    """For every equation whose primitive is in `names`, the primitives enclosing it."""
+    from jax.extend import core as jcore
+
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            out.append(chain)
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jcore.Jaxpr):
+                    out += _enclosing(sub, names, chain + (eqn.primitive.name,))
+    return out
+
+
+def test_fallback_stays_behind_a_real_cond_under_the_engines_vmap():
+    """The bisection's loops sit inside the reduced fallback cond (inside the
+    filters' cond): a batched predicate would have turned that cond into a
+    select running the bisection on every step."""
+    choose = jax.vmap(jax.vmap(choose_token, in_axes=(0, 0, None, None, None, None, None)),
+                      in_axes=(0, 0, None, None, None, None, None))
+    keys = jax.random.split(jax.random.key(0), 6).reshape(2, 3)
+    jaxpr = jax.make_jaxpr(lambda x, k, *a: choose(x, k, *a, 64))(
+        jnp.zeros((2, 3, 64)), keys, *_args(1.0, 3, 0.9, 0.0)).jaxpr
+    loops = _enclosing(jaxpr, ("while", "scan"))  # fori_loop with static bounds is a scan
+    assert loops, "the bisection's fori_loops are in the program"
+    for chain in loops:
+        assert chain.count("cond") >= 2, chain
+    assert all(c.count("cond") >= 1 for c in _enclosing(jaxpr, ("top_k",)))
+
+
+def test_candidates_must_be_a_non_negative_int():
+    with pytest.raises(ValueError, match="candidates"):
+        keep_mask(jnp.zeros(4), *_args(), vocab_limit=4, candidates=-1)
+    with pytest.raises(ValueError, match="candidates"):
+        choose_token(jnp.zeros(4), jax.random.key(0), *_args(), vocab_limit=4, candidates=2.5)
