@@ -372,6 +372,7 @@ def read_shared_prefix(args) -> str | None:
     if getattr(args, "shared_prefix", None) is not None:
         text, where = args.shared_prefix, "--shared-prefix"
     elif getattr(args, "shared_prefix_file", None) is not None:
+        _check_stdin_read_once(args)
         name = args.shared_prefix_file
         where = "--shared-prefix-file: " + ("stdin" if name == "-" else name)
         text = _read_text(name, "stdin" if name == "-" else name, "--shared-prefix-file")
@@ -380,6 +381,18 @@ def read_shared_prefix(args) -> str | None:
     if not text.strip():
         raise InputError(f"{where}: the shared prefix is empty")
     return text
+
+
+_STDIN_NAMES = ("-", "/dev/stdin", "/dev/fd/0", "/proc/self/fd/0")
+
+
+def _check_stdin_read_once(args) -> None:
+    """InputError if --prompt-file and --shared-prefix-file both name stdin (the
+    first would read it all and the second find it empty)."""
+    if (getattr(args, "shared_prefix_file", None) in _STDIN_NAMES
+            and getattr(args, "prompt_file", None) in _STDIN_NAMES):
+        raise InputError("--prompt-file and --shared-prefix-file cannot both read stdin; "
+                         "give one of them a file")
 
 
 def _read_prompt(args) -> str:
@@ -480,6 +493,7 @@ def read_requests(args, cfg: config_lib.RunConfig) -> list[Request]:
         "messages", a malformed message list, an unknown key, or a sampling
         value SamplingParams refuses (each naming the line).
     """
+    _check_stdin_read_once(args)
     if not _is_jsonl(args):
         where = "--prompt" if args.prompt is not None else (
             "stdin" if args.prompt_file == "-" else args.prompt_file)
@@ -1198,3 +1212,7 @@ def _plot(rows, path: Path, title: str) -> None:
         fig.savefig(path, dpi=120, format=path.suffix[1:].lower())
     finally:
         plt.close(fig)
+
+
+if __name__ == "__main__":  # `python -m jaxsample.cli` as `python -m jaxsample`
+    raise SystemExit(main())

@@ -666,3 +666,14 @@ def test_plot_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
     err = _one_line_error(capsys, ["price", "--model", "tiny", "--plot", str(tmp_path / "p")])
     assert "needs matplotlib" in err and "pip install 'jaxsample[plot]'" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_python_dash_m_jaxsample_cli_runs_the_command_line():
+    """`python -m jaxsample.cli` is the command line too (it printed nothing and exited 0)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "jaxsample.cli", "run", "--prompt", "x",
+                        "--shared-prefix", " "], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--shared-prefix: the shared prefix is empty" in r.stderr

@@ -346,6 +346,8 @@ def test_cli_price_knows_three_levels(capsys):
      "--shared-prefix cannot be combined with --adaptive"),
     (["run", "--prompt", "x", "--shared-prefix-file", "/nonexistent/ctx.txt"],
      "--shared-prefix-file: /nonexistent/ctx.txt: no such file"),
+    (["run", "--prompt-file", "-", "--shared-prefix-file", "-"],
+     "--prompt-file and --shared-prefix-file cannot both read stdin"),
     (["price", "--prompts", "0"], "--prompts"),
 ])
 def test_cli_bad_shared_prefix_is_one_line_and_exit_2(capsys, argv, needle):
