@@ -55,8 +55,8 @@ PRESETS = {
     "cpu": dict(train_problems=48, test_problems=40, sft_n=8, sft_group=4, sft_steps=24,
                 sft_lr=1e-3, steps=16, groups=4, n=4, lr=3e-4, temperature=0.7,
                 max_new_tokens=8),
-    "gpu": dict(train_problems=512, test_problems=200, sft_n=8, sft_group=8, sft_steps=150,
-                sft_lr=1e-3, steps=150, groups=16, n=4, lr=3e-4, temperature=0.7,
+    "gpu": dict(train_problems=512, test_problems=200, sft_n=8, sft_group=8, sft_steps=60,
+                sft_lr=1e-3, steps=60, groups=16, n=4, lr=3e-4, temperature=0.7,
                 max_new_tokens=8),
     "smoke": dict(train_problems=4, test_problems=3, sft_n=4, sft_group=4, sft_steps=2,
                   sft_lr=1e-3, steps=2, groups=2, n=4, lr=3e-4, temperature=1.0,
@@ -72,11 +72,15 @@ def parse_args(argv=None):
     for k, v in PRESETS["cpu"].items():
         ap.add_argument("--" + k.replace("_", "-"), type=type(v))
     ap.add_argument("--widths", help="comma-separated evaluation widths")
+    ap.add_argument("--conditions", default=",".join(TRAINED),
+                    help="trained conditions to run (a probe may train the bridge alone)")
     ap.add_argument("--bridge-dim", type=int, default=64)
     ap.add_argument("--bridge-heads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="model name or path (default: embedded)")
-    ap.add_argument("--tiny", action="store_true", help="tiny random model (smoke test only)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny random model (smoke test only: its warm-up keeps every sample, "
+                         "it never writes a valid answer)")
     ap.add_argument("--ckpt-dir", default=None,
                     help="default /tmp/jaxsample_bridge_recipe/<hash of the settings>")
     ap.add_argument("--out", default=None,
@@ -88,12 +92,15 @@ def parse_args(argv=None):
             setattr(args, k, v)
     args.widths = ([int(w) for w in args.widths.split(",")] if args.widths
                    else list(WIDTHS[args.task]))
+    args.conditions = [c for c in args.conditions.split(",") if c]
+    if not args.conditions or not set(args.conditions) <= set(TRAINED):
+        ap.error(f"--conditions must be a subset of {','.join(TRAINED)}")
     if args.out is None:
         args.out = ("benchmarks/results/bridge_coordination.json" if args.task == "coord"
                     else "benchmarks/results/bridge_accuracy_recipe.json")
     if args.ckpt_dir is None:
         keys = sorted(set(PRESETS["cpu"]) | {"task", "bridge_dim", "bridge_heads", "seed",
-                                               "model", "tiny"})
+                                               "model", "tiny"})  # not conditions: shared
         h = hashlib.sha256(json.dumps({k: getattr(args, k) for k in keys}).encode()).hexdigest()
         args.ckpt_dir = f"/tmp/jaxsample_bridge_recipe/{h[:12]}"
     return args
@@ -207,7 +214,9 @@ def train_all(lm, task, args, stop_ids, report):
         data = bridge_sft.collect(lm, train_set, n=args.sft_n, max_group=args.sft_group,
                                   seed=args.seed + 777, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, chat=False,
-                                  stop_token_ids=stop_ids, keep_fn=task.sft_keep, log=log)
+                                  stop_token_ids=stop_ids, log=log,
+                                  keep_fn=(lambda t, p: [True] * len(t)) if args.tiny
+                                  else task.sft_keep)
         os.makedirs(args.ckpt_dir, exist_ok=True)
         bridge_sft.save_data(data_path, data)
     report["sft_data"] = {"problems_drawn": data.drawn, "groups_kept": int(len(data.kept)),
@@ -217,6 +226,8 @@ def train_all(lm, task, args, stop_ids, report):
     key = jax.random.key(args.seed)
     trained = {}
     for name, bcfg in bridge_configs(args).items():
+        if name not in args.conditions:
+            continue
         b0 = bridge_lib.init(lm, bcfg, key)  # the same key for every condition
         rec = {"param_count": bridge_lib.param_count(b0),
                "param_fraction": bridge_lib.param_fraction(b0, lm.params)}
@@ -272,7 +283,9 @@ def main(argv=None):
     report = {"args": dict(vars(args)), "model": lm.name, "backend": jax.default_backend(),
               "train": {}, "eval": {}, "paired": {}, "diagnostics": {}}
     trained = train_all(lm, task, args, stop_ids, report)
-    conds = {"base": None, **trained, "bridge_self": bridge_lib.self_only(trained["bridge"])}
+    conds = {"base": None, **trained}
+    if "bridge" in trained:
+        conds["bridge_self"] = bridge_lib.self_only(trained["bridge"])
     eval_seed = 10_000 + args.seed
     per_problem = {}
     for width in args.widths:
@@ -288,19 +301,21 @@ def main(argv=None):
             print(f"[eval] {name:11s} N={width}: " + ", ".join(
                 f"{k} {e[k]:.3f} ± {e[k + '_se']:.3f}" for k in m), flush=True)
         main_metric = "distinct" if args.task == "coord" else "branch_acc"
-        for other in ("base", "mlp", "nocross", "bridge_self"):
+        for other in [c for c in ("base", "mlp", "nocross", "bridge_self") if c in conds]:
+            if "bridge" not in conds:
+                break
             report["paired"][f"bridge-{other}@{width}"] = {
                 k: paired(per_problem[("bridge", width)][k], per_problem[(other, width)][k])
                 for k in per_problem[("bridge", width)]}
             d = report["paired"][f"bridge-{other}@{width}"][main_metric]
             print(f"[paired] bridge - {other:11s} N={width}: {main_metric} {d['mean']:+.3f} "
                   f"(95% CI {d['ci95'][0]:+.3f} .. {d['ci95'][1]:+.3f})", flush=True)
-    b_init = bridge_lib.init(lm, bridge_configs(args)["bridge"], jax.random.key(args.seed))
-    report["diagnostics"]["bridge"] = diagnostics(lm, b_init, trained["bridge"], test_set,
-                                                  args, stop_ids)
-    m_init = bridge_lib.init(lm, bridge_configs(args)["mlp"], jax.random.key(args.seed))
-    report["diagnostics"]["mlp"] = diagnostics(lm, m_init, trained["mlp"], test_set, args,
-                                               stop_ids)
+    for name in trained:
+        if name == "nocross":
+            continue  # self-only attention: its self mass is 1 by construction
+        b_init = bridge_lib.init(lm, bridge_configs(args)[name], jax.random.key(args.seed))
+        report["diagnostics"][name] = diagnostics(lm, b_init, trained[name], test_set, args,
+                                                  stop_ids)
     for name, dg in report["diagnostics"].items():
         for label, d in dg.items():
             print(f"[diag] {name} {label}: rel_norm mean {np.mean(d['rel_norm']):.2e} max "
@@ -325,7 +340,8 @@ def plot(report, path, metric):
     except ImportError:  # pragma: no cover
         return
     widths = report["args"]["widths"]
-    names = ["base", "bridge", "mlp", "nocross", "bridge_self"]
+    names = [c for c in ("base", "bridge", "mlp", "nocross", "bridge_self")
+             if f"{c}@{widths[0]}" in report["eval"]]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     x = np.arange(len(widths))
     w = 0.8 / len(names)

@@ -47,10 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import os
-import re
-import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -60,13 +57,12 @@ import optax
 
 from jaxsample import bridge as bridge_lib
 from jaxsample import engine
-from jaxsample.sampling import SamplingParams
 from jaxsample.sharding import BRANCH_AXIS
 from jaxsample.models import llama
 
 __all__ = ["Problem", "TrainState", "Batch", "group_forward", "shared_prefix_forward",
            "group_logprobs", "pg_loss", "make_optimizer", "init_state", "update", "fingerprint",
-           "save", "restore", "latest_step", "pad_prompts", "stop_array"]
+           "save", "restore", "latest_step", "pad_prompts", "stop_array", "completion_alive"]
 
 # Moved to jaxsample.bridge_grpo (the RL loop); still importable from here.
 _MOVED = {"rollout", "reward", "train"}
