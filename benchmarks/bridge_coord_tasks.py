@@ -46,7 +46,7 @@ K_RANGE = (4, 5)  # items listed per problem
 # Four worked examples (raw completion format, not chat), one per category; the
 # answer line "x and y" ends at the newline, a stop token in benchmarks/bridge_coord.py.
 # (A comma-separated two-shot format gave the base model 3-4% valid answers:
-# it kept listing items; this one about 40 % at temperature 0.7.)
+# it kept listing items; this one 47-50 % at temperature 0.7.)
 FEW_SHOT = ("Q: Name two different colours from: pink, grey, gold, red, white.\nA: gold and white\n"
             "Q: Name two different animals from: owl, cow, bee, fox.\nA: fox and cow\n"
             "Q: Name two different digits from: 4, 8, 1, 7.\nA: 1 and 7\n"

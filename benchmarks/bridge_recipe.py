@@ -26,6 +26,7 @@ CPU:  python benchmarks/bridge_recipe.py --task coord        (--preset cpu)
       python benchmarks/bridge_recipe.py --task accuracy
 GPU:  benchmarks/bridge_recipe_gpu.sh (--preset gpu, < 10 min on one H200)
 Smoke test: python benchmarks/bridge_recipe.py --tiny --preset smoke
+Tables of a finished run: python benchmarks/bridge_recipe.py --from-json <report.json>
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def parse_args(argv=None):
     ap.add_argument("--widths", help="comma-separated evaluation widths")
     ap.add_argument("--conditions", default=",".join(TRAINED),
                     help="trained conditions to run (a probe may train the bridge alone)")
+    ap.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True,
+                    help="per-layer norms and attention mass before/after training")
     ap.add_argument("--bridge-dim", type=int, default=64)
     ap.add_argument("--bridge-heads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -274,6 +277,10 @@ def diagnostics(lm, bridge_init, bridge_trained, problems, args, stop_ids):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--from-json"]:
+        print(table(json.loads(pathlib.Path(argv[1]).read_text())))
+        return None
     args = parse_args(argv)
     t_all = time.perf_counter()
     task = Coord if args.task == "coord" else Accuracy
@@ -310,7 +317,7 @@ def main(argv=None):
             d = report["paired"][f"bridge-{other}@{width}"][main_metric]
             print(f"[paired] bridge - {other:11s} N={width}: {main_metric} {d['mean']:+.3f} "
                   f"(95% CI {d['ci95'][0]:+.3f} .. {d['ci95'][1]:+.3f})", flush=True)
-    for name in trained:
+    for name in trained if args.diagnostics else ():
         if name == "nocross":
             continue  # self-only attention: its self mass is 1 by construction
         b_init = bridge_lib.init(lm, bridge_configs(args)[name], jax.random.key(args.seed))
@@ -327,8 +334,27 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     plot(report, out.with_suffix(".png"), "distinct" if args.task == "coord" else "branch_acc")
+    print(table(report))
     print(f"wrote {out} ({report['seconds']:.0f} s)")
     return report
+
+
+def table(report) -> str:
+    """Markdown tables of a report: metrics per condition and width, paired differences."""
+    widths = report["args"]["widths"]
+    keys = [k[:-3] for k in next(iter(report["eval"].values())) if k.endswith("_se")]
+    lines = ["| N | condition | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for k, e in report["eval"].items():
+        lines.append(f"| {e['width']} | {k.split('@')[0]} | " + " | ".join(
+            f"{e[m]:.3f} ± {e[m + '_se']:.3f}" for m in keys) + " |")
+    lines += ["", "| N | difference | " + " | ".join(keys) + " |",
+              "|---|---|" + "---|" * len(keys)]
+    for k, d in report["paired"].items():
+        name, n = k.split("@")
+        lines.append(f"| {n} | {name} | " + " | ".join(
+            f"{d[m]['mean']:+.3f} [{d[m]['ci95'][0]:+.3f}, {d[m]['ci95'][1]:+.3f}]"
+            for m in keys) + " |")
+    return "\n".join(lines)
 
 
 def plot(report, path, metric):
