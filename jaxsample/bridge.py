@@ -36,9 +36,18 @@ model dtype):
 
     norm [L, E]   wq, wk, wv [L, E, d]   wo [L, d, E] (zeros at init)   gate [L]
 
-`BridgeConfig.cross_branch=False` is the paper's control: the same block and
-parameter count with attention restricted to the branch itself (the block
-becomes a per-token adapter `h + W_O W_V norm(h)`, no cross-branch signal).
+Two controls, both without any cross-branch signal:
+
+- `BridgeConfig(cross_branch=False)`: the same block and parameters with
+  attention restricted to the branch itself (the block becomes the linear
+  per-token adapter `h + W_O W_V norm(h)`). The same params under this config
+  are also the ablation "trained Bridge, cross-branch attention masked to self".
+- `BridgeConfig(kind="mlp")`: the paper's equal-parameter control, a per-token
+  MLP adapter in the same places, `h + gate * W_2 silu(W_1 RMSNorm(h))` with
+  params `norm [L, E]`, `w1 [L, E, 2d]`, `w2 [L, 2d, E]` (zeros at init). Per
+  selected layer the Bridge has `E + 3Ed + dE = E + 4Ed` parameters
+  (norm, W_Q, W_K, W_V, W_O) and the MLP `E + E(2d) + (2d)E = E + 4Ed`:
+  an inner width of 2d makes the counts equal exactly (`param_count`).
 """
 
 from __future__ import annotations
@@ -55,9 +64,10 @@ from flax import struct
 from jaxsample.sharding import branch_index, gather_branches
 from jaxsample.models import llama
 
-__all__ = ["BridgeConfig", "Bridge", "init", "apply_block", "param_count", "param_fraction",
-           "zeros_like_output"]
+__all__ = ["BridgeConfig", "Bridge", "init", "apply_block", "block_stats", "param_count",
+           "param_fraction", "zeros_like_output", "self_only", "KINDS"]
 
+KINDS = ("attention", "mlp")
 _MASKED = -1e30  # score of a masked key: exp(_MASKED - max) is exactly 0 in float32
 
 
@@ -73,6 +83,9 @@ class BridgeConfig:
       cross_branch: True attends over the branches; False restricts each branch
         to itself (the control with the same parameters and no communication).
       norm_eps: epsilon of the block's RMSNorm.
+      kind: "attention" (the Bridge block) or "mlp" (the equal-parameter
+        per-token MLP control, inner width 2 * dim; `n_heads` and
+        `cross_branch` are then unused).
     """
 
     dim: int = 64
@@ -80,8 +93,11 @@ class BridgeConfig:
     layers: tuple[int, ...] | None = None
     cross_branch: bool = True
     norm_eps: float = 1e-5
+    kind: str = "attention"
 
     def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"BridgeConfig.kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.dim, (int, np.integer)) or self.dim < 1:
             raise ValueError(f"BridgeConfig.dim must be a positive integer, got {self.dim!r}")
         if not isinstance(self.n_heads, (int, np.integer)) or self.n_heads < 1 or self.dim % self.n_heads:
@@ -118,6 +134,16 @@ class BridgeConfig:
             d["layers"] = tuple(d["layers"])
         return cls(**d)
 
+    @property
+    def out_name(self) -> str:
+        """The zero-initialised output projection: "wo" (attention) or "w2" (mlp)."""
+        return "wo" if self.kind == "attention" else "w2"
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """The trained parameters of one layer (the gate is not trained)."""
+        return ("norm", "wq", "wk", "wv", "wo") if self.kind == "attention" else ("norm", "w1", "w2")
+
 
 @struct.dataclass
 class Bridge:
@@ -142,7 +168,8 @@ def init(lm, config: BridgeConfig | None = None, key: jax.Array | None = None) -
       key: PRNG key for wq/wk/wv (normal, std 1/sqrt(E)); default key(0).
     Returns:
       A `Bridge` with float32 params `norm [L, E]` (ones), `wq, wk, wv [L, E, d]`,
-      `wo [L, d, E]` (zeros) and `gate [L]` (0/1).
+      `wo [L, d, E]` (zeros) and `gate [L]` (0/1); for `kind="mlp"`: `norm`,
+      `w1 [L, E, 2d]` (normal, std 1/sqrt(E)), `w2 [L, 2d, E]` (zeros), `gate`.
     Raises:
       ValueError: a selected layer outside the model.
     """
@@ -152,6 +179,14 @@ def init(lm, config: BridgeConfig | None = None, key: jax.Array | None = None) -
     L, E, d = cfg.n_layers, cfg.dim, config.dim
     kq, kk, kv = jax.random.split(key, 3)
     std = 1.0 / math.sqrt(E)
+    if config.kind == "mlp":
+        params = {
+            "norm": jnp.ones((L, E), jnp.float32),
+            "w1": std * jax.random.normal(kq, (L, E, 2 * d), jnp.float32),
+            "w2": jnp.zeros((L, 2 * d, E), jnp.float32),
+            "gate": jnp.asarray(config.gates(L)),
+        }
+        return Bridge(config=config, params=params)
     params = {
         "norm": jnp.ones((L, E), jnp.float32),
         "wq": std * jax.random.normal(kq, (L, E, d), jnp.float32),
@@ -163,30 +198,15 @@ def init(lm, config: BridgeConfig | None = None, key: jax.Array | None = None) -
     return Bridge(config=config, params=params)
 
 
-def apply_block(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[str]) -> jax.Array:
-    """One Bridge block after one transformer block, for one branch.
-
-    Called by the engine (`_Static.post_layer`) and by the training forward
-    (`jaxsample.bridge_train.group_forward`) inside the branch vmap.
-
-    Args:
-      config: the `BridgeConfig`.
-      p_l: one layer's slice of `Bridge.params` (`norm [E]`, `wq/wk/wv [E, d]`,
-        `wo [d, E]`, `gate []`).
-      x: `[S, E]` this branch's hidden states (model dtype).
-      alive: bool `[]` or `[S]`: this branch is not finished (per position in
-        teacher-forced training). Dead branches are masked as keys; a query
-        always sees its own branch.
-      axes: branch axis names, innermost first: `()` = this branch alone
-        (prefill: all branches are identical there), `("branch",)` unsharded,
-        `("branch_local", "branch")` under shard_map.
-    Returns:
-      `[S, E]`, same dtype as x: `x + gate * W_O . Attn_over_branches(RMSNorm(x))`.
-    """
+def _block(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[str]):
+    """The block's residual update for one branch: (y `[S, E]` float32 before the gate,
+    self weight `[S]` float32: attention mass on the branch itself, mean over heads)."""
     S, E = x.shape
+    h = llama.rms_norm(x.astype(jnp.float32), p_l["norm"], config.norm_eps)
+    if config.kind == "mlp":
+        return jax.nn.silu(h @ p_l["w1"]) @ p_l["w2"], jnp.ones((S,), jnp.float32)
     hb, d = config.n_heads, config.dim
     c = d // hb
-    h = llama.rms_norm(x.astype(jnp.float32), p_l["norm"], config.norm_eps)
     q = (h @ p_l["wq"]).reshape(S, hb, c)
     v = (h @ p_l["wv"]).reshape(S, hb, c)
     if config.cross_branch and axes:
@@ -201,20 +221,67 @@ def apply_block(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[s
         scores = jnp.where(visible[:, None, :], scores, _MASKED)
         w = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("shn,nshc->shc", w, vs)
+        self_w = jnp.mean(jnp.sum(jnp.where(me[None, None, :], w, 0.0), -1), -1)
     else:
         # One visible key (the branch itself): softmax weight 1, output = v.
         # With all branches identical (prefill), attention over N copies equals this.
         out = v
-    y = out.reshape(S, d) @ p_l["wo"]
+        self_w = jnp.ones((S,), jnp.float32)
+    return out.reshape(S, d) @ p_l["wo"], self_w
+
+
+def apply_block(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[str]) -> jax.Array:
+    """One Bridge block after one transformer block, for one branch.
+
+    Called by the engine (`_Static.post_layer`) and by the training forward
+    (`jaxsample.bridge_train.group_forward`) inside the branch vmap.
+
+    Args:
+      config: the `BridgeConfig`.
+      p_l: one layer's slice of `Bridge.params` (`norm [E]`, `wq/wk/wv [E, d]`,
+        `wo [d, E]`, `gate []`; or `norm`, `w1 [E, 2d]`, `w2 [2d, E]`, `gate`).
+      x: `[S, E]` this branch's hidden states (model dtype).
+      alive: bool `[]` or `[S]`: this branch is not finished (per position in
+        teacher-forced training). Dead branches are masked as keys; a query
+        always sees its own branch.
+      axes: branch axis names, innermost first: `()` = this branch alone
+        (prefill: all branches are identical there), `("branch",)` unsharded,
+        `("branch_local", "branch")` under shard_map.
+    Returns:
+      `[S, E]`, same dtype as x: `x + gate * W_O . Attn_over_branches(RMSNorm(x))`
+      (or `x + gate * W_2 silu(W_1 RMSNorm(x))` for `kind="mlp"`).
+    """
+    y, _ = _block(config, p_l, x, alive, axes)
     gate = jax.lax.stop_gradient(p_l["gate"])
     return x + (gate * y).astype(x.dtype)
 
 
+def block_stats(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[str]):
+    """`apply_block` plus what it did (for `jaxsample.bridge_diagnostics`).
+
+    Returns:
+      (new x `[S, E]`, relative norm `[S]` float32 = |gate * y| / |x| per position
+      (y the block's residual update), self weight `[S]` float32 = attention mass
+      the branch puts on itself, mean over Bridge heads (1 for the controls and
+      for a branch alone)).
+    """
+    y, self_w = _block(config, p_l, x, alive, axes)
+    gate = jax.lax.stop_gradient(p_l["gate"])
+    upd = gate * y
+    rel = jnp.linalg.norm(upd, axis=-1) / jnp.maximum(
+        jnp.linalg.norm(x.astype(jnp.float32), axis=-1), 1e-30)
+    return x + upd.astype(x.dtype), rel, self_w
+
+
 def param_count(bridge: Bridge) -> int:
-    """New trainable parameters: norm, wq, wk, wv, wo of the selected layers (gates excluded)."""
+    """New trainable parameters of the selected layers (gates excluded).
+
+    Attention: `E + 4Ed` per layer (norm, wq, wk, wv, wo); mlp: `E + 2E(2d) = E + 4Ed`
+    (norm, w1, w2): equal for the same `dim`.
+    """
     p = bridge.params
-    n_sel = int(bridge.config.gates(p["wo"].shape[0]).sum())  # works on abstract shapes too
-    per_layer = sum(int(np.prod(p[name].shape[1:])) for name in ("norm", "wq", "wk", "wv", "wo"))
+    n_sel = int(bridge.config.gates(p["norm"].shape[0]).sum())  # works on abstract shapes too
+    per_layer = sum(int(np.prod(p[name].shape[1:])) for name in bridge.config.param_names)
     return n_sel * per_layer
 
 
@@ -225,5 +292,18 @@ def param_fraction(bridge: Bridge, base_params) -> float:
 
 
 def zeros_like_output(bridge: Bridge) -> Bridge:
-    """The same Bridge with W_O zeroed: exactly the base model again."""
-    return bridge.replace_params(dict(bridge.params, wo=jnp.zeros_like(bridge.params["wo"])))
+    """The same Bridge with W_O (W_2 for the MLP) zeroed: exactly the base model again."""
+    name = bridge.config.out_name
+    return bridge.replace_params(dict(bridge.params, **{name: jnp.zeros_like(bridge.params[name])}))
+
+
+def self_only(bridge: Bridge) -> Bridge:
+    """The ablation: the same params with cross-branch attention masked to the branch itself.
+
+    Raises:
+      ValueError: `bridge` is an MLP control (it has no cross-branch attention).
+    """
+    if bridge.config.kind != "attention":
+        raise ValueError(f"self_only needs an attention Bridge, got kind={bridge.config.kind!r}")
+    return Bridge(config=dataclasses.replace(bridge.config, cross_branch=False),
+                  params=bridge.params)

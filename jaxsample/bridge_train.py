@@ -1,43 +1,45 @@
-"""Training Bridge layers: frozen base model, GRPO-style RL with verifiable rewards.
+"""Training Bridge layers, the shared pieces: teacher-forced group forward, loss, state, checkpoints.
 
 Recipe (Dong et al., "Generalized Parallel Scaling with Interdependent
-Generations", arXiv 2510.01143; GRPO: Shao et al. 2024, arXiv 2402.03300):
+Generations", arXiv 2510.01143; GRPO: Shao et al. 2024, arXiv 2402.03300),
+data flow by module:
 
-1. (optional) supervised warm-up on groups of correct samples;
-2. RL: per problem, sample N Bridge-coupled branches with
-   `jaxsample.engine.generate(..., bridge=...)`; reward 1 if the extracted
-   final answer equals the reference, else 0; group-relative advantage
-   A_n = (r_n - mean(r)) / (std(r) + eps); token-level normalised
+1. `jaxsample.bridge_sft`: supervised warm-up of the Bridge parameters only,
+   on groups of correct samples the base model drew for the same problem
+   (wrong ones dropped, groups with at most one correct sample dropped), the
+   whole group teacher-forced together so the cross-branch attention is
+   trained;
+2. `jaxsample.bridge_grpo`: RL: per problem, sample N Bridge-coupled branches
+   with `jaxsample.engine.generate(..., bridge=...)`, score them (per sample,
+   or per group for coordination tasks), group-relative advantage
+   A_n = (r_n - mean(r)) / (std(r) + eps), token-level normalised
    policy-gradient loss
 
        loss = - sum_{g,n,t} A_{g,n} log pi(c_{g,n,t}) / sum_{g,n,t} 1[t < len_{g,n}]
 
-   One gradient step per batch of fresh samples (on-policy), so the
-   importance ratio is exactly 1 and needs no clipping, and we add no KL term
-   (the base model is frozen and the Bridge starts as an exact no-op).
-   A batch in which no group has any reward variance has all advantages 0,
-   hence zero gradient; by default (`skip_no_signal`) such a step leaves the
-   params and the optimizer state untouched. Otherwise Adam would keep
-   moving the params along its momentum on a zero gradient (after one real
-   update at lr, the next ~10 zero-gradient steps move every entry by about
-   4 x lr more, in the same direction).
+   (`pg_loss`; with A = 1 on kept samples and 0 on padding it is the SFT loss).
 
-The base weights are never updated: gradients are taken with respect to the
-Bridge parameters only (and `gate` sits behind `stop_gradient`).
+This module: the teacher-forced forward both phases differentiate, the loss,
+the optimizer step and orbax checkpoints. The base weights are never updated:
+gradients are taken with respect to the Bridge (or MLP-control) parameters
+only, and `gate` sits behind `stop_gradient`.
 
-Teacher-forced group forward (`group_forward`): for one prompt and N
-completions, the model runs over prompt + completion for the N branches,
-vmapped with `axis_name="branch"`, Bridge blocks coupling branches at the
-same position, exactly like decode: at completion position t branch n is a
-key for the others iff t < len_n and c_{n,t} is not a stop token (decode
-marks a branch done right after it samples its stop token). At prompt
-positions every branch holds the same state, as in the prefill (tested).
+Teacher-forced group forward: for one prompt and N completions, the model
+runs over prompt + completion for the N branches, vmapped with
+`axis_name="branch"`, Bridge blocks coupling branches at the same position,
+exactly like decode: at completion position t branch n is a key for the
+others iff t < len_n and c_{n,t} is not a stop token (decode marks a branch
+done right after it samples its stop token). At prompt positions every branch
+holds the same state, so `group_logprobs` runs the prompt once
+(`shared_prefix_forward`: the prefill's decomposition, prompt keys/values
+shared by the N completions and merged by log-sum-exp); `group_forward`, the
+plain N-copy forward, is its test oracle.
 
 Checkpoints (orbax `CheckpointManager`): Bridge params, optimizer state, step
 (`state`), and JSON metadata (`meta`): the base model's name and parameter
-fingerprint, and the Bridge config. `train` resumes from the latest step in
-`ckpt_dir`; rollout keys and problem order depend only on (seed, step), so
-an interrupted-and-resumed run equals an uninterrupted one.
+fingerprint, and the Bridge config. The training loops resume from the
+latest step in their `ckpt_dir`; rollout keys and problem order depend only
+on (seed, step), so an interrupted-and-resumed run equals an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -45,10 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import os
-import re
-import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -58,13 +57,31 @@ import optax
 
 from jaxsample import bridge as bridge_lib
 from jaxsample import engine
-from jaxsample.sampling import SamplingParams
 from jaxsample.sharding import BRANCH_AXIS
 from jaxsample.models import llama
 
-__all__ = ["Problem", "TrainState", "Batch", "group_forward", "group_logprobs", "pg_loss",
-           "make_optimizer", "init_state", "update", "rollout", "reward", "train",
-           "fingerprint", "save", "restore", "latest_step"]
+__all__ = ["Problem", "TrainState", "Batch", "group_forward", "shared_prefix_forward",
+           "group_logprobs", "pg_loss", "make_optimizer", "init_state", "update", "fingerprint",
+           "save", "restore", "latest_step", "pad_prompts", "stop_array", "completion_alive"]
+
+# Moved to jaxsample.bridge_grpo (the RL loop); still importable from here.
+_MOVED = {"rollout", "reward", "train"}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        from jaxsample import bridge_grpo
+
+        return getattr(bridge_grpo, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A verifiable problem: the prompt text and the reference answer (task-defined)."""
+
+    prompt: str
+    answer: str
 
 
 # ---------------------------------------------------------------------------
@@ -99,6 +116,80 @@ def group_forward(cfg: llama.LlamaConfig, base_params, bconfig: bridge_lib.Bridg
     return jax.vmap(one, axis_name=BRANCH_AXIS)(tokens, alive)
 
 
+def _tail_attend(kp, vp, prompt_len, scale):
+    """Attention of T completion queries over the shared prompt (keys < prompt_len)
+    and their own causal tail, merged by log-sum-exp (as in the engine's decode)."""
+
+    def attend(q, k, v):
+        T, P = q.shape[0], kp.shape[0]
+        pre_mask = jnp.broadcast_to(jnp.arange(P)[None, :] < prompt_len, (T, P))
+        pre = llama.partial_attention(q, kp.transpose(1, 0, 2), vp.transpose(1, 0, 2), pre_mask,
+                                      scale)
+        pos = jnp.arange(T)
+        own = llama.partial_attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2),
+                                      pos[None, :] <= pos[:, None], scale)
+        return llama.merge_attention([pre, own]).astype(q.dtype)
+
+    return attend
+
+
+def shared_prefix_forward(cfg: llama.LlamaConfig, base_params, bconfig, bparams, prompt: jax.Array,
+                          prompt_len: jax.Array, completions: jax.Array, alive: jax.Array,
+                          post_maker=None):
+    """`group_forward` with the prompt run once: the same numbers at about 1/N the prompt cost.
+
+    The prompt runs alone with each Bridge block seeing only its own copy
+    (attention over N identical copies equals attention over one, as in the
+    engine's prefill); the completions attend to its keys/values (shared, not
+    copied) and to their own, and their Bridge blocks couple the branches.
+
+    Args:
+      prompt: `[P]` int32 right-padded prompt; prompt_len: `[]` int32 (>= 1).
+      completions: `[N, T]` int32 tokens after the prompt (completion position t
+        sits at absolute position prompt_len + t).
+      alive: `[N, T]` bool, branch n is a Bridge key for the others at completion position t.
+      bparams: Bridge params (leaves `[L, ...]`), or None for the base model.
+      post_maker: optional `f(alive, axes) -> post_layer` replacing the Bridge hook
+        (`jaxsample.bridge_diagnostics` records statistics through it).
+    Returns:
+      (prompt hidden `[P, E]`, completion hidden `[N, T, E]`), after the last block,
+      before the final norm.
+    """
+    P, T = prompt.shape[0], completions.shape[1]
+    scale = cfg.attention_scale
+
+    def make_post(al, axes):
+        if bparams is None:
+            return None
+        if post_maker is not None:
+            return post_maker(al, axes)
+        return lambda h, p_l: bridge_lib.apply_block(bconfig, p_l, h, al, axes)
+
+    xp = llama.embed(base_params, prompt)
+    hp, (kp, vp) = llama.run_layers(cfg, base_params, xp, jnp.arange(P, dtype=jnp.int32),
+                                    lambda _: llama.causal_attend(prompt_len, scale=scale),
+                                    post_layer=make_post(True, ()), post_xs=bparams)
+    layer_kv = list(zip(kp, vp)) if isinstance(kp, (list, tuple)) else (kp, vp)
+    positions = prompt_len + jnp.arange(T, dtype=jnp.int32)
+
+    def one(toks, al):
+        x = llama.embed(base_params, toks)
+        x, _ = llama.run_layers(cfg, base_params, x, positions,
+                                lambda lx: _tail_attend(lx[0], lx[1], prompt_len, scale),
+                                layer_xs=layer_kv, post_layer=make_post(al, (BRANCH_AXIS,)),
+                                post_xs=bparams)
+        return x
+
+    return hp, jax.vmap(one, axis_name=BRANCH_AXIS)(completions, alive)
+
+
+def completion_alive(completions: jax.Array, lengths: jax.Array, stop_ids: jax.Array):
+    """`[N, T]` bool: branch n is a Bridge key at completion position t (t < len, not a stop)."""
+    t = jnp.arange(completions.shape[1])
+    is_stop = jnp.any(completions[..., None] == stop_ids[None, None, :], axis=-1)  # [N, T]
+    return (t[None] < lengths[:, None]) & ~is_stop
+
+
 def group_logprobs(cfg: llama.LlamaConfig, base_params, bconfig, bparams, prompt: jax.Array,
                    prompt_len: jax.Array, completions: jax.Array, lengths: jax.Array,
                    stop_ids: jax.Array, vocab_limit: int, temperature: float = 1.0):
@@ -115,24 +206,17 @@ def group_logprobs(cfg: llama.LlamaConfig, base_params, bconfig, bparams, prompt
     Returns:
       `[N, T]` float32 log pi(c_{n,t} | prompt, c_{n,<t}, other branches), 0 at t >= len_n.
     """
-    P, T = prompt.shape[0], completions.shape[1]
-    S = P + T
-    s = jnp.arange(S)
-    rel = s - prompt_len  # completion index at position s
-    in_prompt = s < prompt_len
-    comp = completions[:, jnp.clip(rel, 0, T - 1)]  # [N, S]
-    tokens = jnp.where(in_prompt[None], prompt[jnp.clip(s, 0, P - 1)][None], comp)
-    t = jnp.arange(T)
-    is_stop = jnp.any(completions[..., None] == stop_ids[None, None, :], axis=-1)  # [N, T]
-    comp_alive = (t[None] < lengths[:, None]) & ~is_stop  # [N, T]
-    alive = jnp.where(in_prompt[None], True,
-                      comp_alive[:, jnp.clip(rel, 0, T - 1)] & (rel < T)[None])
-    hidden, _ = group_forward(cfg, base_params, bconfig, bparams, tokens, alive)
-    # Position prompt_len - 1 + t predicts completion token t.
-    hidden = jax.lax.dynamic_slice_in_dim(hidden, prompt_len - 1, T, axis=1)  # [N, T, E]
+    T = completions.shape[1]
+    alive = completion_alive(completions, lengths, stop_ids)
+    hp, hc = shared_prefix_forward(cfg, base_params, bconfig, bparams, prompt, prompt_len,
+                                   completions, alive)
+    # Position prompt_len - 1 predicts completion token 0; completion position t - 1 token t.
+    first = jnp.broadcast_to(hp[prompt_len - 1], (hc.shape[0], 1, hc.shape[-1]))
+    hidden = jnp.concatenate([first, hc[:, :T - 1]], axis=1)  # [N, T, E]
     lg = llama.logits(cfg, base_params, hidden)[..., :vocab_limit]
     lp = jax.nn.log_softmax(lg / temperature, axis=-1)
     lp = jnp.take_along_axis(lp, completions[..., None], axis=-1)[..., 0]
+    t = jnp.arange(T)
     return jnp.where(t[None] < lengths[:, None], lp, 0.0)
 
 
@@ -153,6 +237,21 @@ class Batch(NamedTuple):
     lengths: jax.Array
     advantages: jax.Array
     stop_ids: jax.Array
+
+
+def pad_prompts(prompt_tokens: Sequence[Sequence[int]], cap: int = 0):
+    """Right-pad prompts to a bucketed common length: (`[G, P]` int32, lengths `[G]` int32)."""
+    P = max(cap, engine.bucket(max(len(t) for t in prompt_tokens)))
+    out = np.zeros((len(prompt_tokens), P), np.int32)
+    for i, t in enumerate(prompt_tokens):
+        out[i, :len(t)] = t
+    return out, np.asarray([len(t) for t in prompt_tokens], np.int32)
+
+
+def stop_array(lm, stop_token_ids=()) -> np.ndarray:
+    """`[engine.MAX_STOP_IDS]` int32: the tokenizer's end ids and `stop_token_ids`, -1 padded."""
+    stop = sorted(set(lm.tokenizer.eos_token_ids) | set(stop_token_ids))
+    return np.asarray(stop + [-1] * (engine.MAX_STOP_IDS - len(stop)), np.int32)
 
 
 class TrainState(NamedTuple):
@@ -218,74 +317,6 @@ def update(optimizer, lm, bconfig, state: TrainState, batch: Batch, temperature:
                                               temperature, bp, s, b))
         _UPDATE_CACHE[key] = fn
     return fn(lm.params, state, batch)
-
-
-# ---------------------------------------------------------------------------
-# Rollouts with verifiable rewards
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """A verifiable problem: the prompt text (a user turn) and the reference answer."""
-
-    prompt: str
-    answer: str
-
-
-_NUM_RE = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def reward(text: str, answer: str) -> float:
-    """1.0 if the final number in `text` equals `answer`, else 0.0.
-
-    Uses `jaxsample.answers.extract(text, "number")` and `normalize` (last
-    number in the text; GSM8K / "the answer is" conventions handled there).
-    """
-    try:
-        from jaxsample import answers
-        got = answers.extract(text, "number")
-        return float(got is not None and got == answers.normalize(answer))
-    except ImportError:  # pragma: no cover - answers is part of the package
-        nums = _NUM_RE.findall(text)
-        return float(bool(nums) and nums[-1] == answer)
-
-
-def _pad_to(x: np.ndarray, size: int, axis: int, value) -> np.ndarray:
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return np.pad(x, pad, constant_values=value)
-
-
-def rollout(lm, bridge, problems: Sequence[Problem], n: int, seed: int, max_new_tokens: int,
-            temperature: float = 1.0, chat: bool = True, eps: float = 1e-6, prompt_cap: int = 0,
-            reward_fn: Callable[[str, Problem], float] | None = None, stop_token_ids=()):
-    """Sample n coupled branches per problem and score them.
-
-    Args:
-      reward_fn: `f(text, problem) -> float`; default `reward(text, problem.answer)`.
-      stop_token_ids: extra stop ids (besides the tokenizer's end-of-text ids).
-
-    Returns:
-      (Batch with group-normalised advantages, rewards `[G, N]` float32, Generation).
-    """
-    gen = engine.generate(lm, [p.prompt for p in problems],
-                          SamplingParams(n=n, temperature=temperature,
-                                         max_new_tokens=max_new_tokens, seed=seed,
-                                         stop_token_ids=tuple(stop_token_ids)),
-                          chat=chat, bridge=bridge)
-    reward_fn = reward_fn or (lambda text, p: reward(text, p.answer))
-    rewards = np.array([[reward_fn(t, p) for t in row]
-                        for row, p in zip(gen.texts, problems)], np.float32)
-    adv = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + eps)
-    P = max(prompt_cap, engine.bucket(max(len(t) for t in gen.prompt_tokens)))
-    prompt = np.stack([_pad_to(np.asarray(t, np.int32), P, 0, 0) for t in gen.prompt_tokens])
-    stop = sorted(set(lm.tokenizer.eos_token_ids) | set(stop_token_ids))
-    stop_ids = np.asarray(stop + [-1] * (engine.MAX_STOP_IDS - len(stop)), np.int32)
-    batch = Batch(prompt=jnp.asarray(prompt),
-                  prompt_len=jnp.asarray([len(t) for t in gen.prompt_tokens], jnp.int32),
-                  completions=jnp.asarray(gen.tokens), lengths=jnp.asarray(gen.lengths),
-                  advantages=jnp.asarray(adv), stop_ids=jnp.asarray(stop_ids))
-    return batch, rewards, gen
 
 
 # ---------------------------------------------------------------------------
@@ -384,83 +415,3 @@ def restore(ckpt_dir: str, target: TrainState, lm, bconfig: bridge_lib.BridgeCon
     return TrainState(**state), meta
 
 
-# ---------------------------------------------------------------------------
-# The loop
-
-
-def train(lm, bridge: bridge_lib.Bridge, problems: Sequence[Problem], *, steps: int,
-          n: int = 4, groups: int = 2, max_new_tokens: int = 16, temperature: float = 1.0,
-          learning_rate: float = 1e-3, seed: int = 0, ckpt_dir: str | None = None,
-          save_every: int = 10, sft_steps: int = 0, log: Callable[[str], None] | None = print,
-          stop_after: int | None = None, chat: bool = True,
-          reward_fn: Callable[[str, Problem], float] | None = None, stop_token_ids=(),
-          skip_no_signal: bool = True):
-    """GRPO-style training of the Bridge (base frozen), resumable from `ckpt_dir`.
-
-    Step s uses problems chosen by `fold_in(key(seed), s)` and rollout seed
-    `seed * 1_000_003 + s`, so the run is a function of (seed, step): resuming
-    from a checkpoint at step s continues exactly as the uninterrupted run.
-    Steps `< sft_steps` are the supervised warm-up: advantage 1 on the correct
-    samples of each group, 0 on the others (groups without a correct sample
-    contribute nothing).
-
-    Args:
-      problems: the training problems.
-      steps: total optimizer steps (including the warm-up).
-      n: branches per problem; groups: problems per step.
-      ckpt_dir: orbax checkpoint directory; resumes from its latest step.
-      save_every: checkpoint period in steps (and at the end).
-      stop_after: stop (after saving) once this step is reached: simulates an
-        interruption in tests.
-      chat, reward_fn, stop_token_ids: passed to `rollout`.
-      skip_no_signal: a step whose advantages are all 0 (no group with reward
-        variance; in the warm-up: no correct sample) only advances the step
-        counter: params and optimizer state are unchanged (no Adam momentum
-        step on a zero gradient). False applies the optimizer anyway (the
-        behaviour before this option existed).
-    Returns:
-      (Bridge with the trained params, TrainState, history: list of per-step dicts
-      with step, loss, mean reward, tokens, grad_norm, seconds, phase, the number
-      of groups with a nonzero advantage (`signal_groups`) and `skipped`).
-    """
-    optimizer = make_optimizer(learning_rate)
-    state = init_state(bridge, optimizer)
-    base_fp = fingerprint(lm.params) if ckpt_dir else None
-    if ckpt_dir and latest_step(ckpt_dir) is not None:
-        state, meta = restore(ckpt_dir, state, lm, bridge.config, base_fingerprint=base_fp)
-        if log:
-            log(f"resumed from {ckpt_dir} at step {int(state.step)}")
-    history = []
-    key = jax.random.key(seed)
-    while int(state.step) < steps:
-        s = int(state.step)
-        t0 = time.perf_counter()
-        idx = np.asarray(jax.random.choice(jax.random.fold_in(key, s), len(problems), (groups,),
-                                           replace=False))
-        chosen = [problems[i] for i in idx]
-        current = bridge.replace_params(state.params)
-        batch, rewards, _ = rollout(lm, current, chosen, n, seed * 1_000_003 + s,
-                                    max_new_tokens, temperature, chat=chat, reward_fn=reward_fn,
-                                    stop_token_ids=stop_token_ids)
-        if s < sft_steps:
-            batch = batch._replace(advantages=jnp.asarray(rewards))
-        signal = int(np.sum(np.any(np.asarray(batch.advantages) != 0, axis=1)))
-        skipped = skip_no_signal and signal == 0
-        if skipped:
-            state = state._replace(step=state.step + 1)
-            m = {"loss": 0.0, "tokens": int(np.asarray(batch.lengths).sum()), "grad_norm": 0.0}
-        else:
-            state, m = update(optimizer, lm, bridge.config, state, batch, temperature)
-        rec = {"step": s + 1, "loss": float(m["loss"]), "reward": float(rewards.mean()),
-               "tokens": int(m["tokens"]), "grad_norm": float(m["grad_norm"]),
-               "seconds": time.perf_counter() - t0, "phase": "sft" if s < sft_steps else "rl",
-               "signal_groups": signal, "skipped": bool(skipped)}
-        history.append(rec)
-        if log:
-            log(json.dumps(rec))
-        done = int(state.step)
-        if ckpt_dir and (done % save_every == 0 or done == steps or done == stop_after):
-            save(ckpt_dir, state, lm, bridge.config, base_fingerprint=base_fp)
-        if stop_after is not None and done >= stop_after:
-            break
-    return bridge.replace_params(state.params), state, history
