@@ -47,6 +47,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import bridge_coord_tasks, bridge_tasks  # noqa: E402
+from benchmarks.bridge import load_model  # noqa: E402  (the same model for both scripts)
 from jaxsample import answers, bridge as bridge_lib, bridge_diagnostics, bridge_grpo  # noqa: E402
 from jaxsample import bridge_sft, engine  # noqa: E402
 from jaxsample.sampling import SamplingParams  # noqa: E402
@@ -107,17 +108,6 @@ def parse_args(argv=None):
         h = hashlib.sha256(json.dumps({k: getattr(args, k) for k in keys}).encode()).hexdigest()
         args.ckpt_dir = f"/tmp/jaxsample_bridge_recipe/{h[:12]}"
     return args
-
-
-def load_model(args):
-    if args.tiny:
-        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-        from conftest import make_tiny_lm
-
-        return make_tiny_lm()
-    from jaxsample.loading import load
-
-    return load(args.model)
 
 
 # ---------------------------------------------------------------------------
