@@ -9,8 +9,12 @@ warm-up groups, the same RL problems and the same rollout keys:
             same places (`BridgeConfig(kind="mlp")`, inner width 2d, the same count);
   nocross   the Bridge block with attention restricted to the branch itself
             (`cross_branch=False`, the same parameters);
-  bridge_self (evaluation only) the trained Bridge with cross-branch attention
-            masked to self (`jaxsample.bridge.self_only`): the ablation.
+  center    (opt-in, `--conditions center,...`) the Bridge with
+            `BridgeConfig(center=True)`: q, k and attended values from the
+            branches' deviations from the group mean, plus the per-token path;
+  bridge_self, center_self (evaluation only) the trained Bridge with
+            cross-branch attention masked to self (`jaxsample.bridge.self_only`):
+            the ablation.
 
 Tasks:
   coord     benchmarks/bridge_coord_tasks.py: name two different listed items,
@@ -52,7 +56,9 @@ from jaxsample import answers, bridge as bridge_lib, bridge_diagnostics, bridge_
 from jaxsample import bridge_sft, engine  # noqa: E402
 from jaxsample.sampling import SamplingParams  # noqa: E402
 
-TRAINED = ("bridge", "mlp", "nocross")
+TRAINED = ("bridge", "mlp", "nocross", "center")
+ATTENTION = ("bridge", "center")  # conditions with cross-branch attention (paired against the rest)
+DEFAULT_CONDITIONS = ("bridge", "mlp", "nocross")
 PRESETS = {
     "cpu": dict(train_problems=48, test_problems=40, sft_n=8, sft_group=4, sft_steps=24,
                 sft_lr=1e-3, steps=16, groups=4, n=4, lr=3e-4, temperature=0.7,
@@ -74,10 +80,13 @@ def parse_args(argv=None):
     for k, v in PRESETS["cpu"].items():
         ap.add_argument("--" + k.replace("_", "-"), type=type(v))
     ap.add_argument("--widths", help="comma-separated evaluation widths")
-    ap.add_argument("--conditions", default=",".join(TRAINED),
+    ap.add_argument("--conditions", default=",".join(DEFAULT_CONDITIONS),
                     help="trained conditions to run (a probe may train the bridge alone)")
     ap.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True,
                     help="per-layer norms and attention mass before/after training")
+    ap.add_argument("--diagnose", default=None,
+                    help="comma-separated conditions to diagnose (default: every trained one "
+                         "but nocross)")
     ap.add_argument("--bridge-dim", type=int, default=64)
     ap.add_argument("--bridge-heads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -193,7 +202,8 @@ def bridge_configs(args):
     d, h = args.bridge_dim, args.bridge_heads
     return {"bridge": bridge_lib.BridgeConfig(dim=d, n_heads=h),
             "mlp": bridge_lib.BridgeConfig(dim=d, n_heads=h, kind="mlp"),
-            "nocross": bridge_lib.BridgeConfig(dim=d, n_heads=h, cross_branch=False)}
+            "nocross": bridge_lib.BridgeConfig(dim=d, n_heads=h, cross_branch=False),
+            "center": bridge_lib.BridgeConfig(dim=d, n_heads=h, center=True)}
 
 
 def train_all(lm, task, args, stop_ids, report):
@@ -278,11 +288,13 @@ def main(argv=None):
     stop_ids = tuple(lm.tokenizer.encode("\n"))[:1]
     test_set = task.make_problems("test", args.test_problems)
     report = {"args": dict(vars(args)), "model": lm.name, "backend": jax.default_backend(),
-              "train": {}, "eval": {}, "paired": {}, "diagnostics": {}}
+              "train": {}, "eval": {}, "paired": {}, "diagnostics": {},
+              "per_problem": {}}
     trained = train_all(lm, task, args, stop_ids, report)
     conds = {"base": None, **trained}
-    if "bridge" in trained:
-        conds["bridge_self"] = bridge_lib.self_only(trained["bridge"])
+    for a in ATTENTION:
+        if a in trained:
+            conds[a + "_self"] = bridge_lib.self_only(trained[a])
     eval_seed = 10_000 + args.seed
     per_problem = {}
     for width in args.widths:
@@ -290,6 +302,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             m, trunc, _ = evaluate(lm, task, b, test_set, width, eval_seed, args, stop_ids)
             per_problem[(name, width)] = m
+            report["per_problem"][f"{name}@{width}"] = {k: v.tolist() for k, v in m.items()}
             e = {"problems": len(test_set), "width": width, "truncated": trunc,
                  "seconds": time.perf_counter() - t0}
             for k, v in m.items():
@@ -298,18 +311,22 @@ def main(argv=None):
             print(f"[eval] {name:11s} N={width}: " + ", ".join(
                 f"{k} {e[k]:.3f} ± {e[k + '_se']:.3f}" for k in m), flush=True)
         main_metric = "distinct" if args.task == "coord" else "branch_acc"
-        for other in [c for c in ("base", "mlp", "nocross", "bridge_self") if c in conds]:
-            if "bridge" not in conds:
-                break
-            report["paired"][f"bridge-{other}@{width}"] = {
-                k: paired(per_problem[("bridge", width)][k], per_problem[(other, width)][k])
-                for k in per_problem[("bridge", width)]}
-            d = report["paired"][f"bridge-{other}@{width}"][main_metric]
-            print(f"[paired] bridge - {other:11s} N={width}: {main_metric} {d['mean']:+.3f} "
-                  f"(95% CI {d['ci95'][0]:+.3f} .. {d['ci95'][1]:+.3f})", flush=True)
-    for name in trained if args.diagnostics else ():
-        if name == "nocross":
-            continue  # self-only attention: its self mass is 1 by construction
+        for a in [c for c in ATTENTION if c in conds]:
+            others = ["base", "mlp", "nocross"] + (["bridge"] if a == "center" else []) + [a + "_self"]
+            for other in [c for c in others if c in conds]:
+                report["paired"][f"{a}-{other}@{width}"] = {
+                    k: paired(per_problem[(a, width)][k], per_problem[(other, width)][k])
+                    for k in per_problem[(a, width)]}
+                d = report["paired"][f"{a}-{other}@{width}"][main_metric]
+                print(f"[paired] {a} - {other:11s} N={width}: {main_metric} {d['mean']:+.3f} "
+                      f"(95% CI {d['ci95'][0]:+.3f} .. {d['ci95'][1]:+.3f})", flush=True)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))  # the evaluations, in case diagnostics fail
+    diag = [c for c in trained if c != "nocross"]  # nocross: self mass 1 by construction
+    if args.diagnose is not None:
+        diag = [c for c in args.diagnose.split(",") if c in trained]
+    for name in diag if args.diagnostics else ():
         b_init = bridge_lib.init(lm, bridge_configs(args)[name], jax.random.key(args.seed))
         report["diagnostics"][name] = diagnostics(lm, b_init, trained[name], test_set, args,
                                                   stop_ids)
@@ -317,11 +334,11 @@ def main(argv=None):
         for label, d in dg.items():
             print(f"[diag] {name} {label}: rel_norm mean {np.mean(d['rel_norm']):.2e} max "
                   f"{np.max(d['rel_norm']):.2e}, self_mass mean {np.mean(d['self_mass']):.3f} "
-                  f"(uniform {d['uniform_self_mass']:.3f}), max|W_out| "
+                  f"(uniform {d['uniform_self_mass']:.3f}), attention TV from uniform mean "
+                  f"{np.mean(d.get('tv_from_uniform', [0.0])):.3f} max "
+                  f"{np.max(d.get('tv_from_uniform', [0.0])):.3f}, max|W_out| "
                   f"{np.max(d['out_max_abs']):.2e}", flush=True)
     report["seconds"] = time.perf_counter() - t_all
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     plot(report, out.with_suffix(".png"), "distinct" if args.task == "coord" else "branch_acc")
     print(table(report))
@@ -356,7 +373,7 @@ def plot(report, path, metric):
     except ImportError:  # pragma: no cover
         return
     widths = report["args"]["widths"]
-    names = [c for c in ("base", "bridge", "mlp", "nocross", "bridge_self")
+    names = [c for c in ("base", "bridge", "mlp", "nocross", "bridge_self", "center", "center_self")
              if f"{c}@{widths[0]}" in report["eval"]]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     x = np.arange(len(widths))

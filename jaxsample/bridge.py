@@ -36,6 +36,17 @@ model dtype):
 
     norm [L, E]   wq, wk, wv [L, E, d]   wo [L, d, E] (zeros at init)   gate [L]
 
+`BridgeConfig(center=True)` (not in the paper): q, k and the attended values
+come from `RMSNorm(h - mean over the live branches of h)` at that position,
+and the per-token path `W_V RMSNorm(h)` is added to the attended values:
+
+    y = W_O (W_V n(h) + sum_m softmax_m(q_n . k_m / sqrt(c)) W_V n(h_m - mean h))
+
+with `q_n = W_Q n(h_n - mean h)`, `k_m = W_K n(h_m - mean h)`, n = the block's
+RMSNorm (same gain). Same parameters, same count. A branch alone (N = 1,
+prefill) has deviation 0 and the block reduces to the per-token path; so do
+`cross_branch=False` and `self_only` with these params.
+
 Two controls, both without any cross-branch signal:
 
 - `BridgeConfig(cross_branch=False)`: the same block and parameters with
@@ -84,8 +95,18 @@ class BridgeConfig:
         to itself (the control with the same parameters and no communication).
       norm_eps: epsilon of the block's RMSNorm.
       kind: "attention" (the Bridge block) or "mlp" (the equal-parameter
-        per-token MLP control, inner width 2 * dim; `n_heads` and
-        `cross_branch` are then unused).
+        per-token MLP control, inner width 2 * dim; `n_heads`,
+        `cross_branch` and `center` are then unused).
+      center: False is the paper's block. True (this library's variant, no new
+        parameters) computes the queries, keys and attended values from
+        `RMSNorm(h - mean of h over the live branches at that position)`, and
+        adds the per-token path `W_V RMSNorm(h)`: `y = W_O (W_V RMSNorm(h) +
+        Attn(centred))`. The attention then compares what the branches did
+        differently, not their shared prompt/position state (which made the
+        uncentred attention exactly uniform, benchmarks/notes_bridge.md).
+        A branch alone (N = 1, prefill, all others finished) has deviation 0,
+        RMSNorm(0) = 0 (`norm_eps` > 0), so the block is the per-token path,
+        i.e. `cross_branch=False` with the same params (`self_only`).
     """
 
     dim: int = 64
@@ -94,8 +115,12 @@ class BridgeConfig:
     cross_branch: bool = True
     norm_eps: float = 1e-5
     kind: str = "attention"
+    center: bool = False
 
     def __post_init__(self):
+        if not self.norm_eps > 0:
+            raise ValueError(f"BridgeConfig.norm_eps must be > 0 (RMSNorm of a zero vector), "
+                             f"got {self.norm_eps!r}")
         if self.kind not in KINDS:
             raise ValueError(f"BridgeConfig.kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.dim, (int, np.integer)) or self.dim < 1:
@@ -198,36 +223,65 @@ def init(lm, config: BridgeConfig | None = None, key: jax.Array | None = None) -
     return Bridge(config=config, params=params)
 
 
+def _group_mean(xf: jax.Array, al: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """`[S, E]` float32: the mean of `xf` over the live branches at each position.
+
+    `al` is the gathered alive mask `[N, S]`. Every branch reduces the same gathered
+    array in the same order, so all branches get the same mean bit for bit. Where no
+    branch is alive the branch's own `xf` is returned (a group of one: deviation 0).
+    """
+    xs = gather_branches(xf, axes)  # [N, S, E]
+    cnt = jnp.sum(al, axis=0).astype(jnp.float32)  # [S]
+    total = jnp.einsum("ns,nse->se", al.astype(jnp.float32), xs)
+    return jnp.where(cnt[:, None] > 0, total / jnp.maximum(cnt, 1.0)[:, None], xf)
+
+
 def _block(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[str]):
     """The block's residual update for one branch: (y `[S, E]` float32 before the gate,
-    self weight `[S]` float32: attention mass on the branch itself, mean over heads)."""
+    self weight `[S]` float32: attention mass on the branch itself, and `[S]` float32
+    total-variation distance of the attention weights from uniform over the visible
+    branches, both mean over heads)."""
     S, E = x.shape
-    h = llama.rms_norm(x.astype(jnp.float32), p_l["norm"], config.norm_eps)
+    xf = x.astype(jnp.float32)
+    h = llama.rms_norm(xf, p_l["norm"], config.norm_eps)
     if config.kind == "mlp":
-        return jax.nn.silu(h @ p_l["w1"]) @ p_l["w2"], jnp.ones((S,), jnp.float32)
+        return (jax.nn.silu(h @ p_l["w1"]) @ p_l["w2"], jnp.ones((S,), jnp.float32),
+                jnp.zeros((S,), jnp.float32))
     hb, d = config.n_heads, config.dim
     c = d // hb
-    q = (h @ p_l["wq"]).reshape(S, hb, c)
     v = (h @ p_l["wv"]).reshape(S, hb, c)
     if config.cross_branch and axes:
-        k = (h @ p_l["wk"]).reshape(S, hb, c)
-        ks = gather_branches(k, axes)  # [N, S, h, c]
-        vs = gather_branches(v, axes)
-        N = ks.shape[0]
         al = gather_branches(jnp.broadcast_to(jnp.asarray(alive, bool), (S,)), axes)  # [N, S]
+        N = al.shape[0]
         me = jnp.arange(N) == branch_index(axes)  # [N]
         visible = (al | me[:, None]).T  # [S, N]
+        if config.center:
+            # q, k and the attended values from this branch's deviation from the group.
+            hc = llama.rms_norm(xf - _group_mean(xf, al, axes), p_l["norm"], config.norm_eps)
+            src, vc = hc, (hc @ p_l["wv"]).reshape(S, hb, c)
+        else:
+            src, vc = h, v
+        q = (src @ p_l["wq"]).reshape(S, hb, c)
+        k = (src @ p_l["wk"]).reshape(S, hb, c)
+        ks = gather_branches(k, axes)  # [N, S, h, c]
+        vs = gather_branches(vc, axes)
         scores = jnp.einsum("shc,nshc->shn", q, ks) * (1.0 / math.sqrt(c))
         scores = jnp.where(visible[:, None, :], scores, _MASKED)
         w = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("shn,nshc->shc", w, vs)
+        if config.center:
+            out = v + out  # the per-token path W_V norm(h), plus what the others did differently
         self_w = jnp.mean(jnp.sum(jnp.where(me[None, None, :], w, 0.0), -1), -1)
+        unif = visible / jnp.sum(visible, -1, keepdims=True)  # [S, N]
+        tv = jnp.mean(0.5 * jnp.sum(jnp.abs(w - unif[:, None, :]), -1), -1)
     else:
         # One visible key (the branch itself): softmax weight 1, output = v.
-        # With all branches identical (prefill), attention over N copies equals this.
+        # With all branches identical (prefill), attention over N copies equals this
+        # (centred: every deviation is 0, RMSNorm(0) = 0, so the attended part is 0).
         out = v
         self_w = jnp.ones((S,), jnp.float32)
-    return out.reshape(S, d) @ p_l["wo"], self_w
+        tv = jnp.zeros((S,), jnp.float32)
+    return out.reshape(S, d) @ p_l["wo"], self_w, tv
 
 
 def apply_block(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[str]) -> jax.Array:
@@ -249,9 +303,10 @@ def apply_block(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[s
         `("branch_local", "branch")` under shard_map.
     Returns:
       `[S, E]`, same dtype as x: `x + gate * W_O . Attn_over_branches(RMSNorm(x))`
-      (or `x + gate * W_2 silu(W_1 RMSNorm(x))` for `kind="mlp"`).
+      (or `x + gate * W_2 silu(W_1 RMSNorm(x))` for `kind="mlp"`; for
+      `center=True` the form in `BridgeConfig.center`).
     """
-    y, _ = _block(config, p_l, x, alive, axes)
+    y, _, _ = _block(config, p_l, x, alive, axes)
     gate = jax.lax.stop_gradient(p_l["gate"])
     return x + (gate * y).astype(x.dtype)
 
@@ -263,14 +318,16 @@ def block_stats(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[s
       (new x `[S, E]`, relative norm `[S]` float32 = |gate * y| / |x| per position
       (y the block's residual update), self weight `[S]` float32 = attention mass
       the branch puts on itself, mean over Bridge heads (1 for the controls and
-      for a branch alone)).
+      for a branch alone), spread `[S]` float32 = total-variation distance
+      `0.5 sum_n |w_n - 1/n_visible|` of the attention weights from uniform over
+      the visible branches, mean over heads (0 = mean pooling; 0 for the controls)).
     """
-    y, self_w = _block(config, p_l, x, alive, axes)
+    y, self_w, tv = _block(config, p_l, x, alive, axes)
     gate = jax.lax.stop_gradient(p_l["gate"])
     upd = gate * y
     rel = jnp.linalg.norm(upd, axis=-1) / jnp.maximum(
         jnp.linalg.norm(x.astype(jnp.float32), axis=-1), 1e-30)
-    return x + upd.astype(x.dtype), rel, self_w
+    return x + upd.astype(x.dtype), rel, self_w, tv
 
 
 def param_count(bridge: Bridge) -> int:
@@ -300,10 +357,16 @@ def zeros_like_output(bridge: Bridge) -> Bridge:
 def self_only(bridge: Bridge) -> Bridge:
     """The ablation: the same params with cross-branch attention masked to the branch itself.
 
+    For a `center=True` Bridge this is its per-token path `W_O W_V RMSNorm(h)` (what a
+    branch alone computes), under the config `cross_branch=False, center=False`.
+
     Raises:
       ValueError: `bridge` is an MLP control (it has no cross-branch attention).
     """
     if bridge.config.kind != "attention":
         raise ValueError(f"self_only needs an attention Bridge, got kind={bridge.config.kind!r}")
-    return Bridge(config=dataclasses.replace(bridge.config, cross_branch=False),
+    # Without cross-branch attention centring is moot (the block is W_O W_V RMSNorm(h)
+    # either way); dropping it makes the config equal to the no-cross control's, so
+    # both share one compiled program.
+    return Bridge(config=dataclasses.replace(bridge.config, cross_branch=False, center=False),
                   params=bridge.params)

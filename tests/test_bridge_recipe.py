@@ -262,6 +262,8 @@ def test_diagnostics_norms_and_attention_mass(tiny_lm):
     assert 0.25 <= d["uniform_self_mass"] <= 0.5  # 2 to 4 branches alive
     ablated = bridge_diagnostics.diagnose(tiny_lm, bridge_lib.self_only(b), batch)
     np.testing.assert_allclose(ablated["self_mass"], 1.0, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(ablated["tv_from_uniform"], 0.0)
+    assert all(0 < t < 1 for t in d["tv_from_uniform"])
     mlp = bridge_diagnostics.diagnose(tiny_lm, nonzero(tiny_lm, MLP), batch)
     assert mlp["self_mass"] == [1.0, 1.0] and all(r > 0 for r in mlp["rel_norm"])
     with pytest.raises(ValueError, match="attention"):
@@ -271,6 +273,6 @@ def test_diagnostics_norms_and_attention_mass(tiny_lm):
     p0 = jax.tree_util.tree_map(lambda a: a[0], b.params)
     f = jax.vmap(lambda xx: bridge_lib.block_stats(ATT, p0, xx, True, ("branch",)),
                  axis_name="branch")
-    new, rel, _ = f(x)
+    new, rel, _, _ = f(x)
     np.testing.assert_allclose(rel, np.linalg.norm(new - x, axis=-1) / np.linalg.norm(x, axis=-1),
                                rtol=1e-5)
