@@ -22,6 +22,24 @@ settings.register_profile("ci", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+import gc  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Free each test module's compiled programs when it ends. Every XLA CPU
+    executable holds memory mappings; kept for the whole suite they passed the
+    kernel's vm.max_map_count (65,530) three quarters of the way through, and
+    the next compile crashed the process (a segfault or an abort in
+    backend_compile)."""
+    yield
+    from jaxsample import engine
+
+    engine.PROGRAMS.clear()
+    jax.clear_caches()
+    gc.collect()
+
+
 from jaxsample.lm import LanguageModel  # noqa: E402
 from jaxsample.models import llama  # noqa: E402
 from jaxsample.models.tokenizer import ByteTokenizer  # noqa: E402

@@ -146,5 +146,11 @@ class Programs:
         self.compilations += 1
         return compiled, time.perf_counter() - t0
 
+    def clear(self) -> None:
+        """Drop every cached program, so its compiled code can be freed (each XLA CPU
+        executable holds memory mappings of its own; a long-lived process that
+        compiles many shapes can exhaust the kernel's map count, vm.max_map_count)."""
+        self._cache.clear()
+
 
 PROGRAMS = Programs()
