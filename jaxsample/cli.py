@@ -219,9 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-p", type=float, help=f"nucleus mass in (0, 1] (default {d['top_p']})")
     run.add_argument("--top-k", type=_int, help=f"top-k, 0 is off (default {d['top_k']})")
     run.add_argument("--min-p", type=float, help=f"min-p in [0, 1] (default {d['min_p']})")
-    run.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=_int,
-                     help=f"decode budget per branch (default {d['max_new_tokens']}; "
-                          "--max-tokens is vLLM's name)")
+    run.add_argument("--max-new-tokens", type=_int,
+                     help=f"decode budget per branch (default {d['max_new_tokens']})")
+    run.add_argument("--max-tokens", dest="max_new_tokens", type=_int,
+                     help="vLLM's name for --max-new-tokens")
     run.add_argument("--logprobs", type=_int, metavar="K",
                      help="K in [0, 20]: with --json, every branch also carries its token_ids "
                           "and each one's logprob, and (K >= 1) the K most likely token ids "
@@ -792,14 +793,16 @@ def _run(args) -> int:
         with progress.phase(f"loading {what}") as ph:
             lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
             ph.cancel()
+    else:
+        lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
+    # One figure, said twice: the header and tokenizer read first, then the weights.
+    t_load = t_meta + time.perf_counter() - t0
+    if progress is not None:
         info = loading.load_info(lm)
         how = ("dequantised weights from the cache" if info.get("weights") == "cache"
                else "dequantised; cached for the next run" if info.get("cache_entry")
                else "read from the checkpoint")
-        progress.line(f"loaded {lm.name} in {time.perf_counter() - t0:.1f} s ({how})")
-    else:
-        lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
-    t_load = t_meta + time.perf_counter() - t0
+        progress.line(f"loaded {lm.name} in {t_load:.2f} s ({how})")
     outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
     batches = _batches(requests)
     for k, batch in enumerate(batches):
@@ -920,7 +923,8 @@ def _run_adaptive(lm, prompts, cfg, args, kwargs, progress=None):
         return adaptive_lib.adaptive_self_consistency(
             lm, prompts, cfg.sampling, max_n=args.max_n, window=args.window, rule=rule,
             threshold=args.threshold, confidence=confidence, extract=cfg.reducer.extract,
-            warmup=2 * args.window if confidence else 16, **kwargs)
+            warmup=2 * args.window if confidence else 16, progress=progress or False,
+            **kwargs)
 
 
 def _adaptive_result(adaptive, b: int, args):
