@@ -34,6 +34,15 @@ a traceback: every `JaxsampleError` (`ModelLoadError`, `ConfigError`,
 `InputError`, `NumericalError`) and any `ValueError`, `OSError` or
 `OverflowError` maps to that.
 
+`--json` output is strict JSON (`dumps`: no NaN or Infinity, a non-finite
+value is null; a .jsonl "id" must be a string, an integer or a finite
+number, echoed as given, else the line is refused), float32 figures written
+as the shortest decimal that reads back as the same float32 (`_f32`).
+`--max-tokens` is vLLM's name for `--max-new-tokens`; `--logprobs K` adds
+per-token ids and logprobs (and the top K) to each branch of the JSON. When
+the reader of stdout leaves (`| head -1`), the command stops quietly with
+status 141 (128 + SIGPIPE), as a Unix filter killed by SIGPIPE does.
+
 Flag values: integers are decimal (`1e3` and `1.5` are refused); `price
 --n` takes comma-separated integers >= 1 without empty items (repeats are
 dropped); `--prompt-tokens` / `--new-tokens` are integers >= 0; names and

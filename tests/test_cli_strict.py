@@ -132,7 +132,8 @@ def test_dumps_is_strict_json():
 def test_bad_request_lines_name_the_line(capsys, tmp_path, line, needle):
     f = tmp_path / "r.jsonl"
     f.write_text(json.dumps({"prompt": "fine"}) + "\n" + line + "\n", encoding="utf-8")
-    code = cli.main(["run", "--prompt-file", str(f)])
+    # (A model that does not exist: the line must be refused before the model is looked at.)
+    code = cli.main(["run", "--prompt-file", str(f), "--model", str(tmp_path / "none.gguf")])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert f"{f} line 2" in err and needle in err and "invalid literal" not in err
@@ -262,7 +263,7 @@ def _closed_early(argv, tmp_path):
 @pytest.mark.parametrize("json_flag", [["--json"], []], ids=["json", "table"])
 def test_a_broken_pipe_exits_quietly(tmp_path, json_flag):
     code, err = _closed_early(["price", "--model", "tiny", "--n", "1,4"] + json_flag, tmp_path)
-    assert code == cli.EXIT_BROKEN_PIPE and err == "", err
+    assert code == 141 and err == "", err
 
 
 @pytest.mark.slow
@@ -270,5 +271,26 @@ def test_a_broken_pipe_exits_quietly(tmp_path, json_flag):
 def test_a_broken_pipe_during_run_exits_quietly(tmp_path, json_flag):
     code, err = _closed_early(TINY_RUN[:1] + ["--prompt", "hi"] + TINY_RUN[1:-1] + json_flag,
                               tmp_path)
-    assert code == cli.EXIT_BROKEN_PIPE, err
+    assert code == 141, err
     assert "error" not in err and "Broken pipe" not in err and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------------------
+# The README's claims (issue 19, item 13)
+
+
+def test_readme_vllm_row_is_true():
+    import re
+    from pathlib import Path
+
+    from jaxsample import SamplingParams
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    row = next(line for line in readme.splitlines() if line.startswith("| `SamplingParams("))
+    call = re.match(r"\| `(SamplingParams\(.*?\))` \|", row).group(1)
+    p = eval(call, {"SamplingParams": SamplingParams})  # noqa: S307 - our own README
+    assert p.top_k == 0 and p.max_new_tokens == p.max_tokens == 128  # vLLM's values accepted
+    assert "refused" not in row and "max_tokens" in row.split("|")[2]
+    # The command line takes vLLM's name too.
+    args = cli.build_parser().parse_args(["run", "--prompt", "x", "--max-tokens", "9"])
+    assert cli.resolve_run_config(args).sampling.max_new_tokens == 9
