@@ -307,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
       argv: the arguments (default `sys.argv[1:]`).
     Returns:
-      The exit status: 0 on success, 2 on bad input (one line on stderr).
+      The exit status: 0 on success, 2 on bad input (one line on stderr), 141
+      (quietly) when the reader of stdout went away, 130 on Ctrl-C.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

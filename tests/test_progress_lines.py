@@ -129,3 +129,14 @@ def test_run_adaptive_reports_rounds_off_a_terminal():
     assert code == 0, err
     assert re.search(r"adaptive: round 1, \d+ branch(es)? drawn, [01]/1 prompt settled", err), err
     assert json.loads(out)["result"]["adaptive"] == "esc"
+
+
+@pytest.mark.slow
+def test_adaptive_progress_on_a_terminal_draws_without_error(tiny_lm):
+    err = io.StringIO()
+    prog = Progress(err, terminal=True, interval=0, slow_after=0)
+    res = jaxsample.adaptive_self_consistency(
+        tiny_lm, ["ab"], SamplingParams(temperature=1.0, max_new_tokens=6, seed=0),
+        max_n=8, window=4, rule="esc", extract="text", progress=prog)
+    assert "adaptive: round" in err.getvalue() and prog._live is None  # the bar is gone
+    assert int(res.n_used[0]) in (4, 8)
