@@ -228,7 +228,7 @@ def test_logprobs_in_json_match_a_full_forward_pass(logprobs_run):
 
 
 @pytest.mark.slow
-def test_a_request_lines_logprobs_reach_the_output(tmp_path, logprobs_run):
+def test_a_request_lines_logprobs_reach_the_output(tmp_path):
     f = tmp_path / "r.jsonl"
     f.write_text('{"prompt": "hi", "logprobs": 3}\n{"prompt": "hi", "logprobs": 0}\n'
                  '{"prompt": "hi"}\n')
