@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxsample import answers as answers_lib
 from jaxsample import cost, stopping
+from jaxsample import progress as progress_lib
 from jaxsample.engine import stops as stops_lib
 from jaxsample.engine.api import branch_text, finish
 from jaxsample.engine.inputs import check_int
@@ -134,8 +135,8 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                               threshold: float = 0.95, confidence: str | None = None,
                               warmup: int = 16, group_size: int = 16, extract="auto",
                               chat: bool = False, mesh=None, chunk_size: int = 8,
-                              compact: bool = True,
-                              prompt_index_offset: int = 0) -> AdaptiveResult:
+                              compact: bool = True, prompt_index_offset: int = 0,
+                              progress=False) -> AdaptiveResult:
     """Self-consistency that stops spending on branches that cannot change the answer.
 
     The prompts are prefilled once. Branches are drawn in rounds of `window`
@@ -169,6 +170,10 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
       chunk_size: decode steps between host checks (stop strings,
         confidence, compaction), >= 1.
       compact: gather live branches into smaller buckets as branches finish.
+      progress: as `jaxsample.generate`: True (stderr) or a
+        `jaxsample.progress.Progress` reports preparing the programs and, after
+        every chunk, the round, the branches drawn and the prompts settled
+        (`Progress.adaptive_update`; off a terminal a line every `interval` s).
     Returns:
       An `AdaptiveResult`.
     Raises:
@@ -198,8 +203,10 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         warmup = 0
     k = (params.logprobs or MAX_LOGPROBS) if confidence else (params.logprobs or 0)
     get_answer = _extractor(extract)
+    observer = progress_lib.resolve(progress)
     session = Session(lm, prompts, params.replace(n=window), chat=chat, mesh=mesh,
-                      prompt_index_offset=prompt_index_offset, top_logprobs=k)
+                      prompt_index_offset=prompt_index_offset, top_logprobs=k,
+                      observer=observer)
     sp = session.params
     B = session.B
     answers = [[] for _ in range(B)]
@@ -232,6 +239,9 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                         reasons[(b, n)] = "terminated"
             rnd.finish_slots(end)
             t0 = rnd.t
+            if observer is not None:  # the round so far: drawn includes its branches
+                observer.adaptive_update(r + 1, sum(map(len, answers)) + len(active) * width,
+                                         B - len(active), B)
             if not more:
                 break
             if compact:
@@ -258,6 +268,9 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                 still.append(b)
         active = still
         r += 1
+        if observer is not None:
+            observer.adaptive_update(r, sum(map(len, answers)), B - len(active), B,
+                                     final=not active)
 
     gen = finish(session, rounds, reasons)
     gen = dataclasses.replace(gen, params=params.replace(n=max_n, seed=sp.seed))

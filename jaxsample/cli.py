@@ -34,6 +34,15 @@ a traceback: every `JaxsampleError` (`ModelLoadError`, `ConfigError`,
 `InputError`, `NumericalError`) and any `ValueError`, `OSError` or
 `OverflowError` maps to that.
 
+`--json` output is strict JSON (`dumps`: no NaN or Infinity, a non-finite
+value is null; a .jsonl "id" must be a string, an integer or a finite
+number, echoed as given, else the line is refused), float32 figures written
+as the shortest decimal that reads back as the same float32 (`_f32`).
+`--max-tokens` is vLLM's name for `--max-new-tokens`; `--logprobs K` adds
+per-token ids and logprobs (and the top K) to each branch of the JSON. When
+the reader of stdout leaves (`| head -1`), the command stops quietly with
+status 141 (128 + SIGPIPE), as a Unix filter killed by SIGPIPE does.
+
 Flag values: integers are decimal (`1e3` and `1.5` are refused); `price
 --n` takes comma-separated integers >= 1 without empty items (repeats are
 dropped); `--prompt-tokens` / `--new-tokens` are integers >= 0; names and
@@ -60,7 +69,7 @@ from typing import Any, Sequence
 from jaxsample import cache as cache_lib
 from jaxsample import config as config_lib
 from jaxsample import cost
-from jaxsample.errors import ConfigError, InputError, JaxsampleError, ModelLoadError
+from jaxsample.errors import ConfigError, InputError, JaxsampleError, ModelLoadError, short_repr
 
 EXIT_OK = 0
 EXIT_USAGE = 2  # bad input of any kind (argparse's convention)
@@ -221,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-p", type=float, help=f"min-p in [0, 1] (default {d['min_p']})")
     run.add_argument("--max-new-tokens", type=_int,
                      help=f"decode budget per branch (default {d['max_new_tokens']})")
+    run.add_argument("--max-tokens", dest="max_new_tokens", type=_int,
+                     help="vLLM's name for --max-new-tokens")
+    run.add_argument("--logprobs", type=_int, metavar="K",
+                     help="K in [0, 20]: with --json, every branch also carries its token_ids "
+                          "and each one's logprob, and (K >= 1) the K most likely token ids "
+                          "and their logprobs at every position (vLLM's logprobs)")
     run.add_argument("--seed", type=_int, help=f"PRNG seed (default {d['seed']})")
     run.add_argument("--stop", action="append", metavar="TEXT",
                      help="a stop string (repeatable)")
@@ -292,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
       argv: the arguments (default `sys.argv[1:]`).
     Returns:
-      The exit status: 0 on success, 2 on bad input (one line on stderr).
+      The exit status: 0 on success, 2 on bad input (one line on stderr), 141
+      (quietly) when the reader of stdout went away, 130 on Ctrl-C.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -303,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             return _run(args)
         return _price(args)
+    except BrokenPipeError:  # `jaxsample run ... | head -1`: the reader left
+        return _broken_pipe()
     except (_UsageError, JaxsampleError, ValueError, OSError, OverflowError) as e:
         # OverflowError: a user value too large for a fixed-width type (int32,
         # float) that slipped past validation; still bad input, not a crash.
@@ -311,6 +329,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jaxsample: interrupted", file=sys.stderr)
         return 130
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for a filter killed by it
+
+
+def _broken_pipe() -> int:
+    """The reader of stdout (or stderr) went away (`| head -1`): stop quietly, as Unix
+    filters do, with the status a filter killed by SIGPIPE has (141; `set -o pipefail`
+    sees it, a plain pipeline does not). Both streams are pointed at /dev/null first,
+    so neither this exit nor the interpreter's last flush prints "Broken pipe" (the
+    recipe of the Python docs, "Note on SIGPIPE")."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (AttributeError, OSError, ValueError):  # not a real file (tests, embedding)
+            pass
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 def _fail(e: BaseException) -> None:
@@ -337,7 +376,8 @@ def resolve_run_config(args: argparse.Namespace) -> config_lib.RunConfig:
     """
     cfg = config_lib.load_config(args.config) if args.config else config_lib.RunConfig()
     sampling = {name: getattr(args, name) for name in
-                ("n", "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "seed")
+                ("n", "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "seed",
+                 "logprobs")
                 if getattr(args, name) is not None}
     if args.stop:
         sampling["stop"] = tuple(args.stop)
@@ -530,8 +570,9 @@ def read_requests(args, cfg: config_lib.RunConfig) -> list[Request]:
                 raise InputError(f"{at}: \"messages\" must be a non-empty list of "
                                  "{\"role\": string, \"content\": string} objects")
         rid = obj.get("id")
-        if isinstance(rid, (dict, list)):
-            raise InputError(f"{at}: \"id\" must be a string or a number")
+        if not _json_id(rid):
+            raise InputError(f"{at}: \"id\" must be a string, an integer or a finite number, "
+                             f"got {short_repr(rid)}")
         overrides = {}
         for key, value in obj.items():
             if key in ("prompt", "messages", "id"):
@@ -552,6 +593,16 @@ def read_requests(args, cfg: config_lib.RunConfig) -> list[Request]:
     if not requests:
         raise InputError(f"--prompt-file: {where}: no requests (every line is blank)")
     return requests
+
+
+def _json_id(rid) -> bool:
+    """A .jsonl "id" that `--json` can echo as given: null (none), a string, an integer or
+    a finite number (JSON has no NaN or Infinity; Python's json reads `1e400` as inf)."""
+    if rid is None or isinstance(rid, str):
+        return True
+    if isinstance(rid, bool):
+        return False
+    return isinstance(rid, int) or (isinstance(rid, float) and math.isfinite(rid))
 
 
 def _prompt_tokens(tokenizer, r: Request, chat: bool, shared: str | None) -> int:
@@ -668,6 +719,51 @@ def _finite(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _f32(x) -> float | None:
+    """A float32-derived value for JSON: the Python float of the shortest decimal that
+    rounds back to the same float32 (0.53333336, not float64's 0.5333333611488342), or
+    None (JSON null) when it is not finite.
+
+    numpy's Dragon4 (`format_float_scientific(unique=True)`) gives the shortest float32
+    digits, at most 9 significant; the float64 nearest to them prints back (`repr`, what
+    `json` writes) as exactly those digits, since two decimals of <= 9 digits are much
+    farther apart than a float64 ulp.
+    """
+    import numpy as np
+
+    x = np.float32(x)
+    if not np.isfinite(x):
+        return None
+    return float(np.format_float_scientific(x, unique=True))
+
+
+def _f32_list(a) -> list:
+    """`_f32` of every element of a float32 array, as nested lists."""
+    import numpy as np
+
+    a = np.asarray(a, np.float32)
+    if a.ndim == 0:
+        return _f32(a)
+    return [_f32_list(x) for x in a]
+
+
+def _strict(value):
+    """`value` with every non-finite float replaced by None (JSON null), recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def dumps(obj) -> str:
+    """The one JSON writer of the command line: strict JSON (RFC 8259: no NaN or
+    Infinity; a non-finite float that reaches it becomes null), UTF-8 text as is."""
+    return json.dumps(_strict(obj), ensure_ascii=False, allow_nan=False)
+
+
 def _model_header(cfg: config_lib.RunConfig, use_cache: bool):
     """(config, tokenizer) of the run's model, without its weights."""
     from jaxsample import loading
@@ -707,14 +803,16 @@ def _run(args) -> int:
         with progress.phase(f"loading {what}") as ph:
             lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
             ph.cancel()
+    else:
+        lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
+    # One figure, said twice: the header and tokenizer read first, then the weights.
+    t_load = t_meta + time.perf_counter() - t0
+    if progress is not None:
         info = loading.load_info(lm)
         how = ("dequantised weights from the cache" if info.get("weights") == "cache"
                else "dequantised; cached for the next run" if info.get("cache_entry")
                else "read from the checkpoint")
-        progress.line(f"loaded {lm.name} in {time.perf_counter() - t0:.1f} s ({how})")
-    else:
-        lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
-    t_load = t_meta + time.perf_counter() - t0
+        progress.line(f"loaded {lm.name} in {t_load:.2f} s ({how})")
     outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
     batches = _batches(requests)
     for k, batch in enumerate(batches):
@@ -756,7 +854,7 @@ def _run(args) -> int:
     single = not _is_jsonl(args)  # one prompt: one JSON object / one table, as ever
     if args.json:
         for out in outputs:
-            print(json.dumps(_json_record(lm, cfg, out, single), ensure_ascii=False))
+            print(dumps(_json_record(lm, cfg, out, single)))
         return EXIT_OK
     console = _stdout_console()
     for i, out in enumerate(outputs):
@@ -776,9 +874,28 @@ def _branches(out) -> list[dict]:
     mean_lp = gen.mean_logprob()[b]
     shown = gen.n if adaptive is None else int(adaptive.n_used[b])
     answers = out["answers"]
-    return [{"text": gen.texts[b][i], "answer": answers[i], "tokens": int(gen.lengths[b, i]),
-             "mean_logprob": _finite(mean_lp[i]), "finish_reason": gen.finish_reason[b][i]}
+    rows = [{"text": gen.texts[b][i], "answer": answers[i], "tokens": int(gen.lengths[b, i]),
+             "mean_logprob": _f32(mean_lp[i]), "finish_reason": gen.finish_reason[b][i]}
             for i in range(shown)]
+    k = getattr(gen.params, "logprobs", None)
+    if k is None:
+        return rows
+    for i, row in enumerate(rows):  # --logprobs K (or a .jsonl line's "logprobs": K)
+        L = row["tokens"]  # the kept tokens, a stop token included
+        row["token_ids"] = [int(t) for t in gen.tokens[b, i, :L]]
+        row["token_logprobs"] = _f32_list(gen.logprobs[b, i, :L])
+        if k > 0 and gen.top_token_ids is not None:
+            row["top_token_ids"] = [[int(t) for t in ids]
+                                    for ids in gen.top_token_ids[b, i, :L, :k]]
+            row["top_logprobs"] = _f32_list(gen.top_logprobs[b, i, :L, :k])
+    return rows
+
+
+def _json_result(result: dict) -> dict:
+    """The result with its float32 figures (vote share and support, best-of-N score)
+    written at float32 precision (`_f32`)."""
+    return {k: _f32(v) if k in ("share", "support", "score") and isinstance(v, float) else v
+            for k, v in result.items()}
 
 
 def _json_record(lm, cfg, out, single: bool) -> dict:
@@ -789,8 +906,8 @@ def _json_record(lm, cfg, out, single: bool) -> dict:
     record = {"model": lm.name, "prompt": r.prompt if r.messages is None else None,
               "params": {**params, "chat": cfg.chat,
                          "reducer": dataclasses.asdict(cfg.reducer)},
-              "branches": _branches(out), "result": out["result"], "bill": gen.bill.to_dict(),
-              "timings": out["timings"]}
+              "branches": _branches(out), "result": _json_result(out["result"]),
+              "bill": gen.bill.to_dict(), "timings": out["timings"]}
     if single:
         return record
     lengths = gen.bill.decoded_tokens_per_branch[b]
@@ -816,7 +933,8 @@ def _run_adaptive(lm, prompts, cfg, args, kwargs, progress=None):
         return adaptive_lib.adaptive_self_consistency(
             lm, prompts, cfg.sampling, max_n=args.max_n, window=args.window, rule=rule,
             threshold=args.threshold, confidence=confidence, extract=cfg.reducer.extract,
-            warmup=2 * args.window if confidence else 16, **kwargs)
+            warmup=2 * args.window if confidence else 16, progress=progress or False,
+            **kwargs)
 
 
 def _adaptive_result(adaptive, b: int, args):
@@ -885,7 +1003,13 @@ def _stdout_console(width: int | None = None):
             width = int(os.environ.get("COLUMNS", "")) or 120
         except ValueError:
             width = 120
-    return Console(file=sys.stdout, highlight=False, width=width)
+    console = Console(file=sys.stdout, highlight=False, width=width)
+
+    def on_broken_pipe():  # rich's own exits with status 1; main() ends as for --json
+        raise BrokenPipeError(32, "Broken pipe")
+
+    console.on_broken_pipe = on_broken_pipe
+    return console
 
 
 def _first_line(text: str, width: int = 60) -> str:
@@ -1064,7 +1188,7 @@ def _price(args) -> int:
                                                          **levels).to_dict() for n in args.n]}
         if plot is not None:
             out["plot"] = str(plot)
-        print(json.dumps(out))
+        print(dumps(out))
         return EXIT_OK
 
     from rich import box

@@ -45,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from jaxsample.errors import ConfigError
+from jaxsample.errors import ConfigError, short_repr
 
 DTYPES = ("float32", "bfloat16")
 REDUCER_KINDS = ("vote", "best", "none")
@@ -88,9 +88,11 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
-            raise ConfigError(f"model.name must be null or a non-empty string, got {self.name!r}")
+            raise ConfigError("model.name must be null or a non-empty string, got "
+                              f"{short_repr(self.name)}")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"model.dtype must be one of {_fmt(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"model.dtype must be one of {_fmt(DTYPES)}, got "
+                              f"{short_repr(self.dtype)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,7 +119,8 @@ class ReducerConfig:
                               ("weights", VOTE_WEIGHTS), ("score", SCORES)):
             value = getattr(self, name)
             if value not in allowed or isinstance(value, bool):
-                raise ConfigError(f"reducer.{name} must be one of {_fmt(allowed)}, got {value!r}")
+                raise ConfigError(f"reducer.{name} must be one of {_fmt(allowed)}, got "
+                                  f"{short_repr(value)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,7 +138,7 @@ class MeshConfig:
         for name in ("data", "branch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"mesh.{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"mesh.{name} must be an integer >= 1, got {short_repr(value)}")
 
     @property
     def devices(self) -> int:
@@ -162,7 +165,7 @@ class RunConfig:
 
     def __post_init__(self):
         if not isinstance(self.chat, bool):
-            raise ConfigError(f"chat must be true or false, got {self.chat!r}")
+            raise ConfigError(f"chat must be true or false, got {short_repr(self.chat)}")
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
@@ -199,7 +202,8 @@ def from_dict(data: Any, source: str = "config") -> RunConfig:
                           f"{', '.join(_TOP_KEYS)}, got {type(data).__name__}")
     for key in data:
         if key not in _TOP_KEYS:
-            raise ConfigError(f"{source}: unknown key {key!r}; allowed keys: {', '.join(_TOP_KEYS)}")
+            raise ConfigError(f"{source}: unknown key {short_repr(key)}; allowed keys: "
+                              f"{', '.join(_TOP_KEYS)}")
     kwargs: dict[str, Any] = {}
     for key, cls in _SECTIONS.items():
         if key in data:
@@ -220,7 +224,7 @@ def _section(cls, values: Any, key: str, source: str):
         values = {}
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: {key} must be a mapping with keys {', '.join(names)}, "
-                          f"got {values!r}")
+                          f"got {short_repr(values)}")
     for k in values:
         if k not in names:
             raise ConfigError(f"{source}: unknown key {key}.{k}; allowed keys: {', '.join(names)}")
@@ -237,7 +241,7 @@ def _sampling(values: Any, source: str):
         values = {}
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: sampling must be a mapping with keys {', '.join(names)}, "
-                          f"got {values!r}")
+                          f"got {short_repr(values)}")
     for k in values:
         if k not in names:
             raise ConfigError(f"{source}: unknown key sampling.{k}; allowed keys: "
@@ -268,19 +272,74 @@ class DuplicateKeyError(yaml.constructor.ConstructorError):
                                      f"{self.first_line}, column {first_mark.column + 1})", mark)
 
 
+MAX_YAML_NODES = 10_000  # nodes of a config document with its aliases expanded
+
+
+class AliasExpansionError(yaml.constructor.ConstructorError):
+    """A YAML document whose aliases expand beyond `MAX_YAML_NODES` nodes, or refer to
+    themselves (raised by `StrictSafeLoader`, before anything is constructed)."""
+
+    def __init__(self, problem: str, mark):
+        super().__init__(None, None, problem, mark)
+
+
 class StrictSafeLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a key repeated in one mapping, at any depth.
+    """`yaml.SafeLoader` that refuses a key repeated in one mapping, at any depth,
+    and aliases that expand to a huge document.
 
     PyYAML keeps the last value of a repeated key silently; YAML 1.2 says keys
     are unique. Keys are compared after construction (`1` and `0x1` are the
     same key). Keys brought in by a merge (`<<: *base`) may be overridden:
     that is what merges are for.
+
+    Anchors and aliases (`&base`, `*base`, `<<: *base`) are allowed, but the
+    document with every alias expanded may hold at most `MAX_YAML_NODES` nodes
+    (a run config holds a few dozen), and an alias inside its own anchor (a
+    recursive structure) is refused: a 400-byte "billion laughs" file (nested
+    aliases, 10**9 nodes expanded) is refused at once instead of growing into a
+    gigabyte-sized value and error message. The count is made on the composed
+    node graph (each node counted once per path that reaches it, memoised by
+    node), so it costs time linear in the file.
     """
 
     def construct_document(self, node):
+        self._check_expansion(node)
         self._paths = {}
         self._record_paths(node, "")
         return super().construct_document(node)
+
+    def _check_expansion(self, root) -> None:
+        sizes: dict[int, int] = {}  # id(node) -> nodes under it, aliases expanded
+        open_: set[int] = set()  # nodes being counted (an alias to one is a cycle)
+
+        def size(node) -> int:
+            key = id(node)
+            if key in sizes:
+                return sizes[key]
+            if key in open_:
+                raise AliasExpansionError("an alias refers to a node that contains it (a "
+                                          "recursive structure); a config cannot use one",
+                                          node.start_mark)
+            open_.add(key)
+            total = 1
+            if isinstance(node, yaml.SequenceNode):
+                children = node.value
+            elif isinstance(node, yaml.MappingNode):
+                children = [n for pair in node.value for n in pair]
+            else:
+                children = ()
+            for child in children:
+                total += size(child)
+                if total > MAX_YAML_NODES:
+                    raise AliasExpansionError(
+                        f"the document expands to more than {MAX_YAML_NODES} nodes with its "
+                        "aliases (*name) expanded (nested aliases, a \"billion laughs\"); a "
+                        "run config holds a few dozen", node.start_mark)
+            open_.discard(key)
+            sizes[key] = total
+            return total
+
+        size(root)
 
     def _record_paths(self, node, path: str):
         if id(node) in self._paths:  # an alias seen before (or a recursive structure)
@@ -354,6 +413,10 @@ def load_config(path: str | os.PathLike) -> RunConfig:
         data = yaml.load(text, Loader=StrictSafeLoader)  # noqa: S506  (a SafeLoader)
     except DuplicateKeyError as e:
         raise ConfigError(f"{p}: {e.problem}") from None
+    except AliasExpansionError as e:
+        raise ConfigError(f"{p}: line {e.problem_mark.line + 1}: {e.problem}") from None
+    except RecursionError:  # thousands of nested [ or {: PyYAML composes recursively
+        raise ConfigError(f"{p}: invalid YAML: nested too deeply") from None
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""

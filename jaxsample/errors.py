@@ -31,3 +31,27 @@ class InputError(JaxsampleError, ValueError):
 
 class NumericalError(JaxsampleError, RuntimeError):
     """The model produced no valid distribution (every logit NaN or -inf) for a sampled token."""
+
+
+QUOTE_LIMIT = 200  # characters of a value an error message quotes at most
+
+
+def short_repr(value, limit: int = QUOTE_LIMIT) -> str:
+    """`repr(value)` for an error message, at most `limit` characters.
+
+    Built with `reprlib` (a few levels and items of nested containers, long
+    strings and numbers cut), so the cost is bounded too: a YAML "billion
+    laughs" value (nested aliases, exponentially large when expanded) is never
+    expanded in full. Longer results are cut with "...".
+    """
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxtuple, r.maxlist, r.maxarray, r.maxdict = 3, 8, 8, 8, 8
+    r.maxset = r.maxfrozenset = r.maxdeque = 8
+    r.maxstring, r.maxlong, r.maxother = limit, 60, limit
+    try:
+        text = r.repr(value)
+    except Exception:  # a repr that fails: say what it was  # noqa: BLE001
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -3,11 +3,19 @@
 `generate(..., progress=True)`, `stream(..., progress=True)` and the command
 line report through a `Progress`:
 
-    phases     model loading, compiling a program: on a terminal a spinner
+    phases     model loading, preparing a program: on a terminal a spinner
                while it runs and a line when it ends; without a terminal
                (CI logs, pipes) a line when it starts (at once for loading,
-               after `slow_after` seconds for compiling, so a program found in
-               a cache prints nothing) and a line when it ends
+               after `slow_after` seconds for a program, so a program found
+               compiled in memory prints nothing), a line every `interval`
+               seconds while it runs, and a line when it ends. A program is
+               "prepared" (traced, lowered, then compiled by XLA or fetched
+               from JAX's persistent compilation cache); its end line says
+               which: "compiled prefill in 4.7 s" or "loaded prefill from the
+               compilation cache in 2.1 s"
+    adaptive   adaptive self-consistency's rounds: the round, the branches
+               drawn and the prompts settled, as a bar on a terminal and
+               otherwise a line every `interval` seconds and one at the end
     decode     steps done of the budget, live branches, tokens/s and time
                left: on a terminal a bar refreshed at every chunk boundary;
                otherwise one line every `interval` seconds, and a last line
@@ -31,19 +39,27 @@ PREFIX = "jaxsample: "
 
 class _Phase:
     """A running phase; `cancel()` drops its end line (a lookup that found the
-    program compiled already)."""
+    program compiled already); `from_cache()` (program phases) swaps the end
+    line for the one saying the persistent compilation cache served it."""
 
-    __slots__ = ("start", "end", "after", "t0", "announced", "task", "cancelled")
+    __slots__ = ("start", "end", "after", "t0", "announced", "task", "cancelled", "cached_end",
+                 "last")
 
-    def __init__(self, start, end, after):
+    def __init__(self, start, end, after, cached_end=None):
         self.start, self.end, self.after = start, end, after
         self.t0 = time.perf_counter()
+        self.last = self.t0  # the last line printed for it (plain mode)
         self.announced = False
         self.task = None
         self.cancelled = False
+        self.cached_end = cached_end
 
     def cancel(self):
         self.cancelled = True
+
+    def from_cache(self):
+        if self.cached_end is not None:
+            self.end = self.cached_end
 
 
 class Progress:
@@ -72,6 +88,7 @@ class Progress:
         self._ticker: threading.Thread | None = None
         self._live = None  # rich.progress.Progress while something is shown
         self._decode = None  # state of the decode being reported
+        self._adaptive = None  # state of the adaptive rounds being reported
         self._console = None
 
     # -- output -----------------------------------------------------------------
@@ -106,14 +123,16 @@ class Progress:
         return self._live
 
     def _maybe_stop_live(self):
-        if self._live is not None and not self._phases and self._decode is None:
+        if (self._live is not None and not self._phases and self._decode is None
+                and self._adaptive is None):
             live, self._live = self._live, None
             live.stop()
 
     # -- phases -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def phase(self, start: str, end: str | None = None, *, announce_after: float = 0.0):
+    def phase(self, start: str, end: str | None = None, *, announce_after: float = 0.0,
+              cached_end: str | None = None):
         """Report a phase that blocks (loading, compiling).
 
         Args:
@@ -122,21 +141,19 @@ class Progress:
             took as `{s}` ("loaded it in {s:.1f} s"); default `start` + " done".
           announce_after: seconds before the phase is shown at all; a phase
             that ends sooner prints nothing.
+          cached_end: the end line after `handle.from_cache()` (as `end`).
         Yields:
-          A handle whose `cancel()` drops the end line.
+          A handle whose `cancel()` drops the end line and whose `from_cache()`
+          picks `cached_end`. Off a terminal, a phase still running prints
+          "<start>: <s> s so far" every `interval` seconds.
         """
-        ph = _Phase(start, end or (start + ": done in {s:.1f} s"), announce_after)
+        ph = _Phase(start, end or (start + ": done in {s:.1f} s"), announce_after, cached_end)
         with self._lock:
             self._phases.append(ph)
-            if self.terminal:
-                if announce_after <= 0:
-                    self._show(ph)
-                else:
-                    self._start_ticker()
-            elif announce_after <= 0:
+            if announce_after <= 0:
                 self._show(ph)
-            else:
-                self._start_ticker()
+            if announce_after > 0 or (not self.terminal and self.interval > 0):
+                self._start_ticker()  # to announce it later, or to say it is still running
         ok = False
         try:
             yield ph
@@ -156,12 +173,17 @@ class Progress:
     def compiling(self, name: str):
         """The engine's hook around every program lookup: `name` is "prefill",
         "decode", ...; the engine cancels the handle of a lookup that found the
-        program compiled (it then prints nothing, unless `slow_after` is 0)."""
-        return self.phase(f"compiling {name}", f"compiled {name} in {{s:.1f}} s",
-                          announce_after=self.slow_after)
+        program compiled in memory (it then prints nothing, unless `slow_after`
+        is 0), and calls `from_cache()` when JAX's persistent compilation cache
+        served it. The start line ("preparing prefill") cannot know which yet;
+        the end line says "compiled" only when XLA compiled."""
+        return self.phase(f"preparing {name}", f"compiled {name} in {{s:.1f}} s",
+                          announce_after=self.slow_after,
+                          cached_end=f"loaded {name} from the compilation cache in {{s:.1f}} s")
 
     def _show(self, ph: _Phase):
         ph.announced = True
+        ph.last = time.perf_counter()
         if self.terminal:
             ph.task = self._ensure_live().add_task(ph.start, total=None, info="")
         else:
@@ -185,6 +207,11 @@ class Progress:
                 for ph in self._phases:
                     if not ph.announced and now - ph.t0 >= ph.after:
                         self._show(ph)
+                    elif (ph.announced and not self.terminal and self.interval > 0
+                          and now - ph.last >= self.interval):
+                        ph.last = now
+                        print(f"{PREFIX}{ph.start}: {now - ph.t0:.0f} s so far", file=self.file,
+                              flush=True)
 
     # -- decode -----------------------------------------------------------------
 
@@ -241,10 +268,41 @@ class Progress:
             if self.terminal:
                 self._maybe_stop_live()
 
+    # -- adaptive rounds ----------------------------------------------------------
+
+    def adaptive_update(self, round: int, drawn: int, settled: int, prompts: int,
+                        final: bool = False) -> None:
+        """Adaptive self-consistency (`jaxsample.adaptive_self_consistency`): in
+        round `round` (from 1), `drawn` branches drawn over all prompts so far
+        (those of the running round included), `settled` of `prompts` prompts
+        stopped. Called after every chunk and round; off a terminal a line is
+        printed at most every `interval` seconds, and always when `final`."""
+        with self._lock:
+            now = time.perf_counter()
+            a = self._adaptive
+            if a is None:  # the first report prints at once
+                a = self._adaptive = {"t0": now, "last": -float("inf"), "task": None}
+            info = (f"round {round}, {drawn} branch{'es' if drawn != 1 else ''} drawn, "
+                    f"{settled}/{prompts} prompt{'s' if prompts != 1 else ''} settled")
+            if self.terminal:
+                if a["task"] is None:
+                    a["task"] = self._ensure_live().add_task("adaptive", total=None, info=info)
+                self._live.update(a["task"], info=info)
+                if final:
+                    self._live.remove_task(a["task"])
+            elif final or now - a["last"] >= self.interval:
+                a["last"] = now
+                self.line(f"adaptive: {info} ({now - a['t0']:.0f} s)")
+            if final:
+                self._adaptive = None
+                if self.terminal:
+                    self.line(f"adaptive: {info} in {now - a['t0']:.1f} s")
+                    self._maybe_stop_live()
+
     def close(self) -> None:
         """Remove the bar (if any) from the terminal."""
         with self._lock:
-            self._decode = None
+            self._decode = self._adaptive = None
             if self._live is not None:
                 live, self._live = self._live, None
                 live.stop()

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxsample.errors import ConfigError
+from jaxsample.errors import ConfigError, short_repr
 
 _SEED_LIMIT = 2**32
 
@@ -99,7 +99,8 @@ class SamplingParams:
         Keskar et al. 2019). 1 is off.
       logit_bias: `{token_id: bias}` (or a sequence of `(token_id, bias)`
         pairs), added to the logits before everything else. Ids are ints
-        >= 0 (strings of digits are converted, as vLLM's OpenAI path does);
+        >= 0 (strings of ASCII decimal digits are converted, as vLLM's OpenAI
+        path does; any other string key is a ConfigError naming it);
         they are checked against the model's vocabulary by `generate`
         (InputError). Biases are finite and clamped to [-100, 100], as vLLM
         does. Stored as a tuple of `(token_id, bias)` pairs sorted by id, so
@@ -142,7 +143,7 @@ class SamplingParams:
     def __post_init__(self):
         def fail(name: str, allowed: str, value: Any):
             raise ConfigError(
-                f"SamplingParams.{name} must be {allowed}, got {value!r}")
+                f"SamplingParams.{name} must be {allowed}, got {short_repr(value)}")
 
         def set_(name: str, value: Any):
             object.__setattr__(self, name, value)
@@ -310,12 +311,19 @@ def _logit_bias(value: Any, fail) -> tuple[tuple[int, float], ...]:
                 or len(pair) != 2:
             fail("logit_bias", allowed, value)
         tok, bias = pair
-        if isinstance(tok, str) and tok.strip().lstrip("+").isdigit():
-            tok = int(tok)  # JSON keys are strings (vLLM converts them too)
+        if isinstance(tok, str):  # JSON keys are strings (vLLM converts them too)
+            # ASCII decimal digits only: str.isdigit() also takes "²" (which int() refuses)
+            # and int() takes "٣", " 5", "+5" and "-5": none of them is a token id.
+            if not (tok.isascii() and tok.isdigit()):
+                fail("logit_bias", allowed + f"; the key {short_repr(tok)} is not a token id "
+                     "(a string key must be ASCII decimal digits, like \"13\")", value)
+            if len(tok) <= 12:  # longer: out of range, refused below without int()'s limit
+                tok = int(tok)
         if not _is_int(tok) or not 0 <= int(tok) < _INT32_MAX:
-            fail("logit_bias", allowed + f"; bad id {tok!r}", value)
+            fail("logit_bias", allowed + f"; bad id {short_repr(tok)}", value)
         if not _is_real(bias) or not math.isfinite(float(bias)):
-            fail("logit_bias", allowed + f"; bad bias {bias!r} for id {tok!r}", value)
+            fail("logit_bias", allowed + f"; bad bias {short_repr(bias)} for id "
+                 f"{short_repr(tok)}", value)
         if int(tok) in out:
             fail("logit_bias", allowed + f"; id {int(tok)} repeated", value)
         out[int(tok)] = min(MAX_BIAS, max(-MAX_BIAS, float(bias)))

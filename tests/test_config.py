@@ -130,3 +130,100 @@ def test_yaml_merge_keys_may_be_overridden():
     with pytest.raises(config.DuplicateKeyError) as info:
         yaml.load("a: 1\nb: {c: 1}\na: 2\n", Loader=config.StrictSafeLoader)
     assert (info.value.key, info.value.line, info.value.first_line) == ("a", 3, 1)
+
+
+# ---------------------------------------------------------------------------
+# Nested aliases ("billion laughs") and bounded error messages (issue 19, item 7)
+
+
+def _laughs(levels: int, wrap: str = "model") -> str:
+    """A tiny config whose `wrap` value is a list of anchors, each alias nine times
+    the one before: 9**levels strings once expanded."""
+    anchors = ['&a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for i in range(1, levels):
+        anchors.append(f"&a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]")
+    return f"{wrap}: [" + ", ".join(anchors) + "]\n"
+
+
+def test_billion_laughs_is_refused_quickly_with_a_short_message(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    f = tmp_path / "laughs.yaml"
+    f.write_text(_laughs(7))  # 9**7 = 4.8 million strings expanded
+    assert f.stat().st_size < 401
+    # In a fresh process, so that its peak memory is this load's alone.
+    # Peak RSS from VmHWM (this process image's own high-water mark: ru_maxrss would
+    # carry the forking pytest process's peak across exec on Linux).
+    script = ("import re, sys\nfrom jaxsample import config\n"
+              "try:\n    config.load_config(sys.argv[1])\nexcept config.ConfigError as e:\n"
+              "    try:\n        status = open('/proc/self/status').read()\n"
+              "        hwm = int(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1))\n"
+              "    except (OSError, AttributeError):\n        hwm = 0  # no /proc: not measured\n"
+              "    print(len(str(e)), hwm)\n    print(str(e)[:400])\n")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", script, str(f)], capture_output=True,
+                         text=True, timeout=120)
+    seconds = time.perf_counter() - t0
+    assert out.returncode == 0, out.stderr[-2000:]
+    length, rss_kib = map(int, out.stdout.split("\n")[0].split())
+    message = out.stdout.split("\n", 1)[1]
+    assert length < 500, message  # e492f07: tens of megabytes
+    assert "aliases" in message and str(f) in message and "line 1" in message
+    assert rss_kib < 400 * 1024  # e492f07: over a gigabyte with 9 levels
+    assert seconds < 60  # generous: the refusal itself takes milliseconds
+
+
+def test_aliases_and_merges_within_the_bound_still_work(tmp_path):
+    f = tmp_path / "ok.yaml"
+    f.write_text("sampling: {<<: &base {n: 4, temperature: 0.5}, max_new_tokens: &t 12, "
+                 "min_tokens: *t, stop: &s [\"\\n\\n\"]}\n")
+    cfg = config.load_config(f)
+    assert cfg.sampling.n == 4 and cfg.sampling.min_tokens == 12 == cfg.sampling.max_new_tokens
+    assert cfg.sampling.stop == ("\n\n",)
+    f.write_text("sampling: &r {n: *r}\n")  # an alias inside its own anchor
+    with pytest.raises(ConfigError, match="recursive"):
+        config.load_config(f)
+    f.write_text("sampling: {n: " + "[" * 5000 + "]" * 5000 + "}\n")
+    with pytest.raises(ConfigError, match=str(f)):
+        config.load_config(f)
+
+
+@pytest.mark.parametrize("wrap", ["model", "reducer", "chat", "mesh"])
+def test_error_messages_quote_at_most_about_200_characters(wrap):
+    big = ["lol"] * 9
+    for _ in range(5):  # shared references: 9**6 strings when printed in full
+        big = [big] * 9
+    with pytest.raises(ConfigError) as e:
+        config.from_dict({wrap: big}, source="cfg.yaml")
+    assert len(str(e.value)) < 500 and "cfg.yaml" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        config.from_dict({"reducer": {"kind": big}})
+    assert len(str(e.value)) < 500 and "reducer.kind" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        SamplingParams(stop=big)
+    assert len(str(e.value)) < 500 and "stop" in str(e.value)
+
+
+# ---------------------------------------------------------------------------
+# logit_bias keys (issue 19, item 8)
+
+
+@pytest.mark.parametrize("key", ["²", "++5", "+5", "-5", " 5", "٣", "5 ", "", "1e3", "0x1"])
+def test_logit_bias_string_keys_must_be_ascii_digits(tmp_path, key):
+    with pytest.raises(ConfigError) as e:
+        SamplingParams(logit_bias={key: 1.0})
+    assert "logit_bias" in str(e.value) and repr(key) in str(e.value)
+    f = tmp_path / "bias.yaml"
+    f.write_text("sampling:\n  logit_bias: " + json.dumps({key: 1.0}) + "\n")
+    with pytest.raises(ConfigError) as e:
+        config.load_config(f)
+    assert "logit_bias" in str(e.value) and str(f) in str(e.value)
+
+
+def test_logit_bias_digit_keys_are_converted():
+    assert SamplingParams(logit_bias={"13": 2.0, "0007": -1.0, 5: 0.5}).logit_bias == (
+        (5, 0.5), (7, -1.0), (13, 2.0))
+    with pytest.raises(ConfigError, match="bad id"):
+        SamplingParams(logit_bias={"9" * 5000: 1.0})  # past int()'s 4300-digit limit

@@ -244,7 +244,7 @@ def test_progress_lines_for_compiles_and_steps(tiny_lm):
     list(jaxsample.stream(tiny_lm, ["xyz"], params, chunk_size=4, progress=prog))
     lines = err.getvalue().splitlines()
     assert all(line.startswith(PREFIX) for line in lines)
-    assert any(line.endswith("compiling decode ...") for line in lines)
+    assert any(line.endswith("preparing decode ...") for line in lines)
     steps = [line for line in lines if "decode: step" in line]
     assert steps and "branches live" in steps[0] and "tokens/s" in steps[0] and "left" in steps[0]
     assert "decoded" in lines[-1]

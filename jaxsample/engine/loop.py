@@ -12,6 +12,7 @@ branch's draws.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -123,13 +124,42 @@ def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slots: jax
     return new_prefix, new
 
 
+_PERSISTENT_HITS = threading.local()  # per thread: programs JAX's persistent cache served
+_LISTENING = []
+
+
+def _count_persistent_hits(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _PERSISTENT_HITS.n = getattr(_PERSISTENT_HITS, "n", 0) + 1
+
+
+def _persistent_hits() -> int:
+    """Programs fetched from JAX's persistent compilation cache by this thread so far,
+    from JAX's own monitoring event (`jax.monitoring`, recorded by
+    `jax._src.compiler.compile_or_get_cached` on a hit)."""
+    if not _LISTENING:
+        jax.monitoring.register_event_listener(_count_persistent_hits)
+        _LISTENING.append(True)
+    return getattr(_PERSISTENT_HITS, "n", 0)
+
+
 class Programs:
     """AOT-compiled programs, cached by static settings and shapes, so compile
-    time is measured apart from run time."""
+    time is measured apart from run time.
+
+    Attributes:
+      compilations: programs built so far (compiled, or fetched from JAX's
+        persistent compilation cache).
+      from_cache: how many of them the persistent cache served.
+      last_from_cache: whether the last program built came from that cache
+        (tracing and lowering still ran; XLA compiled nothing).
+    """
 
     def __init__(self):
         self._cache: dict[Any, Any] = {}
         self.compilations = 0
+        self.from_cache = 0
+        self.last_from_cache = False
 
     def get(self, key, fn, args, donate=(), out_shardings=None):
         """Returns (compiled, seconds spent compiling now)."""
@@ -140,10 +170,13 @@ class Programs:
         if hit is not None:
             return hit, 0.0
         t0 = time.perf_counter()
+        hits = _persistent_hits()
         kwargs = {} if out_shardings is None else {"out_shardings": out_shardings}
         compiled = jax.jit(fn, donate_argnums=donate, **kwargs).lower(*args).compile()
         self._cache[full_key] = compiled
         self.compilations += 1
+        self.last_from_cache = _persistent_hits() > hits
+        self.from_cache += self.last_from_cache
         return compiled, time.perf_counter() - t0
 
     def clear(self) -> None:
