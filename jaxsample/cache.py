@@ -379,6 +379,19 @@ def _crc32(buf) -> int:
     return crc
 
 
+def _verify_crc32(flat: dict[str, np.ndarray], crcs: dict[str, Any]) -> None:
+    """Check every tensor's CRC-32, largest first, on a few threads (zlib releases
+    the GIL). Raises CacheMiss naming the first tensor that fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(flat, key=lambda n: -flat[n].nbytes)
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        got = dict(zip(names, pool.map(lambda n: _crc32(flat[n]), names)))
+    for name in sorted(flat):
+        if got[name] != crcs[name]:
+            raise CacheMiss(f"tensor {name!r} fails its CRC-32 check (its bytes changed)")
+
+
 def _key_meta(key: WeightKey) -> dict[str, str]:
     return {"format": FORMAT, "size": str(key.size), "source_sha256": key.sha256}
 
@@ -531,8 +544,8 @@ def load_weights(entry: pathlib.Path, key: WeightKey, tokenizer=None, *, verify:
         if not ok or hi - lo != 4 * int(np.prod(shape, dtype=np.int64)):
             raise CacheMiss(f"bad tensor entry {name!r}")
         flat[name] = np.frombuffer(mm, np.float32, (hi - lo) // 4, start + lo).reshape(shape)
-        if verify and _crc32(flat[name]) != crcs[name]:
-            raise CacheMiss(f"tensor {name!r} fails its CRC-32 check (its bytes changed)")
+    if verify:
+        _verify_crc32(flat, crcs)
     params = _unflatten(flat)
     try:
         families.module_for(cfg).check_params(cfg, params, str(entry))

@@ -442,3 +442,184 @@ def test_enable_compilation_cache_off_and_unwritable(monkeypatch, tmp_path):
     blocker.write_text("x")
     with pytest.warns(UserWarning, match="compilation cache off"):
         assert cache.enable_compilation_cache(blocker / "xla") is None
+
+
+# ---------------------------------------------------------------------------
+# Where everything is written (issue 19.11)
+
+
+def test_the_suite_uses_a_temporary_cache():
+    """tests/conftest.py points every cache at a session directory before jaxsample is
+    imported; subprocesses inherit it; the user's ~/.cache is never the cache."""
+    import conftest
+
+    user = pathlib.Path.home() / ".cache"
+    d = cache.cache_dir()
+    assert d == pathlib.Path(conftest.TEST_CACHE_DIR) / "jaxsample"
+    assert d != user / "jaxsample" and user not in d.parents
+    assert os.environ["XDG_CACHE_HOME"] == conftest.TEST_CACHE_DIR
+    assert cache.models_dir() == d / "models"
+    out = subprocess.run([sys.executable, "-c", "from jaxsample import cache; "
+                          "print(cache.cache_dir()); print(cache.models_dir())"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.split() == [str(d), str(d / "models")], out.stderr
+
+
+@pytest.fixture
+def fake_assembled(monkeypatch, tmp_path):
+    """An AssembledModel whose module writes the tiny GGUF in place, as the Gemma
+    package's assemble(output_path, overwrite) does; calls are recorded."""
+    import types
+
+    from jaxsample.models import registry
+
+    calls = []
+
+    def assemble(output_path=None, overwrite=False):
+        target = pathlib.Path(output_path) if output_path is not None else \
+            tmp_path / "package-default" / "fake.gguf"
+        calls.append((target, overwrite))
+        if target.exists() and not overwrite:
+            if target.read_bytes() != TINY_GGUF.read_bytes():
+                raise FileExistsError(f"{target} already exists with an unexpected sha256")
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(TINY_GGUF.read_bytes())
+        return target
+
+    monkeypatch.setitem(sys.modules, "fake_assembler", types.SimpleNamespace(assemble=assemble))
+    entry = registry.AssembledModel(name="fake-assembled", distributions=(), version="0",
+                                    module="fake_assembler", function="assemble",
+                                    filename="fake.gguf", description="test")
+    monkeypatch.setitem(registry.EMBEDDED_MODELS, "fake-assembled", entry)
+    registry._assembled_path.cache_clear()
+    yield calls
+    registry._assembled_path.cache_clear()
+
+
+def test_assembled_models_go_under_the_cache_dir(fake_assembled, monkeypatch, tmp_path):
+    from jaxsample.models import registry
+
+    monkeypatch.delenv(cache.ENV_DIR, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    want = tmp_path / "xdg" / "jaxsample" / "models" / "fake.gguf"
+    assert registry.embedded_path("fake-assembled") == want
+    assert want.read_bytes() == TINY_GGUF.read_bytes()
+    assert not (tmp_path / "package-default").exists()
+    assert [f.name for f in want.parent.iterdir()] == ["fake.gguf"]  # no temporary left
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "mine"))
+    monkeypatch.setenv(cache.ENV_OFF, "1")  # caches off: the checkpoint is still written
+    mine = tmp_path / "mine" / "models" / "fake.gguf"
+    assert registry.embedded_path("fake-assembled") == mine and mine.is_file()
+    n = len(fake_assembled)
+    assert registry.embedded_path("fake-assembled") == mine and len(fake_assembled) == n
+    mine.unlink()  # `jaxsample cache clear`: assembled again on the next call
+    assert registry.embedded_path("fake-assembled") == mine and mine.is_file()
+    registry._assembled_path.cache_clear()
+    mine.write_bytes(b"GGUF broken")  # a wrong file is replaced, atomically
+    assert registry.embedded_path("fake-assembled") == mine
+    assert mine.read_bytes() == TINY_GGUF.read_bytes()
+    assert sorted(f.name for f in mine.parent.iterdir()) == ["fake.gguf"]
+    monkeypatch.delenv(cache.ENV_OFF)
+    monkeypatch.setattr(loading, "_LOADED", {})
+    assert loading.load("fake-assembled").source == str(mine)
+
+
+def _fill(base, path):
+    """One weights entry (of `path`), three compiled programs, one assembled model."""
+    _load(path, base)
+    xla = base / "xla"
+    xla.mkdir()
+    for i in range(3):
+        (xla / f"jit_f{i}-{i:040d}-cache").write_bytes(b"x" * (1000 + i))
+        (xla / f"jit_f{i}-{i:040d}-atime").write_bytes(b"t" * 8)
+    (base / "models").mkdir()
+    (base / "models" / "m.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+
+
+def _strict_json(text):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _du(base):
+    return sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
+
+
+def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
+    from jaxsample import cli
+
+    path, base = gguf
+    monkeypatch.setenv(cache.ENV_DIR, str(base))
+    _fill(base, path)
+    (entry,) = _entries(base)
+    assert cli.main(["cache", "info", "--json"]) == 0
+    info = _strict_json(capsys.readouterr().out)
+    assert info["dir"] == str(base) and info["exists"] and not info["disabled"]
+    (w,) = info["weights"]
+    assert (w["file"], w["source"], w["bytes"]) == (str(entry), str(path), entry.stat().st_size)
+    assert w["format"] == cache.FORMAT and 0 <= w["age_s"] < 600
+    assert info["compiled_programs"] == 3 and info["compiled_bytes"] == 1000 + 1001 + 1002 + 24
+    assert [m["bytes"] for m in info["models"]] == [64] and info["total_bytes"] == _du(base)
+    assert cli.main(["cache", "info"]) == 0
+    table = capsys.readouterr().out
+    for text in (str(base), entry.name, str(path), "compiled programs: 3", "total:"):
+        assert text in table, table
+
+    assert cli.main(["cache", "clear", "--compiled", "--json"]) == 0
+    assert _strict_json(capsys.readouterr().out) == {
+        "dir": str(base), "cleared": ["compiled"], "freed_bytes": 3027}
+    assert not (base / "xla").exists() and _entries(base) == [entry]
+    assert cli.main(["cache", "clear", "--weights"]) == 0
+    assert "weights" in capsys.readouterr().out
+    assert not (base / "weights").exists() and (base / "models" / "m.gguf").is_file()
+    monkeypatch.setenv(cache.ENV_OFF, "1")  # off: info still says what is there
+    assert cli.main(["cache", "info", "--json"]) == 0
+    info = _strict_json(capsys.readouterr().out)
+    assert info["disabled"] and info["dir"] == str(base) and info["models_bytes"] == 64
+    assert cli.main(["cache", "clear"]) == 0
+    capsys.readouterr()
+    assert cli.main(["cache", "info", "--json"]) == 0
+    info = _strict_json(capsys.readouterr().out)
+    assert (info["weights"], info["compiled_programs"], info["models"]) == ([], 0, [])
+
+
+@pytest.mark.parametrize("argv", [["cache"], ["cache", "clear", "--bogus"],
+                                  ["cache", "info", "extra"], ["cache", "purge"]])
+def test_cache_command_bad_input_is_one_line(capsys, argv):
+    from jaxsample import cli
+
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "error:" in err and "Traceback" not in err
+
+
+def test_an_assembled_file_with_a_remembered_hash_is_not_read_again(fake_assembled,
+                                                                     monkeypatch):
+    """The package's EXPECTED_SHA256 against the remembered whole-file hash: a second
+    process neither calls assemble() (which hashes the file) nor hashes it itself."""
+    import hashlib
+
+    from jaxsample.models import registry
+
+    monkeypatch.setattr(sys.modules["fake_assembler"], "EXPECTED_SHA256",
+                        hashlib.sha256(TINY_GGUF.read_bytes()).hexdigest(), raising=False)
+    monkeypatch.setattr(cache, "RACY_NS", 0)
+    monkeypatch.setattr(cache, "_HASHES", {})
+    path = registry.embedded_path("fake-assembled")
+    assert len(fake_assembled) == 1
+    registry._assembled_path.cache_clear()  # a second process: hashes once, remembers
+    assert registry.embedded_path("fake-assembled") == path and len(fake_assembled) == 1
+    monkeypatch.setattr(cache, "file_sha256", lambda p: pytest.fail(f"hashed {p} again"))
+    for _ in range(2):  # later processes: nothing in memory, the index on disk answers
+        registry._assembled_path.cache_clear()
+        cache._HASHES.clear()
+        assert registry.embedded_path("fake-assembled") == path
+    assert len(fake_assembled) == 1
+    path.write_bytes(b"GGUF changed")  # a new ctime: hashed again, found wrong, re-assembled
+    registry._assembled_path.cache_clear()
+    monkeypatch.setattr(cache, "file_sha256", lambda p: hashlib.sha256(
+        pathlib.Path(p).read_bytes()).hexdigest())
+    assert registry.embedded_path("fake-assembled") == path
+    assert path.read_bytes() == TINY_GGUF.read_bytes() and len(fake_assembled) == 3
