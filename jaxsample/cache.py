@@ -1,6 +1,7 @@
 """On-disk caches that make a second run start at once.
 
-Two caches share one directory (`cache_dir()`):
+Two caches share one directory (`cache_dir()`), beside the checkpoints that
+are assembled rather than shipped whole:
 
     <cache dir>/xla/       JAX's persistent compilation cache: the compiled
                            prefill and decode programs (the engine's AOT
@@ -8,6 +9,9 @@ Two caches share one directory (`cache_dir()`):
     <cache dir>/weights/   the dequantised weights of GGUF files, one
                            safetensors file per checkpoint, with the model
                            config and the tokenizer in its header
+    <cache dir>/models/    checkpoints assembled from several packages (Gemma 3
+                           270M: `models.registry`), written once, also with
+                           the caches off (`models_dir()`)
 
 The directory is `$JAXSAMPLE_CACHE_DIR` if set, else
 `$XDG_CACHE_HOME/jaxsample` (`~/.cache/jaxsample` without it).
@@ -35,10 +39,8 @@ renamed into place, so a crash or a concurrent writer leaves either the old
 entry or the new one; one path keeps one entry (writing a new content's entry
 removes the older one of the same path).
 
-    <cache dir>/models/    checkpoints assembled from several packages (Gemma 3
-                           270M: `models.registry`), written there once
-
-`cache_info` and `clear` answer and empty it (`jaxsample cache info|clear`).
+`cache_info` and `clear` report and empty the directory (`jaxsample cache
+info|clear`).
 """
 
 from __future__ import annotations

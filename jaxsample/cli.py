@@ -1153,7 +1153,8 @@ def _age(seconds: float) -> str:
 def _cache_command(args) -> int:
     info = cache_lib.cache_info()
     if args.cache_command == "clear":
-        parts = [p for p in cache_lib.CLEAR_PARTS if getattr(args, p)] or list(cache_lib.CLEAR_PARTS)
+        parts = ([p for p in cache_lib.CLEAR_PARTS if getattr(args, p)]
+                 or list(cache_lib.CLEAR_PARTS))
         freed = cache_lib.clear(parts)
         if args.json:
             print(json.dumps({"dir": info["dir"], "cleared": parts, "freed_bytes": freed},
