@@ -53,8 +53,9 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         A corrupt or stale entry is ignored (one warning line on stderr) and
         rewritten.
     Returns:
-      A `LanguageModel`. Loads are also cached per (resolved path, file
-      modification time, dtype) for the process, so loading twice is free.
+      A `LanguageModel`. Loads are also cached per (resolved path, the file's
+      device, inode, size, mtime and ctime, dtype) for the process, so loading
+      twice is free.
     Raises:
       ConfigError: an unknown dtype.
       ModelLoadError: unknown name, missing path, unreadable or inconsistent
@@ -68,7 +69,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
     path, name = _resolve(name_or_path)
-    key = (str(path), path.stat().st_mtime_ns, dtype, name)
+    key = (str(path), cache_lib._stat_id(path.stat()), dtype, name)  # a rewrite: a new key
     if key not in _LOADED:  # the weights are the same with or without the cache
         if len(_LOADED) >= 4:
             _LOADED.pop(next(iter(_LOADED)))
@@ -202,7 +203,7 @@ _CACHED_TOKENIZER: dict[tuple, object] = {}
 def _read_header(path: pathlib.Path):
     from jaxsample.models import gguf_loader
 
-    key = (str(path), path.stat().st_mtime_ns)
+    key = (str(path), cache_lib._stat_id(path.stat()))
     if key not in _HEADER:
         _HEADER.clear()
         _HEADER[key] = gguf_loader.read_gguf(path)
@@ -211,7 +212,7 @@ def _read_header(path: pathlib.Path):
 
 def _take_header(path: pathlib.Path):
     """The header `read_config` parsed for this file (then forgotten), or None."""
-    return _HEADER.pop((str(path), path.stat().st_mtime_ns), None)
+    return _HEADER.pop((str(path), cache_lib._stat_id(path.stat())), None)
 
 
 def _is_gguf(p: pathlib.Path) -> bool:
@@ -251,11 +252,11 @@ def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None):
     return cfg, params, tokenizer, info
 
 
-# Models loaded by this process: (path, mtime_ns, dtype, name) -> LanguageModel, at most 4.
+# Models loaded by this process: (path, stat id, dtype, name) -> LanguageModel, at most 4.
 _LOADED: dict[tuple, LanguageModel] = {}
 
 
-def _load_uncached(path: str, mtime_ns: int, dtype: str, name: str | None,
+def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
                    base: pathlib.Path | None) -> LanguageModel:
     t0 = time.perf_counter()
     p = pathlib.Path(path)
