@@ -4,6 +4,7 @@
     jaxsample run --prompt-file q.txt --config configs/best_of_n.yaml --json
     jaxsample run --prompt-file requests.jsonl --json        # one JSON line per request
     jaxsample price --model smollm2-135m --prompt-tokens 4096 --new-tokens 256 --n 1,4,16,64
+    jaxsample cache info          # where the cache is, what it holds; `cache clear` empties it
 
 `run` loads a model (`jaxsample.loading.load`), samples N branches that
 share the prompt's KV cache (`jaxsample.engine.generate`), reduces them
@@ -294,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "an extension; .pdf, .svg, ... by their extension); needs "
                             "matplotlib: pip install 'jaxsample[plot]'")
     price.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_cache_parser(sub)
     return parser
 
 
@@ -318,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(e.code or 0)
         if args.command == "run":
             return _run(args)
+        if args.command == "cache":
+            return _cache_command(args)
         return _price(args)
     except BrokenPipeError:  # `jaxsample run ... | head -1`: the reader left
         return _broken_pipe()
@@ -1131,7 +1135,7 @@ def resolve_model_config(name: str | None):
         if callable(reader):
             cfg = reader(name) if name is not None else reader()
             cfg = getattr(cfg, "config", cfg)
-            if isinstance(cfg, LlamaConfig):
+            if isinstance(cfg, LlamaConfig) or hasattr(cfg, "family"):  # any model family
                 return cfg, name or "embedded"
     try:
         lm = loading.load(name) if name is not None else loading.load()
@@ -1234,6 +1238,69 @@ def _price(args) -> int:
                   "(weights once + KV). Counting conventions: jaxsample/cost.py.", markup=False)
     if plot is not None:
         console.print(f"plot written to {plot}", markup=False)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------
+# cache
+
+
+def _add_cache_parser(sub) -> None:
+    """`jaxsample cache info|clear`: what the cache directory holds, and emptying it."""
+    cache = sub.add_parser("cache", help="what the weight/compilation cache holds; clear it",
+                           description="The cache directory ($JAXSAMPLE_CACHE_DIR, else "
+                                       "$XDG_CACHE_HOME/jaxsample, else ~/.cache/jaxsample): "
+                                       "dequantised weights, compiled programs and assembled "
+                                       "checkpoints.")
+    what = cache.add_subparsers(dest="cache_command", metavar="ACTION", parser_class=_Parser)
+    what.required = True
+    info = what.add_parser("info", help="where the cache is and what it holds (sizes, ages)")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+    clear = what.add_parser("clear", help="delete the cache (all of it, or the parts named)",
+                            description="Delete the cache's weights, compiled programs and "
+                                        "assembled checkpoints; with flags, only those parts.")
+    for part, text in (("weights", "the dequantised weights (weights/)"),
+                       ("compiled", "the compiled programs (xla/)"),
+                       ("models", "the assembled checkpoints (models/; re-assembled on the "
+                                  "next load)")):
+        clear.add_argument(f"--{part}", action="store_true", help=f"clear {text}")
+    clear.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _cache_command(args) -> int:
+    info = cache_lib.cache_info()
+    if args.cache_command == "clear":
+        parts = ([p for p in cache_lib.CLEAR_PARTS if getattr(args, p)]
+                 or list(cache_lib.CLEAR_PARTS))
+        freed = cache_lib.clear(parts)
+        if args.json:
+            print(json.dumps({"dir": info["dir"], "cleared": parts, "freed_bytes": freed},
+                             allow_nan=False))
+        else:
+            print(f"cleared {', '.join(parts)} in {info['dir']}: {cost.format_bytes(freed)} freed")
+        return EXIT_OK
+    if args.json:
+        print(json.dumps(info, allow_nan=False))
+        return EXIT_OK
+    fb = cost.format_bytes
+    off = f" (off: {cache_lib.ENV_OFF} is set)" if info["disabled"] else ""
+    print(f"cache directory: {info['dir']}{off}" + ("" if info["exists"] else " (empty)"))
+    print(f"weights: {len(info['weights'])} entries, {fb(info['weights_bytes'])}")
+    for w in info["weights"]:
+        print(f"  {Path(w['file']).name}  {fb(w['bytes'])}  written {_age(w['age_s'])} ago  "
+              f"from {w['source'] or '(unreadable entry)'}")
+    print(f"compiled programs: {info['compiled_programs']}, {fb(info['compiled_bytes'])}")
+    print(f"assembled checkpoints: {len(info['models'])}, {fb(info['models_bytes'])}")
+    for m in info["models"]:
+        print(f"  {Path(m['file']).name}  {fb(m['bytes'])}  written {_age(m['age_s'])} ago")
+    print(f"total: {fb(info['total_bytes'])}")
     return EXIT_OK
 
 

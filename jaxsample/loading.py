@@ -47,12 +47,15 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         `$XDG_CACHE_HOME/jaxsample`; off when `JAXSAMPLE_NO_CACHE` is set),
         False for none, or a directory. The first load writes the dequantised
         float32 weights (4 bytes per parameter: 0.5 GB for SmolLM2-135M) with
-        the config and tokenizer; later loads of the same file (same size,
-        modification time and header hash) read them back in well under a
-        second. A corrupt or stale entry is ignored and rewritten.
+        the config and tokenizer; later loads of the same content (the whole
+        file's SHA-256, remembered by device, inode, size, mtime and ctime)
+        read them back in well under a second, each tensor's CRC-32 checked.
+        A corrupt or stale entry is ignored (one warning line on stderr) and
+        rewritten.
     Returns:
-      A `LanguageModel`. Loads are also cached per (resolved path, file
-      modification time, dtype) for the process, so loading twice is free.
+      A `LanguageModel`. Loads are also cached per (resolved path, the file's
+      device, inode, size, mtime and ctime, dtype) for the process, so loading
+      twice is free.
     Raises:
       ConfigError: an unknown dtype.
       ModelLoadError: unknown name, missing path, unreadable or inconsistent
@@ -66,7 +69,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
     path, name = _resolve(name_or_path)
-    key = (str(path), path.stat().st_mtime_ns, dtype, name)
+    key = (str(path), cache_lib._stat_id(path.stat()), dtype, name)  # a rewrite: a new key
     if key not in _LOADED:  # the weights are the same with or without the cache
         if len(_LOADED) >= 4:
             _LOADED.pop(next(iter(_LOADED)))
@@ -111,7 +114,7 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
         if path.is_dir():
             import json
 
-            from jaxsample.models.hf_loader import config_from_hf
+            from jaxsample.models.hf_loader import config_for_hf
             from jaxsample.models.tokenizer import CheckpointTokenizer
             try:
                 hf = json.loads((path / "config.json").read_text())
@@ -119,14 +122,14 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
                 raise ModelLoadError(f"{path / 'config.json'}: cannot read: {e}") from e
             if not isinstance(hf, dict):
                 raise ModelLoadError(f"{path / 'config.json'}: the top level must be a JSON object")
-            cfg = config_from_hf(hf, source)
+            cfg = config_for_hf(hf, source)[0]  # the loader's dispatch
             return cfg, CheckpointTokenizer.from_hf_dir(path) if with_tokenizer else None
         if not _is_gguf(path):
             raise ModelLoadError(_not_a_checkpoint(path))
         base = _cache_base(cache)
         if base is not None and path.stat().st_size >= cache_lib.WEIGHT_CACHE_MIN_BYTES:
             try:
-                key = cache_lib.WeightKey.of(path)
+                key = cache_lib.WeightKey.of(path, base)
                 entry = cache_lib.weights_entry(base, key)
                 cfg, tok = cache_lib.read_cached_model(entry, key, tokenizer=with_tokenizer)
                 if tok is not None:  # kept for the load that usually follows
@@ -134,13 +137,13 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
                     _CACHED_TOKENIZER[(str(entry), key)] = tok
                 return cfg, tok
             except (OSError, cache_lib.CacheMiss):
-                pass
+                pass  # the load that follows warns about a bad entry and rewrites it
         from jaxsample.models import gguf_loader
         from jaxsample.models.tokenizer import CheckpointTokenizer
 
         reader, meta = _read_header(path)
         tensors = {t.name: t for t in reader.tensors}
-        cfg = gguf_loader.config_from_metadata(meta, tensors, source)
+        cfg = gguf_loader.config_from_gguf(meta, tensors, source)[0]  # the loader's dispatch
         return cfg, CheckpointTokenizer.from_gguf_metadata(meta, source) if with_tokenizer else None
 
 
@@ -200,7 +203,7 @@ _CACHED_TOKENIZER: dict[tuple, object] = {}
 def _read_header(path: pathlib.Path):
     from jaxsample.models import gguf_loader
 
-    key = (str(path), path.stat().st_mtime_ns)
+    key = (str(path), cache_lib._stat_id(path.stat()))
     if key not in _HEADER:
         _HEADER.clear()
         _HEADER[key] = gguf_loader.read_gguf(path)
@@ -209,7 +212,7 @@ def _read_header(path: pathlib.Path):
 
 def _take_header(path: pathlib.Path):
     """The header `read_config` parsed for this file (then forgotten), or None."""
-    return _HEADER.pop((str(path), path.stat().st_mtime_ns), None)
+    return _HEADER.pop((str(path), cache_lib._stat_id(path.stat())), None)
 
 
 def _is_gguf(p: pathlib.Path) -> bool:
@@ -230,7 +233,7 @@ def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None):
     entry = key = None
     if base is not None and p.stat().st_size >= cache_lib.WEIGHT_CACHE_MIN_BYTES:
         try:
-            key = cache_lib.WeightKey.of(p)
+            key = cache_lib.WeightKey.of(p, base)
             entry = cache_lib.weights_entry(base, key)
             cfg, params, tokenizer = cache_lib.load_weights(
                 entry, key, _CACHED_TOKENIZER.pop((str(entry), key), None))
@@ -239,19 +242,21 @@ def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None):
                                                                  "cache_entry": str(entry)}
         except OSError:
             key = entry = None
-        except cache_lib.CacheMiss:
-            pass  # absent, stale or corrupt: read the checkpoint and (re)write the entry
+        except cache_lib.CacheAbsent:
+            pass  # the first load: read the checkpoint and write the entry
+        except cache_lib.CacheMiss as e:  # stale or corrupt: say so, read, rewrite
+            cache_lib.warn_bad_entry(entry, str(p), str(e))
     cfg, params, tokenizer = load_gguf(p, dtype=dtype, header=_take_header(p))
     if entry is not None and cache_lib.store_weights(entry, key, cfg, params, tokenizer):
         info["cache_entry"] = str(entry)
     return cfg, params, tokenizer, info
 
 
-# Models loaded by this process: (path, mtime_ns, dtype, name) -> LanguageModel, at most 4.
+# Models loaded by this process: (path, stat id, dtype, name) -> LanguageModel, at most 4.
 _LOADED: dict[tuple, LanguageModel] = {}
 
 
-def _load_uncached(path: str, mtime_ns: int, dtype: str, name: str | None,
+def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
                    base: pathlib.Path | None) -> LanguageModel:
     t0 = time.perf_counter()
     p = pathlib.Path(path)

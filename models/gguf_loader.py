@@ -37,7 +37,8 @@ from jaxsample.errors import ModelLoadError, UnsupportedModelError
 from jaxsample.models import checks, llama
 from jaxsample.models.tokenizer import CheckpointTokenizer
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")  # config_from_metadata's (the Llama family)
+GGUF_ARCHS = SUPPORTED_ARCHS + ("gemma3",)  # every architecture config_from_gguf dispatches
 
 # GGUF per-layer tensor name -> (our `layers` key, is a matrix to transpose)
 _LAYER_TENSORS = {
@@ -174,7 +175,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: 
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
             f"{source}: architecture {checks.short_repr(arch)} is not supported; supported: "
-            f"{list(SUPPORTED_ARCHS) + ['gemma3']}")
+            f"{list(SUPPORTED_ARCHS)}")
 
     def what(key):
         return f"{source}: {arch}.{key}"
@@ -380,6 +381,32 @@ def check_complete(family, cfg, params, filled, layer_tensors, source: str):
     return params
 
 
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
+                     dtype: str = "float32"):
+    """(config, its params reader) of any architecture this package loads: the one
+    dispatch on `general.architecture`, shared by `load_gguf` and
+    `jaxsample.loading.read_config` (config only), so both accept the same files.
+
+    Returns:
+      (cfg, `load_params(reader, cfg, source) -> params`): `models.gemma3_loader`
+      for `gemma3`, else `config_from_metadata` / `load_gguf_params` (Llama family).
+    Raises:
+      UnsupportedModelError, ModelLoadError: as `config_from_metadata` (and
+        `gemma3_loader.config_from_gguf_metadata`).
+    """
+    arch = meta.get("general.architecture")
+    if arch == "gemma3":
+        from jaxsample.models import gemma3_loader
+
+        return (gemma3_loader.config_from_gguf_metadata(meta, tensors, source, dtype=dtype),
+                gemma3_loader.params_from_gguf)
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(
+            f"{source}: architecture {checks.short_repr(arch)} is not supported; supported: "
+            f"{list(GGUF_ARCHS)}")
+    return config_from_metadata(meta, tensors, source, dtype=dtype), load_gguf_params
+
+
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", header=None):
     """Load a GGUF checkpoint: config, dequantised parameters and tokenizer.
 
@@ -399,14 +426,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32", header=None):
     source = str(path)
     reader, meta = header if header is not None else read_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
-    load_params = load_gguf_params
-    if meta.get("general.architecture") == "gemma3":
-        from jaxsample.models import gemma3_loader
-
-        cfg = gemma3_loader.config_from_gguf_metadata(meta, tensors, source, dtype=dtype)
-        load_params = gemma3_loader.params_from_gguf
-    else:
-        cfg = config_from_metadata(meta, tensors, source, dtype=dtype)
+    cfg, load_params = config_from_gguf(meta, tensors, source, dtype=dtype)
     tokenizer = CheckpointTokenizer.from_gguf_metadata(meta, source)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"{source}: the tokenizer has {tokenizer.vocab_size} tokens but the "

@@ -274,10 +274,7 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: str = "float32"):
     if not isinstance(hf, dict):
         raise ModelLoadError(f"{cfg_path}: the top level must be a JSON object, "
                              f"got a JSON {_json_kind(hf)}")
-    from jaxsample.models import gemma3_loader
-
-    gemma = gemma3_loader.is_gemma3_hf(hf)
-    cfg = (gemma3_loader.config_from_hf if gemma else config_from_hf)(hf, source, dtype=dtype)
+    cfg, to_params = config_for_hf(hf, source, dtype=dtype)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights (PyTorch .bin files are not supported)")
@@ -285,8 +282,23 @@ def load_hf_dir(path: str | os.PathLike, *, dtype: str = "float32"):
     for f in files:
         tensors.update(_read_safetensors(f))
     tokenizer = CheckpointTokenizer.from_hf_dir(path)
-    to_params = gemma3_loader.params_from_hf_tensors if gemma else params_from_hf_tensors
     return cfg, to_params(cfg, tensors, source), tokenizer
+
+
+def config_for_hf(hf: dict[str, Any], source: str, dtype: str = "float32"):
+    """(config, `to_params(cfg, tensors, source)`) of any family a config.json describes:
+    the one dispatch, shared by `load_hf_dir` and `jaxsample.loading.read_config`.
+
+    Raises:
+      ModelLoadError / UnsupportedModelError: as `config_from_hf` (and
+        `gemma3_loader.config_from_hf`).
+    """
+    from jaxsample.models import gemma3_loader
+
+    if gemma3_loader.is_gemma3_hf(hf):
+        return gemma3_loader.config_from_hf(hf, source, dtype=dtype), \
+            gemma3_loader.params_from_hf_tensors
+    return config_from_hf(hf, source, dtype=dtype), params_from_hf_tensors
 
 
 def params_from_hf_tensors(cfg: llama.LlamaConfig, tensors: dict[str, np.ndarray],

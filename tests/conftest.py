@@ -1,15 +1,33 @@
 """Shared fixtures: the embedded model (loaded once per session) and a tiny random model.
 
+The caches live in a temporary directory for the session (`TEST_CACHE_DIR`).
+
 Mesh tests need several CPU devices: XLA_FLAGS is set here, before JAX is
 imported by any test module, never in library code.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Every cache the library writes (weights, compiled programs, the assembled Gemma
+# GGUF) goes to one temporary directory for the session, set before anything
+# imports jaxsample; subprocesses inherit it through os.environ. The user's
+# ~/.cache is never touched. JAXSAMPLE_TEST_CACHE_DIR keeps a cache across runs on
+# purpose (a directory of your choice, never the default).
+TEST_CACHE_DIR = os.environ.get("JAXSAMPLE_TEST_CACHE_DIR") or tempfile.mkdtemp(
+    prefix="jaxsample-tests-cache-")
+if not os.environ.get("JAXSAMPLE_TEST_CACHE_DIR"):
+    atexit.register(shutil.rmtree, TEST_CACHE_DIR, ignore_errors=True)
+os.environ["JAXSAMPLE_CACHE_DIR"] = os.path.join(TEST_CACHE_DIR, "jaxsample")
+os.environ["XDG_CACHE_HOME"] = TEST_CACHE_DIR
+os.environ.pop("JAXSAMPLE_NO_CACHE", None)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -141,30 +141,232 @@ def _corruptions():
 
 
 @pytest.mark.parametrize("corrupt", _corruptions(), ids=lambda f: f.__name__)
-def test_corrupt_entry_is_ignored_and_rewritten(gguf, corrupt):
+def test_corrupt_entry_is_ignored_and_rewritten(gguf, corrupt, caplog):
     path, base = gguf
     want = _leaves(_load(path, base))
     (entry,) = _entries(base)
     corrupt(entry)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # a corrupt entry is silently replaced
+        warnings.simplefilter("error", UserWarning)  # no Python warning: one log line
         lm = _load(path, base)
     assert loading.load_info(lm)["weights"] == "checkpoint"
     assert all(np.array_equal(a, b) for a, b in zip(want, _leaves(lm)))
+    (record,) = [r for r in caplog.records if r.name == "jaxsample.cache"]
+    assert record.levelname == "WARNING" and str(entry) in record.getMessage()
+    assert "\n" not in record.getMessage()
     assert loading.load_info(_load(path, base))["weights"] == "cache"  # rewritten whole
     assert _entries(base) == [entry]
 
 
-def test_stale_entry_is_replaced_when_the_file_changes(gguf):
+def _tensor_offsets(path, name="output_norm.weight"):
+    import gguf as gguf_py
+
+    t = next(t for t in gguf_py.GGUFReader(path).tensors if t.name == name)
+    assert t.tensor_type == gguf_py.GGMLQuantizationType.F32
+    return int(t.data_offset), int(t.n_bytes)
+
+
+def _rewrite_in_place(path, offset, data):
+    """Overwrite bytes of a file, keeping its size, atime and mtime (cp -p, rsync -t)."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+
+
+def _double_output_norm(path):
+    lo, n = _tensor_offsets(path)
+    old = np.fromfile(path, np.float32, n // 4, offset=lo)
+    _rewrite_in_place(path, lo, (2 * old + 1).astype(np.float32).tobytes())
+
+
+def test_new_content_at_the_same_path_replaces_its_entry(gguf):
     path, base = gguf
     _load(path, base)
     (old,) = _entries(base)
-    os.utime(path, ns=(1_000_000_000, 1_000_000_000))  # a new modification time: a new key
+    _double_output_norm(path)
     lm = _load(path, base)
     assert loading.load_info(lm)["weights"] == "checkpoint"
-    (new,) = _entries(base)  # the old entry of the same file is gone
+    (new,) = _entries(base)  # the old entry of the same file is gone: one entry per path
     assert new != old
     assert loading.load_info(_load(path, base))["weights"] == "cache"
+    want = loading.load(path, cache=False)
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(want), _leaves(lm)))
+
+
+def test_same_content_with_a_new_mtime_is_the_same_entry(gguf):
+    """Re-assembling or re-copying a file (a new mtime, the same bytes) neither
+    dequantises again nor adds an entry."""
+    path, base = gguf
+    _load(path, base)
+    (entry,) = _entries(base)
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    info = loading.load_info(_load(path, base))
+    assert (info["weights"], info["cache_entry"]) == ("cache", str(entry))
+    shutil.copy(path, path.with_name("x.gguf"))
+    os.replace(path.with_name("x.gguf"), path)  # a new file (inode) with the same bytes
+    info = loading.load_info(_load(path, base))
+    assert (info["weights"], info["cache_entry"]) == ("cache", str(entry))
+    assert _entries(base) == [entry]
+
+
+def test_content_changed_past_16_mib_with_size_and_mtime_kept(tmp_path, monkeypatch):
+    """Issue 19.3: the key covers the whole file. Tensor bytes past the first 16 MiB
+    change, size and mtime are kept: the new weights load, not the old entry's."""
+    import gguf as gguf_py
+    from test_loaders import rewrite_gguf
+
+    monkeypatch.setattr(loading, "_LOADED", {})
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "big.gguf", kv={
+        "general.description": ("x" * (17 * 2**20), gguf_py.GGUFValueType.STRING)})
+    assert _tensor_offsets(path)[0] > 16 * 2**20 <= path.stat().st_size
+    base = tmp_path / "cache"
+    before = np.array(_load(path, base).params["final_norm"])  # a copy: the load may alias
+    _double_output_norm(path)
+    second = _load(path, base)
+    assert loading.load_info(second)["weights"] == "checkpoint"
+    want = loading.load(path, cache=False).params["final_norm"]
+    assert np.array_equal(np.asarray(second.params["final_norm"]), np.asarray(want))
+    assert not np.array_equal(before, np.asarray(want))
+    assert len(_entries(base)) == 1
+    third = _load(path, base)
+    assert loading.load_info(third)["weights"] == "cache"
+    assert np.array_equal(np.asarray(third.params["final_norm"]), np.asarray(want))
+    # in one process too: load()'s own memo is keyed by the file's stat (ctime included)
+    _rewrite_in_place(path, _tensor_offsets(path)[0], np.asarray(before).tobytes())
+    fourth = loading.load(path, cache=base)
+    assert fourth is not third and np.array_equal(np.asarray(fourth.params["final_norm"]), before)
+
+
+def test_the_full_hash_is_remembered_by_stat(gguf, monkeypatch):
+    """The whole-file SHA-256 is computed once per (device, inode, size, mtime, ctime):
+    a second process reads it from the index; a rewrite (a new ctime) hashes again."""
+    path, base = gguf
+    monkeypatch.setattr(cache, "RACY_NS", 0)
+    monkeypatch.setattr(cache, "_HASHES", {})
+    calls = []
+    real = cache.file_sha256
+    monkeypatch.setattr(cache, "file_sha256", lambda p: calls.append(p) or real(p))
+    import hashlib
+
+    want = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert cache.source_sha256(path, base) == (want, False) and len(calls) == 1
+    assert cache.source_sha256(path, base) == (want, True) and len(calls) == 1
+    cache._HASHES.clear()  # a new process: the index on disk answers
+    assert cache.source_sha256(path, base) == (want, True) and len(calls) == 1
+    index = json.loads((base / "weights" / cache.HASH_INDEX).read_text())
+    assert [v["sha256"] for v in index.values()] == [want]
+    _rewrite_in_place(path, 0, path.read_bytes()[:4])  # same bytes, but ctime moves on
+    cache._HASHES.clear()
+    assert cache.source_sha256(path, base) == (want, False) and len(calls) == 2
+    index = json.loads((base / "weights" / cache.HASH_INDEX).read_text())
+    assert len(index) == 1  # one hash per path
+
+
+def test_a_file_changed_just_now_is_hashed_again(gguf, monkeypatch):
+    """'Racy git': a change within one timestamp tick would keep the stat id, so a
+    hash of a file younger than RACY_NS is not remembered."""
+    path, base = gguf
+    monkeypatch.setattr(cache, "_HASHES", {})
+    monkeypatch.setattr(cache, "RACY_NS", 3600 * 10**9)
+    assert cache.source_sha256(path, base)[1] is False
+    assert cache.source_sha256(path, base)[1] is False
+    assert not (base / "weights" / cache.HASH_INDEX).exists()
+
+
+def _poison_entry(entry, nbytes=4096):
+    """4 KiB of 0xFF inside the largest tensor's bytes (float32 NaNs), size kept."""
+    raw = entry.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__")
+    lo, hi = max((v["data_offsets"] for v in header.values()), key=lambda o: o[1] - o[0])
+    assert hi - lo > 2 * nbytes
+    _rewrite_in_place(entry, 8 + n + lo + 1024, b"\xff" * nbytes)
+
+
+def test_poisoned_tensor_bytes_are_caught_warned_and_rewritten(gguf, caplog):
+    """Issue 19.4: the entry's tensors carry a CRC-32, checked on load."""
+    path, base = gguf
+    want = _leaves(_load(path, base))
+    (entry,) = _entries(base)
+    _poison_entry(entry)
+    caplog.clear()
+    lm = _load(path, base)
+    info = loading.load_info(lm)
+    assert info["weights"] == "checkpoint" and info["cache_entry"] == str(entry)
+    assert all(np.isfinite(a).all() for a in _leaves(lm))
+    assert all(np.array_equal(a, b) for a, b in zip(want, _leaves(lm)))
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "jaxsample.cache"]
+    assert "weight cache" in msg and str(entry) in msg and "CRC-32" in msg
+    again = _load(path, base)  # rewritten: read from the cache, finite, no new warning
+    assert loading.load_info(again)["weights"] == "cache"
+    assert all(np.array_equal(a, b) for a, b in zip(want, _leaves(again)))
+    assert len([r for r in caplog.records if r.name == "jaxsample.cache"]) == 1
+    assert b"\xff" * 4096 not in entry.read_bytes()
+
+
+_POISONED_RUN = textwrap.dedent("""
+    import sys
+    from jaxsample import cache, cli
+    cache.WEIGHT_CACHE_MIN_BYTES = 0
+    sys.exit(cli.main(["run", "--model", sys.argv[1], "--prompt", "hi", "--n", "2",
+                       "--max-new-tokens", "2", "--chat" if False else "--no-chat",
+                       "--reduce", "none", "--json", "-q"]))
+""")
+
+
+@pytest.mark.slow
+def test_cli_warns_once_about_a_poisoned_entry_and_runs(gguf, tmp_path):
+    """The command line after a poisoned entry: one stderr line naming the cache entry,
+    then a normal run (not "the weights hold NaN"), and the entry is rewritten."""
+    path, base = gguf
+    _load(path, base)
+    (entry,) = _entries(base)
+    _poison_entry(entry)
+    env = {**os.environ, cache.ENV_DIR: str(base), "JAX_PLATFORMS": "cpu"}
+
+    def run():
+        return subprocess.run([sys.executable, "-c", _POISONED_RUN, str(path)], env=env,
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+    out = run()
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "weight cache" in ln]
+    assert len(lines) == 1 and str(entry) in lines[0] and lines[0].startswith("jaxsample: ")
+    assert json.loads(out.stdout)["branches"]
+    out = run()
+    assert out.returncode == 0 and "weight cache" not in out.stderr, out.stderr
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from jaxsample import cache, loading
+    cache.WEIGHT_CACHE_MIN_BYTES = 0
+    lm = loading.load(sys.argv[1], cache=sys.argv[2])
+    print(loading.load_info(lm)["weights"])
+""")
+
+
+@pytest.mark.slow
+def test_concurrent_writers_leave_one_good_entry(gguf):
+    path, base = gguf
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(base)], env=env,
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    (entry,) = _entries(base)
+    assert [f.name for f in (base / "weights").iterdir() if f.name.endswith(".tmp")] == []
+    key = cache.WeightKey.of(path, base)
+    cfg, params, _ = cache.load_weights(entry, key)  # verifies every CRC-32
+    lm = _load(path, base)
+    assert loading.load_info(lm)["weights"] == "cache"
+    want = loading.load(path, cache=False)
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(want), _leaves(lm)))
 
 
 def test_unwritable_cache_dir_only_warns(gguf, tmp_path):
@@ -244,3 +446,184 @@ def test_enable_compilation_cache_off_and_unwritable(monkeypatch, tmp_path):
     blocker.write_text("x")
     with pytest.warns(UserWarning, match="compilation cache off"):
         assert cache.enable_compilation_cache(blocker / "xla") is None
+
+
+# ---------------------------------------------------------------------------
+# Where everything is written (issue 19.11)
+
+
+def test_the_suite_uses_a_temporary_cache():
+    """tests/conftest.py points every cache at a session directory before jaxsample is
+    imported; subprocesses inherit it; the user's ~/.cache is never the cache."""
+    import conftest
+
+    user = pathlib.Path.home() / ".cache"
+    d = cache.cache_dir()
+    assert d == pathlib.Path(conftest.TEST_CACHE_DIR) / "jaxsample"
+    assert d != user / "jaxsample" and user not in d.parents
+    assert os.environ["XDG_CACHE_HOME"] == conftest.TEST_CACHE_DIR
+    assert cache.models_dir() == d / "models"
+    out = subprocess.run([sys.executable, "-c", "from jaxsample import cache; "
+                          "print(cache.cache_dir()); print(cache.models_dir())"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.split() == [str(d), str(d / "models")], out.stderr
+
+
+@pytest.fixture
+def fake_assembled(monkeypatch, tmp_path):
+    """An AssembledModel whose module writes the tiny GGUF in place, as the Gemma
+    package's assemble(output_path, overwrite) does; calls are recorded."""
+    import types
+
+    from jaxsample.models import registry
+
+    calls = []
+
+    def assemble(output_path=None, overwrite=False):
+        target = pathlib.Path(output_path) if output_path is not None else \
+            tmp_path / "package-default" / "fake.gguf"
+        calls.append((target, overwrite))
+        if target.exists() and not overwrite:
+            if target.read_bytes() != TINY_GGUF.read_bytes():
+                raise FileExistsError(f"{target} already exists with an unexpected sha256")
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(TINY_GGUF.read_bytes())
+        return target
+
+    monkeypatch.setitem(sys.modules, "fake_assembler", types.SimpleNamespace(assemble=assemble))
+    entry = registry.AssembledModel(name="fake-assembled", distributions=(), version="0",
+                                    module="fake_assembler", function="assemble",
+                                    filename="fake.gguf", description="test")
+    monkeypatch.setitem(registry.EMBEDDED_MODELS, "fake-assembled", entry)
+    registry._assembled_path.cache_clear()
+    yield calls
+    registry._assembled_path.cache_clear()
+
+
+def test_assembled_models_go_under_the_cache_dir(fake_assembled, monkeypatch, tmp_path):
+    from jaxsample.models import registry
+
+    monkeypatch.delenv(cache.ENV_DIR, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    want = tmp_path / "xdg" / "jaxsample" / "models" / "fake.gguf"
+    assert registry.embedded_path("fake-assembled") == want
+    assert want.read_bytes() == TINY_GGUF.read_bytes()
+    assert not (tmp_path / "package-default").exists()
+    assert [f.name for f in want.parent.iterdir()] == ["fake.gguf"]  # no temporary left
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "mine"))
+    monkeypatch.setenv(cache.ENV_OFF, "1")  # caches off: the checkpoint is still written
+    mine = tmp_path / "mine" / "models" / "fake.gguf"
+    assert registry.embedded_path("fake-assembled") == mine and mine.is_file()
+    n = len(fake_assembled)
+    assert registry.embedded_path("fake-assembled") == mine and len(fake_assembled) == n
+    mine.unlink()  # `jaxsample cache clear`: assembled again on the next call
+    assert registry.embedded_path("fake-assembled") == mine and mine.is_file()
+    registry._assembled_path.cache_clear()
+    mine.write_bytes(b"GGUF broken")  # a wrong file is replaced, atomically
+    assert registry.embedded_path("fake-assembled") == mine
+    assert mine.read_bytes() == TINY_GGUF.read_bytes()
+    assert sorted(f.name for f in mine.parent.iterdir()) == ["fake.gguf"]
+    monkeypatch.delenv(cache.ENV_OFF)
+    monkeypatch.setattr(loading, "_LOADED", {})
+    assert loading.load("fake-assembled").source == str(mine)
+
+
+def _fill(base, path):
+    """One weights entry (of `path`), three compiled programs, one assembled model."""
+    _load(path, base)
+    xla = base / "xla"
+    xla.mkdir()
+    for i in range(3):
+        (xla / f"jit_f{i}-{i:040d}-cache").write_bytes(b"x" * (1000 + i))
+        (xla / f"jit_f{i}-{i:040d}-atime").write_bytes(b"t" * 8)
+    (base / "models").mkdir()
+    (base / "models" / "m.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+
+
+def _strict_json(text):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _du(base):
+    return sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
+
+
+def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
+    from jaxsample import cli
+
+    path, base = gguf
+    monkeypatch.setenv(cache.ENV_DIR, str(base))
+    _fill(base, path)
+    (entry,) = _entries(base)
+    assert cli.main(["cache", "info", "--json"]) == 0
+    info = _strict_json(capsys.readouterr().out)
+    assert info["dir"] == str(base) and info["exists"] and not info["disabled"]
+    (w,) = info["weights"]
+    assert (w["file"], w["source"], w["bytes"]) == (str(entry), str(path), entry.stat().st_size)
+    assert w["format"] == cache.FORMAT and 0 <= w["age_s"] < 600
+    assert info["compiled_programs"] == 3 and info["compiled_bytes"] == 1000 + 1001 + 1002 + 24
+    assert [m["bytes"] for m in info["models"]] == [64] and info["total_bytes"] == _du(base)
+    assert cli.main(["cache", "info"]) == 0
+    table = capsys.readouterr().out
+    for text in (str(base), entry.name, str(path), "compiled programs: 3", "total:"):
+        assert text in table, table
+
+    assert cli.main(["cache", "clear", "--compiled", "--json"]) == 0
+    assert _strict_json(capsys.readouterr().out) == {
+        "dir": str(base), "cleared": ["compiled"], "freed_bytes": 3027}
+    assert not (base / "xla").exists() and _entries(base) == [entry]
+    assert cli.main(["cache", "clear", "--weights"]) == 0
+    assert "weights" in capsys.readouterr().out
+    assert not (base / "weights").exists() and (base / "models" / "m.gguf").is_file()
+    monkeypatch.setenv(cache.ENV_OFF, "1")  # off: info still says what is there
+    assert cli.main(["cache", "info", "--json"]) == 0
+    info = _strict_json(capsys.readouterr().out)
+    assert info["disabled"] and info["dir"] == str(base) and info["models_bytes"] == 64
+    assert cli.main(["cache", "clear"]) == 0
+    capsys.readouterr()
+    assert cli.main(["cache", "info", "--json"]) == 0
+    info = _strict_json(capsys.readouterr().out)
+    assert (info["weights"], info["compiled_programs"], info["models"]) == ([], 0, [])
+
+
+@pytest.mark.parametrize("argv", [["cache"], ["cache", "clear", "--bogus"],
+                                  ["cache", "info", "extra"], ["cache", "purge"]])
+def test_cache_command_bad_input_is_one_line(capsys, argv):
+    from jaxsample import cli
+
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "error:" in err and "Traceback" not in err
+
+
+def test_an_assembled_file_with_a_remembered_hash_is_not_read_again(fake_assembled,
+                                                                     monkeypatch):
+    """The package's EXPECTED_SHA256 against the remembered whole-file hash: a second
+    process neither calls assemble() (which hashes the file) nor hashes it itself."""
+    import hashlib
+
+    from jaxsample.models import registry
+
+    monkeypatch.setattr(sys.modules["fake_assembler"], "EXPECTED_SHA256",
+                        hashlib.sha256(TINY_GGUF.read_bytes()).hexdigest(), raising=False)
+    monkeypatch.setattr(cache, "RACY_NS", 0)
+    monkeypatch.setattr(cache, "_HASHES", {})
+    path = registry.embedded_path("fake-assembled")
+    assert len(fake_assembled) == 1
+    registry._assembled_path.cache_clear()  # a second process: hashes once, remembers
+    assert registry.embedded_path("fake-assembled") == path and len(fake_assembled) == 1
+    monkeypatch.setattr(cache, "file_sha256", lambda p: pytest.fail(f"hashed {p} again"))
+    for _ in range(2):  # later processes: nothing in memory, the index on disk answers
+        registry._assembled_path.cache_clear()
+        cache._HASHES.clear()
+        assert registry.embedded_path("fake-assembled") == path
+    assert len(fake_assembled) == 1
+    path.write_bytes(b"GGUF changed")  # a new ctime: hashed again, found wrong, re-assembled
+    registry._assembled_path.cache_clear()
+    monkeypatch.setattr(cache, "file_sha256", lambda p: hashlib.sha256(
+        pathlib.Path(p).read_bytes()).hexdigest())
+    assert registry.embedded_path("fake-assembled") == path
+    assert path.read_bytes() == TINY_GGUF.read_bytes() and len(fake_assembled) == 3

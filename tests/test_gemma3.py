@@ -729,3 +729,66 @@ def test_gemma_engine_greedy_and_long_prompt_logprobs(gemma_lm):
     # The 15 local layers of 18 keep only 511 of the 1,300+ prefix positions.
     assert g.bill.kv_bytes_shared_prefix < 0.5 * 18 * 2 * engine.bucket(len(long_ids)) * \
         gemma_lm.config.n_kv_heads * gemma_lm.config.head_dim * 4
+
+
+# ---------------------------------------------------------------------------
+# Issue 19.9: the config-only path (read_config / read_model, the command line's
+# check before the load) dispatches on the architecture exactly as `load` does.
+
+
+@pytest.mark.parametrize("cache", [False, None])
+def test_read_config_answers_what_load_answers(tmp_path, cache):
+    from jaxsample import cli
+
+    gguf_path = _llamacpp_gemma3_gguf(DATA / "tiny_gemma3", tmp_path / "g.gguf")
+    for path in [gguf_path] + [DATA / name for name in TINY_NAMES]:
+        want = load(path).config
+        assert loading.read_config(path, cache=cache) == want, path
+        cfg, tok = loading.read_model(path, cache=cache)
+        assert cfg == want and tok.encode("hi there") == load(path).tokenizer.encode("hi there")
+        assert cli.resolve_model_config(str(path))[0] == want  # price: config only, no load
+
+
+_EMPTY_CACHE_CLI = """
+import json, sys, time
+from jaxsample import cli
+t = time.perf_counter()
+code = cli.main(sys.argv[1:])
+print(json.dumps({"code": code, "seconds": time.perf_counter() - t}), file=sys.stderr)
+"""
+
+
+@needs_gemma
+@pytest.mark.slow
+def test_gemma_from_the_command_line_on_an_empty_cache(tmp_path):
+    """`run` / `price --model gemma3-270m` in a fresh process with an empty cache: the
+    GGUF is assembled under the cache directory (never $HOME/.cache), the config comes
+    from its header (no dequantisation), and `run` gets past the model check."""
+    import os
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "JAXSAMPLE_CACHE_DIR": str(tmp_path / "cache"),
+           "HOME": str(tmp_path / "home"), "JAX_PLATFORMS": "cpu"}
+    env.pop("JAXSAMPLE_NO_CACHE", None)
+
+    def cli_run(*argv):
+        out = subprocess.run([sys.executable, "-c", _EMPTY_CACHE_CLI, *argv], env=env, cwd=root,
+                             capture_output=True, text=True, timeout=600)
+        return out, json.loads(out.stderr.strip().splitlines()[-1])
+
+    out, status = cli_run("price", "--model", "gemma3-270m", "--n", "1,4", "--json")
+    assert status["code"] == 0, out.stderr
+    priced = json.loads(out.stdout)
+    assert priced["config"]["vocab_size"] == 262144 and priced["config"]["n_layers"] == 18
+    assert (tmp_path / "cache" / "models" / "gemma-3-270m-q4_k_m.gguf").is_file()
+    assert not list((tmp_path / "cache").glob("weights/*.safetensors"))  # config only
+    # A budget past the 32768-token context is refused by the check made on the header
+    # (before any weight is read): proof that run's model check reads Gemma.
+    out, status = cli_run("run", "--model", "gemma3-270m", "--prompt", "hi", "--n", "1",
+                          "--max-new-tokens", "40000", "-q")
+    err = out.stderr.strip().splitlines()[0]
+    assert status["code"] == 2 and err.startswith("jaxsample: error:"), out.stderr
+    assert "not supported" not in err and "32768" in err, err
+    assert not (tmp_path / "home").exists()  # nothing written under $HOME

@@ -172,6 +172,42 @@ def test_gguf_unknown_architecture(tmp_path):
         load(path)
 
 
+def test_unsupported_architecture_lists_what_that_path_supports(tmp_path, monkeypatch):
+    """Issue 19.9: every "supported:" list names only what that path loads. `load`,
+    `read_config` and the command line dispatch on the architecture (gemma3 included);
+    the Llama-family `config_from_metadata` alone does not take gemma3."""
+    import ast
+
+    from jaxsample import cli, loading
+    from jaxsample.models import gguf_loader
+
+    def supported(text):
+        return ast.literal_eval(text[text.index("supported: ") + len("supported: "):].split("]")[0]
+                                + "]")
+
+    path = rewrite_gguf(TINY_GGUF, tmp_path / "neox.gguf", arch="gptneox")
+    every = ["llama", "mistral", "qwen2", "gemma3"]
+    for call in (load, loading.read_config, lambda p: loading.read_model(p, cache=False)):
+        with pytest.raises(UnsupportedModelError) as e:
+            call(path)
+        assert supported(str(e.value)) == every
+    assert cli.main(["price", "--model", str(path)]) == 2
+    reader = gguf.GGUFReader(TINY_GGUF)
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    tensors = {t.name: t for t in reader.tensors}
+    with pytest.raises(UnsupportedModelError) as e:
+        gguf_loader.config_from_metadata({**meta, "general.architecture": "gemma3"}, tensors, "f")
+    assert "gemma3" not in supported(str(e.value))
+    for arch in every:  # each one listed really loads on those paths
+        meta = {"general.architecture": arch}
+        try:
+            gguf_loader.config_from_gguf(meta, {}, "f.gguf")
+        except UnsupportedModelError as e:
+            pytest.fail(f"{arch} listed but refused: {e}")
+        except ModelLoadError:
+            pass  # a missing key: the architecture itself was accepted
+
+
 def test_gguf_unsupported_rope_scaling(tmp_path):
     path = rewrite_gguf(TINY_GGUF, tmp_path / "yarn.gguf", kv={
         "llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
