@@ -1,18 +1,20 @@
-"""The Llama family's loader: config mappings and tensor tables (Llama, Mistral, Qwen2).
+"""The Llama family's loader: config mappings and tensor tables (Llama, Mistral, Qwen2, Qwen3).
 
 GGUF (llama.cpp's `convert_hf_to_gguf.py`): metadata `ARCH.*`, tensors
 `token_embd`, `output_norm`, `output`, `blk.{i}.attn_{norm,q,k,v,output}`,
 `blk.{i}.ffn_{norm,gate,up,down}`, `rope_freqs` (Llama 3 scaling). The
 `llama` and `mistral` architectures have llama.cpp's RoPE row permutation
 on attn_q / attn_k (undone with `loader_core.unpermute_rope_rows`); `qwen2`
-is written unpermuted (llama.cpp runs it with NEOX, i.e. rotate-half, RoPE).
+and `qwen3` are written unpermuted (llama.cpp runs them with NEOX, i.e.
+rotate-half, RoPE); `qwen3` adds `blk.{i}.attn_{q,k}_norm` (QK-norm).
 
 Llama-3 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor
 of per-frequency divisors, not as parameters; the parameters are recovered
 by matching the divisors against the Llama-3 formula (`llama3_from_factors`).
 
 Hugging Face: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`
-(q/k/v bias); transformers 4's `rope_theta` / `rope_scaling` and 5's
+(q/k/v bias), `Qwen3ForCausalLM` (QK-norm, no biases, `head_dim` independent
+of hidden / heads); transformers 4's `rope_theta` / `rope_scaling` and 5's
 `rope_parameters`. Reference: transformers `modeling_llama.py`,
 `modeling_qwen2.py`, `modeling_rope_utils.py` (`rope_type: llama3`).
 """
@@ -34,8 +36,9 @@ HF_CLASSES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
-GGUF_ARCHS = ("llama", "mistral", "qwen2")
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 _GGUF_LAYER = {
     "attn_norm.weight": Tensor("attn_norm"),
@@ -46,6 +49,8 @@ _GGUF_LAYER = {
     "attn_q.bias": Tensor("bq"),
     "attn_k.bias": Tensor("bk"),
     "attn_v.bias": Tensor("bv"),
+    "attn_q_norm.weight": Tensor("q_norm"),
+    "attn_k_norm.weight": Tensor("k_norm"),
     "ffn_norm.weight": Tensor("mlp_norm"),
     "ffn_gate.weight": Tensor("w_gate", True),
     "ffn_up.weight": Tensor("w_up", True),
@@ -65,6 +70,8 @@ _HF_LAYER = {
     "self_attn.q_proj.bias": Tensor("bq"),
     "self_attn.k_proj.bias": Tensor("bk"),
     "self_attn.v_proj.bias": Tensor("bv"),
+    "self_attn.q_norm.weight": Tensor("q_norm"),
+    "self_attn.k_norm.weight": Tensor("k_norm"),
     "post_attention_layernorm.weight": Tensor("mlp_norm"),
     "mlp.gate_proj.weight": Tensor("w_gate", True),
     "mlp.up_proj.weight": Tensor("w_up", True),
@@ -199,7 +206,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
             norm_eps=r.positive("attention.layer_norm_rms_epsilon"),
             rope_theta=r.positive("rope.freq_base", 10000.0), max_seq_len=ctx,
             tie_embeddings="output.weight" not in tensors,
-            qkv_bias="blk.0.attn_q.bias" in tensors, dtype=dtype, arch=arch)
+            qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm=(arch == "qwen3"), dtype=dtype,
+            arch=arch)
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
     if "rope_freqs.weight" in tensors:
@@ -348,7 +356,10 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
     ctx = r.count("max_position_embeddings", 2048)
     window = r.count("sliding_window", 0, minimum=0)
     use_window = r.flag("use_sliding_window")
-    if window and (arch != "qwen2" or use_window) and window < ctx:
+    if arch == "qwen3" and use_window:
+        raise UnsupportedModelError(f"{source}: use_sliding_window (sliding-window layers above "
+                                    "max_window_layers) is not supported for Qwen3ForCausalLM")
+    if window and (arch not in ("qwen2", "qwen3") or use_window) and window < ctx:
         ctx = window  # full attention equals sliding-window attention within the window
     tie = r.flag("tie_word_embeddings")
     try:
@@ -358,7 +369,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
             ffn_dim=r.count("intermediate_size"), norm_eps=r.positive("rms_norm_eps", 1e-6),
             rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=ctx,
             tie_embeddings=bool(tie) if tie is not None else False,
-            qkv_bias=(arch == "qwen2"), dtype=dtype, arch=arch)
+            qkv_bias=(arch == "qwen2"), qk_norm=(arch == "qwen3"), dtype=dtype, arch=arch)
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 
