@@ -109,23 +109,31 @@ def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
     return 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
-    """Rotate-half RoPE (Hugging Face convention).
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, mscale: float = 1.0) -> jax.Array:
+    """Rotate-half RoPE (Hugging Face convention), on all of D or its first R dims.
 
     Args:
       x: `[S, heads, D]`.
       positions: `[S]` int32 absolute positions.
-      inv_freq: `[D/2]` float32 (numpy, or a traced array in a layer scan).
+      inv_freq: `[R/2]` float32 (numpy, or a traced array in a layer scan); R
+        = D, or R < D for partial rotary (Phi-3's `partial_rotary_factor`: the
+        last D - R dims pass unrotated, transformers' `apply_rotary_pos_emb`).
+      mscale: cos and sin are multiplied by it (LongRoPE's attention factor;
+        transformers' `attention_scaling`); 1.0 otherwise.
     Returns:
       `[S, heads, D]`, same dtype as x (rotation computed in float32).
     """
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [S, D/2]
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [S, R/2]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
     xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    R = 2 * angles.shape[-1]
+    xr, rest = (xf, None) if R == xf.shape[-1] else (xf[..., :R], xf[..., R:])
+    x1, x2 = jnp.split(xr, 2, axis=-1)
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin] + ([] if rest is None else [rest])
+    return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------

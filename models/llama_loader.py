@@ -22,6 +22,7 @@ of hidden / heads); transformers 4's `rope_theta` / `rope_scaling` and 5's
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -37,8 +38,9 @@ HF_CLASSES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 _GGUF_LAYER = {
     "attn_norm.weight": Tensor("attn_norm"),
@@ -77,6 +79,25 @@ _HF_LAYER = {
     "mlp.up_proj.weight": Tensor("w_up", True),
     "mlp.down_proj.weight": Tensor("w_down", True),
 }
+# Phi-3: fused q/k/v and gate/up rows, split on load (transformers `Phi3Attention`, `Phi3MLP`).
+_HF_PHI3_LAYER = {
+    "input_layernorm.weight": Tensor("attn_norm"),
+    "self_attn.qkv_proj.weight": Tensor(("wq", "wk", "wv"), True),
+    "self_attn.o_proj.weight": Tensor("wo", True),
+    "post_attention_layernorm.weight": Tensor("mlp_norm"),
+    "mlp.gate_up_proj.weight": Tensor(("w_gate", "w_up"), True),
+    "mlp.down_proj.weight": Tensor("w_down", True),
+}
+# llama.cpp's phi3 keeps both fusions: attn_qkv, and ffn_up holding gate then up rows.
+_GGUF_PHI3_LAYER = {
+    "attn_norm.weight": Tensor("attn_norm"),
+    "attn_qkv.weight": Tensor(("wq", "wk", "wv"), True),
+    "attn_output.weight": Tensor("wo", True),
+    "ffn_norm.weight": Tensor("mlp_norm"),
+    "ffn_up.weight": Tensor(("w_gate", "w_up"), True),
+    "ffn_down.weight": Tensor("w_down", True),
+}
+_GGUF_LONGROPE = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
 _HF_TOP = {
     "model.embed_tokens.weight": Tensor("embed"),
     "model.norm.weight": Tensor("final_norm"),
@@ -94,6 +115,8 @@ def gguf_table(cfg: llama.LlamaConfig) -> TensorTable:
         def transform(key, a):
             return unpermute_rope_rows(a, heads[key]) if key in heads else a
 
+    if cfg.arch == "phi3":
+        return TensorTable("blk.{i}.", _GGUF_TOP, _GGUF_PHI3_LAYER, ignore=_GGUF_LONGROPE)
     return TensorTable("blk.{i}.", _GGUF_TOP, _GGUF_LAYER, ignore=frozenset({"rope_freqs.weight"}),
                        transform=transform)
 
@@ -105,7 +128,8 @@ def hf_table(cfg: llama.LlamaConfig) -> TensorTable:
     if cfg.tie_embeddings:
         del top["lm_head.weight"]
         ignore = frozenset({"lm_head.weight"})  # some tied checkpoints store the copy anyway
-    return TensorTable("model.layers.{i}.", top, _HF_LAYER, ignore=ignore,
+    layer = _HF_PHI3_LAYER if cfg.arch == "phi3" else _HF_LAYER
+    return TensorTable("model.layers.{i}.", top, layer, ignore=ignore,
                        ignore_suffixes=ROTARY_BUFFERS)
 
 
@@ -131,6 +155,31 @@ def llama3_from_factors(factors: np.ndarray, base: llama.LlamaConfig) -> llama.R
         if np.allclose(plain / scaled, factors, rtol=1e-3, atol=1e-4):
             return cand
     raise ValueError("rope_freqs.weight does not match any Llama-3 scaling")
+
+
+def gguf_longrope(r: ConfigReader, tensors: dict[str, Any], rope_dims: int) -> llama.LongRope | None:
+    """LongRoPE of a phi3 GGUF (llama.cpp's `Phi3MiniModel` converter): tensors
+    `rope_factors_long` / `rope_factors_short` `[R/2]`, keys
+    `rope.scaling.original_context_length` and `rope.scaling.attn_factor`; None without them."""
+    import gguf
+
+    names = ("rope_factors_short.weight", "rope_factors_long.weight")
+    if not any(n in tensors for n in names):
+        return None
+    factors = []
+    for n in names:
+        if n not in tensors:
+            raise ModelLoadError(f"{r.source}: missing tensor {n} (LongRoPE needs both factor sets)")
+        t = tensors[n]
+        f = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+        if f.shape != (rope_dims // 2,) or not (np.isfinite(f) & (f > 0)).all():
+            raise ModelLoadError(f"{r.source}: {n} must hold {rope_dims // 2} finite factors > 0, "
+                                 f"got {checks.short_repr(f.tolist())}")
+        factors.append(tuple(float(x) for x in f))
+    return llama.LongRope(short_factor=factors[0], long_factor=factors[1],
+                          original_max_position_embeddings=r.count(
+                              "rope.scaling.original_context_length"),
+                          attention_factor=r.positive("rope.scaling.attn_factor", 1.0))
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
@@ -178,10 +227,11 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
     dim, n_vocab = gguf_embedding(tensors, r)
     n_heads, n_kv, head_dim = gguf_attention(r, dim)
     rot = r.count("rope.dimension_count", head_dim)
-    if rot != head_dim:
+    if rot != head_dim and (arch != "phi3" or rot > head_dim or rot % 2):
         raise UnsupportedModelError(
             f"{source}: partial rotary embeddings ({arch}.rope.dimension_count = {rot}, head dim "
-            f"{head_dim}) are not supported")
+            f"{head_dim}) are not supported" + (" (phi3: an even count <= the head dim)"
+                                                if arch == "phi3" else ""))
     meta_vocab = r.count("vocab_size", None)
     if meta_vocab is not None and meta_vocab != n_vocab:
         raise ModelLoadError(f"{source}: {arch}.vocab_size = {meta_vocab} but token_embd.weight "
@@ -206,7 +256,9 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
             norm_eps=r.positive("attention.layer_norm_rms_epsilon"),
             rope_theta=r.positive("rope.freq_base", 10000.0), max_seq_len=ctx,
             tie_embeddings="output.weight" not in tensors,
-            qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm=(arch == "qwen3"), dtype=dtype,
+            qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm=(arch == "qwen3"),
+            rotary_dim=None if rot == head_dim else rot,
+            long_rope=gguf_longrope(r, tensors, rot) if arch == "phi3" else None, dtype=dtype,
             arch=arch)
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
@@ -289,6 +341,45 @@ def llama3_scaling(r: ConfigReader, scaling: dict, scaling_key: str) -> llama.Ro
                              original_max_position_embeddings=orig)
 
 
+def longrope_scaling(r: ConfigReader, scaling: dict, scaling_key: str, max_pos: int,
+                     rope_dims: int) -> llama.LongRope:
+    """`rope_type: longrope` (Phi-3): short/long factors, original context, attention factor.
+
+    The original context is the scaling's `original_max_position_embeddings`
+    or config.json's; the attention factor is `attention_factor` if given, else
+    transformers' `_compute_longrope_parameters` default: with s = `factor`
+    if given, else max_position_embeddings / original, `sqrt(1 + ln(s) /
+    ln(original))` for s > 1 and 1 otherwise.
+    """
+    where = r.what(scaling_key)
+    factors = {}
+    for k in ("short_factor", "long_factor"):
+        v = scaling.get(k)
+        if not isinstance(v, list) or len(v) != rope_dims // 2:
+            raise ModelLoadError(f"{where}.{k} must list rotary dims / 2 = {rope_dims // 2} "
+                                 f"numbers, got {checks.short_repr(v)}")
+        factors[k] = tuple(checks.positive_float(f, f"{where}.{k}") for f in v)
+    orig = scaling.get("original_max_position_embeddings")
+    if orig is None:
+        orig = r.count("original_max_position_embeddings")
+    else:
+        orig = checks.int_value(orig, f"{where}.original_max_position_embeddings")
+    factor = scaling.get("factor")
+    factor = max_pos / orig if factor is None else checks.positive_float(factor, f"{where}.factor")
+    attn = scaling.get("attention_factor")
+    if attn is not None:
+        attn = checks.positive_float(attn, f"{where}.attention_factor")
+    elif factor <= 1.0:
+        attn = 1.0
+    elif orig < 2:
+        raise ModelLoadError(f"{where}: original_max_position_embeddings must be >= 2 for the "
+                             f"default attention factor (ln of it divides), got {orig}")
+    else:
+        attn = math.sqrt(1 + math.log(factor) / math.log(orig))
+    return llama.LongRope(short_factor=factors["short_factor"], long_factor=factors["long_factor"],
+                          original_max_position_embeddings=orig, attention_factor=attn)
+
+
 def hf_common_checks(r: ConfigReader, arch_name: str, *, bias_ok: bool) -> None:
     """hidden_act silu, no mlp_bias, attention_bias only where `bias_ok`."""
     source = r.source
@@ -342,18 +433,34 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
     r = ConfigReader(hf, source)
     hf_common_checks(r, arch_name, bias_ok=(arch == "qwen2"))
     dim, n_heads, n_kv, head_dim = hf_attention(r)
-    if r.positive("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError(f"{source}: partial_rotary_factor is not supported")
     theta, scaling, scaling_key = hf_rope(r)
+    partial = r.positive("partial_rotary_factor", None)
+    if partial is None and scaling_key == "rope_parameters" and scaling:  # transformers 5
+        partial = checks.positive_float(scaling.get("partial_rotary_factor", 1.0),
+                                        r.what("rope_parameters") + ".partial_rotary_factor")
+    partial = 1.0 if partial is None else partial
+    rotary_dim = None
+    if partial != 1.0:
+        if arch != "phi3":
+            raise UnsupportedModelError(f"{source}: partial_rotary_factor is not supported for "
+                                        f"{arch_name}")
+        rotary_dim = int(head_dim * partial)  # transformers: int(head_dim * factor)
+        if not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
+            raise ModelLoadError(f"{r.what('partial_rotary_factor')} = {partial} gives "
+                                 f"{rotary_dim} rotary dims of head dim {head_dim}; it must "
+                                 "be an even number in [2, head dim]")
     kind = rope_kind(r, scaling, scaling_key)
-    rope_scaling = None
+    rope_scaling = long_rope = None
+    ctx = r.count("max_position_embeddings", 2048)
     if kind == "llama3":
         rope_scaling = llama3_scaling(r, scaling, scaling_key)
+    elif kind == "longrope" and arch == "phi3":
+        long_rope = longrope_scaling(r, scaling, scaling_key, ctx, rotary_dim or head_dim)
     elif kind != "default":
         raise UnsupportedModelError(
-            f"{source}: rope scaling type {kind!r} is not supported (only 'llama3')")
+            f"{source}: rope scaling type {kind!r} is not supported for {arch_name} (only "
+            f"{'llama3, longrope' if arch == 'phi3' else 'llama3'})")
 
-    ctx = r.count("max_position_embeddings", 2048)
     window = r.count("sliding_window", 0, minimum=0)
     use_window = r.flag("use_sliding_window")
     if arch == "qwen3" and use_window:
@@ -369,7 +476,8 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
             ffn_dim=r.count("intermediate_size"), norm_eps=r.positive("rms_norm_eps", 1e-6),
             rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=ctx,
             tie_embeddings=bool(tie) if tie is not None else False,
-            qkv_bias=(arch == "qwen2"), qk_norm=(arch == "qwen3"), dtype=dtype, arch=arch)
+            qkv_bias=(arch == "qwen2"), qk_norm=(arch == "qwen3"), rotary_dim=rotary_dim,
+            long_rope=long_rope, dtype=dtype, arch=arch)
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 
