@@ -208,14 +208,6 @@ def _gguf_layer_windows(r: ConfigReader, n_layers: int, window: int):
 # Hugging Face directories
 
 
-def is_gemma3_hf(hf: dict[str, Any]) -> bool:
-    """A parsed config.json declares a Gemma 3 architecture (text-only or multimodal)."""
-    archs = hf.get("architectures") if isinstance(hf, dict) else None
-    archs = [archs] if isinstance(archs, str) else archs
-    return isinstance(archs, list) and any(isinstance(x, str) and x.startswith("Gemma3")
-                                           for x in archs)
-
-
 def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
                    arch_name: str | None = None) -> gemma3.Gemma3Config:
     """Build a `Gemma3Config` from a parsed config.json (transformers 4 or 5 layout).
