@@ -114,7 +114,7 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
         if path.is_dir():
             import json
 
-            from jaxsample.models.hf_loader import config_for_hf
+            from jaxsample.models.hf_loader import config_from_hf
             from jaxsample.models.tokenizer import CheckpointTokenizer
             try:
                 hf = json.loads((path / "config.json").read_text())
@@ -122,7 +122,7 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
                 raise ModelLoadError(f"{path / 'config.json'}: cannot read: {e}") from e
             if not isinstance(hf, dict):
                 raise ModelLoadError(f"{path / 'config.json'}: the top level must be a JSON object")
-            cfg = config_for_hf(hf, source)[0]  # the loader's dispatch
+            cfg = config_from_hf(hf, source)  # the loader's dispatch (models/architectures.py)
             return cfg, CheckpointTokenizer.from_hf_dir(path) if with_tokenizer else None
         if not _is_gguf(path):
             raise ModelLoadError(_not_a_checkpoint(path))
@@ -143,7 +143,7 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
 
         reader, meta = _read_header(path)
         tensors = {t.name: t for t in reader.tensors}
-        cfg = gguf_loader.config_from_gguf(meta, tensors, source)[0]  # the loader's dispatch
+        cfg = gguf_loader.config_from_metadata(meta, tensors, source)  # the loader's dispatch
         return cfg, CheckpointTokenizer.from_gguf_metadata(meta, source) if with_tokenizer else None
 
 

@@ -1,4 +1,7 @@
-"""Load Gemma 3 checkpoints (GGUF and Hugging Face directories) into `models.gemma3` params.
+"""Load Gemma 2 and Gemma 3 checkpoints (GGUF and Hugging Face directories) into `models.gemma3` params.
+
+Gemma 2 (`general.architecture = gemma2`, `Gemma2ForCausalLM`) is described
+at the end of this docstring.
 
 GGUF (`general.architecture = gemma3`, llama.cpp's `convert_hf_to_gguf.py`
 `Gemma3Model`):
@@ -28,71 +31,102 @@ Hugging Face: `Gemma3ForCausalLM` (model_type `gemma3_text`: 270M, 1B and
 text-only exports) with either transformers 4's `rope_theta`,
 `rope_local_base_freq`, `rope_scaling` and `sliding_window_pattern` or
 transformers 5's `rope_parameters` per layer type and `layer_types`.
+
+Gemma 2 (`models.gemma3.Gemma3Config` with `qk_norm=False`): no QK-norm
+tensors; attention soft-capping `attn_logit_softcapping` (config.json
+default 50, GGUF `gemma2.attn_logit_softcapping`) and final soft-capping
+(default 30); alternating local/global layers, the first local
+(transformers' default `layer_types`; llama.cpp `set_swa_pattern(2)`),
+window `sliding_window` (4096); one RoPE base for all layers. A GGUF file
+carries no `query_pre_attn_scalar`: llama.cpp (`LLM_ARCH_GEMMA2`) scales by
+`1/sqrt(E/H)` for the 27B model (46 layers) and `1/sqrt(D)` otherwise, and
+so does `config_from_gguf_gemma2`. Norm weights are stored as `1 + w` in
+GGUF as for Gemma 3 (`Gemma2Model.modify_tensors`).
 """
 
 from __future__ import annotations
 
-import math
-import re
 from typing import Any
 
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models import gemma3
+from jaxsample.models import gemma3, llama_loader
+from jaxsample.models.loader_core import (Architecture, ConfigReader, Tensor, TensorTable,
+                                          gguf_attention, gguf_embedding)
 
 GGUF_ARCH = "gemma3"
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
+GEMMA2_GGUF_ARCH = "gemma2"
+GEMMA2_HF_ARCHITECTURES = ("Gemma2ForCausalLM",)
 
-# GGUF per-layer tensor name -> (our `layers` key, is a matrix to transpose)
-_GGUF_LAYER_TENSORS = {
-    "attn_norm.weight": ("attn_norm", False),
-    "attn_q.weight": ("wq", True),
-    "attn_k.weight": ("wk", True),
-    "attn_v.weight": ("wv", True),
-    "attn_q_norm.weight": ("q_norm", False),
-    "attn_k_norm.weight": ("k_norm", False),
-    "attn_output.weight": ("wo", True),
-    "post_attention_norm.weight": ("post_attn_norm", False),
-    "ffn_norm.weight": ("mlp_norm", False),
-    "ffn_gate.weight": ("w_gate", True),
-    "ffn_up.weight": ("w_up", True),
-    "ffn_down.weight": ("w_down", True),
-    "post_ffw_norm.weight": ("post_mlp_norm", False),
+_GGUF_LAYER = {
+    "attn_norm.weight": Tensor("attn_norm"),
+    "attn_q.weight": Tensor("wq", True),
+    "attn_k.weight": Tensor("wk", True),
+    "attn_v.weight": Tensor("wv", True),
+    "attn_q_norm.weight": Tensor("q_norm"),
+    "attn_k_norm.weight": Tensor("k_norm"),
+    "attn_output.weight": Tensor("wo", True),
+    "post_attention_norm.weight": Tensor("post_attn_norm"),
+    "ffn_norm.weight": Tensor("mlp_norm"),
+    "ffn_gate.weight": Tensor("w_gate", True),
+    "ffn_up.weight": Tensor("w_up", True),
+    "ffn_down.weight": Tensor("w_down", True),
+    "post_ffw_norm.weight": Tensor("post_mlp_norm"),
 }
-# HF per-layer name (after "model.layers.{i}.") -> (our key, is a matrix to transpose)
-_HF_LAYER_TENSORS = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "self_attn.o_proj.weight": ("wo", True),
-    "post_attention_layernorm.weight": ("post_attn_norm", False),
-    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+_GGUF_TOP = {
+    "token_embd.weight": Tensor("embed"),
+    "output_norm.weight": Tensor("final_norm"),
+    "output.weight": Tensor("lm_head", True),
 }
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_HF_LAYER = {
+    "input_layernorm.weight": Tensor("attn_norm"),
+    "self_attn.q_proj.weight": Tensor("wq", True),
+    "self_attn.k_proj.weight": Tensor("wk", True),
+    "self_attn.v_proj.weight": Tensor("wv", True),
+    "self_attn.q_norm.weight": Tensor("q_norm"),
+    "self_attn.k_norm.weight": Tensor("k_norm"),
+    "self_attn.o_proj.weight": Tensor("wo", True),
+    "post_attention_layernorm.weight": Tensor("post_attn_norm"),
+    "pre_feedforward_layernorm.weight": Tensor("mlp_norm"),
+    "mlp.gate_proj.weight": Tensor("w_gate", True),
+    "mlp.up_proj.weight": Tensor("w_up", True),
+    "mlp.down_proj.weight": Tensor("w_down", True),
+    "post_feedforward_layernorm.weight": Tensor("post_mlp_norm"),
+}
+_HF_TOP = {
+    "model.embed_tokens.weight": Tensor("embed"),
+    "model.norm.weight": Tensor("final_norm"),
+    "lm_head.weight": Tensor("lm_head", True),
+}
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
 
 
-def _number(value, key: str, source: str, kind=int):
-    """`value` as a positive int (kind=int) or a positive finite float, else ModelLoadError naming key."""
-    bad = isinstance(value, (bool, str, list, dict)) or value is None
-    if not bad:
-        try:
-            out = kind(value)
-            bad = (kind is int and out != value) or not math.isfinite(out) or out <= 0
-        except (TypeError, ValueError, OverflowError):
-            bad = True
-    if bad:
-        what = "a positive integer" if kind is int else "a positive number"
-        raise ModelLoadError(f"{source}: {key} must be {what}, got {value!r}")
-    return out
+def _unshift_norm(key: str, a: np.ndarray) -> np.ndarray:
+    """llama.cpp stores Gemma norm weights as `1 + w`: subtract the 1."""
+    return a - np.float32(1.0) if key.endswith("norm") else a
+
+
+_QK_NORMS = ("q_norm", "k_norm")
+
+
+def gguf_table(cfg: gemma3.Gemma3Config) -> TensorTable:
+    """llama.cpp's names; norm weights shifted back by 1; Q/K rows are not permuted."""
+    layer = {n: t for n, t in _GGUF_LAYER.items() if cfg.qk_norm or t.key not in _QK_NORMS}
+    return TensorTable("blk.{i}.", _GGUF_TOP, layer, transform=_unshift_norm)
+
+
+def hf_table(cfg: gemma3.Gemma3Config) -> TensorTable:
+    """transformers' names (a tied checkpoint's stored head copy is skipped)."""
+    layer = {n: t for n, t in _HF_LAYER.items() if cfg.qk_norm or t.key not in _QK_NORMS}
+    top = dict(_HF_TOP)
+    ignore = frozenset()
+    if cfg.tie_embeddings:
+        del top["lm_head.weight"]
+        ignore = frozenset({"lm_head.weight"})
+    return TensorTable("model.layers.{i}.", top, layer, ignore=ignore,
+                       ignore_suffixes=("rotary_emb.inv_freq",))
 
 
 # ---------------------------------------------------------------------------
@@ -104,7 +138,7 @@ def config_from_gguf_metadata(meta: dict[str, Any], tensors: dict[str, Any], sou
     """Build the `Gemma3Config` a `gemma3` GGUF file describes.
 
     Args:
-      meta: key -> value from `models.gguf_loader.read_gguf`.
+      meta: key -> value from `models.loader_core.read_gguf`.
       tensors: tensor name -> `gguf.ReaderTensor` (for shapes).
       source: the file, for messages.
     Raises:
@@ -114,53 +148,28 @@ def config_from_gguf_metadata(meta: dict[str, Any], tensors: dict[str, Any], sou
         linear, per-layer kv-head counts, ...).
     """
     a = GGUF_ARCH
-
-    def get(key, default=KeyError, kind=int):
-        full = f"{a}.{key}"
-        v = meta.get(full)
-        if v is None:
-            if default is KeyError:
-                raise ModelLoadError(f"{source}: missing metadata key {full}")
-            return default
-        if isinstance(v, list) and key == "attention.head_count_kv":
-            raise UnsupportedModelError(f"{source}: per-layer kv-head counts ({full}) are not "
-                                        "supported")
-        return _number(v, full, source, kind)
-
-    if "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{source}: missing tensor token_embd.weight")
-    emb_shape = tuple(int(s) for s in tensors["token_embd.weight"].shape)  # gguf order (E, V)
-    dim, n_layers = get("embedding_length"), get("block_count")
-    n_heads = get("attention.head_count")
-    n_kv = get("attention.head_count_kv", n_heads)
-    head_dim = get("attention.key_length", dim // n_heads)
-    value_dim = get("attention.value_length", head_dim)
-    if value_dim != head_dim:
-        raise UnsupportedModelError(f"{source}: key and value head sizes differ ({head_dim} vs "
-                                    f"{value_dim})")
-    rot = get("rope.dimension_count", head_dim)
+    r = ConfigReader(meta, source, a)
+    dim, n_vocab = gguf_embedding(tensors, r)
+    n_layers = r.count("block_count")
+    n_heads, n_kv, head_dim = gguf_attention(r, dim)
+    rot = r.count("rope.dimension_count", head_dim)
     if rot != head_dim:
         raise UnsupportedModelError(f"{source}: partial rotary embeddings ({a}.rope.dimension_count"
                                     f" = {rot}, head dim {head_dim}) are not supported")
-    if len(emb_shape) != 2 or emb_shape[0] != dim:
-        raise ModelLoadError(f"{source}: token_embd.weight has GGUF shape {list(emb_shape)}, "
-                             f"expected [{a}.embedding_length = {dim}, vocabulary]")
-    n_vocab = emb_shape[1]
-    meta_vocab = get("vocab_size", None)
+    meta_vocab = r.count("vocab_size", None)
     if meta_vocab is not None and meta_vocab != n_vocab:
         raise ModelLoadError(f"{source}: {a}.vocab_size = {meta_vocab} but token_embd.weight "
                              f"has {n_vocab} rows")
-    window = get("attention.sliding_window")
-    windows = _gguf_layer_windows(meta.get(f"{a}.attention.sliding_window_pattern"), n_layers,
-                                  window, source)
-    if meta.get(f"{a}.attn_logit_softcapping") is not None:
+    window = r.count("attention.sliding_window")
+    windows = _gguf_layer_windows(r, n_layers, window)
+    if r.raw("attn_logit_softcapping") is not None:
         raise UnsupportedModelError(f"{source}: attention logit soft-capping "
                                     f"({a}.attn_logit_softcapping) is not supported")
-    softcap = get("final_logit_softcapping", None, float)
+    softcap = r.positive("final_logit_softcapping", None)
 
-    scaling_type = meta.get(f"{a}.rope.scaling.type", "none")
-    factor = get("rope.scaling.factor", 1.0, float)
-    if scaling_type in ("none", None) or factor == 1.0:
+    scaling_type = r.string("rope.scaling.type", "none")
+    factor = r.positive("rope.scaling.factor", 1.0)
+    if scaling_type == "none" or factor == 1.0:
         factor = 1.0
     elif scaling_type != "linear":
         raise UnsupportedModelError(f"{source}: rope scaling type {scaling_type!r} is not "
@@ -170,89 +179,37 @@ def config_from_gguf_metadata(meta: dict[str, Any], tensors: dict[str, Any], sou
     try:
         return gemma3.Gemma3Config(
             vocab_size=n_vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
-            head_dim=head_dim, ffn_dim=get("feed_forward_length"), layer_windows=windows,
-            norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
-            rope_theta=get("rope.freq_base", 1_000_000.0, float), rope_local_theta=10_000.0,
+            head_dim=head_dim, ffn_dim=r.count("feed_forward_length"), layer_windows=windows,
+            norm_eps=r.positive("attention.layer_norm_rms_epsilon"),
+            rope_theta=r.positive("rope.freq_base", 1_000_000.0), rope_local_theta=10_000.0,
             rope_scaling_factor=factor, query_pre_attn_scalar=float(scalar),
-            final_logit_softcapping=softcap, max_seq_len=get("context_length"),
+            final_logit_softcapping=softcap, max_seq_len=r.count("context_length"),
             tie_embeddings="output.weight" not in tensors, dtype=dtype, arch=a)
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
 
 
-def _gguf_layer_windows(pattern, n_layers: int, window: int, source: str):
+def _gguf_layer_windows(r: ConfigReader, n_layers: int, window: int):
     """Per-layer windows from `gemma3.attention.sliding_window_pattern` (absent: period 6)."""
-    key = f"{GGUF_ARCH}.attention.sliding_window_pattern"
+    key = "attention.sliding_window_pattern"
+    pattern = r.raw(key)
     if pattern is None:
         return gemma3.layer_pattern(n_layers, window)
     if isinstance(pattern, list):
         if len(pattern) != n_layers or not all(isinstance(p, (bool, int, np.integer))
                                                for p in pattern):
-            raise ModelLoadError(f"{source}: {key} must hold {n_layers} booleans (one per "
+            raise ModelLoadError(f"{r.what(key)} must hold {n_layers} booleans (one per "
                                  f"layer), got {pattern!r:.120}")
         return tuple(int(window) if p else None for p in pattern)
-    return gemma3.layer_pattern(n_layers, window, _number(pattern, key, source))
-
-
-def params_from_gguf(reader, cfg: gemma3.Gemma3Config, source: str) -> dict[str, Any]:
-    """Dequantise and map every tensor into the stacked `[in, out]` pytree (numpy float32).
-
-    Norm weights are stored by llama.cpp as `1 + w`; 1 is subtracted.
-
-    Raises:
-      ModelLoadError: a tensor is missing, misshapen or cannot be dequantised;
-        UnsupportedModelError: a tensor the model has no place for.
-    """
-    from jaxsample.models.gguf_loader import dequantize_tensor
-
-    shapes = gemma3.param_shapes(cfg)
-    layers = {k: np.empty(s, np.float32) for k, s in shapes["layers"].items()}
-    filled: set[tuple[str, int]] = set()
-    params: dict[str, Any] = {"layers": layers}
-    for t in reader.tensors:
-        name = t.name
-        a = dequantize_tensor(t, source)
-        if name.endswith("norm.weight"):
-            a = a - np.float32(1.0)
-        if name == "token_embd.weight":
-            params["embed"] = a
-        elif name == "output_norm.weight":
-            params["final_norm"] = a
-        elif name == "output.weight":
-            if a.shape != (cfg.vocab_size, cfg.dim):
-                raise ModelLoadError(f"{source}: output.weight has shape {a.shape}, expected "
-                                     f"({cfg.vocab_size}, {cfg.dim}) to match token_embd.weight")
-            params["lm_head"] = a.T
-        else:
-            m = _BLOCK_RE.match(name)
-            if not m or m.group(2) not in _GGUF_LAYER_TENSORS or int(m.group(1)) >= cfg.n_layers:
-                raise UnsupportedModelError(f"{source}: unexpected tensor {name}; the model has no "
-                                            "place for it")
-            i, (key, matrix) = int(m.group(1)), _GGUF_LAYER_TENSORS[m.group(2)]
-            a = a.T if matrix else a
-            if a.shape != layers[key].shape[1:]:
-                raise ModelLoadError(f"{source}: tensor {name} has shape {a.shape} after "
-                                     f"transposing to [in, out], expected {layers[key].shape[1:]}")
-            layers[key][i] = a
-            filled.add((key, i))
-    from jaxsample.models.gguf_loader import check_complete
-
-    return check_complete(gemma3, cfg, params, filled, _GGUF_LAYER_TENSORS, source)
+    return gemma3.layer_pattern(n_layers, window, r.count(key))
 
 
 # ---------------------------------------------------------------------------
 # Hugging Face directories
 
 
-def is_gemma3_hf(hf: dict[str, Any]) -> bool:
-    """A parsed config.json declares a Gemma 3 architecture (text-only or multimodal)."""
-    archs = hf.get("architectures") if isinstance(hf, dict) else None
-    archs = [archs] if isinstance(archs, str) else archs
-    return isinstance(archs, list) and any(isinstance(x, str) and x.startswith("Gemma3")
-                                           for x in archs)
-
-
-def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> gemma3.Gemma3Config:
+def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
+                   arch_name: str | None = None) -> gemma3.Gemma3Config:
     """Build a `Gemma3Config` from a parsed config.json (transformers 4 or 5 layout).
 
     Raises:
@@ -267,15 +224,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> g
         raise UnsupportedModelError(
             f"{source}: architectures {archs} not supported; of Gemma 3 only the text decoder "
             f"{list(HF_ARCHITECTURES)} is (the multimodal checkpoints carry a vision tower)")
-
-    def get(key, default=KeyError, kind=int):
-        v = hf.get(key)
-        if v is None:
-            if default is KeyError:
-                raise ModelLoadError(f"{source}: config.json has no {key!r}")
-            return default
-        return _number(v, f"config.json {key!r}", source, kind)
-
+    r = ConfigReader(hf, source)
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in _GELU_TANH:
         raise UnsupportedModelError(f"{source}: hidden_activation {act!r} is not supported "
@@ -284,8 +233,8 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> g
         if hf.get(flag):
             raise UnsupportedModelError(f"{source}: config.json {flag} = {hf[flag]!r} is not "
                                         "supported")
-    n_layers = get("num_hidden_layers")
-    window = get("sliding_window", 4096)
+    n_layers = r.count("num_hidden_layers")
+    window = r.count("sliding_window", 4096)
     types = hf.get("layer_types")
     if types is not None:
         if (not isinstance(types, list) or len(types) != n_layers
@@ -294,8 +243,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> g
                                  f"'sliding_attention' / 'full_attention', got {types!r:.160}")
         windows = tuple(window if t == "sliding_attention" else None for t in types)
     else:
-        period = get("sliding_window_pattern", 6)
-        windows = gemma3.layer_pattern(n_layers, window, period)
+        windows = gemma3.layer_pattern(n_layers, window, r.count("sliding_window_pattern", 6))
 
     rope = hf.get("rope_parameters")
     if rope is not None and not isinstance(rope, dict):
@@ -307,10 +255,12 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> g
         full = dict(hf.get("rope_scaling") or {})
         full.setdefault("rope_theta", (rope or {}).get("rope_theta", hf.get("rope_theta", 1e6)))
         local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    full_r = ConfigReader(full, source, label="config.json rope parameters (global layers)")
+    local_r = ConfigReader(local, source, label="config.json rope parameters (local layers)")
     factor = 1.0
     kind = full.get("rope_type", full.get("type", "default"))
     if kind == "linear":
-        factor = _number(full.get("factor"), "config.json rope scaling 'factor'", source, float)
+        factor = full_r.positive("factor")
     elif kind != "default":
         raise UnsupportedModelError(f"{source}: rope scaling type {kind!r} is not supported for "
                                     "Gemma 3 (only linear)")
@@ -318,59 +268,146 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> g
     if local_kind != "default":
         raise UnsupportedModelError(f"{source}: local-layer rope type {local_kind!r} is not "
                                     "supported (only default)")
-    dim, n_heads = get("hidden_size"), get("num_attention_heads")
-    tie = hf.get("tie_word_embeddings")
+    dim, n_heads = r.count("hidden_size"), r.count("num_attention_heads")
+    tie = r.flag("tie_word_embeddings")
     try:
         return gemma3.Gemma3Config(
-            vocab_size=get("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
-            n_kv_heads=get("num_key_value_heads", n_heads), head_dim=get("head_dim", 256),
-            ffn_dim=get("intermediate_size"), layer_windows=windows,
-            norm_eps=get("rms_norm_eps", 1e-6, float),
-            rope_theta=_number(full.get("rope_theta", 1e6), "config.json rope_theta", source,
-                               float),
-            rope_local_theta=_number(local.get("rope_theta", 10_000.0),
-                                     "config.json local rope_theta", source, float),
+            vocab_size=r.count("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
+            n_kv_heads=r.count("num_key_value_heads", n_heads), head_dim=r.count("head_dim", 256),
+            ffn_dim=r.count("intermediate_size"), layer_windows=windows,
+            norm_eps=r.positive("rms_norm_eps", 1e-6),
+            rope_theta=full_r.positive("rope_theta", 1e6),
+            rope_local_theta=local_r.positive("rope_theta", 10_000.0),
             rope_scaling_factor=factor,
-            query_pre_attn_scalar=get("query_pre_attn_scalar", 256, float),
-            final_logit_softcapping=get("final_logit_softcapping", None, float),
-            max_seq_len=get("max_position_embeddings", 131_072),
-            tie_embeddings=True if tie is None else bool(tie), dtype=dtype, arch="gemma3")
+            query_pre_attn_scalar=r.positive("query_pre_attn_scalar", 256.0),
+            final_logit_softcapping=r.positive("final_logit_softcapping", None),
+            max_seq_len=r.count("max_position_embeddings", 131_072),
+            tie_embeddings=True if tie is None else tie, dtype=dtype, arch="gemma3")
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 
 
-def params_from_hf_tensors(cfg: gemma3.Gemma3Config, tensors: dict[str, np.ndarray],
-                           source: str) -> dict[str, Any]:
-    """Map HF tensor names into the stacked `[in, out]` pytree (numpy float32).
+# ---------------------------------------------------------------------------
+# Gemma 2
+
+
+def _optional_cap(r: ConfigReader, key: str, default: float | None):
+    """A soft-cap: `default` when the key is absent, None when it is written as null."""
+    if r.full_key(key) in r.values and r.values[r.full_key(key)] is None:
+        return None
+    return r.positive(key, default)
+
+
+def config_from_gguf_gemma2(meta: dict[str, Any], tensors: dict[str, Any], source: str,
+                            dtype: str = "float32") -> gemma3.Gemma3Config:
+    """Build the `Gemma3Config` (`qk_norm=False`) a `gemma2` GGUF file describes.
+
+    Keys as for gemma3 (`config_from_gguf_metadata`) under `gemma2.`, plus
+    `attn_logit_softcapping` and `final_logit_softcapping` (optional finite
+    numbers > 0) and `attention.sliding_window` (required); the layer pattern
+    is llama.cpp's (local on even layers).
 
     Raises:
-      ModelLoadError: a tensor is missing or misshapen; UnsupportedModelError:
-        a tensor the model has no place for.
+      ModelLoadError / UnsupportedModelError: as `config_from_gguf_metadata`.
     """
-    shapes = gemma3.param_shapes(cfg)
-    layers = {k: np.empty(s, np.float32) for k, s in shapes["layers"].items()}
-    params: dict[str, Any] = {"layers": layers}
-    tensors = dict(tensors)
+    a = GEMMA2_GGUF_ARCH
+    r = ConfigReader(meta, source, a)
+    dim, n_vocab = gguf_embedding(tensors, r)
+    n_layers = r.count("block_count")
+    n_heads, n_kv, head_dim = gguf_attention(r, dim)
+    rot = r.count("rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise UnsupportedModelError(f"{source}: partial rotary embeddings ({a}.rope.dimension_count"
+                                    f" = {rot}, head dim {head_dim}) are not supported")
+    meta_vocab = r.count("vocab_size", None)
+    if meta_vocab is not None and meta_vocab != n_vocab:
+        raise ModelLoadError(f"{source}: {a}.vocab_size = {meta_vocab} but token_embd.weight "
+                             f"has {n_vocab} rows")
+    window = r.count("attention.sliding_window")
+    scaling_type = r.string("rope.scaling.type", "none")
+    if scaling_type != "none" and r.positive("rope.scaling.factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"{source}: rope scaling type {scaling_type!r} is not "
+                                    "supported for gemma2")
+    theta = r.positive("rope.freq_base", 10_000.0)
+    # llama.cpp (LLM_ARCH_GEMMA2): f_attention_scale = 1/sqrt(E/H) for the 27B model, else 1/sqrt(D).
+    scalar = dim / n_heads if n_layers == 46 else head_dim
+    try:
+        return gemma3.Gemma3Config(
+            vocab_size=n_vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+            head_dim=head_dim, ffn_dim=r.count("feed_forward_length"),
+            layer_windows=gemma3.layer_pattern(n_layers, window, 2),
+            norm_eps=r.positive("attention.layer_norm_rms_epsilon"),
+            rope_theta=theta, rope_local_theta=theta, query_pre_attn_scalar=float(scalar),
+            final_logit_softcapping=r.positive("final_logit_softcapping", None),
+            attn_logit_softcapping=r.positive("attn_logit_softcapping", None), qk_norm=False,
+            max_seq_len=r.count("context_length"),
+            tie_embeddings="output.weight" not in tensors, dtype=dtype, arch=a)
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
 
-    def take(name):
-        if name not in tensors:
-            raise ModelLoadError(f"{source}: missing tensor {name}")
-        return np.asarray(tensors.pop(name), np.float32)
 
-    params["embed"] = take("model.embed_tokens.weight")
-    params["final_norm"] = take("model.norm.weight")
-    if not cfg.tie_embeddings:
-        params["lm_head"] = take("lm_head.weight").T
+def config_from_hf_gemma2(hf: dict[str, Any], source: str, dtype: str = "float32",
+                          arch_name: str | None = None) -> gemma3.Gemma3Config:
+    """Build a `Gemma3Config` (`qk_norm=False`) from a `Gemma2ForCausalLM` config.json.
+
+    Keys and defaults are transformers' `Gemma2Config`: head_dim 256,
+    query_pre_attn_scalar 256, sliding_window 4096, layer_types (default:
+    local on even layers), attn_logit_softcapping 50 and
+    final_logit_softcapping 30 (null: none), rope_theta / rope_parameters
+    (default type only), tie_word_embeddings true.
+
+    Raises:
+      UnsupportedModelError: an activation other than tanh-GELU, biases,
+        bidirectional attention or a rope scaling type.
+      ModelLoadError: a key missing, of the wrong type or out of range.
+    """
+    r = ConfigReader(hf, source)
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise UnsupportedModelError(f"{source}: hidden_activation {act!r} is not supported "
+                                    f"(only tanh-approximated GELU: {list(_GELU_TANH)})")
+    for flag in ("attention_bias", "use_bidirectional_attention"):
+        if r.flag(flag):
+            raise UnsupportedModelError(f"{source}: config.json {flag} = true is not supported")
+    n_layers = r.count("num_hidden_layers")
+    window = r.count("sliding_window", 4096)
+    types = hf.get("layer_types")
+    if types is not None:
+        if (not isinstance(types, list) or len(types) != n_layers
+                or not set(types) <= {"sliding_attention", "full_attention"}):
+            raise ModelLoadError(f"{source}: config.json 'layer_types' must list {n_layers} of "
+                                 f"'sliding_attention' / 'full_attention', got {types!r:.160}")
+        windows = tuple(window if t == "sliding_attention" else None for t in types)
     else:
-        tensors.pop("lm_head.weight", None)
-    for i in range(cfg.n_layers):
-        for hf_name, (key, matrix) in _HF_LAYER_TENSORS.items():
-            a = take(f"model.layers.{i}.{hf_name}")
-            a = a.T if matrix else a
-            if a.shape != layers[key].shape[1:]:
-                raise ModelLoadError(f"{source}: tensor model.layers.{i}.{hf_name} has shape "
-                                     f"{a.shape} after transposing, expected {layers[key].shape[1:]}")
-            layers[key][i] = a
-    from jaxsample.models.hf_loader import check_leftovers
+        windows = gemma3.layer_pattern(n_layers, window, 2)
+    theta, scaling, key = llama_loader.hf_rope(r)
+    kind = llama_loader.rope_kind(r, scaling, key)
+    if kind != "default":
+        raise UnsupportedModelError(f"{source}: rope scaling type {kind!r} is not supported for "
+                                    "Gemma 2")
+    dim, n_heads = r.count("hidden_size"), r.count("num_attention_heads")
+    tie = r.flag("tie_word_embeddings")
+    try:
+        return gemma3.Gemma3Config(
+            vocab_size=r.count("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
+            n_kv_heads=r.count("num_key_value_heads", n_heads), head_dim=r.count("head_dim", 256),
+            ffn_dim=r.count("intermediate_size"), layer_windows=windows,
+            norm_eps=r.positive("rms_norm_eps", 1e-6), rope_theta=theta, rope_local_theta=theta,
+            query_pre_attn_scalar=r.positive("query_pre_attn_scalar", 256.0),
+            final_logit_softcapping=_optional_cap(r, "final_logit_softcapping", 30.0),
+            attn_logit_softcapping=_optional_cap(r, "attn_logit_softcapping", 50.0),
+            qk_norm=False, max_seq_len=r.count("max_position_embeddings", 8192),
+            tie_embeddings=True if tie is None else tie, dtype=dtype, arch="gemma2")
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 
-    return check_leftovers(gemma3, cfg, params, tensors, source)
+
+GEMMA2 = Architecture(
+    family=gemma3, hf_classes=GEMMA2_HF_ARCHITECTURES, gguf_archs=(GEMMA2_GGUF_ARCH,),
+    config_from_hf=config_from_hf_gemma2, config_from_gguf=config_from_gguf_gemma2,
+    hf_table=hf_table, gguf_table=gguf_table)
+
+ARCHITECTURE = Architecture(
+    family=gemma3, hf_classes=HF_ARCHITECTURES, gguf_archs=(GGUF_ARCH,),
+    config_from_hf=config_from_hf, config_from_gguf=config_from_gguf_metadata,
+    hf_table=hf_table, gguf_table=gguf_table, hf_prefixes=("Gemma3",))

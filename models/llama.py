@@ -1,4 +1,4 @@
-"""The Llama family (SmolLM2, Llama 2/3, Mistral, Qwen2) as pure JAX functions.
+"""The Llama family (SmolLM2, Llama 2/3, Mistral, Qwen2, Qwen3) as pure JAX functions.
 
 Letter table (used in every einsum and docstring of the project):
 
@@ -19,7 +19,10 @@ layer loop is one `jax.lax.scan`. Weights are stored as `x @ W`, i.e. `W` is
 `[in, out]` (the transpose of a PyTorch `Linear.weight`).
 
 Reference: Touvron et al. 2023 (Llama), Hugging Face `modeling_llama.py`
-(rotate-half RoPE, RMSNorm, SwiGLU) and `modeling_qwen2.py` (q/k/v bias).
+(rotate-half RoPE, RMSNorm, SwiGLU), `modeling_qwen2.py` (q/k/v bias) and
+`modeling_qwen3.py` (QK-norm: an RMSNorm over D on every query and key head,
+before RoPE; `qk_norm`) and `modeling_phi3.py` (partial rotary `rotary_dim`,
+LongRoPE `long_rope`; its fused projections are split on load).
 """
 
 from __future__ import annotations
@@ -78,6 +81,53 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LongRope:
+    """LongRoPE scaling (Phi-3 128k, Phi-4-mini; `rope_type: longrope`).
+
+    The inverse frequencies are divided by one factor per frequency:
+    `long_factor` when the model runs at a context (`max_seq_len`) longer than
+    `original_max_position_embeddings`, else `short_factor`; cos and sin are
+    multiplied by `attention_factor`. transformers switches per call by the
+    call's length (`_longrope_frequency_update`), llama.cpp by the context it
+    was given; jaxsample, which compiles one program per run, follows
+    llama.cpp, so it agrees with transformers on every call longer than the
+    original context (and on all calls when max_seq_len is at most it).
+
+    Attributes:
+      short_factor, long_factor: R/2 finite numbers > 0 each (R the rotary dims).
+      original_max_position_embeddings: the pre-training context, >= 1.
+      attention_factor: finite > 0; transformers' default
+        `sqrt(1 + ln(s) / ln(original))` with s = max_position_embeddings /
+        original (1 when s <= 1) is computed by the loader.
+
+    Reference: Ding et al. 2024, "LongRoPE", arXiv 2402.13753; transformers
+    `modeling_rope_utils._compute_longrope_parameters`.
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float = 1.0
+
+    def __post_init__(self):
+        for name in ("short_factor", "long_factor"):
+            v = tuple(getattr(self, name))
+            object.__setattr__(self, name, v)
+            if not v or not all(isinstance(f, (int, float, np.number)) and not isinstance(f, bool)
+                                and math.isfinite(f) and f > 0 for f in v):
+                raise ValueError(f"LongRope.{name} must be finite numbers > 0, got {v!r:.80}")
+        if len(self.short_factor) != len(self.long_factor):
+            raise ValueError("LongRope.short_factor and long_factor differ in length")
+        orig = self.original_max_position_embeddings
+        if isinstance(orig, bool) or not isinstance(orig, (int, np.integer)) or orig < 1:
+            raise ValueError("LongRope.original_max_position_embeddings must be a positive "
+                             f"integer, got {orig!r}")
+        f = self.attention_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (math.isfinite(f) and f > 0):
+            raise ValueError(f"LongRope.attention_factor must be a finite number > 0, got {f!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
     """Shapes and constants of a Llama-family decoder.
 
@@ -95,6 +145,12 @@ class LlamaConfig:
       max_seq_len: the context length in tokens (prompt + new tokens).
       tie_embeddings: the output projection is the embedding transposed.
       qkv_bias: q/k/v projections carry a bias (Qwen2).
+      rotary_dim: R, the leading head dims RoPE rotates (even, <= D; None:
+        all of D); Phi-3's `head_dim * partial_rotary_factor`.
+      long_rope: LongRoPE scaling (`LongRope`), or None; not with rope_scaling.
+      qk_norm: an RMSNorm over D (weights `q_norm [D]`, `k_norm [D]` per
+        layer, eps `norm_eps`) on every query and key head after the
+        projections and before RoPE (Qwen3, `Qwen3Attention`).
       dtype: "float32" (default) or "bfloat16" for weights and activations;
         softmax, norms and logits are always accumulated in float32.
       arch: the architecture name the checkpoint declared (informational).
@@ -124,6 +180,9 @@ class LlamaConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    qk_norm: bool = False
+    rotary_dim: int | None = None
+    long_rope: LongRope | None = None
     dtype: str = "float32"
     arch: str = "llama"
 
@@ -148,6 +207,21 @@ class LlamaConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, "
                              f"got {self.rope_scaling!r}")
+        if isinstance(self.long_rope, dict):  # the weight cache's JSON
+            object.__setattr__(self, "long_rope", LongRope(**self.long_rope))
+        if self.long_rope is not None and not isinstance(self.long_rope, LongRope):
+            raise ValueError(f"LlamaConfig.long_rope must be a LongRope or None, "
+                             f"got {self.long_rope!r}")
+        if self.long_rope is not None and self.rope_scaling is not None:
+            raise ValueError("LlamaConfig: rope_scaling and long_rope exclude each other")
+        r = self.rotary_dim
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, np.integer))
+                              or r < 2 or r % 2 or r > self.head_dim):
+            raise ValueError(f"LlamaConfig.rotary_dim must be None or an even integer in "
+                             f"[2, head_dim = {self.head_dim}], got {r!r}")
+        if self.long_rope is not None and len(self.long_rope.short_factor) != self.rope_dims // 2:
+            raise ValueError(f"LlamaConfig.long_rope has {len(self.long_rope.short_factor)} "
+                             f"factors, expected rotary dims / 2 = {self.rope_dims // 2}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"LlamaConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
@@ -159,6 +233,16 @@ class LlamaConfig:
     def n_groups(self) -> int:
         """G = H / K, query heads sharing one kv head."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def rope_dims(self) -> int:
+        """R, the rotated head dims (`rotary_dim`, else D)."""
+        return self.head_dim if self.rotary_dim is None else int(self.rotary_dim)
+
+    @property
+    def rope_mscale(self) -> float:
+        """The factor on cos and sin: LongRoPE's attention factor, else 1."""
+        return 1.0 if self.long_rope is None else float(self.long_rope.attention_factor)
 
     @property
     def layer_windows(self) -> tuple[None, ...]:
@@ -183,8 +267,10 @@ def init_params(cfg: LlamaConfig, key: jax.Array, scale: float = 0.02) -> Params
 
     Returns the same pytree the loaders produce: see `param_shapes`.
     """
-    return common.init_from_shapes(param_shapes(cfg), key, scale, cfg.jnp_dtype,
-                                   lambda _, shape: _is_norm_shape(shape, cfg), 1.0)
+    return common.init_from_shapes(
+        param_shapes(cfg), key, scale, cfg.jnp_dtype,
+        lambda path, shape: _is_norm_shape(shape, cfg) or "'q_norm'" in path or "'k_norm'" in path,
+        1.0)
 
 
 def _is_norm_shape(shape, cfg):
@@ -198,6 +284,7 @@ def param_shapes(cfg: LlamaConfig) -> Params:
     and `layers` with arrays stacked over L: `attn_norm [L, E]`,
     `wq [L, E, H*D]`, `wk [L, E, K*D]`, `wv [L, E, K*D]`, `wo [L, H*D, E]`,
     `bq [L, H*D]`, `bk [L, K*D]`, `bv [L, K*D]` (qkv_bias only),
+    `q_norm [L, D]`, `k_norm [L, D]` (qk_norm only),
     `mlp_norm [L, E]`, `w_gate [L, E, F]`, `w_up [L, E, F]`, `w_down [L, F, E]`.
     """
     L, E, F, V = cfg.n_layers, cfg.dim, cfg.ffn_dim, cfg.vocab_size
@@ -209,6 +296,8 @@ def param_shapes(cfg: LlamaConfig) -> Params:
     }
     if cfg.qkv_bias:
         layers.update(bq=(L, HD), bk=(L, KD), bv=(L, KD))
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     shapes = {"embed": (V, E), "final_norm": (E,), "layers": layers}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (E, V)
@@ -228,8 +317,15 @@ def check_params(cfg: LlamaConfig, params: Params, source: str = "params") -> No
 
 
 def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
-    """Inverse frequencies `[D/2]` float32, with Llama-3 scaling if configured."""
-    inv_freq = common.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+    """Inverse frequencies `[R/2]` float32, with Llama-3 or LongRoPE scaling if configured."""
+    inv_freq = common.rope_inv_freq(cfg.rope_dims, cfg.rope_theta)
+    lr = cfg.long_rope
+    if lr is not None:  # transformers: 1 / (ext_factors * base ** (2i / R))
+        long = cfg.max_seq_len > lr.original_max_position_embeddings
+        ext = np.asarray(lr.long_factor if long else lr.short_factor, np.float32)
+        base = np.float32(cfg.rope_theta) ** (np.arange(0, cfg.rope_dims, 2, dtype=np.float32)
+                                               / np.float32(cfg.rope_dims))
+        return (np.float32(1.0) / (ext * base)).astype(np.float32)
     s = cfg.rope_scaling
     if s is not None:
         low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
@@ -250,7 +346,7 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def qkv(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array):
-    """Pre-attention norm, projections, bias and RoPE for one layer.
+    """Pre-attention norm, projections, bias, QK-norm and RoPE for one layer.
 
     Args:
       lp: one layer's parameters (the `layers` subtree indexed at l).
@@ -264,9 +360,13 @@ def qkv(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array):
     q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q, k = q.reshape(S, H, D), k.reshape(S, K, D)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
     inv_freq = rope_frequencies(cfg)
-    q = apply_rope(q.reshape(S, H, D), positions, inv_freq)
-    k = apply_rope(k.reshape(S, K, D), positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq, cfg.rope_mscale)
+    k = apply_rope(k, positions, inv_freq, cfg.rope_mscale)
     return q, k, v.reshape(S, K, D)
 
 

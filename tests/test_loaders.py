@@ -13,7 +13,7 @@ import pytest
 
 from jaxsample.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from jaxsample.loading import load
-from jaxsample.models import gguf_loader, llama, registry
+from jaxsample.models import gguf_loader, llama, llama_loader, registry
 
 DATA = pathlib.Path(__file__).parent / "data"
 TINY_GGUF = DATA / "tiny_llama.gguf"
@@ -94,8 +94,8 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs():
     want = llama.RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                              original_max_position_embeddings=64)
     factors = llama.rope_frequencies(base) / llama.rope_frequencies(base.replace(rope_scaling=want))
-    assert gguf_loader._llama3_from_factors(factors.astype(np.float64), base) == want
-    assert gguf_loader._llama3_from_factors(np.ones(8), base) is None
+    assert llama_loader.llama3_from_factors(factors.astype(np.float64), base) == want
+    assert llama_loader.llama3_from_factors(np.ones(8), base) is None
 
 
 def rewrite_gguf(src: pathlib.Path, dst: pathlib.Path, *, arch=None, drop=(), kv=None, tensors=None,
@@ -174,19 +174,21 @@ def test_gguf_unknown_architecture(tmp_path):
 
 def test_unsupported_architecture_lists_what_that_path_supports(tmp_path, monkeypatch):
     """Issue 19.9: every "supported:" list names only what that path loads. `load`,
-    `read_config` and the command line dispatch on the architecture (gemma3 included);
-    the Llama-family `config_from_metadata` alone does not take gemma3."""
+    `read_config`, `read_model`, the command line and `config_from_metadata` all
+    dispatch through `models/architectures.py`, so they quote one list, and every
+    architecture on it is accepted by the dispatch."""
     import ast
 
     from jaxsample import cli, loading
-    from jaxsample.models import gguf_loader
+    from jaxsample.models import architectures, gguf_loader
 
     def supported(text):
         return ast.literal_eval(text[text.index("supported: ") + len("supported: "):].split("]")[0]
                                 + "]")
 
     path = rewrite_gguf(TINY_GGUF, tmp_path / "neox.gguf", arch="gptneox")
-    every = ["llama", "mistral", "qwen2", "gemma3"]
+    every = architectures.supported_gguf_archs()
+    assert {"llama", "mistral", "qwen2", "gemma3"} <= set(every)
     for call in (load, loading.read_config, lambda p: loading.read_model(p, cache=False)):
         with pytest.raises(UnsupportedModelError) as e:
             call(path)
@@ -196,12 +198,12 @@ def test_unsupported_architecture_lists_what_that_path_supports(tmp_path, monkey
     meta = {k: f.contents() for k, f in reader.fields.items()}
     tensors = {t.name: t for t in reader.tensors}
     with pytest.raises(UnsupportedModelError) as e:
-        gguf_loader.config_from_metadata({**meta, "general.architecture": "gemma3"}, tensors, "f")
-    assert "gemma3" not in supported(str(e.value))
+        gguf_loader.config_from_metadata({**meta, "general.architecture": "gptneox"}, tensors, "f")
+    assert supported(str(e.value)) == every
     for arch in every:  # each one listed really loads on those paths
         meta = {"general.architecture": arch}
         try:
-            gguf_loader.config_from_gguf(meta, {}, "f.gguf")
+            gguf_loader.config_from_metadata(meta, {}, "f.gguf")
         except UnsupportedModelError as e:
             pytest.fail(f"{arch} listed but refused: {e}")
         except ModelLoadError:
