@@ -28,6 +28,14 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+}
+
+# Sparse MoE expert tensors (after "model.layers.{i}.{block}.experts.{j}."), per
+# checkpoint prefix: our key for each HF name. Mixtral: w1 gate, w3 up, w2 down.
+_EXPERT_TENSORS = {
+    "block_sparse_moe": {"w1.weight": "w_gate", "w3.weight": "w_up", "w2.weight": "w_down"},
+    "mlp": {"gate_proj.weight": "w_gate", "up_proj.weight": "w_up", "down_proj.weight": "w_down"},
 }
 
 # HF per-layer name (after "model.layers.{i}.") -> (our key, is a matrix to transpose)
@@ -213,6 +221,14 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> l
     if window and (arch != "qwen2" or use_window) and window < ctx:
         ctx = window  # full attention equals sliding-window attention within the window
     tie = flag("tie_word_embeddings")
+    moe = {}
+    if arch == "mixtral":  # transformers' MixtralTopKRouter: softmax, top k, renormalise
+        experts = count("num_local_experts")
+        used = count("num_experts_per_tok")
+        if used > experts:
+            raise ModelLoadError(f"{what('num_experts_per_tok')} ({used}) must be <= "
+                                 f"'num_local_experts' ({experts})")
+        moe = dict(n_experts=experts, n_experts_per_tok=used, norm_topk=True)
     try:
         return llama.LlamaConfig(
             vocab_size=count("vocab_size"), dim=dim, n_layers=count("num_hidden_layers"),
@@ -220,7 +236,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> l
             ffn_dim=count("intermediate_size"), norm_eps=positive("rms_norm_eps", 1e-6),
             rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=ctx,
             tie_embeddings=bool(tie) if tie is not None else False,
-            qkv_bias=(arch == "qwen2"), dtype=dtype, arch=arch)
+            qkv_bias=(arch == "qwen2"), dtype=dtype, arch=arch, **moe)
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 
@@ -321,8 +337,10 @@ def params_from_hf_tensors(cfg: llama.LlamaConfig, tensors: dict[str, np.ndarray
     else:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     for i in range(cfg.n_layers):
+        if cfg.n_experts:
+            take_experts(cfg, layers, i, take, source)
         for hf_name, (key, matrix) in _LAYER_TENSORS.items():
-            if key not in layers:
+            if key not in layers or (cfg.n_experts and key in _EXPERT_KEYS):
                 continue
             a = take(f"model.layers.{i}.{hf_name}")
             a = a.T if matrix else a
@@ -331,6 +349,27 @@ def params_from_hf_tensors(cfg: llama.LlamaConfig, tensors: dict[str, np.ndarray
                                      f"{a.shape} after transposing, expected {layers[key].shape[1:]}")
             layers[key][i] = a
     return check_leftovers(llama, cfg, params, tensors, source)
+
+
+_EXPERT_KEYS = ("w_gate", "w_up", "w_down")
+
+
+def take_experts(cfg, layers, i: int, take, source: str) -> None:
+    """Layer i's router and X experts into `layers` (stacked `[L, ...]` numpy arrays).
+
+    Reads `model.layers.{i}.block_sparse_moe.{gate, experts.{j}.w1/w2/w3}.weight`
+    (Mixtral) or `model.layers.{i}.mlp.{gate, experts.{j}.gate_proj/up_proj/
+    down_proj}.weight` (Qwen3-MoE), as transformers' save_pretrained writes them.
+    `take(name, shape)` pops one tensor (ModelLoadError if missing or misshapen).
+    """
+    E, F, X = cfg.dim, cfg.ffn_dim, cfg.n_experts
+    block = "block_sparse_moe" if cfg.arch == "mixtral" else "mlp"
+    base = f"model.layers.{i}.{block}"
+    layers["router"][i] = take(f"{base}.gate.weight", (X, E)).T
+    for j in range(X):
+        for hf_name, key in _EXPERT_TENSORS[block].items():
+            shape = (E, F) if key == "w_down" else (F, E)
+            layers[key][i, j] = take(f"{base}.experts.{j}.{hf_name}", shape).T
 
 
 def check_leftovers(family, cfg, params, tensors, source: str):

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.models import common
+from jaxsample.models import common, moe
 # Shared building blocks, re-exported under their historical names.
 from jaxsample.models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
                            merge_attention, partial_attention, rms_norm, stack_layers,
@@ -95,6 +95,13 @@ class LlamaConfig:
       max_seq_len: the context length in tokens (prompt + new tokens).
       tie_embeddings: the output projection is the embedding transposed.
       qkv_bias: q/k/v projections carry a bias (Qwen2).
+      n_experts: X, experts per layer of a sparse mixture-of-experts FFN
+        (Mixtral, Qwen3-MoE; `models.moe`), or 0 for the dense SwiGLU MLP.
+        With experts, F (`ffn_dim`) is one expert's hidden width.
+      n_experts_per_tok: k, experts each token is routed to (1 <= k <= X);
+        0 without experts.
+      norm_topk: the k routing weights are renormalised to sum to 1
+        (Mixtral; Qwen3-MoE's `norm_topk_prob`).
       dtype: "float32" (default) or "bfloat16" for weights and activations;
         softmax, norms and logits are always accumulated in float32.
       arch: the architecture name the checkpoint declared (informational).
@@ -124,6 +131,9 @@ class LlamaConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    norm_topk: bool = True
     dtype: str = "float32"
     arch: str = "llama"
 
@@ -150,6 +160,16 @@ class LlamaConfig:
                              f"got {self.rope_scaling!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"LlamaConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("n_experts", "n_experts_per_tok"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"LlamaConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.n_experts and not 1 <= self.n_experts_per_tok <= self.n_experts:
+            raise ValueError(f"LlamaConfig.n_experts_per_tok must be in [1, n_experts="
+                             f"{self.n_experts}], got {self.n_experts_per_tok!r}")
+        if not self.n_experts and self.n_experts_per_tok:
+            raise ValueError(f"LlamaConfig.n_experts_per_tok ({self.n_experts_per_tok}) needs "
+                             "n_experts >= 1")
 
     @property
     def jnp_dtype(self):
@@ -198,7 +218,9 @@ def param_shapes(cfg: LlamaConfig) -> Params:
     and `layers` with arrays stacked over L: `attn_norm [L, E]`,
     `wq [L, E, H*D]`, `wk [L, E, K*D]`, `wv [L, E, K*D]`, `wo [L, H*D, E]`,
     `bq [L, H*D]`, `bk [L, K*D]`, `bv [L, K*D]` (qkv_bias only),
-    `mlp_norm [L, E]`, `w_gate [L, E, F]`, `w_up [L, E, F]`, `w_down [L, F, E]`.
+    `mlp_norm [L, E]`, `w_gate [L, E, F]`, `w_up [L, E, F]`, `w_down [L, F, E]`;
+    with X = `n_experts` > 0 (a sparse MoE FFN, `models.moe`): `router [L, E, X]`,
+    `w_gate [L, X, E, F]`, `w_up [L, X, E, F]`, `w_down [L, X, F, E]`.
     """
     L, E, F, V = cfg.n_layers, cfg.dim, cfg.ffn_dim, cfg.vocab_size
     HD, KD = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -209,6 +231,10 @@ def param_shapes(cfg: LlamaConfig) -> Params:
     }
     if cfg.qkv_bias:
         layers.update(bq=(L, HD), bk=(L, KD), bv=(L, KD))
+    if cfg.n_experts:
+        X = cfg.n_experts
+        layers.update(router=(L, E, X), w_gate=(L, X, E, F), w_up=(L, X, E, F),
+                      w_down=(L, X, F, E))
     shapes = {"embed": (V, E), "final_norm": (E,), "layers": layers}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (E, V)
@@ -271,7 +297,7 @@ def qkv(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array):
 
 
 def attn_out_and_mlp(cfg: LlamaConfig, lp: Params, x: jax.Array, o: jax.Array) -> jax.Array:
-    """Output projection, residual, SwiGLU MLP and residual.
+    """Output projection, residual, SwiGLU MLP (or sparse MoE FFN) and residual.
 
     Args:
       x: `[S, E]` the layer's input; o: `[S, H, D]` the attention output.
@@ -281,7 +307,15 @@ def attn_out_and_mlp(cfg: LlamaConfig, lp: Params, x: jax.Array, o: jax.Array) -
     S = x.shape[0]
     x = x + o.reshape(S, -1).astype(x.dtype) @ lp["wo"]
     h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
-    return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    return x + ffn(cfg, lp, h)
+
+
+def ffn(cfg: LlamaConfig, lp: Params, h: jax.Array) -> jax.Array:
+    """The feed-forward of one layer on normed activations h `[S, E]` -> `[S, E]`:
+    the dense SwiGLU, or with `cfg.n_experts` the sparse MoE (`models.moe.moe_ffn`)."""
+    if cfg.n_experts:
+        return moe.moe_ffn(lp, h, k=cfg.n_experts_per_tok, norm_topk=cfg.norm_topk)
+    return (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
 
 
 def layer(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array, attend: AttendFn):
