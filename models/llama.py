@@ -330,6 +330,31 @@ def layer(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array, atte
     return attn_out_and_mlp(cfg, lp, x, o), (k, v)
 
 
+def router_choices(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """The experts each position is routed to, per layer (causal forward of one sequence).
+
+    Args:
+      tokens: `[S]` int32; `cfg.n_experts` must be > 0.
+    Returns:
+      `[L, S, k]` int32, each position's k experts in descending order of
+      router probability (`models.moe.route`), from the same residual stream
+      as `forward_one`.
+    """
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+
+    def block(lp, x, attend, _):
+        q, k, v = qkv(cfg, lp, x, positions)
+        o = attend(q, k, v)
+        x_attn = x + o.reshape(x.shape[0], -1).astype(x.dtype) @ lp["wo"]
+        h = rms_norm(x_attn, lp["mlp_norm"], cfg.norm_eps)
+        _, idx = moe.route(h @ lp["router"], cfg.n_experts_per_tok, cfg.norm_topk)
+        return x_attn + ffn(cfg, lp, h), (idx, idx)
+
+    _, (idx, _) = common.run_layer_stack(block, params["layers"], embed(params, tokens),
+                                         lambda _: causal_attend(None))
+    return jnp.stack(idx) if isinstance(idx, list) else idx
+
+
 def logits(cfg: LlamaConfig, params: Params, x: jax.Array) -> jax.Array:
     """Final norm and output projection: x `[..., E]` -> logits `[..., V]` float32."""
     h = rms_norm(x, params["final_norm"], cfg.norm_eps)
