@@ -125,19 +125,7 @@ def expert_mix(h, w, idx, wg, wu, wd, impl: str = "auto"):
         y = jnp.einsum("tkf,tkfe->tke", a, w_down[idx], preferred_element_type=jnp.float32)
         return jnp.einsum("tke,tk->te", y, w).astype(h.dtype)
     if impl == "loop":
-        gates = jnp.zeros((T, X), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
-        hit = jnp.any(gates > 0, axis=0)  # [X]
-
-        def one(x, acc):
-            def run(acc):
-                wg, wu, wd = (jax.lax.dynamic_index_in_dim(a, x, keepdims=False)
-                              for a in (w_gate, w_up, w_down))
-                y = jnp.dot(jax.nn.silu(h @ wg) * (h @ wu), wd,
-                            preferred_element_type=jnp.float32)
-                return acc + y * gates[:, x, None]
-            return jax.lax.cond(hit[x], run, lambda acc: acc, acc)
-
-        return jax.lax.fori_loop(0, X, one, jnp.zeros((T, E), jnp.float32)).astype(h.dtype)
+        return _loop(h, dense_gates(w, idx, X), w_gate, w_up, w_down).astype(h.dtype)
     if impl == "dense":
         gates = jnp.zeros((T, X), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
         a = jax.nn.silu(jnp.einsum("te,xef->txf", h, w_gate)) * jnp.einsum(
@@ -157,6 +145,93 @@ def expert_mix(h, w, idx, wg, wu, wd, impl: str = "auto"):
         y = y * w.reshape(A)[order][:, None]
         return jnp.zeros((T, E), jnp.float32).at[token].add(y).astype(h.dtype)
     raise ValueError(f"expert_mix: impl must be one of {IMPLS}, got {impl!r}")
+
+
+def dense_gates(w, idx, n_experts: int) -> jax.Array:
+    """`[T, X]` float32: token t's weight for expert x (0 where x is not among its top k)."""
+    T = idx.shape[0]
+    return jnp.zeros((T, n_experts), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
+
+
+def _loop(h, gates, w_gate, w_up, w_down):
+    """`sum_x gates[:, x] * SwiGLU_x(h)` over the experts some token chose, float32 `[T, E]`.
+
+    A `fori_loop` over the experts, each behind a `lax.cond` (untouched
+    experts are skipped, so their weights are never read).
+    """
+    T, E = h.shape
+    hit = jnp.any(gates > 0, axis=0)  # [X]
+
+    def one(x, acc):
+        def run(acc):
+            wg, wu, wd = (jax.lax.dynamic_index_in_dim(a, x, keepdims=False)
+                          for a in (w_gate, w_up, w_down))
+            y = jnp.dot(jax.nn.silu(h @ wg) * (h @ wu), wd, preferred_element_type=jnp.float32)
+            return acc + y * gates[:, x, None]
+        return jax.lax.cond(hit[x], run, lambda acc: acc, acc)
+
+    return jax.lax.fori_loop(0, w_gate.shape[0], one, jnp.zeros((T, E), jnp.float32))
+
+
+def expert_parallel_ffn(mesh, expert_axis: str, *, k: int, norm_topk: bool,
+                        token_axis: str | None = None):
+    """The MoE FFN with the experts split over a mesh axis (expert parallelism).
+
+    Each device of `expert_axis` holds X / n consecutive experts (`w_gate`,
+    `w_up`, `w_down` sharded on their expert axis; the router replicated),
+    routes its tokens over all X experts, runs its own experts on the
+    tokens that chose them (`_loop`: the others are skipped) and the partial
+    outputs are summed with one `psum` over `expert_axis`. Tokens are
+    replicated over `expert_axis` and, with `token_axis`, split over it (a
+    (data, expert) mesh). Same numbers as `moe_ffn` up to the order of the
+    float32 sum over experts.
+
+    Args:
+      mesh: a `jax.sharding.Mesh`; expert_axis: the axis the experts are
+        split over (its size must divide X); token_axis: None or an axis
+        the tokens are split over (must divide T).
+      k, norm_topk: as `moe_ffn`.
+    Returns:
+      `f(lp, h [T, E]) -> [T, E]`, jitted, with lp holding `router [E, X]`,
+      `w_gate [X, E, F]`, `w_up [X, E, F]`, `w_down [X, F, E]`.
+    Raises:
+      ValueError: (when called) X not a multiple of the expert axis size.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as Ps
+
+    n = mesh.shape[expert_axis]
+    tok = Ps(token_axis, None)
+    ex = Ps(expert_axis, None, None)
+
+    def local(router, wg, wu, wd, h):
+        w, idx = route(h @ router, k, norm_topk)
+        gates = dense_gates(w, idx, router.shape[1])  # [T, X] over all experts
+        X_local = wg.shape[0]
+        mine = jax.lax.dynamic_slice_in_dim(gates, jax.lax.axis_index(expert_axis) * X_local,
+                                            X_local, axis=1)
+        return jax.lax.psum(_loop(h, mine, wg, wu, wd), expert_axis).astype(h.dtype)
+
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # older jax
+        from jax.experimental.shard_map import shard_map  # type: ignore
+    kwargs = dict(mesh=mesh, in_specs=(Ps(), ex, ex, ex, tok), out_specs=tok)
+    try:  # the loop's cond mixes per-device and replicated values: no vma check
+        fn = shard_map(local, check_vma=False, **kwargs)
+    except TypeError:  # older jax
+        fn = shard_map(local, check_rep=False, **kwargs)
+
+    f = jax.jit(fn)
+
+    def checked(lp, h):
+        X = lp["w_gate"].shape[0]
+        if X % n:
+            raise ValueError(f"expert_parallel_ffn: {X} experts do not split over the "
+                             f"{expert_axis!r} axis of size {n}")
+        put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+        return f(put(lp["router"], Ps()), put(lp["w_gate"], ex), put(lp["w_up"], ex),
+                 put(lp["w_down"], ex), put(h, tok))
+
+    return checked
 
 
 def _moe_tokens(router, w_gate, w_up, w_down, h, *, k, norm_topk, impl):
