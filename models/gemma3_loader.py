@@ -32,67 +32,80 @@ transformers 5's `rope_parameters` per layer type and `layer_types`.
 
 from __future__ import annotations
 
-import math
-import re
 from typing import Any
 
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
 from jaxsample.models import gemma3
+from jaxsample.models.loader_core import (Architecture, ConfigReader, Tensor, TensorTable,
+                                          gguf_attention, gguf_embedding)
 
 GGUF_ARCH = "gemma3"
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
 
-# GGUF per-layer tensor name -> (our `layers` key, is a matrix to transpose)
-_GGUF_LAYER_TENSORS = {
-    "attn_norm.weight": ("attn_norm", False),
-    "attn_q.weight": ("wq", True),
-    "attn_k.weight": ("wk", True),
-    "attn_v.weight": ("wv", True),
-    "attn_q_norm.weight": ("q_norm", False),
-    "attn_k_norm.weight": ("k_norm", False),
-    "attn_output.weight": ("wo", True),
-    "post_attention_norm.weight": ("post_attn_norm", False),
-    "ffn_norm.weight": ("mlp_norm", False),
-    "ffn_gate.weight": ("w_gate", True),
-    "ffn_up.weight": ("w_up", True),
-    "ffn_down.weight": ("w_down", True),
-    "post_ffw_norm.weight": ("post_mlp_norm", False),
+_GGUF_LAYER = {
+    "attn_norm.weight": Tensor("attn_norm"),
+    "attn_q.weight": Tensor("wq", True),
+    "attn_k.weight": Tensor("wk", True),
+    "attn_v.weight": Tensor("wv", True),
+    "attn_q_norm.weight": Tensor("q_norm"),
+    "attn_k_norm.weight": Tensor("k_norm"),
+    "attn_output.weight": Tensor("wo", True),
+    "post_attention_norm.weight": Tensor("post_attn_norm"),
+    "ffn_norm.weight": Tensor("mlp_norm"),
+    "ffn_gate.weight": Tensor("w_gate", True),
+    "ffn_up.weight": Tensor("w_up", True),
+    "ffn_down.weight": Tensor("w_down", True),
+    "post_ffw_norm.weight": Tensor("post_mlp_norm"),
 }
-# HF per-layer name (after "model.layers.{i}.") -> (our key, is a matrix to transpose)
-_HF_LAYER_TENSORS = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "self_attn.o_proj.weight": ("wo", True),
-    "post_attention_layernorm.weight": ("post_attn_norm", False),
-    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+_GGUF_TOP = {
+    "token_embd.weight": Tensor("embed"),
+    "output_norm.weight": Tensor("final_norm"),
+    "output.weight": Tensor("lm_head", True),
 }
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_HF_LAYER = {
+    "input_layernorm.weight": Tensor("attn_norm"),
+    "self_attn.q_proj.weight": Tensor("wq", True),
+    "self_attn.k_proj.weight": Tensor("wk", True),
+    "self_attn.v_proj.weight": Tensor("wv", True),
+    "self_attn.q_norm.weight": Tensor("q_norm"),
+    "self_attn.k_norm.weight": Tensor("k_norm"),
+    "self_attn.o_proj.weight": Tensor("wo", True),
+    "post_attention_layernorm.weight": Tensor("post_attn_norm"),
+    "pre_feedforward_layernorm.weight": Tensor("mlp_norm"),
+    "mlp.gate_proj.weight": Tensor("w_gate", True),
+    "mlp.up_proj.weight": Tensor("w_up", True),
+    "mlp.down_proj.weight": Tensor("w_down", True),
+    "post_feedforward_layernorm.weight": Tensor("post_mlp_norm"),
+}
+_HF_TOP = {
+    "model.embed_tokens.weight": Tensor("embed"),
+    "model.norm.weight": Tensor("final_norm"),
+    "lm_head.weight": Tensor("lm_head", True),
+}
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
 
 
-def _number(value, key: str, source: str, kind=int):
-    """`value` as a positive int (kind=int) or a positive finite float, else ModelLoadError naming key."""
-    bad = isinstance(value, (bool, str, list, dict)) or value is None
-    if not bad:
-        try:
-            out = kind(value)
-            bad = (kind is int and out != value) or not math.isfinite(out) or out <= 0
-        except (TypeError, ValueError, OverflowError):
-            bad = True
-    if bad:
-        what = "a positive integer" if kind is int else "a positive number"
-        raise ModelLoadError(f"{source}: {key} must be {what}, got {value!r}")
-    return out
+def _unshift_norm(key: str, a: np.ndarray) -> np.ndarray:
+    """llama.cpp stores Gemma norm weights as `1 + w`: subtract the 1."""
+    return a - np.float32(1.0) if key.endswith("norm") else a
+
+
+def gguf_table(cfg: gemma3.Gemma3Config) -> TensorTable:
+    """llama.cpp's names; norm weights shifted back by 1; Q/K rows are not permuted."""
+    return TensorTable("blk.{i}.", _GGUF_TOP, _GGUF_LAYER, transform=_unshift_norm)
+
+
+def hf_table(cfg: gemma3.Gemma3Config) -> TensorTable:
+    """transformers' names (a tied checkpoint's stored head copy is skipped)."""
+    top = dict(_HF_TOP)
+    ignore = frozenset()
+    if cfg.tie_embeddings:
+        del top["lm_head.weight"]
+        ignore = frozenset({"lm_head.weight"})
+    return TensorTable("model.layers.{i}.", top, _HF_LAYER, ignore=ignore,
+                       ignore_suffixes=("rotary_emb.inv_freq",))
 
 
 # ---------------------------------------------------------------------------
@@ -104,7 +117,7 @@ def config_from_gguf_metadata(meta: dict[str, Any], tensors: dict[str, Any], sou
     """Build the `Gemma3Config` a `gemma3` GGUF file describes.
 
     Args:
-      meta: key -> value from `models.gguf_loader.read_gguf`.
+      meta: key -> value from `models.loader_core.read_gguf`.
       tensors: tensor name -> `gguf.ReaderTensor` (for shapes).
       source: the file, for messages.
     Raises:
@@ -114,53 +127,28 @@ def config_from_gguf_metadata(meta: dict[str, Any], tensors: dict[str, Any], sou
         linear, per-layer kv-head counts, ...).
     """
     a = GGUF_ARCH
-
-    def get(key, default=KeyError, kind=int):
-        full = f"{a}.{key}"
-        v = meta.get(full)
-        if v is None:
-            if default is KeyError:
-                raise ModelLoadError(f"{source}: missing metadata key {full}")
-            return default
-        if isinstance(v, list) and key == "attention.head_count_kv":
-            raise UnsupportedModelError(f"{source}: per-layer kv-head counts ({full}) are not "
-                                        "supported")
-        return _number(v, full, source, kind)
-
-    if "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{source}: missing tensor token_embd.weight")
-    emb_shape = tuple(int(s) for s in tensors["token_embd.weight"].shape)  # gguf order (E, V)
-    dim, n_layers = get("embedding_length"), get("block_count")
-    n_heads = get("attention.head_count")
-    n_kv = get("attention.head_count_kv", n_heads)
-    head_dim = get("attention.key_length", dim // n_heads)
-    value_dim = get("attention.value_length", head_dim)
-    if value_dim != head_dim:
-        raise UnsupportedModelError(f"{source}: key and value head sizes differ ({head_dim} vs "
-                                    f"{value_dim})")
-    rot = get("rope.dimension_count", head_dim)
+    r = ConfigReader(meta, source, a)
+    dim, n_vocab = gguf_embedding(tensors, r)
+    n_layers = r.count("block_count")
+    n_heads, n_kv, head_dim = gguf_attention(r, dim)
+    rot = r.count("rope.dimension_count", head_dim)
     if rot != head_dim:
         raise UnsupportedModelError(f"{source}: partial rotary embeddings ({a}.rope.dimension_count"
                                     f" = {rot}, head dim {head_dim}) are not supported")
-    if len(emb_shape) != 2 or emb_shape[0] != dim:
-        raise ModelLoadError(f"{source}: token_embd.weight has GGUF shape {list(emb_shape)}, "
-                             f"expected [{a}.embedding_length = {dim}, vocabulary]")
-    n_vocab = emb_shape[1]
-    meta_vocab = get("vocab_size", None)
+    meta_vocab = r.count("vocab_size", None)
     if meta_vocab is not None and meta_vocab != n_vocab:
         raise ModelLoadError(f"{source}: {a}.vocab_size = {meta_vocab} but token_embd.weight "
                              f"has {n_vocab} rows")
-    window = get("attention.sliding_window")
-    windows = _gguf_layer_windows(meta.get(f"{a}.attention.sliding_window_pattern"), n_layers,
-                                  window, source)
-    if meta.get(f"{a}.attn_logit_softcapping") is not None:
+    window = r.count("attention.sliding_window")
+    windows = _gguf_layer_windows(r, n_layers, window)
+    if r.raw("attn_logit_softcapping") is not None:
         raise UnsupportedModelError(f"{source}: attention logit soft-capping "
                                     f"({a}.attn_logit_softcapping) is not supported")
-    softcap = get("final_logit_softcapping", None, float)
+    softcap = r.positive("final_logit_softcapping", None)
 
-    scaling_type = meta.get(f"{a}.rope.scaling.type", "none")
-    factor = get("rope.scaling.factor", 1.0, float)
-    if scaling_type in ("none", None) or factor == 1.0:
+    scaling_type = r.string("rope.scaling.type", "none")
+    factor = r.positive("rope.scaling.factor", 1.0)
+    if scaling_type == "none" or factor == 1.0:
         factor = 1.0
     elif scaling_type != "linear":
         raise UnsupportedModelError(f"{source}: rope scaling type {scaling_type!r} is not "
@@ -170,74 +158,29 @@ def config_from_gguf_metadata(meta: dict[str, Any], tensors: dict[str, Any], sou
     try:
         return gemma3.Gemma3Config(
             vocab_size=n_vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
-            head_dim=head_dim, ffn_dim=get("feed_forward_length"), layer_windows=windows,
-            norm_eps=get("attention.layer_norm_rms_epsilon", kind=float),
-            rope_theta=get("rope.freq_base", 1_000_000.0, float), rope_local_theta=10_000.0,
+            head_dim=head_dim, ffn_dim=r.count("feed_forward_length"), layer_windows=windows,
+            norm_eps=r.positive("attention.layer_norm_rms_epsilon"),
+            rope_theta=r.positive("rope.freq_base", 1_000_000.0), rope_local_theta=10_000.0,
             rope_scaling_factor=factor, query_pre_attn_scalar=float(scalar),
-            final_logit_softcapping=softcap, max_seq_len=get("context_length"),
+            final_logit_softcapping=softcap, max_seq_len=r.count("context_length"),
             tie_embeddings="output.weight" not in tensors, dtype=dtype, arch=a)
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
 
 
-def _gguf_layer_windows(pattern, n_layers: int, window: int, source: str):
+def _gguf_layer_windows(r: ConfigReader, n_layers: int, window: int):
     """Per-layer windows from `gemma3.attention.sliding_window_pattern` (absent: period 6)."""
-    key = f"{GGUF_ARCH}.attention.sliding_window_pattern"
+    key = "attention.sliding_window_pattern"
+    pattern = r.raw(key)
     if pattern is None:
         return gemma3.layer_pattern(n_layers, window)
     if isinstance(pattern, list):
         if len(pattern) != n_layers or not all(isinstance(p, (bool, int, np.integer))
                                                for p in pattern):
-            raise ModelLoadError(f"{source}: {key} must hold {n_layers} booleans (one per "
+            raise ModelLoadError(f"{r.what(key)} must hold {n_layers} booleans (one per "
                                  f"layer), got {pattern!r:.120}")
         return tuple(int(window) if p else None for p in pattern)
-    return gemma3.layer_pattern(n_layers, window, _number(pattern, key, source))
-
-
-def params_from_gguf(reader, cfg: gemma3.Gemma3Config, source: str) -> dict[str, Any]:
-    """Dequantise and map every tensor into the stacked `[in, out]` pytree (numpy float32).
-
-    Norm weights are stored by llama.cpp as `1 + w`; 1 is subtracted.
-
-    Raises:
-      ModelLoadError: a tensor is missing, misshapen or cannot be dequantised;
-        UnsupportedModelError: a tensor the model has no place for.
-    """
-    from jaxsample.models.gguf_loader import dequantize_tensor
-
-    shapes = gemma3.param_shapes(cfg)
-    layers = {k: np.empty(s, np.float32) for k, s in shapes["layers"].items()}
-    filled: set[tuple[str, int]] = set()
-    params: dict[str, Any] = {"layers": layers}
-    for t in reader.tensors:
-        name = t.name
-        a = dequantize_tensor(t, source)
-        if name.endswith("norm.weight"):
-            a = a - np.float32(1.0)
-        if name == "token_embd.weight":
-            params["embed"] = a
-        elif name == "output_norm.weight":
-            params["final_norm"] = a
-        elif name == "output.weight":
-            if a.shape != (cfg.vocab_size, cfg.dim):
-                raise ModelLoadError(f"{source}: output.weight has shape {a.shape}, expected "
-                                     f"({cfg.vocab_size}, {cfg.dim}) to match token_embd.weight")
-            params["lm_head"] = a.T
-        else:
-            m = _BLOCK_RE.match(name)
-            if not m or m.group(2) not in _GGUF_LAYER_TENSORS or int(m.group(1)) >= cfg.n_layers:
-                raise UnsupportedModelError(f"{source}: unexpected tensor {name}; the model has no "
-                                            "place for it")
-            i, (key, matrix) = int(m.group(1)), _GGUF_LAYER_TENSORS[m.group(2)]
-            a = a.T if matrix else a
-            if a.shape != layers[key].shape[1:]:
-                raise ModelLoadError(f"{source}: tensor {name} has shape {a.shape} after "
-                                     f"transposing to [in, out], expected {layers[key].shape[1:]}")
-            layers[key][i] = a
-            filled.add((key, i))
-    from jaxsample.models.gguf_loader import check_complete
-
-    return check_complete(gemma3, cfg, params, filled, _GGUF_LAYER_TENSORS, source)
+    return gemma3.layer_pattern(n_layers, window, r.count(key))
 
 
 # ---------------------------------------------------------------------------
@@ -252,7 +195,8 @@ def is_gemma3_hf(hf: dict[str, Any]) -> bool:
                                            for x in archs)
 
 
-def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> gemma3.Gemma3Config:
+def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
+                   arch_name: str | None = None) -> gemma3.Gemma3Config:
     """Build a `Gemma3Config` from a parsed config.json (transformers 4 or 5 layout).
 
     Raises:
@@ -267,15 +211,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> g
         raise UnsupportedModelError(
             f"{source}: architectures {archs} not supported; of Gemma 3 only the text decoder "
             f"{list(HF_ARCHITECTURES)} is (the multimodal checkpoints carry a vision tower)")
-
-    def get(key, default=KeyError, kind=int):
-        v = hf.get(key)
-        if v is None:
-            if default is KeyError:
-                raise ModelLoadError(f"{source}: config.json has no {key!r}")
-            return default
-        return _number(v, f"config.json {key!r}", source, kind)
-
+    r = ConfigReader(hf, source)
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in _GELU_TANH:
         raise UnsupportedModelError(f"{source}: hidden_activation {act!r} is not supported "
@@ -284,8 +220,8 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> g
         if hf.get(flag):
             raise UnsupportedModelError(f"{source}: config.json {flag} = {hf[flag]!r} is not "
                                         "supported")
-    n_layers = get("num_hidden_layers")
-    window = get("sliding_window", 4096)
+    n_layers = r.count("num_hidden_layers")
+    window = r.count("sliding_window", 4096)
     types = hf.get("layer_types")
     if types is not None:
         if (not isinstance(types, list) or len(types) != n_layers
@@ -294,8 +230,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> g
                                  f"'sliding_attention' / 'full_attention', got {types!r:.160}")
         windows = tuple(window if t == "sliding_attention" else None for t in types)
     else:
-        period = get("sliding_window_pattern", 6)
-        windows = gemma3.layer_pattern(n_layers, window, period)
+        windows = gemma3.layer_pattern(n_layers, window, r.count("sliding_window_pattern", 6))
 
     rope = hf.get("rope_parameters")
     if rope is not None and not isinstance(rope, dict):
@@ -307,10 +242,12 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> g
         full = dict(hf.get("rope_scaling") or {})
         full.setdefault("rope_theta", (rope or {}).get("rope_theta", hf.get("rope_theta", 1e6)))
         local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    full_r = ConfigReader(full, source, label="config.json rope parameters (global layers)")
+    local_r = ConfigReader(local, source, label="config.json rope parameters (local layers)")
     factor = 1.0
     kind = full.get("rope_type", full.get("type", "default"))
     if kind == "linear":
-        factor = _number(full.get("factor"), "config.json rope scaling 'factor'", source, float)
+        factor = full_r.positive("factor")
     elif kind != "default":
         raise UnsupportedModelError(f"{source}: rope scaling type {kind!r} is not supported for "
                                     "Gemma 3 (only linear)")
@@ -318,59 +255,26 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32") -> g
     if local_kind != "default":
         raise UnsupportedModelError(f"{source}: local-layer rope type {local_kind!r} is not "
                                     "supported (only default)")
-    dim, n_heads = get("hidden_size"), get("num_attention_heads")
-    tie = hf.get("tie_word_embeddings")
+    dim, n_heads = r.count("hidden_size"), r.count("num_attention_heads")
+    tie = r.flag("tie_word_embeddings")
     try:
         return gemma3.Gemma3Config(
-            vocab_size=get("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
-            n_kv_heads=get("num_key_value_heads", n_heads), head_dim=get("head_dim", 256),
-            ffn_dim=get("intermediate_size"), layer_windows=windows,
-            norm_eps=get("rms_norm_eps", 1e-6, float),
-            rope_theta=_number(full.get("rope_theta", 1e6), "config.json rope_theta", source,
-                               float),
-            rope_local_theta=_number(local.get("rope_theta", 10_000.0),
-                                     "config.json local rope_theta", source, float),
+            vocab_size=r.count("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
+            n_kv_heads=r.count("num_key_value_heads", n_heads), head_dim=r.count("head_dim", 256),
+            ffn_dim=r.count("intermediate_size"), layer_windows=windows,
+            norm_eps=r.positive("rms_norm_eps", 1e-6),
+            rope_theta=full_r.positive("rope_theta", 1e6),
+            rope_local_theta=local_r.positive("rope_theta", 10_000.0),
             rope_scaling_factor=factor,
-            query_pre_attn_scalar=get("query_pre_attn_scalar", 256, float),
-            final_logit_softcapping=get("final_logit_softcapping", None, float),
-            max_seq_len=get("max_position_embeddings", 131_072),
-            tie_embeddings=True if tie is None else bool(tie), dtype=dtype, arch="gemma3")
+            query_pre_attn_scalar=r.positive("query_pre_attn_scalar", 256.0),
+            final_logit_softcapping=r.positive("final_logit_softcapping", None),
+            max_seq_len=r.count("max_position_embeddings", 131_072),
+            tie_embeddings=True if tie is None else tie, dtype=dtype, arch="gemma3")
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 
 
-def params_from_hf_tensors(cfg: gemma3.Gemma3Config, tensors: dict[str, np.ndarray],
-                           source: str) -> dict[str, Any]:
-    """Map HF tensor names into the stacked `[in, out]` pytree (numpy float32).
-
-    Raises:
-      ModelLoadError: a tensor is missing or misshapen; UnsupportedModelError:
-        a tensor the model has no place for.
-    """
-    shapes = gemma3.param_shapes(cfg)
-    layers = {k: np.empty(s, np.float32) for k, s in shapes["layers"].items()}
-    params: dict[str, Any] = {"layers": layers}
-    tensors = dict(tensors)
-
-    def take(name):
-        if name not in tensors:
-            raise ModelLoadError(f"{source}: missing tensor {name}")
-        return np.asarray(tensors.pop(name), np.float32)
-
-    params["embed"] = take("model.embed_tokens.weight")
-    params["final_norm"] = take("model.norm.weight")
-    if not cfg.tie_embeddings:
-        params["lm_head"] = take("lm_head.weight").T
-    else:
-        tensors.pop("lm_head.weight", None)
-    for i in range(cfg.n_layers):
-        for hf_name, (key, matrix) in _HF_LAYER_TENSORS.items():
-            a = take(f"model.layers.{i}.{hf_name}")
-            a = a.T if matrix else a
-            if a.shape != layers[key].shape[1:]:
-                raise ModelLoadError(f"{source}: tensor model.layers.{i}.{hf_name} has shape "
-                                     f"{a.shape} after transposing, expected {layers[key].shape[1:]}")
-            layers[key][i] = a
-    from jaxsample.models.hf_loader import check_leftovers
-
-    return check_leftovers(gemma3, cfg, params, tensors, source)
+ARCHITECTURE = Architecture(
+    family=gemma3, hf_classes=HF_ARCHITECTURES, gguf_archs=(GGUF_ARCH,),
+    config_from_hf=config_from_hf, config_from_gguf=config_from_gguf_metadata,
+    hf_table=hf_table, gguf_table=gguf_table, hf_prefixes=("Gemma3",))

@@ -1,0 +1,437 @@
+"""The Llama family's loader: config mappings and tensor tables (Llama, Mistral, Qwen2, Mixtral).
+
+GGUF (llama.cpp's `convert_hf_to_gguf.py`): metadata `ARCH.*`, tensors
+`token_embd`, `output_norm`, `output`, `blk.{i}.attn_{norm,q,k,v,output}`,
+`blk.{i}.ffn_{norm,gate,up,down}`, `rope_freqs` (Llama 3 scaling). The
+`llama` and `mistral` architectures have llama.cpp's RoPE row permutation
+on attn_q / attn_k (undone with `loader_core.unpermute_rope_rows`); `qwen2`
+is written unpermuted (llama.cpp runs it with NEOX, i.e. rotate-half, RoPE).
+
+Llama-3 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor
+of per-frequency divisors, not as parameters; the parameters are recovered
+by matching the divisors against the Llama-3 formula (`llama3_from_factors`).
+
+Mixtral (a sparse MoE FFN, `models.moe`): GGUF arch `llama` with
+`ARCH.expert_count` / `expert_used_count` and `blk.{i}.ffn_gate_inp` (router),
+`ffn_{gate,up,down}_exps` (experts stacked `[X, out, in]`); Hugging Face
+`MixtralForCausalLM` (`block_sparse_moe.gate`, `.experts.{e}.w1/w3/w2`).
+
+Hugging Face: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`
+(q/k/v bias); transformers 4's `rope_theta` / `rope_scaling` and 5's
+`rope_parameters`. Reference: transformers `modeling_llama.py`,
+`modeling_qwen2.py`, `modeling_rope_utils.py` (`rope_type: llama3`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from jaxsample.errors import ModelLoadError, UnsupportedModelError
+from jaxsample.models import checks, llama
+from jaxsample.models.loader_core import (Architecture, ConfigReader, Tensor, TensorTable,
+                                          gguf_attention, gguf_embedding, hf_attention,
+                                          unpermute_rope_rows)
+
+HF_CLASSES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+}
+GGUF_ARCHS = ("llama", "mistral", "qwen2")
+
+# Sparse mixture-of-experts FFN tensors (models.moe), replacing the MLP's.
+# llama.cpp stacks the experts ([X, out, in] per layer, `convert_hf_to_gguf.py`
+# LlamaModel for Mixtral); transformers' save_pretrained writes one tensor per
+# expert (Mixtral: w1 gate, w3 up, w2 down).
+_GGUF_MOE = {
+    "ffn_gate_inp.weight": Tensor("router", True),
+    "ffn_gate_exps.weight": Tensor("w_gate", True),
+    "ffn_up_exps.weight": Tensor("w_up", True),
+    "ffn_down_exps.weight": Tensor("w_down", True),
+}
+_HF_MOE = {
+    "block_sparse_moe.gate.weight": Tensor("router", True),
+    "block_sparse_moe.experts.{e}.w1.weight": Tensor("w_gate", True),
+    "block_sparse_moe.experts.{e}.w3.weight": Tensor("w_up", True),
+    "block_sparse_moe.experts.{e}.w2.weight": Tensor("w_down", True),
+}
+_MLP = ("w_gate", "w_up", "w_down")
+
+
+def with_moe(layer: dict, moe: dict) -> dict:
+    """A layer table with the dense MLP's entries replaced by the MoE's."""
+    out = {n: t for n, t in layer.items() if not set(t.keys) & set(_MLP)}
+    out.update(moe)
+    return out
+
+_GGUF_LAYER = {
+    "attn_norm.weight": Tensor("attn_norm"),
+    "attn_q.weight": Tensor("wq", True),
+    "attn_k.weight": Tensor("wk", True),
+    "attn_v.weight": Tensor("wv", True),
+    "attn_output.weight": Tensor("wo", True),
+    "attn_q.bias": Tensor("bq"),
+    "attn_k.bias": Tensor("bk"),
+    "attn_v.bias": Tensor("bv"),
+    "ffn_norm.weight": Tensor("mlp_norm"),
+    "ffn_gate.weight": Tensor("w_gate", True),
+    "ffn_up.weight": Tensor("w_up", True),
+    "ffn_down.weight": Tensor("w_down", True),
+}
+_GGUF_TOP = {
+    "token_embd.weight": Tensor("embed"),
+    "output_norm.weight": Tensor("final_norm"),
+    "output.weight": Tensor("lm_head", True),
+}
+_HF_LAYER = {
+    "input_layernorm.weight": Tensor("attn_norm"),
+    "self_attn.q_proj.weight": Tensor("wq", True),
+    "self_attn.k_proj.weight": Tensor("wk", True),
+    "self_attn.v_proj.weight": Tensor("wv", True),
+    "self_attn.o_proj.weight": Tensor("wo", True),
+    "self_attn.q_proj.bias": Tensor("bq"),
+    "self_attn.k_proj.bias": Tensor("bk"),
+    "self_attn.v_proj.bias": Tensor("bv"),
+    "post_attention_layernorm.weight": Tensor("mlp_norm"),
+    "mlp.gate_proj.weight": Tensor("w_gate", True),
+    "mlp.up_proj.weight": Tensor("w_up", True),
+    "mlp.down_proj.weight": Tensor("w_down", True),
+}
+_HF_TOP = {
+    "model.embed_tokens.weight": Tensor("embed"),
+    "model.norm.weight": Tensor("final_norm"),
+    "lm_head.weight": Tensor("lm_head", True),
+}
+ROTARY_BUFFERS = ("rotary_emb.inv_freq",)
+
+
+def gguf_table(cfg: llama.LlamaConfig) -> TensorTable:
+    """llama.cpp's names; the `llama` / `mistral` Q/K rows are un-permuted."""
+    transform = None
+    if cfg.arch in ("llama", "mistral"):
+        heads = {"wq": cfg.n_heads, "bq": cfg.n_heads, "wk": cfg.n_kv_heads, "bk": cfg.n_kv_heads}
+
+        def transform(key, a):
+            return unpermute_rope_rows(a, heads[key]) if key in heads else a
+
+    layer = with_moe(_GGUF_LAYER, _GGUF_MOE) if cfg.n_experts else _GGUF_LAYER
+    return TensorTable("blk.{i}.", _GGUF_TOP, layer, ignore=frozenset({"rope_freqs.weight"}),
+                       transform=transform)
+
+
+def hf_table(cfg: llama.LlamaConfig) -> TensorTable:
+    """transformers' state-dict names (a tied checkpoint's stored head copy is skipped)."""
+    top = dict(_HF_TOP)
+    ignore = frozenset()
+    if cfg.tie_embeddings:
+        del top["lm_head.weight"]
+        ignore = frozenset({"lm_head.weight"})  # some tied checkpoints store the copy anyway
+    layer = with_moe(_HF_LAYER, _HF_MOE) if cfg.n_experts else _HF_LAYER
+    return TensorTable("model.layers.{i}.", top, layer, ignore=ignore,
+                       ignore_suffixes=ROTARY_BUFFERS)
+
+
+# ---------------------------------------------------------------------------
+# GGUF metadata
+
+
+def llama3_from_factors(factors: np.ndarray, base: llama.LlamaConfig) -> llama.RopeScaling | None:
+    """Llama-3 scaling parameters whose per-frequency divisors equal `factors` `[D/2]`, or None."""
+    plain = llama.rope_frequencies(base.replace(rope_scaling=None)).astype(np.float64)
+    factor = float(np.max(factors))
+    if np.allclose(factors, 1.0):
+        return None
+    # (orig, low, high) and (c*orig, c*low, c*high) give the same frequencies: prefer low = 1,
+    # then Llama 3.1/3.2's high = 4 and orig = 8192.
+    for low, high, orig in itertools.product(
+            (1.0, 2.0, 0.5), (4.0, 2.0, 8.0, 1.0), [8192] + [2 ** k for k in range(4, 21)]):
+        if high <= low:
+            continue
+        cand = llama.RopeScaling(factor=factor, low_freq_factor=low, high_freq_factor=high,
+                                 original_max_position_embeddings=orig)
+        scaled = llama.rope_frequencies(base.replace(rope_scaling=cand)).astype(np.float64)
+        if np.allclose(plain / scaled, factors, rtol=1e-3, atol=1e-4):
+            return cand
+    raise ValueError("rope_freqs.weight does not match any Llama-3 scaling")
+
+
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
+                     dtype: str = "float32") -> llama.LlamaConfig:
+    """Build the `LlamaConfig` a llama / mistral / qwen2 GGUF file describes, validating every key.
+
+    Rules (`ARCH` is `general.architecture`; `models.checks` has the type rules):
+
+        ARCH.embedding_length, .block_count, .feed_forward_length,
+        .attention.head_count, .context_length       required, integers in [1, 2**31 - 1]
+        .attention.head_count_kv                     optional (default head_count), same
+                                                     range, and head_count must be a multiple
+        .attention.key_length                        optional; if absent, embedding_length
+                                                     must be a multiple of head_count and the
+                                                     head dim is their ratio; the head dim
+                                                     must be even (RoPE rotates pairs)
+        .attention.value_length, .rope.dimension_count  optional, positive, = the head dim
+        .vocab_size                                  optional, positive, = rows of token_embd
+        .attention.sliding_window                    optional, integer >= 0 (0: none)
+        .attention.layer_norm_rms_epsilon            required, finite float > 0
+        .rope.freq_base                              optional (10000), finite float > 0
+        .rope.scaling.type                           optional string: none, or linear with
+                                                     factor 1; others are unsupported
+        .rope.scaling.factor                         optional, finite float >= 0 (0 means
+                                                     unset, llama.cpp's convention)
+        token_embd.weight                            2-D, [E, V] in GGUF order, E =
+                                                     embedding_length
+        rope_freqs.weight                            [D/2] finite divisors > 0
+        .expert_count, .expert_used_count            optional (0: a dense MLP); with
+                                                     experts (Mixtral as llama.cpp writes it),
+                                                     integers with 1 <= used <= count, and
+                                                     feed_forward_length is one expert's width
+
+    Args:
+      meta: key -> value from `loader_core.read_gguf`.
+      tensors: tensor name -> `gguf.ReaderTensor` (for shapes and rope_freqs).
+      source: the file, for messages.
+    Raises:
+      UnsupportedModelError: an option we do not implement (rope scaling
+        type, partial rotary, ...).
+      ModelLoadError: a required key is missing, or a key has the wrong
+        type, is out of range or is inconsistent with another key or a tensor
+        shape; the message names the file and the key.
+    """
+    import gguf
+
+    arch = meta["general.architecture"]
+    r = ConfigReader(meta, source, arch)
+    dim, n_vocab = gguf_embedding(tensors, r)
+    n_heads, n_kv, head_dim = gguf_attention(r, dim)
+    rot = r.count("rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise UnsupportedModelError(
+            f"{source}: partial rotary embeddings ({arch}.rope.dimension_count = {rot}, head dim "
+            f"{head_dim}) are not supported")
+    meta_vocab = r.count("vocab_size", None)
+    if meta_vocab is not None and meta_vocab != n_vocab:
+        raise ModelLoadError(f"{source}: {arch}.vocab_size = {meta_vocab} but token_embd.weight "
+                             f"has {n_vocab} rows")
+    ctx = r.count("context_length")
+    window = r.count("attention.sliding_window", 0, minimum=0)
+    if window and window < ctx:
+        ctx = window  # full attention equals sliding-window attention within the window
+
+    scaling_type = r.string("rope.scaling.type", "none")
+    factor = r.positive("rope.scaling.factor", None, allow_zero=True)  # 0: unset (llama.cpp)
+    if scaling_type == "linear" and factor in (None, 0.0, 1.0):
+        scaling_type = "none"
+    if scaling_type != "none":
+        raise UnsupportedModelError(
+            f"{source}: rope scaling type {scaling_type!r} is not supported (only none and "
+            "Llama-3 rope_freqs)")
+    try:
+        cfg = llama.LlamaConfig(
+            vocab_size=n_vocab, dim=dim, n_layers=r.count("block_count"), n_heads=n_heads,
+            n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=r.count("feed_forward_length"),
+            norm_eps=r.positive("attention.layer_norm_rms_epsilon"),
+            rope_theta=r.positive("rope.freq_base", 10000.0), max_seq_len=ctx,
+            tie_embeddings="output.weight" not in tensors,
+            qkv_bias="blk.0.attn_q.bias" in tensors, dtype=dtype, arch=arch,
+            **moe_fields(r, "expert_count", "expert_used_count", norm_topk=True))
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
+    if "rope_freqs.weight" in tensors:
+        t = tensors["rope_freqs.weight"]
+        factors = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+        if factors.shape != (head_dim // 2,):
+            raise ModelLoadError(f"{source}: rope_freqs.weight has shape {factors.shape}, expected "
+                                 f"({head_dim // 2},)")
+        if not (np.isfinite(factors) & (factors > 0)).all():
+            raise ModelLoadError(f"{source}: rope_freqs.weight must hold finite divisors > 0, got "
+                                 f"{checks.short_repr(factors.tolist())}")
+        try:
+            cfg = cfg.replace(rope_scaling=llama3_from_factors(factors, cfg))
+        except ValueError as e:
+            raise UnsupportedModelError(f"{source}: {e}") from e
+    if cfg.qkv_bias and arch != "qwen2":
+        raise UnsupportedModelError(f"{source}: q/k/v biases are only supported for qwen2")
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face config.json
+
+
+def hf_rope(r: ConfigReader) -> tuple[float, dict | None, str]:
+    """(rope_theta, the scaling object or None, the key it came from).
+
+    transformers 4 writes `rope_theta` and `rope_scaling`; 5 writes one
+    `rope_parameters` object holding both.
+    """
+    hf = r.values
+    rope = hf.get("rope_parameters")
+    if rope is not None and not isinstance(rope, dict):
+        raise ModelLoadError(f"{r.what('rope_parameters')} must be an object or null, got "
+                             f"{checks.short_repr(rope)}")
+    rope = dict(rope or {})
+    if "rope_theta" in rope and rope["rope_theta"] is not None:
+        theta = checks.positive_float(rope["rope_theta"], r.what("rope_parameters") + ".rope_theta")
+    else:
+        theta = r.positive("rope_theta", 10000.0)
+    scaling = hf.get("rope_scaling")
+    scaling_key = "rope_scaling"
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ModelLoadError(f"{r.what('rope_scaling')} must be an object or null, got "
+                             f"{checks.short_repr(scaling)}")
+    if not scaling and rope:
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        scaling_key = "rope_parameters"
+    return theta, scaling or None, scaling_key
+
+
+def rope_kind(r: ConfigReader, scaling: dict | None, scaling_key: str) -> str:
+    """The scaling's `rope_type` (or legacy `type`), "default" when there is none."""
+    if not scaling:
+        return "default"
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return checks.string_value(kind, r.what(scaling_key) + ".rope_type")
+
+
+def llama3_scaling(r: ConfigReader, scaling: dict, scaling_key: str) -> llama.RopeScaling:
+    """`rope_type: llama3` fields, validated (transformers' `_validate_llama3_parameters`)."""
+    where = r.what(scaling_key)
+
+    def field(k):
+        if scaling.get(k) is None:
+            raise ModelLoadError(f"{r.source}: llama3 rope scaling lacks {k!r}")
+        return scaling[k], f"{where}.{k}"
+
+    factor = checks.positive_float(*field("factor"))
+    if factor < 1.0:
+        raise ModelLoadError(f"{where}.factor must be >= 1, got {factor}")
+    low = checks.positive_float(*field("low_freq_factor"))
+    high = checks.positive_float(*field("high_freq_factor"))
+    if high <= low:
+        raise ModelLoadError(f"{where}.high_freq_factor ({high}) must be "
+                             f"greater than low_freq_factor ({low})")
+    orig = checks.int_value(*field("original_max_position_embeddings"))
+    return llama.RopeScaling(factor=factor, low_freq_factor=low, high_freq_factor=high,
+                             original_max_position_embeddings=orig)
+
+
+def moe_fields(r: ConfigReader, count_key: str, used_key: str, *, norm_topk: bool,
+               required: bool = False) -> dict[str, Any]:
+    """`LlamaConfig`'s expert fields (`n_experts`, `n_experts_per_tok`, `norm_topk`).
+
+    Args:
+      r: the reader; count_key / used_key: the keys of X and k (GGUF
+        `expert_count` / `expert_used_count`; config.json `num_local_experts`
+        / `num_experts_per_tok` for Mixtral, `num_experts` for Qwen3-MoE).
+      norm_topk: renormalise the top-k weights (Mixtral: always).
+      required: the keys must be present (an HF MoE class); otherwise absent
+        or 0 means a dense model.
+    Returns:
+      {} for a dense model, else the three fields.
+    Raises:
+      ModelLoadError: a key missing (when required), not an integer, or
+        k > X (naming the key).
+    """
+    X = r.count(count_key) if required else r.count(count_key, 0, minimum=0)
+    if not X:
+        return {}
+    k = r.count(used_key)
+    if k > X:
+        raise ModelLoadError(f"{r.what(used_key)} ({k}) must be <= {r.full_key(count_key)!r} "
+                             f"({X})")
+    return dict(n_experts=X, n_experts_per_tok=k, norm_topk=norm_topk)
+
+
+def hf_common_checks(r: ConfigReader, arch_name: str, *, bias_ok: bool) -> None:
+    """hidden_act silu, no mlp_bias, attention_bias only where `bias_ok`."""
+    source = r.source
+    act = r.string("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+    if r.flag("mlp_bias"):
+        raise UnsupportedModelError(f"{source}: mlp_bias is not supported")
+    if not bias_ok and r.flag("attention_bias"):
+        raise UnsupportedModelError(f"{source}: attention_bias (biases on q/k/v/o) is not supported "
+                                    f"for {arch_name}")
+
+
+def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
+                   arch_name: str = "LlamaForCausalLM") -> llama.LlamaConfig:
+    """Build a `LlamaConfig` from a parsed config.json of a Llama, Mistral or Qwen2 model.
+
+    Accepts both the `rope_theta` / `rope_scaling` keys and transformers 5's
+    `rope_parameters`. Rules (`models.checks` has the type rules; null is
+    the same as absent):
+
+        hidden_size, num_attention_heads, num_hidden_layers,
+        intermediate_size, vocab_size            required, integers in [1, 2**31 - 1]
+        num_key_value_heads                      optional (default num_attention_heads),
+                                                 same range; num_attention_heads must be
+                                                 a multiple of it
+        head_dim                                 optional; if absent, hidden_size must be a
+                                                 multiple of num_attention_heads and the head
+                                                 dim is their ratio; it must be even (RoPE)
+        max_position_embeddings                  optional (2048), positive integer
+        sliding_window                           optional, integer >= 0 (0: none)
+        rms_norm_eps                             optional (1e-6), finite number > 0
+        rope_theta                               optional (10000), finite number > 0
+        rope_scaling / rope_parameters           optional objects; rope_type default or
+                                                 llama3 (factor finite >= 1, low_freq_factor
+                                                 finite > 0, high_freq_factor finite >
+                                                 low_freq_factor, original_max_position_
+                                                 embeddings a positive integer)
+        partial_rotary_factor                    optional number; only 1 is supported
+        tie_word_embeddings, use_sliding_window,
+        mlp_bias, attention_bias                 optional booleans
+        hidden_act                               optional string: silu (or swish)
+
+    Raises:
+      UnsupportedModelError: an activation, biases or rope scaling type we do
+        not implement; ModelLoadError: a required key is missing, or a key
+        has the wrong type, is out of range or is inconsistent with another;
+        the message names the directory and the key.
+    """
+    arch = HF_CLASSES[arch_name]
+    r = ConfigReader(hf, source)
+    hf_common_checks(r, arch_name, bias_ok=(arch == "qwen2"))
+    dim, n_heads, n_kv, head_dim = hf_attention(r)
+    if r.positive("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"{source}: partial_rotary_factor is not supported")
+    theta, scaling, scaling_key = hf_rope(r)
+    kind = rope_kind(r, scaling, scaling_key)
+    rope_scaling = None
+    if kind == "llama3":
+        rope_scaling = llama3_scaling(r, scaling, scaling_key)
+    elif kind != "default":
+        raise UnsupportedModelError(
+            f"{source}: rope scaling type {kind!r} is not supported (only 'llama3')")
+
+    ctx = r.count("max_position_embeddings", 2048)
+    window = r.count("sliding_window", 0, minimum=0)
+    use_window = r.flag("use_sliding_window")
+    if window and (arch != "qwen2" or use_window) and window < ctx:
+        ctx = window  # full attention equals sliding-window attention within the window
+    tie = r.flag("tie_word_embeddings")
+    # Mixtral: transformers' MixtralTopKRouter (softmax over X, top k, renormalise).
+    moe = (moe_fields(r, "num_local_experts", "num_experts_per_tok", norm_topk=True,
+                      required=True) if arch == "mixtral" else {})
+    try:
+        return llama.LlamaConfig(
+            vocab_size=r.count("vocab_size"), dim=dim, n_layers=r.count("num_hidden_layers"),
+            n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+            ffn_dim=r.count("intermediate_size"), norm_eps=r.positive("rms_norm_eps", 1e-6),
+            rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=ctx,
+            tie_embeddings=bool(tie) if tie is not None else False,
+            qkv_bias=(arch == "qwen2"), dtype=dtype, arch=arch, **moe)
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
+
+
+ARCHITECTURE = Architecture(
+    family=llama, hf_classes=tuple(HF_CLASSES), gguf_archs=GGUF_ARCHS,
+    config_from_hf=config_from_hf, config_from_gguf=config_from_gguf,
+    hf_table=hf_table, gguf_table=gguf_table)
