@@ -1,4 +1,4 @@
-"""The Llama family (SmolLM2, Llama 2/3, Mistral, Qwen2) as pure JAX functions.
+"""The Llama family (SmolLM2, Llama 2/3, Mistral, Qwen2, Qwen3) as pure JAX functions.
 
 Letter table (used in every einsum and docstring of the project):
 
@@ -19,7 +19,9 @@ layer loop is one `jax.lax.scan`. Weights are stored as `x @ W`, i.e. `W` is
 `[in, out]` (the transpose of a PyTorch `Linear.weight`).
 
 Reference: Touvron et al. 2023 (Llama), Hugging Face `modeling_llama.py`
-(rotate-half RoPE, RMSNorm, SwiGLU) and `modeling_qwen2.py` (q/k/v bias).
+(rotate-half RoPE, RMSNorm, SwiGLU), `modeling_qwen2.py` (q/k/v bias) and
+`modeling_qwen3.py` (QK-norm: an RMSNorm over D on every query and key head,
+before RoPE; `qk_norm`).
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ class LlamaConfig:
         0 without experts.
       norm_topk: the k routing weights are renormalised to sum to 1
         (Mixtral; Qwen3-MoE's `norm_topk_prob`).
+      qk_norm: an RMSNorm over D (weights `q_norm [D]`, `k_norm [D]` per
+        layer, eps `norm_eps`) on every query and key head after the
+        projections and before RoPE (Qwen3, `Qwen3Attention`).
       dtype: "float32" (default) or "bfloat16" for weights and activations;
         softmax, norms and logits are always accumulated in float32.
       arch: the architecture name the checkpoint declared (informational).
@@ -134,6 +139,7 @@ class LlamaConfig:
     n_experts: int = 0
     n_experts_per_tok: int = 0
     norm_topk: bool = True
+    qk_norm: bool = False
     dtype: str = "float32"
     arch: str = "llama"
 
@@ -203,8 +209,10 @@ def init_params(cfg: LlamaConfig, key: jax.Array, scale: float = 0.02) -> Params
 
     Returns the same pytree the loaders produce: see `param_shapes`.
     """
-    return common.init_from_shapes(param_shapes(cfg), key, scale, cfg.jnp_dtype,
-                                   lambda _, shape: _is_norm_shape(shape, cfg), 1.0)
+    return common.init_from_shapes(
+        param_shapes(cfg), key, scale, cfg.jnp_dtype,
+        lambda path, shape: _is_norm_shape(shape, cfg) or "'q_norm'" in path or "'k_norm'" in path,
+        1.0)
 
 
 def _is_norm_shape(shape, cfg):
@@ -218,7 +226,8 @@ def param_shapes(cfg: LlamaConfig) -> Params:
     and `layers` with arrays stacked over L: `attn_norm [L, E]`,
     `wq [L, E, H*D]`, `wk [L, E, K*D]`, `wv [L, E, K*D]`, `wo [L, H*D, E]`,
     `bq [L, H*D]`, `bk [L, K*D]`, `bv [L, K*D]` (qkv_bias only),
-    `mlp_norm [L, E]`, `w_gate [L, E, F]`, `w_up [L, E, F]`, `w_down [L, F, E]`;
+    `q_norm [L, D]`, `k_norm [L, D]` (qk_norm only),
+        `mlp_norm [L, E]`, `w_gate [L, E, F]`, `w_up [L, E, F]`, `w_down [L, F, E]`;
     with X = `n_experts` > 0 (a sparse MoE FFN, `models.moe`): `router [L, E, X]`,
     `w_gate [L, X, E, F]`, `w_up [L, X, E, F]`, `w_down [L, X, F, E]`.
     """
@@ -235,6 +244,8 @@ def param_shapes(cfg: LlamaConfig) -> Params:
         X = cfg.n_experts
         layers.update(router=(L, E, X), w_gate=(L, X, E, F), w_up=(L, X, E, F),
                       w_down=(L, X, F, E))
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     shapes = {"embed": (V, E), "final_norm": (E,), "layers": layers}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (E, V)
@@ -276,7 +287,7 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def qkv(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array):
-    """Pre-attention norm, projections, bias and RoPE for one layer.
+    """Pre-attention norm, projections, bias, QK-norm and RoPE for one layer.
 
     Args:
       lp: one layer's parameters (the `layers` subtree indexed at l).
@@ -290,9 +301,13 @@ def qkv(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array):
     q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q, k = q.reshape(S, H, D), k.reshape(S, K, D)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
     inv_freq = rope_frequencies(cfg)
-    q = apply_rope(q.reshape(S, H, D), positions, inv_freq)
-    k = apply_rope(k.reshape(S, K, D), positions, inv_freq)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
     return q, k, v.reshape(S, K, D)
 
 

@@ -1,11 +1,13 @@
-"""The Llama family's loader: config mappings and tensor tables (Llama, Mistral, Qwen2, Mixtral).
+"""The Llama family's loader: config mappings and tensor tables (Llama, Mistral, Qwen2, Qwen3,
+Mixtral).
 
 GGUF (llama.cpp's `convert_hf_to_gguf.py`): metadata `ARCH.*`, tensors
 `token_embd`, `output_norm`, `output`, `blk.{i}.attn_{norm,q,k,v,output}`,
 `blk.{i}.ffn_{norm,gate,up,down}`, `rope_freqs` (Llama 3 scaling). The
 `llama` and `mistral` architectures have llama.cpp's RoPE row permutation
 on attn_q / attn_k (undone with `loader_core.unpermute_rope_rows`); `qwen2`
-is written unpermuted (llama.cpp runs it with NEOX, i.e. rotate-half, RoPE).
+and `qwen3` are written unpermuted (llama.cpp runs them with NEOX, i.e.
+rotate-half, RoPE); `qwen3` adds `blk.{i}.attn_{q,k}_norm` (QK-norm).
 
 Llama-3 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor
 of per-frequency divisors, not as parameters; the parameters are recovered
@@ -14,10 +16,15 @@ by matching the divisors against the Llama-3 formula (`llama3_from_factors`).
 Mixtral (a sparse MoE FFN, `models.moe`): GGUF arch `llama` with
 `ARCH.expert_count` / `expert_used_count` and `blk.{i}.ffn_gate_inp` (router),
 `ffn_{gate,up,down}_exps` (experts stacked `[X, out, in]`); Hugging Face
-`MixtralForCausalLM` (`block_sparse_moe.gate`, `.experts.{e}.w1/w3/w2`).
+`MixtralForCausalLM` (`block_sparse_moe.gate`, `.experts.{e}.w1/w3/w2`), and
+`Qwen3MoeForCausalLM` (Qwen3's QK-norm; `mlp.gate`, `mlp.experts.{e}.gate_proj/
+up_proj/down_proj`; `moe_intermediate_size`, `norm_topk_prob`; every layer
+sparse: `decoder_sparse_step` 1, `mlp_only_layers` [], else refused). Not
+yet: GGUF `qwen3moe` (refused with the supported list).
 
 Hugging Face: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`
-(q/k/v bias); transformers 4's `rope_theta` / `rope_scaling` and 5's
+(q/k/v bias), `Qwen3ForCausalLM` (QK-norm, no biases, `head_dim` independent
+of hidden / heads); transformers 4's `rope_theta` / `rope_scaling` and 5's
 `rope_parameters`. Reference: transformers `modeling_llama.py`,
 `modeling_qwen2.py`, `modeling_rope_utils.py` (`rope_type: llama3`).
 """
@@ -39,9 +46,11 @@ HF_CLASSES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
-GGUF_ARCHS = ("llama", "mistral", "qwen2")
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 # Sparse mixture-of-experts FFN tensors (models.moe), replacing the MLP's.
 # llama.cpp stacks the experts ([X, out, in] per layer, `convert_hf_to_gguf.py`
@@ -58,6 +67,12 @@ _HF_MOE = {
     "block_sparse_moe.experts.{e}.w1.weight": Tensor("w_gate", True),
     "block_sparse_moe.experts.{e}.w3.weight": Tensor("w_up", True),
     "block_sparse_moe.experts.{e}.w2.weight": Tensor("w_down", True),
+}
+_HF_QWEN3_MOE = {
+    "mlp.gate.weight": Tensor("router", True),
+    "mlp.experts.{e}.gate_proj.weight": Tensor("w_gate", True),
+    "mlp.experts.{e}.up_proj.weight": Tensor("w_up", True),
+    "mlp.experts.{e}.down_proj.weight": Tensor("w_down", True),
 }
 _MLP = ("w_gate", "w_up", "w_down")
 
@@ -77,6 +92,8 @@ _GGUF_LAYER = {
     "attn_q.bias": Tensor("bq"),
     "attn_k.bias": Tensor("bk"),
     "attn_v.bias": Tensor("bv"),
+    "attn_q_norm.weight": Tensor("q_norm"),
+    "attn_k_norm.weight": Tensor("k_norm"),
     "ffn_norm.weight": Tensor("mlp_norm"),
     "ffn_gate.weight": Tensor("w_gate", True),
     "ffn_up.weight": Tensor("w_up", True),
@@ -96,6 +113,8 @@ _HF_LAYER = {
     "self_attn.q_proj.bias": Tensor("bq"),
     "self_attn.k_proj.bias": Tensor("bk"),
     "self_attn.v_proj.bias": Tensor("bv"),
+    "self_attn.q_norm.weight": Tensor("q_norm"),
+    "self_attn.k_norm.weight": Tensor("k_norm"),
     "post_attention_layernorm.weight": Tensor("mlp_norm"),
     "mlp.gate_proj.weight": Tensor("w_gate", True),
     "mlp.up_proj.weight": Tensor("w_up", True),
@@ -130,7 +149,10 @@ def hf_table(cfg: llama.LlamaConfig) -> TensorTable:
     if cfg.tie_embeddings:
         del top["lm_head.weight"]
         ignore = frozenset({"lm_head.weight"})  # some tied checkpoints store the copy anyway
-    layer = with_moe(_HF_LAYER, _HF_MOE) if cfg.n_experts else _HF_LAYER
+    if cfg.n_experts:
+        layer = with_moe(_HF_LAYER, _HF_QWEN3_MOE if cfg.arch == "qwen3moe" else _HF_MOE)
+    else:
+        layer = _HF_LAYER
     return TensorTable("model.layers.{i}.", top, layer, ignore=ignore,
                        ignore_suffixes=ROTARY_BUFFERS)
 
@@ -236,8 +258,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
             norm_eps=r.positive("attention.layer_norm_rms_epsilon"),
             rope_theta=r.positive("rope.freq_base", 10000.0), max_seq_len=ctx,
             tie_embeddings="output.weight" not in tensors,
-            qkv_bias="blk.0.attn_q.bias" in tensors, dtype=dtype, arch=arch,
-            **moe_fields(r, "expert_count", "expert_used_count", norm_topk=True))
+            qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm=(arch == "qwen3"), dtype=dtype,
+            arch=arch, **moe_fields(r, "expert_count", "expert_used_count", norm_topk=True))
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
     if "rope_freqs.weight" in tensors:
@@ -413,20 +435,43 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
     ctx = r.count("max_position_embeddings", 2048)
     window = r.count("sliding_window", 0, minimum=0)
     use_window = r.flag("use_sliding_window")
-    if window and (arch != "qwen2" or use_window) and window < ctx:
+    if arch in ("qwen3", "qwen3moe") and use_window:
+        raise UnsupportedModelError(f"{source}: use_sliding_window (sliding-window layers above "
+                                    "max_window_layers) is not supported for Qwen3ForCausalLM")
+    if window and (arch not in ("qwen2", "qwen3", "qwen3moe") or use_window) and window < ctx:
         ctx = window  # full attention equals sliding-window attention within the window
     tie = r.flag("tie_word_embeddings")
     # Mixtral: transformers' MixtralTopKRouter (softmax over X, top k, renormalise).
     moe = (moe_fields(r, "num_local_experts", "num_experts_per_tok", norm_topk=True,
                       required=True) if arch == "mixtral" else {})
+    ffn_key = "intermediate_size"
+    if arch == "qwen3moe":
+        # Qwen3MoeTopKRouter: softmax over X, top k, renormalised only if norm_topk_prob.
+        # Every layer must be sparse: one stacked layout for all L layers.
+        step = r.count("decoder_sparse_step", 1)
+        dense_layers = r.get("mlp_only_layers", [])
+        if not isinstance(dense_layers, list):
+            raise ModelLoadError(f"{r.what('mlp_only_layers')} must be a list of layer "
+                                 f"indices, got {checks.short_repr(dense_layers)}")
+        if step != 1 or dense_layers:
+            raise UnsupportedModelError(
+                f"{source}: dense MLP layers between the sparse ones (decoder_sparse_step = "
+                f"{step}, mlp_only_layers = {dense_layers}) are not supported; only "
+                "decoder_sparse_step 1 with mlp_only_layers []")
+        # The Hub's configs say num_experts; transformers 5 saves num_local_experts.
+        count_key = "num_experts" if r.raw("num_experts") is not None else "num_local_experts"
+        moe = moe_fields(r, count_key, "num_experts_per_tok",
+                         norm_topk=bool(r.flag("norm_topk_prob", False)), required=True)
+        ffn_key = "moe_intermediate_size"  # one expert's width
     try:
         return llama.LlamaConfig(
             vocab_size=r.count("vocab_size"), dim=dim, n_layers=r.count("num_hidden_layers"),
             n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-            ffn_dim=r.count("intermediate_size"), norm_eps=r.positive("rms_norm_eps", 1e-6),
+            ffn_dim=r.count(ffn_key), norm_eps=r.positive("rms_norm_eps", 1e-6),
             rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=ctx,
             tie_embeddings=bool(tie) if tie is not None else False,
-            qkv_bias=(arch == "qwen2"), dtype=dtype, arch=arch, **moe)
+            qkv_bias=(arch == "qwen2"), qk_norm=(arch in ("qwen3", "qwen3moe")), dtype=dtype,
+            arch=arch, **moe)
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 
