@@ -384,14 +384,60 @@ def test_measure_refuses_a_dense_model(tiny_lm):
 
 
 # ---------------------------------------------------------------------------
-# Qwen3-MoE
+# Qwen3-MoE (QK-norm, norm_topk_prob=False) and Mixtral from GGUF
 
 
-def test_qwen3_moe_hf():
-    try:
-        lm = load(DATA / "tiny_qwen3_moe")
-    except UnsupportedModelError as e:
-        pytest.skip(f"Qwen3-MoE needs the Qwen3 family (QK-norm): {e}")
-    assert lm.config.n_experts == 8 and not lm.config.norm_topk
+@pytest.fixture(scope="module")
+def qwen3_moe():
+    return load(DATA / "tiny_qwen3_moe")
+
+
+def test_qwen3_moe_config(qwen3_moe):
+    c = qwen3_moe.config
+    assert (c.arch, c.n_experts, c.n_experts_per_tok, c.norm_topk, c.qk_norm, c.ffn_dim,
+            c.head_dim) == ("qwen3moe", 8, 2, False, True, 48, 16)
+
+
+def test_qwen3_moe_matches_transformers(qwen3_moe):
+    ours = np.asarray(qwen3_moe.forward(REF["sequence"][None]))[0]
+    assert_logits_close(ours, REF["tiny_qwen3_moe/logits"])
+    ref = REF["tiny_qwen3_moe/router_logits"]
+    s = np.sort(ref, -1)
+    assert (s[..., -2] - s[..., -3]).min() > 1e-3
+    idx = np.asarray(llama.router_choices(qwen3_moe.config, qwen3_moe.params,
+                                          jnp.asarray(REF["sequence"])))
+    np.testing.assert_array_equal(np.sort(idx, -1),
+                                  np.sort(np.argsort(-ref, -1, kind="stable")[..., :2], -1))
+    g = engine.generate(qwen3_moe, [[int(t) for t in REF["prompt"]]],
+                        SamplingParams(n=1, temperature=0.0, max_new_tokens=16))
+    n = int(g.lengths[0, 0])
+    assert greedy_matches(g.tokens[0, 0, :n], REF["tiny_qwen3_moe/greedy"][:n],
+                          REF["tiny_qwen3_moe/margins"]) >= min(n, 5)
+
+
+def test_qwen3_moe_shared_equals_naive(qwen3_moe):
+    params = SamplingParams(n=4, max_new_tokens=10, seed=6)
+    shared = engine.generate(qwen3_moe, prompts(), params)
+    naive = engine.generate(qwen3_moe, prompts(), params, naive=True)
+    assert_same_tokens_up_to_ties(qwen3_moe, naive, shared)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+])
+def test_qwen3_moe_dense_layers_are_refused(tmp_path, change, needle):
+    d = tmp_path / "m"
+    shutil.copytree(DATA / "tiny_qwen3_moe", d)
+    hf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(hf | change))
+    with pytest.raises(UnsupportedModelError, match=needle) as e:
+        load(d)
+    assert "\n" not in str(e.value)
+
+
+def test_mixtral_gguf_matches_transformers():
+    lm = load(DATA / "tiny_mixtral.gguf")
+    assert (lm.config.n_experts, lm.config.n_experts_per_tok, lm.config.norm_topk) == (8, 2, True)
     assert_logits_close(np.asarray(lm.forward(REF["sequence"][None]))[0],
-                        REF["tiny_qwen3_moe/logits"])
+                        REF["tiny_mixtral/logits"])
