@@ -15,7 +15,8 @@ from jaxsample.errors import ModelLoadError, UnsupportedModelError
 from jaxsample.models import checks, gemma3_loader, llama_loader
 from jaxsample.models.loader_core import Architecture
 
-ARCHITECTURES: tuple[Architecture, ...] = (llama_loader.ARCHITECTURE, gemma3_loader.ARCHITECTURE)
+ARCHITECTURES: tuple[Architecture, ...] = (llama_loader.ARCHITECTURE, gemma3_loader.GEMMA2,
+                                            gemma3_loader.ARCHITECTURE)
 
 
 def supported_hf_classes() -> list[str]:

@@ -12,6 +12,10 @@ v [S, K, D])` receives q and k already normalised (QK-norm, where the family
 has it) and rotated (RoPE) but *not* scaled; the kernel multiplies q by the
 config's `attention_scale` (`1/sqrt(D)` for Llama, `query_pre_attn_scalar**-0.5`
 for Gemma 3) before the q k^T product (`partial_attention(..., scale=)`).
+Gemma 2 also soft-caps the scaled scores, `s -> c * tanh(s / c)` before the
+mask and the softmax (`attn_logit_softcapping`); its config's
+`attention_scale` is then a `SoftCappedScale`, a float that carries `c`, so
+every kernel that takes the scale applies the cap with no other argument.
 A local (sliding-window) layer lets the query at position p see the keys at
 positions `(p - window, p]` (Gemma 3, Mistral; Hugging Face's
 `sliding_window_overlay`, llama.cpp's `is_masked_swa`).
@@ -37,6 +41,41 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The window written for a global layer where per-layer windows must be an array
 # (the stacked layout's `lax.scan`): larger than any position, so nothing is masked.
 NO_WINDOW = 2**30
+
+
+class SoftCappedScale(float):
+    """An attention score scale (the float itself) with a score soft-cap `softcap`.
+
+    The kernels (`partial_attention`, `flash.blockwise_attention`) multiply q
+    by the scale and then map each score s to `softcap * tanh(s / softcap)`
+    (Gemma 2's `attn_logit_softcapping`; transformers `eager_attention_forward`
+    with `softcap`, llama.cpp's `f_attn_logit_softcapping`).
+    """
+
+    softcap: float
+
+    def __new__(cls, scale: float, softcap: float):
+        obj = super().__new__(cls, scale)
+        obj.softcap = float(softcap)
+        return obj
+
+    def __repr__(self) -> str:
+        return f"SoftCappedScale({float(self)!r}, softcap={self.softcap!r})"
+
+    def __eq__(self, other):
+        return (isinstance(other, SoftCappedScale) and float(self) == float(other)
+                and self.softcap == other.softcap)
+
+    def __hash__(self):
+        return hash((float(self), self.softcap))
+
+
+def softcap_scores(scores: jax.Array, scale) -> jax.Array:
+    """`c * tanh(scores / c)` when `scale` is a `SoftCappedScale` with cap c, else scores."""
+    cap = getattr(scale, "softcap", None)
+    if cap is None:
+        return scores
+    return jnp.tanh(scores / cap) * cap
 
 
 def check_positive_ints(obj, names, cls_name: str) -> None:
@@ -103,8 +142,8 @@ def partial_attention(q, k, v, mask, scale: float | None = None):
     Args:
       q: `[S, H, D]` (roped, not scaled); k, v: `[K, M, D]`; mask: `[S, M]`
         bool (True = may attend; a sliding window is part of the mask).
-      scale: the score scale, a Python float (the config's `attention_scale`);
-        None means `1/sqrt(D)`.
+      scale: the score scale, a Python float (the config's `attention_scale`;
+        a `SoftCappedScale` also soft-caps the scores); None means `1/sqrt(D)`.
     Returns:
       (out `[S, H, D]` float32 normalised within the segment,
        lse `[S, H]` float32 log-sum-exp of the segment's scores, -inf where
@@ -117,6 +156,7 @@ def partial_attention(q, k, v, mask, scale: float | None = None):
     qg = q.reshape(S, K, G, D).transpose(1, 2, 0, 3).reshape(K, G * S, D)
     qg = qg * jnp.asarray(1.0 / math.sqrt(D) if scale is None else float(scale), qg.dtype)
     scores = jnp.einsum("kqd,kmd->kqm", qg, k, preferred_element_type=jnp.float32)
+    scores = softcap_scores(scores, scale)
     scores = jnp.where(mask[None, None], scores.reshape(K, G, S, M), -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)

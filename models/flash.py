@@ -91,7 +91,8 @@ def blockwise_attention(q, k, v, *, window=None, scale: float | None = None,
       window: None (global layer) or the sliding window: a Python int >= 1 or
         a traced int32 that does not vary across a vmap (`common.NO_WINDOW`
         means global).
-      scale: the score scale (None: `1/sqrt(D)`), applied to q in its dtype.
+      scale: the score scale (None: `1/sqrt(D)`), applied to q in its dtype;
+        a `common.SoftCappedScale` also soft-caps the scores (Gemma 2).
       q_offset: static Python int >= 0, the absolute position of query 0.
       block_q, block_k: static block sizes in positions (default `BLOCK`),
         clipped to Sq / Sk; S need not be a multiple (padding is masked).
@@ -125,6 +126,7 @@ def blockwise_attention(q, k, v, *, window=None, scale: float | None = None,
     bk = min(block_k or BLOCK, Sk)
     nq, nk = -(-Sq // bq), -(-Sk // bk)
     sc = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    cap = getattr(scale, "softcap", None)
 
     qs = q * jnp.asarray(sc, q.dtype)
     qs = jnp.pad(qs, ((0, nq * bq - Sq), (0, 0), (0, 0)))
@@ -139,6 +141,8 @@ def blockwise_attention(q, k, v, *, window=None, scale: float | None = None,
         kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
         vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
         s = jnp.einsum("kqd,kmd->kqm", qi, kj, preferred_element_type=jnp.float32)
+        if cap is not None:
+            s = jnp.tanh(s / cap) * cap
         if masked:
             q_pos = q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)  # [bq]
             k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]

@@ -1,4 +1,4 @@
-"""The Gemma 3 text decoder as pure JAX functions (the same interface as `models.llama`).
+"""The Gemma 2 and Gemma 3 text decoders as pure JAX functions (the interface of `models.llama`).
 
 Letters as in `models/llama.py`. What differs from Llama (Gemma Team 2025,
 "Gemma 3 Technical Report", arXiv 2503.19786; Hugging Face
@@ -25,6 +25,14 @@ Letters as in `models/llama.py`. What differs from Llama (Gemma Team 2025,
   global ones;
 * optional final logit soft-capping `tanh(logits / c) * c`;
 * tied embeddings (an untied `lm_head` is accepted too).
+
+Gemma 2 (Gemma Team 2024, "Gemma 2", arXiv 2408.00118; transformers
+`modeling_gemma2.py`, `Gemma2ForCausalLM`) is the same block without
+QK-norm (`qk_norm=False`) and with attention logit soft-capping
+(`attn_logit_softcapping`: scores `c * tanh(s / c)` before the softmax,
+through `common.SoftCappedScale`), final soft-capping 30, local and global
+layers alternating (window 4096, the first layer local) and one RoPE base
+for both (`rope_local_theta == rope_theta`).
 
 Parameters (`param_shapes`) are stacked over L like Llama's; norm weights are
 stored the Hugging Face way (the scale is `1 + weight`): llama.cpp's GGUF
@@ -70,6 +78,9 @@ class Gemma3Config:
       query_pre_attn_scalar: attention scores are scaled by its inverse
         square root; None means D.
       final_logit_softcapping: c in `tanh(logits / c) * c`, or None.
+      attn_logit_softcapping: c in `tanh(scores / c) * c` on the attention
+        scores (Gemma 2), or None.
+      qk_norm: QK-norm on every query and key head (Gemma 3; Gemma 2 has none).
       max_seq_len: the context length in tokens (prompt + new tokens).
       tie_embeddings: the output projection is the embedding transposed.
       dtype: "float32" (default) or "bfloat16" for weights and activations;
@@ -94,6 +105,8 @@ class Gemma3Config:
     rope_scaling_factor: float = 1.0
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    qk_norm: bool = True
     max_seq_len: int = 32768
     tie_embeddings: bool = True
     dtype: str = "float32"
@@ -121,7 +134,7 @@ class Gemma3Config:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"Gemma3Config.{name} must be a positive finite number, got {v!r}")
-        for name in ("query_pre_attn_scalar", "final_logit_softcapping"):
+        for name in ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
                 raise ValueError(f"Gemma3Config.{name} must be None or a positive finite number, "
@@ -141,9 +154,13 @@ class Gemma3Config:
 
     @property
     def attention_scale(self) -> float:
-        """The attention score scale, `query_pre_attn_scalar ** -0.5` (D when unset)."""
+        """The attention score scale, `query_pre_attn_scalar ** -0.5` (D when unset): a
+        `common.SoftCappedScale` carrying `attn_logit_softcapping` when that is set."""
         s = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
-        return float(s) ** -0.5
+        scale = float(s) ** -0.5
+        if self.attn_logit_softcapping is not None:
+            return common.SoftCappedScale(scale, self.attn_logit_softcapping)
+        return scale
 
     def replace(self, **changes) -> "Gemma3Config":
         return dataclasses.replace(self, **changes)
@@ -173,7 +190,7 @@ def param_shapes(cfg: Gemma3Config) -> Params:
     Keys: `embed [V, E]`, `final_norm [E]`, `lm_head [E, V]` (untied only),
     and `layers` with arrays stacked over L: `attn_norm [L, E]`,
     `wq [L, E, H*D]`, `wk [L, E, K*D]`, `wv [L, E, K*D]`, `q_norm [L, D]`,
-    `k_norm [L, D]`, `wo [L, H*D, E]`, `post_attn_norm [L, E]`,
+    `k_norm [L, D]` (qk_norm only), `wo [L, H*D, E]`, `post_attn_norm [L, E]`,
     `mlp_norm [L, E]`, `w_gate [L, E, F]`, `w_up [L, E, F]`, `w_down [L, F, E]`,
     `post_mlp_norm [L, E]`. Norm weights are Hugging Face's (scale `1 + w`).
     """
@@ -185,6 +202,8 @@ def param_shapes(cfg: Gemma3Config) -> Params:
         "mlp_norm": (L, E), "w_gate": (L, E, F), "w_up": (L, E, F), "w_down": (L, F, E),
         "post_mlp_norm": (L, E),
     }
+    if not cfg.qk_norm:
+        del layers["q_norm"], layers["k_norm"]
     shapes = {"embed": (V, E), "final_norm": (E,), "layers": layers}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (E, V)
@@ -238,7 +257,7 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def qkv(cfg: Gemma3Config, lp: Params, x: jax.Array, positions: jax.Array, inv_freq):
-    """Pre-attention norm, projections, QK-norm and RoPE for one layer.
+    """Pre-attention norm, projections, QK-norm (Gemma 3) and RoPE for one layer.
 
     Args:
       lp: one layer's parameters; x: `[S, E]`; positions: `[S]` int32;
@@ -250,8 +269,11 @@ def qkv(cfg: Gemma3Config, lp: Params, x: jax.Array, positions: jax.Array, inv_f
     S = x.shape[0]
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-    q = rms_norm((h @ lp["wq"]).reshape(S, H, D), lp["q_norm"], cfg.norm_eps)
-    k = rms_norm((h @ lp["wk"]).reshape(S, K, D), lp["k_norm"], cfg.norm_eps)
+    q = (h @ lp["wq"]).reshape(S, H, D)
+    k = (h @ lp["wk"]).reshape(S, K, D)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
     v = (h @ lp["wv"]).reshape(S, K, D)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 

@@ -1,4 +1,7 @@
-"""Load Gemma 3 checkpoints (GGUF and Hugging Face directories) into `models.gemma3` params.
+"""Load Gemma 2 and Gemma 3 checkpoints (GGUF and Hugging Face directories) into `models.gemma3` params.
+
+Gemma 2 (`general.architecture = gemma2`, `Gemma2ForCausalLM`) is described
+at the end of this docstring.
 
 GGUF (`general.architecture = gemma3`, llama.cpp's `convert_hf_to_gguf.py`
 `Gemma3Model`):
@@ -28,6 +31,17 @@ Hugging Face: `Gemma3ForCausalLM` (model_type `gemma3_text`: 270M, 1B and
 text-only exports) with either transformers 4's `rope_theta`,
 `rope_local_base_freq`, `rope_scaling` and `sliding_window_pattern` or
 transformers 5's `rope_parameters` per layer type and `layer_types`.
+
+Gemma 2 (`models.gemma3.Gemma3Config` with `qk_norm=False`): no QK-norm
+tensors; attention soft-capping `attn_logit_softcapping` (config.json
+default 50, GGUF `gemma2.attn_logit_softcapping`) and final soft-capping
+(default 30); alternating local/global layers, the first local
+(transformers' default `layer_types`; llama.cpp `set_swa_pattern(2)`),
+window `sliding_window` (4096); one RoPE base for all layers. A GGUF file
+carries no `query_pre_attn_scalar`: llama.cpp (`LLM_ARCH_GEMMA2`) scales by
+`1/sqrt(E/H)` for the 27B model (46 layers) and `1/sqrt(D)` otherwise, and
+so does `config_from_gguf_gemma2`. Norm weights are stored as `1 + w` in
+GGUF as for Gemma 3 (`Gemma2Model.modify_tensors`).
 """
 
 from __future__ import annotations
@@ -37,12 +51,14 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models import gemma3
+from jaxsample.models import gemma3, llama_loader
 from jaxsample.models.loader_core import (Architecture, ConfigReader, Tensor, TensorTable,
                                           gguf_attention, gguf_embedding)
 
 GGUF_ARCH = "gemma3"
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
+GEMMA2_GGUF_ARCH = "gemma2"
+GEMMA2_HF_ARCHITECTURES = ("Gemma2ForCausalLM",)
 
 _GGUF_LAYER = {
     "attn_norm.weight": Tensor("attn_norm"),
@@ -92,19 +108,24 @@ def _unshift_norm(key: str, a: np.ndarray) -> np.ndarray:
     return a - np.float32(1.0) if key.endswith("norm") else a
 
 
+_QK_NORMS = ("q_norm", "k_norm")
+
+
 def gguf_table(cfg: gemma3.Gemma3Config) -> TensorTable:
     """llama.cpp's names; norm weights shifted back by 1; Q/K rows are not permuted."""
-    return TensorTable("blk.{i}.", _GGUF_TOP, _GGUF_LAYER, transform=_unshift_norm)
+    layer = {n: t for n, t in _GGUF_LAYER.items() if cfg.qk_norm or t.key not in _QK_NORMS}
+    return TensorTable("blk.{i}.", _GGUF_TOP, layer, transform=_unshift_norm)
 
 
 def hf_table(cfg: gemma3.Gemma3Config) -> TensorTable:
     """transformers' names (a tied checkpoint's stored head copy is skipped)."""
+    layer = {n: t for n, t in _HF_LAYER.items() if cfg.qk_norm or t.key not in _QK_NORMS}
     top = dict(_HF_TOP)
     ignore = frozenset()
     if cfg.tie_embeddings:
         del top["lm_head.weight"]
         ignore = frozenset({"lm_head.weight"})
-    return TensorTable("model.layers.{i}.", top, _HF_LAYER, ignore=ignore,
+    return TensorTable("model.layers.{i}.", top, layer, ignore=ignore,
                        ignore_suffixes=("rotary_emb.inv_freq",))
 
 
@@ -273,6 +294,126 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 
+
+# ---------------------------------------------------------------------------
+# Gemma 2
+
+
+def _optional_cap(r: ConfigReader, key: str, default: float | None):
+    """A soft-cap: `default` when the key is absent, None when it is written as null."""
+    if r.full_key(key) in r.values and r.values[r.full_key(key)] is None:
+        return None
+    return r.positive(key, default)
+
+
+def config_from_gguf_gemma2(meta: dict[str, Any], tensors: dict[str, Any], source: str,
+                            dtype: str = "float32") -> gemma3.Gemma3Config:
+    """Build the `Gemma3Config` (`qk_norm=False`) a `gemma2` GGUF file describes.
+
+    Keys as for gemma3 (`config_from_gguf_metadata`) under `gemma2.`, plus
+    `attn_logit_softcapping` and `final_logit_softcapping` (optional finite
+    numbers > 0) and `attention.sliding_window` (required); the layer pattern
+    is llama.cpp's (local on even layers).
+
+    Raises:
+      ModelLoadError / UnsupportedModelError: as `config_from_gguf_metadata`.
+    """
+    a = GEMMA2_GGUF_ARCH
+    r = ConfigReader(meta, source, a)
+    dim, n_vocab = gguf_embedding(tensors, r)
+    n_layers = r.count("block_count")
+    n_heads, n_kv, head_dim = gguf_attention(r, dim)
+    rot = r.count("rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise UnsupportedModelError(f"{source}: partial rotary embeddings ({a}.rope.dimension_count"
+                                    f" = {rot}, head dim {head_dim}) are not supported")
+    meta_vocab = r.count("vocab_size", None)
+    if meta_vocab is not None and meta_vocab != n_vocab:
+        raise ModelLoadError(f"{source}: {a}.vocab_size = {meta_vocab} but token_embd.weight "
+                             f"has {n_vocab} rows")
+    window = r.count("attention.sliding_window")
+    scaling_type = r.string("rope.scaling.type", "none")
+    if scaling_type != "none" and r.positive("rope.scaling.factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"{source}: rope scaling type {scaling_type!r} is not "
+                                    "supported for gemma2")
+    theta = r.positive("rope.freq_base", 10_000.0)
+    # llama.cpp (LLM_ARCH_GEMMA2): f_attention_scale = 1/sqrt(E/H) for the 27B model, else 1/sqrt(D).
+    scalar = dim / n_heads if n_layers == 46 else head_dim
+    try:
+        return gemma3.Gemma3Config(
+            vocab_size=n_vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+            head_dim=head_dim, ffn_dim=r.count("feed_forward_length"),
+            layer_windows=gemma3.layer_pattern(n_layers, window, 2),
+            norm_eps=r.positive("attention.layer_norm_rms_epsilon"),
+            rope_theta=theta, rope_local_theta=theta, query_pre_attn_scalar=float(scalar),
+            final_logit_softcapping=r.positive("final_logit_softcapping", None),
+            attn_logit_softcapping=r.positive("attn_logit_softcapping", None), qk_norm=False,
+            max_seq_len=r.count("context_length"),
+            tie_embeddings="output.weight" not in tensors, dtype=dtype, arch=a)
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
+
+
+def config_from_hf_gemma2(hf: dict[str, Any], source: str, dtype: str = "float32",
+                          arch_name: str | None = None) -> gemma3.Gemma3Config:
+    """Build a `Gemma3Config` (`qk_norm=False`) from a `Gemma2ForCausalLM` config.json.
+
+    Keys and defaults are transformers' `Gemma2Config`: head_dim 256,
+    query_pre_attn_scalar 256, sliding_window 4096, layer_types (default:
+    local on even layers), attn_logit_softcapping 50 and
+    final_logit_softcapping 30 (null: none), rope_theta / rope_parameters
+    (default type only), tie_word_embeddings true.
+
+    Raises:
+      UnsupportedModelError: an activation other than tanh-GELU, biases,
+        bidirectional attention or a rope scaling type.
+      ModelLoadError: a key missing, of the wrong type or out of range.
+    """
+    r = ConfigReader(hf, source)
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise UnsupportedModelError(f"{source}: hidden_activation {act!r} is not supported "
+                                    f"(only tanh-approximated GELU: {list(_GELU_TANH)})")
+    for flag in ("attention_bias", "use_bidirectional_attention"):
+        if r.flag(flag):
+            raise UnsupportedModelError(f"{source}: config.json {flag} = true is not supported")
+    n_layers = r.count("num_hidden_layers")
+    window = r.count("sliding_window", 4096)
+    types = hf.get("layer_types")
+    if types is not None:
+        if (not isinstance(types, list) or len(types) != n_layers
+                or not set(types) <= {"sliding_attention", "full_attention"}):
+            raise ModelLoadError(f"{source}: config.json 'layer_types' must list {n_layers} of "
+                                 f"'sliding_attention' / 'full_attention', got {types!r:.160}")
+        windows = tuple(window if t == "sliding_attention" else None for t in types)
+    else:
+        windows = gemma3.layer_pattern(n_layers, window, 2)
+    theta, scaling, key = llama_loader.hf_rope(r)
+    kind = llama_loader.rope_kind(r, scaling, key)
+    if kind != "default":
+        raise UnsupportedModelError(f"{source}: rope scaling type {kind!r} is not supported for "
+                                    "Gemma 2")
+    dim, n_heads = r.count("hidden_size"), r.count("num_attention_heads")
+    tie = r.flag("tie_word_embeddings")
+    try:
+        return gemma3.Gemma3Config(
+            vocab_size=r.count("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
+            n_kv_heads=r.count("num_key_value_heads", n_heads), head_dim=r.count("head_dim", 256),
+            ffn_dim=r.count("intermediate_size"), layer_windows=windows,
+            norm_eps=r.positive("rms_norm_eps", 1e-6), rope_theta=theta, rope_local_theta=theta,
+            query_pre_attn_scalar=r.positive("query_pre_attn_scalar", 256.0),
+            final_logit_softcapping=_optional_cap(r, "final_logit_softcapping", 30.0),
+            attn_logit_softcapping=_optional_cap(r, "attn_logit_softcapping", 50.0),
+            qk_norm=False, max_seq_len=r.count("max_position_embeddings", 8192),
+            tie_embeddings=True if tie is None else tie, dtype=dtype, arch="gemma2")
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
+
+
+GEMMA2 = Architecture(
+    family=gemma3, hf_classes=GEMMA2_HF_ARCHITECTURES, gguf_archs=(GEMMA2_GGUF_ARCH,),
+    config_from_hf=config_from_hf_gemma2, config_from_gguf=config_from_gguf_gemma2,
+    hf_table=hf_table, gguf_table=gguf_table)
 
 ARCHITECTURE = Architecture(
     family=gemma3, hf_classes=HF_ARCHITECTURES, gguf_archs=(GGUF_ARCH,),
