@@ -26,7 +26,6 @@ Expert compute (`expert_mix`): four implementations of the same sum
   tokens (gate weight 0 for the tokens that did not choose it), an
   untouched one costs nothing. Reads each touched expert once; T x touched
   expert rows of FLOPs (at most the dense count).
-
 * "gather": each token gathers its k experts' matrices and runs them alone.
   Reads T*k expert matrices (repeats included): the least work for one token.
 * "sorted": the T*k (token, expert) assignments sorted by expert, every
@@ -37,7 +36,9 @@ Expert compute (`expert_mix`): four implementations of the same sum
   off the top k): X/k times the FLOPs, every expert read, no gather or sort.
 
 The measured choice is in benchmarks/moe_paths.py and benchmarks/RESULTS.md
-("Mixture of experts").
+("Mixture of experts"): "loop" was the fastest at T = 1, 16 and 64 on CPU.
+A grouped kernel running each expert on its own tokens only ("sorted" on an
+accelerator whose `ragged_dot` is native) was not measured.
 
 Batching (`moe_ffn`): the decode step is written per branch and vmapped over
 the N branches and the R rows (`engine/step.py`); the plain vmap of a
@@ -47,7 +48,8 @@ one expert's weight read between branches. `moe_ffn` carries a
 does for the prefix): when the activations are batched and the weights are
 not, the batch axis is folded into the token axis and the function called
 again, so nested vmaps (branches, rows, prompts) end in one call over all
-their tokens, grouped by expert. Reverse-mode differentiation (Bridge
+their tokens: each expert's weights are read once per step for all of
+them. Reverse-mode differentiation (Bridge
 training through an MoE base model) goes through a `custom_vjp` whose
 backward pass is the plain "dense" formula's VJP.
 
@@ -290,25 +292,3 @@ def moe_ffn(lp, h: jax.Array, *, k: int, norm_topk: bool, impl: str = "auto") ->
         raise ValueError(f"moe_ffn: impl must be one of {IMPLS}, got {impl!r}")
     return _batched_fn(int(k), bool(norm_topk), impl)(lp["router"], lp["w_gate"], lp["w_up"],
                                                       lp["w_down"], h)
-
-
-def experts_touched(router, h, k: int, norm_topk: bool = True) -> jax.Array:
-    """Distinct experts selected by T tokens: `[]` int32 (the bill's measured count).
-
-    Args:
-      router: `[E, X]`; h: `[T, E]` normed activations of one layer.
-    """
-    _, idx = route(h @ router, k, norm_topk)
-    X = router.shape[1]
-    return jnp.sum(jnp.bincount(idx.reshape(-1), length=X) > 0).astype(jnp.int32)
-
-
-def expected_experts_touched(n_experts: int, k: int, tokens) -> float:
-    """Expected distinct experts hit by `tokens` tokens under uniform routing.
-
-    Each token picks k of X experts uniformly without replacement, so an
-    expert is missed by one token with probability 1 - k/X and by all with
-    (1 - k/X)^T: the expectation is X * (1 - (1 - k/X)^T).
-    """
-    X = float(n_experts)
-    return X * (1.0 - (1.0 - k / X) ** tokens)
