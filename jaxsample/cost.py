@@ -55,6 +55,19 @@ Counting conventions (letters as in `models/llama.py`):
   the same rule. FLOPs and the bytes summed over all steps count every
   layer as global (an upper bound for models with local layers).
 
+Sparse mixture of experts (`config.n_experts` = X > 0, k =
+`n_experts_per_tok`; `models.moe`): a layer holds X SwiGLU experts and a
+router `[E, X]`; a token runs k of them, so the linear FLOPs per token count
+`3*E*F*k + E*X` for the FFN (an ideal sparse kernel; the CPU "loop" kernel
+runs a touched expert on all the call's tokens). A decode step reads the
+weights of the experts its tokens touched, not all X: with R tokens per step
+(B*N slots in the shared and batched engines, 1 per retry run alone) and
+uniform routing, the expected distinct experts per layer are
+`X * (1 - (1 - k/X)^R)` (`expected_experts_touched`), and the step's weight
+bytes are `weight_bytes - L * (X - touched) * 3*E*F*dtype_bytes`
+(`step_weight_bytes`). That is what parallel sampling costs on an MoE:
+N = 1 reads k experts per layer, N = 64 reads nearly all X.
+
 References: Kaplan et al. 2020, "Scaling Laws for Neural Language Models"
 (2 FLOPs per parameter per token); Juravsky et al. 2024, "Hydragen"
 (shared-prefix attention reads the prefix once); Pope et al. 2022,
@@ -91,6 +104,9 @@ def param_count(config) -> int:
     L, E, F, V = config.n_layers, config.dim, config.ffn_dim, config.vocab_size
     HD, KD = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     per_layer = 2 * E + E * HD + 2 * E * KD + HD * E + 3 * E * F
+    X = getattr(config, "n_experts", 0)
+    if X:  # X experts and the router instead of one MLP
+        per_layer += 3 * E * F * (X - 1) + E * X
     if config.qkv_bias:
         per_layer += HD + 2 * KD
     total = V * E + E + L * per_layer
@@ -100,10 +116,47 @@ def param_count(config) -> int:
 
 
 def linear_params_per_layer(config) -> int:
-    """Weights of one decoder block's matmuls: `E*H*D + 2*E*K*D + H*D*E + 3*E*F`."""
+    """Weights of one decoder block's matmuls one token runs through:
+    `E*H*D + 2*E*K*D + H*D*E + 3*E*F` (with X experts, top k: `3*E*F*k + E*X`
+    for the FFN, the router included)."""
     E, F = config.dim, config.ffn_dim
     HD, KD = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    return int(E * HD + 2 * E * KD + HD * E + 3 * E * F)
+    X = getattr(config, "n_experts", 0)
+    ffn = 3 * E * F * config.n_experts_per_tok + E * X if X else 3 * E * F
+    return int(E * HD + 2 * E * KD + HD * E + ffn)
+
+
+def expected_experts_touched(config, tokens) -> float:
+    """Expected distinct experts per layer hit by `tokens` tokens in one call,
+    under uniform routing: `X * (1 - (1 - k/X)^tokens)` (0 for a dense model).
+
+    Each token picks k of the X experts uniformly without replacement, so it
+    misses a given expert with probability 1 - k/X. Real routers are not
+    uniform (the bill's measured count, `measure_experts_touched`, is the fact).
+    """
+    X = getattr(config, "n_experts", 0)
+    if not X:
+        return 0.0
+    return float(X * (1.0 - (1.0 - config.n_experts_per_tok / X) ** float(tokens)))
+
+
+def expert_bytes(config, dtype_bytes: int | None = None) -> int:
+    """Bytes of one expert of one layer, `3*E*F*dtype_bytes` (0 for a dense model)."""
+    if not getattr(config, "n_experts", 0):
+        return 0
+    return 3 * config.dim * config.ffn_dim * _dtype_bytes(config, dtype_bytes)
+
+
+def step_weight_bytes(config, tokens, dtype_bytes: int | None = None) -> int:
+    """Weight bytes one model call over `tokens` tokens reads: every weight for a
+    dense model; for an MoE, all but the experts no token is expected to touch
+    (`expected_experts_touched`), rounded to bytes."""
+    W = weight_bytes(config, dtype_bytes)
+    X = getattr(config, "n_experts", 0)
+    if not X:
+        return W
+    untouched = X - expected_experts_touched(config, tokens)
+    return int(round(W - config.n_layers * untouched * expert_bytes(config, dtype_bytes)))
 
 
 def linear_flops_per_token(config) -> int:
@@ -225,6 +278,11 @@ class CostEstimate:
       kv_bytes_separate: `B * N * (C + P + T) * kv_bytes_per_token`.
       prefill_flops_two_level: B prefills of C + P tokens (the context per prompt).
       kv_bytes_two_level: `(B*(C + P) + B*N*T) * kv_bytes_per_token`.
+      experts, experts_per_token: X and k of a sparse MoE (0 for a dense model).
+      experts_touched_per_step: expected distinct experts per layer in one
+        decode step of the B*N branches (uniform routing,
+        `expected_experts_touched`); the decode step bytes count only those.
+      experts_touched_sequential: the same for one retry alone (k).
     """
 
     prompt_tokens: int
@@ -251,6 +309,10 @@ class CostEstimate:
     kv_bytes_separate: int
     prefill_flops_two_level: int
     kv_bytes_two_level: int
+    experts: int = 0
+    experts_per_token: int = 0
+    experts_touched_per_step: float = 0.0
+    experts_touched_sequential: float = 0.0
 
     @property
     def total_flops_shared(self) -> int:
@@ -334,7 +396,9 @@ def estimate(config, prompt_tokens: int, new_tokens: int, n: int,
     C = _check_count("context_tokens", context_tokens, 0)
     B = _check_count("num_prompts", num_prompts, 1)
     b = _dtype_bytes(config, dtype_bytes)
-    W = weight_bytes(config, b)
+    R = B * N  # branches in all
+    W = step_weight_bytes(config, R, b)  # weights one decode step of R tokens reads
+    W1 = step_weight_bytes(config, 1, b)  # ... of one retry run alone
     kv = kv_bytes_per_token(config, b)
     pf = prefill_flops(config, C + P)  # one prompt with the context before it
     shared_pf = (prefill_flops(config, C) + B * suffix_prefill_flops(config, C, P) if C
@@ -343,24 +407,28 @@ def estimate(config, prompt_tokens: int, new_tokens: int, n: int,
     last = (linear_flops_per_token(config) + logits_flops_per_token(config)
             + attention_flops_per_pair(config) * (C + P + T)) if T else 0
     tail_sum = T * (T + 1) // 2  # tail tokens read, summed over steps t = 0 .. T-1
-    R = B * N  # branches in all
     shared_kv = kv_bytes(config, C, b) + B * kv_bytes(config, P, b)
     return CostEstimate(
         prompt_tokens=P, new_tokens=T, n=N, context_tokens=C, num_prompts=B, dtype_bytes=b,
-        n_params=param_count(config), weight_bytes=W, kv_bytes_per_token=kv,
+        n_params=param_count(config), weight_bytes=weight_bytes(config, b),
+        kv_bytes_per_token=kv,
         prefill_flops_shared=shared_pf, prefill_flops_separate=R * pf,
         decode_flops_per_token=df / T if T else 0.0,
         decode_flops_last_token=int(last),
         decode_flops_shared=R * df, decode_flops_separate=R * df,
         decode_step_bytes_shared=W + shared_kv + R * kv_bytes(config, T, b),
         decode_step_bytes_separate=W + R * kv_bytes(config, C + P + T, b),
-        decode_step_bytes_sequential=R * (W + kv_bytes(config, C + P + T, b)),
+        decode_step_bytes_sequential=R * (W1 + kv_bytes(config, C + P + T, b)),
         decode_bytes_shared=T * (W + (C + B * P) * kv) + R * tail_sum * kv,
         decode_bytes_separate=T * W + R * (T * (C + P) + tail_sum) * kv,
         kv_bytes_shared=shared_kv + R * kv_bytes(config, T, b),
         kv_bytes_separate=R * kv_bytes(config, C + P + T, b),
         prefill_flops_two_level=B * pf,
         kv_bytes_two_level=B * kv_bytes(config, C + P, b) + R * kv_bytes(config, T, b),
+        experts=getattr(config, "n_experts", 0),
+        experts_per_token=getattr(config, "n_experts_per_tok", 0),
+        experts_touched_per_step=expected_experts_touched(config, R),
+        experts_touched_sequential=expected_experts_touched(config, 1),
     )
 
 
@@ -465,6 +533,18 @@ class Bill:
       prompt_tokens_if_context_per_prompt, prefill_flops_if_context_per_prompt:
         what the context prefixed to every prompt would prefill (B contexts,
         branches still sharing each prompt: `generate` without shared_prefix).
+
+    Sparse mixture of experts (0 / None for a dense model):
+      experts, experts_per_token: X and k.
+      slots_per_step: branch slots computed per decode step, averaged
+        (`branch_steps / decode_steps`): the tokens of one MoE call.
+      experts_touched_per_step: expected distinct experts per layer per decode
+        step at that many tokens under uniform routing
+        (`expected_experts_touched`); k at N = 1, near X at large N.
+        `decode_bytes_read_*` count the experts' weights at this rate.
+      experts_touched_measured: the count the router really gave, per layer
+        and decode step, averaged; None until `measure_experts_touched`
+        replays the request (`dataclasses.replace` a bill with it).
     """
 
     num_prompts: int
@@ -496,6 +576,11 @@ class Bill:
     kv_bytes_shared_context: int = 0
     prompt_tokens_if_context_per_prompt: int = 0
     prefill_flops_if_context_per_prompt: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
+    slots_per_step: float = 0.0
+    experts_touched_per_step: float = 0.0
+    experts_touched_measured: float | None = None
 
     @property
     def tokens_discarded(self) -> int:
@@ -548,6 +633,14 @@ class Bill:
             f"{format_bytes(self.decode_bytes_read_if_separate)} for batched retries "
             f"(weights {format_bytes(self.weight_bytes)} read once per step in both)",
         ]
+        if self.experts:
+            measured = ("" if self.experts_touched_measured is None else
+                        f", measured {self.experts_touched_measured:.2f}")
+            lines.append(
+                f"mixture of experts: {self.experts_per_token} of {self.experts} experts per "
+                f"token; {self.slots_per_step:.1f} tokens per decode step touch "
+                f"{self.experts_touched_per_step:.2f} distinct experts per layer under "
+                f"uniform routing{measured} (one branch alone: {self.experts_per_token})")
         if self.devices > 1:
             lines.append(
                 f"on {self.devices} devices: {format_bytes(self.kv_bytes_per_device)} of KV "
@@ -635,7 +728,8 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         "kv_bytes_allocated", kv_bytes_allocated, 0, 2**62, "2**62")
 
     b = _dtype_bytes(config, dtype_bytes)
-    W = weight_bytes(config, b)
+    slots = branch_steps / steps if steps else 0.0
+    W = step_weight_bytes(config, slots, b) if steps else weight_bytes(config, b)
     kv = kv_bytes_per_token(config, b)
     full = prompts + C  # the tokens before the first new one, context included
     prefill = sum(prefill_flops(config, int(p)) for p in full)  # each prompt alone
@@ -670,13 +764,68 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         decode_flops_if_separate=decode,
         decode_bytes_read_shared=int(read_shared),
         decode_bytes_read_if_separate=int(read_separate),
-        weight_bytes=W,
+        weight_bytes=weight_bytes(config, b),
         kv_bytes_per_token=kv,
         devices=devices, kv_bytes_per_device=per_device, kv_bytes_allocated=allocated,
         shared_context_tokens=C, kv_bytes_shared_context=ctx_bytes,
         prompt_tokens_if_context_per_prompt=int(full.sum()),
         prefill_flops_if_context_per_prompt=int(prefill),
+        experts=getattr(config, "n_experts", 0),
+        experts_per_token=getattr(config, "n_experts_per_tok", 0),
+        slots_per_step=float(slots) if getattr(config, "n_experts", 0) else 0.0,
+        experts_touched_per_step=expected_experts_touched(config, slots) if steps else 0.0,
     )
+
+
+def measure_experts_touched(lm, generation) -> float:
+    """The distinct experts per layer the router really chose per decode step, averaged.
+
+    Replays the request teacher-forced (each branch's prompt + decoded tokens
+    through `models.llama.router_choices`, which routes exactly as the
+    forward does): decode step t chooses token t of every branch and feeds it
+    (position P + t) through the model; the tokens counted at step t are
+    those of the branches with t < their decoded length; the count is the number of distinct experts among their k
+    choices at each layer, averaged over layers and steps. Finished slots
+    the engine still computes (pad tokens) are not counted.
+
+    Args:
+      lm: the MoE `LanguageModel` that generated; generation: its `Generation`
+        (two-level requests: `shared_prefix` is not replayed).
+    Returns:
+      The mean count, a float in [k, X].
+    Raises:
+      ValueError: the model has no experts.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsample.models import llama
+
+    cfg = lm.config
+    if not getattr(cfg, "n_experts", 0):
+        raise ValueError("measure_experts_touched: the model has no experts (n_experts = 0)")
+    prompts = generation.prompt_tokens
+    lengths = np.asarray(generation.bill.decoded_tokens_per_branch)
+    B, N = lengths.shape
+    T = int(lengths.max()) if lengths.size else 0
+    if T == 0:
+        return 0.0
+    choose = jax.jit(lambda toks: jax.vmap(lambda t: llama.router_choices(cfg, lm.params, t))(
+        toks))
+    hits = np.zeros((T, cfg.n_layers, cfg.n_experts), bool)
+    for b in range(B):
+        prompt = list(map(int, prompts[b]))
+        P = len(prompt)
+        seqs = np.full((N, P + T), 0, np.int32)
+        for n in range(N):
+            seqs[n, :P] = prompt
+            seqs[n, P:P + lengths[b, n]] = generation.tokens[b, n, :lengths[b, n]]
+        idx = np.asarray(choose(jnp.asarray(seqs)))  # [N, L, P + T, k]
+        for n in range(N):
+            for t in range(int(lengths[b, n])):
+                # step t feeds token t (position P + t) through the layers.
+                hits[t, np.arange(cfg.n_layers)[:, None], idx[n, :, P + t]] = True
+    return float(hits.sum(-1).mean())
 
 
 # ---------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.models import common
+from jaxsample.models import common, moe
 # Shared building blocks, re-exported under their historical names.
 from jaxsample.models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
                            merge_attention, partial_attention, rms_norm, stack_layers,
@@ -148,6 +148,13 @@ class LlamaConfig:
       rotary_dim: R, the leading head dims RoPE rotates (even, <= D; None:
         all of D); Phi-3's `head_dim * partial_rotary_factor`.
       long_rope: LongRoPE scaling (`LongRope`), or None; not with rope_scaling.
+      n_experts: X, experts per layer of a sparse mixture-of-experts FFN
+        (Mixtral, Qwen3-MoE; `models.moe`), or 0 for the dense SwiGLU MLP.
+        With experts, F (`ffn_dim`) is one expert's hidden width.
+      n_experts_per_tok: k, experts each token is routed to (1 <= k <= X);
+        0 without experts.
+      norm_topk: the k routing weights are renormalised to sum to 1
+        (Mixtral; Qwen3-MoE's `norm_topk_prob`).
       qk_norm: an RMSNorm over D (weights `q_norm [D]`, `k_norm [D]` per
         layer, eps `norm_eps`) on every query and key head after the
         projections and before RoPE (Qwen3, `Qwen3Attention`).
@@ -180,6 +187,9 @@ class LlamaConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    norm_topk: bool = True
     qk_norm: bool = False
     rotary_dim: int | None = None
     long_rope: LongRope | None = None
@@ -224,6 +234,16 @@ class LlamaConfig:
                              f"factors, expected rotary dims / 2 = {self.rope_dims // 2}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"LlamaConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("n_experts", "n_experts_per_tok"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"LlamaConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.n_experts and not 1 <= self.n_experts_per_tok <= self.n_experts:
+            raise ValueError(f"LlamaConfig.n_experts_per_tok must be in [1, n_experts="
+                             f"{self.n_experts}], got {self.n_experts_per_tok!r}")
+        if not self.n_experts and self.n_experts_per_tok:
+            raise ValueError(f"LlamaConfig.n_experts_per_tok ({self.n_experts_per_tok}) needs "
+                             "n_experts >= 1")
 
     @property
     def jnp_dtype(self):
@@ -285,7 +305,9 @@ def param_shapes(cfg: LlamaConfig) -> Params:
     `wq [L, E, H*D]`, `wk [L, E, K*D]`, `wv [L, E, K*D]`, `wo [L, H*D, E]`,
     `bq [L, H*D]`, `bk [L, K*D]`, `bv [L, K*D]` (qkv_bias only),
     `q_norm [L, D]`, `k_norm [L, D]` (qk_norm only),
-    `mlp_norm [L, E]`, `w_gate [L, E, F]`, `w_up [L, E, F]`, `w_down [L, F, E]`.
+        `mlp_norm [L, E]`, `w_gate [L, E, F]`, `w_up [L, E, F]`, `w_down [L, F, E]`;
+    with X = `n_experts` > 0 (a sparse MoE FFN, `models.moe`): `router [L, E, X]`,
+    `w_gate [L, X, E, F]`, `w_up [L, X, E, F]`, `w_down [L, X, F, E]`.
     """
     L, E, F, V = cfg.n_layers, cfg.dim, cfg.ffn_dim, cfg.vocab_size
     HD, KD = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -296,6 +318,10 @@ def param_shapes(cfg: LlamaConfig) -> Params:
     }
     if cfg.qkv_bias:
         layers.update(bq=(L, HD), bk=(L, KD), bv=(L, KD))
+    if cfg.n_experts:
+        X = cfg.n_experts
+        layers.update(router=(L, E, X), w_gate=(L, X, E, F), w_up=(L, X, E, F),
+                      w_down=(L, X, F, E))
     if cfg.qk_norm:
         layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     shapes = {"embed": (V, E), "final_norm": (E,), "layers": layers}
@@ -371,7 +397,7 @@ def qkv(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array):
 
 
 def attn_out_and_mlp(cfg: LlamaConfig, lp: Params, x: jax.Array, o: jax.Array) -> jax.Array:
-    """Output projection, residual, SwiGLU MLP and residual.
+    """Output projection, residual, SwiGLU MLP (or sparse MoE FFN) and residual.
 
     Args:
       x: `[S, E]` the layer's input; o: `[S, H, D]` the attention output.
@@ -381,7 +407,15 @@ def attn_out_and_mlp(cfg: LlamaConfig, lp: Params, x: jax.Array, o: jax.Array) -
     S = x.shape[0]
     x = x + o.reshape(S, -1).astype(x.dtype) @ lp["wo"]
     h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
-    return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    return x + ffn(cfg, lp, h)
+
+
+def ffn(cfg: LlamaConfig, lp: Params, h: jax.Array) -> jax.Array:
+    """The feed-forward of one layer on normed activations h `[S, E]` -> `[S, E]`:
+    the dense SwiGLU, or with `cfg.n_experts` the sparse MoE (`models.moe.moe_ffn`)."""
+    if cfg.n_experts:
+        return moe.moe_ffn(lp, h, k=cfg.n_experts_per_tok, norm_topk=cfg.norm_topk)
+    return (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
 
 
 def layer(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array, attend: AttendFn):
@@ -394,6 +428,31 @@ def layer(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array, atte
     q, k, v = qkv(cfg, lp, x, positions)
     o = attend(q, k, v)
     return attn_out_and_mlp(cfg, lp, x, o), (k, v)
+
+
+def router_choices(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """The experts each position is routed to, per layer (causal forward of one sequence).
+
+    Args:
+      tokens: `[S]` int32; `cfg.n_experts` must be > 0.
+    Returns:
+      `[L, S, k]` int32, each position's k experts in descending order of
+      router probability (`models.moe.route`), from the same residual stream
+      as `forward_one`.
+    """
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+
+    def block(lp, x, attend, _):
+        q, k, v = qkv(cfg, lp, x, positions)
+        o = attend(q, k, v)
+        x_attn = x + o.reshape(x.shape[0], -1).astype(x.dtype) @ lp["wo"]
+        h = rms_norm(x_attn, lp["mlp_norm"], cfg.norm_eps)
+        _, idx = moe.route(h @ lp["router"], cfg.n_experts_per_tok, cfg.norm_topk)
+        return x_attn + ffn(cfg, lp, h), (idx, idx)
+
+    _, (idx, _) = common.run_layer_stack(block, params["layers"], embed(params, tokens),
+                                         lambda _: causal_attend(None))
+    return jnp.stack(idx) if isinstance(idx, list) else idx
 
 
 def logits(cfg: LlamaConfig, params: Params, x: jax.Array) -> jax.Array:

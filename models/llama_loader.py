@@ -1,4 +1,5 @@
-"""The Llama family's loader: config mappings and tensor tables (Llama, Mistral, Qwen2, Qwen3).
+"""The Llama family's loader: config mappings and tensor tables (Llama, Mistral, Qwen2, Qwen3,
+Mixtral).
 
 GGUF (llama.cpp's `convert_hf_to_gguf.py`): metadata `ARCH.*`, tensors
 `token_embd`, `output_norm`, `output`, `blk.{i}.attn_{norm,q,k,v,output}`,
@@ -11,6 +12,15 @@ rotate-half, RoPE); `qwen3` adds `blk.{i}.attn_{q,k}_norm` (QK-norm).
 Llama-3 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor
 of per-frequency divisors, not as parameters; the parameters are recovered
 by matching the divisors against the Llama-3 formula (`llama3_from_factors`).
+
+Mixtral (a sparse MoE FFN, `models.moe`): GGUF arch `llama` with
+`ARCH.expert_count` / `expert_used_count` and `blk.{i}.ffn_gate_inp` (router),
+`ffn_{gate,up,down}_exps` (experts stacked `[X, out, in]`); Hugging Face
+`MixtralForCausalLM` (`block_sparse_moe.gate`, `.experts.{e}.w1/w3/w2`), and
+`Qwen3MoeForCausalLM` (Qwen3's QK-norm; `mlp.gate`, `mlp.experts.{e}.gate_proj/
+up_proj/down_proj`; `moe_intermediate_size`, `norm_topk_prob`; every layer
+sparse: `decoder_sparse_step` 1, `mlp_only_layers` [], else refused). Not
+yet: GGUF `qwen3moe` (refused with the supported list).
 
 Hugging Face: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`
 (q/k/v bias), `Qwen3ForCausalLM` (QK-norm, no biases, `head_dim` independent
@@ -39,8 +49,41 @@ HF_CLASSES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
 GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+# Sparse mixture-of-experts FFN tensors (models.moe), replacing the MLP's.
+# llama.cpp stacks the experts ([X, out, in] per layer, `convert_hf_to_gguf.py`
+# LlamaModel for Mixtral); transformers' save_pretrained writes one tensor per
+# expert (Mixtral: w1 gate, w3 up, w2 down).
+_GGUF_MOE = {
+    "ffn_gate_inp.weight": Tensor("router", True),
+    "ffn_gate_exps.weight": Tensor("w_gate", True),
+    "ffn_up_exps.weight": Tensor("w_up", True),
+    "ffn_down_exps.weight": Tensor("w_down", True),
+}
+_HF_MOE = {
+    "block_sparse_moe.gate.weight": Tensor("router", True),
+    "block_sparse_moe.experts.{e}.w1.weight": Tensor("w_gate", True),
+    "block_sparse_moe.experts.{e}.w3.weight": Tensor("w_up", True),
+    "block_sparse_moe.experts.{e}.w2.weight": Tensor("w_down", True),
+}
+_HF_QWEN3_MOE = {
+    "mlp.gate.weight": Tensor("router", True),
+    "mlp.experts.{e}.gate_proj.weight": Tensor("w_gate", True),
+    "mlp.experts.{e}.up_proj.weight": Tensor("w_up", True),
+    "mlp.experts.{e}.down_proj.weight": Tensor("w_down", True),
+}
+_MLP = ("w_gate", "w_up", "w_down")
+
+
+def with_moe(layer: dict, moe: dict) -> dict:
+    """A layer table with the dense MLP's entries replaced by the MoE's."""
+    out = {n: t for n, t in layer.items() if not set(t.keys) & set(_MLP)}
+    out.update(moe)
+    return out
 
 _GGUF_LAYER = {
     "attn_norm.weight": Tensor("attn_norm"),
@@ -117,7 +160,8 @@ def gguf_table(cfg: llama.LlamaConfig) -> TensorTable:
 
     if cfg.arch == "phi3":
         return TensorTable("blk.{i}.", _GGUF_TOP, _GGUF_PHI3_LAYER, ignore=_GGUF_LONGROPE)
-    return TensorTable("blk.{i}.", _GGUF_TOP, _GGUF_LAYER, ignore=frozenset({"rope_freqs.weight"}),
+    layer = with_moe(_GGUF_LAYER, _GGUF_MOE) if cfg.n_experts else _GGUF_LAYER
+    return TensorTable("blk.{i}.", _GGUF_TOP, layer, ignore=frozenset({"rope_freqs.weight"}),
                        transform=transform)
 
 
@@ -128,7 +172,10 @@ def hf_table(cfg: llama.LlamaConfig) -> TensorTable:
     if cfg.tie_embeddings:
         del top["lm_head.weight"]
         ignore = frozenset({"lm_head.weight"})  # some tied checkpoints store the copy anyway
-    layer = _HF_PHI3_LAYER if cfg.arch == "phi3" else _HF_LAYER
+    if cfg.n_experts:
+        layer = with_moe(_HF_LAYER, _HF_QWEN3_MOE if cfg.arch == "qwen3moe" else _HF_MOE)
+    else:
+        layer = _HF_PHI3_LAYER if cfg.arch == "phi3" else _HF_LAYER
     return TensorTable("model.layers.{i}.", top, layer, ignore=ignore,
                        ignore_suffixes=ROTARY_BUFFERS)
 
@@ -208,6 +255,10 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
         token_embd.weight                            2-D, [E, V] in GGUF order, E =
                                                      embedding_length
         rope_freqs.weight                            [D/2] finite divisors > 0
+        .expert_count, .expert_used_count            optional (0: a dense MLP); with
+                                                     experts (Mixtral as llama.cpp writes it),
+                                                     integers with 1 <= used <= count, and
+                                                     feed_forward_length is one expert's width
 
     Args:
       meta: key -> value from `loader_core.read_gguf`.
@@ -259,7 +310,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
             qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm=(arch == "qwen3"),
             rotary_dim=None if rot == head_dim else rot,
             long_rope=gguf_longrope(r, tensors, rot) if arch == "phi3" else None, dtype=dtype,
-            arch=arch)
+            arch=arch, **moe_fields(r, "expert_count", "expert_used_count", norm_topk=True))
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
     if "rope_freqs.weight" in tensors:
@@ -380,6 +431,33 @@ def longrope_scaling(r: ConfigReader, scaling: dict, scaling_key: str, max_pos: 
                           original_max_position_embeddings=orig, attention_factor=attn)
 
 
+def moe_fields(r: ConfigReader, count_key: str, used_key: str, *, norm_topk: bool,
+               required: bool = False) -> dict[str, Any]:
+    """`LlamaConfig`'s expert fields (`n_experts`, `n_experts_per_tok`, `norm_topk`).
+
+    Args:
+      r: the reader; count_key / used_key: the keys of X and k (GGUF
+        `expert_count` / `expert_used_count`; config.json `num_local_experts`
+        / `num_experts_per_tok` for Mixtral, `num_experts` for Qwen3-MoE).
+      norm_topk: renormalise the top-k weights (Mixtral: always).
+      required: the keys must be present (an HF MoE class); otherwise absent
+        or 0 means a dense model.
+    Returns:
+      {} for a dense model, else the three fields.
+    Raises:
+      ModelLoadError: a key missing (when required), not an integer, or
+        k > X (naming the key).
+    """
+    X = r.count(count_key) if required else r.count(count_key, 0, minimum=0)
+    if not X:
+        return {}
+    k = r.count(used_key)
+    if k > X:
+        raise ModelLoadError(f"{r.what(used_key)} ({k}) must be <= {r.full_key(count_key)!r} "
+                             f"({X})")
+    return dict(n_experts=X, n_experts_per_tok=k, norm_topk=norm_topk)
+
+
 def hf_common_checks(r: ConfigReader, arch_name: str, *, bias_ok: bool) -> None:
     """hidden_act silu, no mlp_bias, attention_bias only where `bias_ok`."""
     source = r.source
@@ -463,21 +541,43 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
 
     window = r.count("sliding_window", 0, minimum=0)
     use_window = r.flag("use_sliding_window")
-    if arch == "qwen3" and use_window:
+    if arch in ("qwen3", "qwen3moe") and use_window:
         raise UnsupportedModelError(f"{source}: use_sliding_window (sliding-window layers above "
                                     "max_window_layers) is not supported for Qwen3ForCausalLM")
-    if window and (arch not in ("qwen2", "qwen3") or use_window) and window < ctx:
+    if window and (arch not in ("qwen2", "qwen3", "qwen3moe") or use_window) and window < ctx:
         ctx = window  # full attention equals sliding-window attention within the window
     tie = r.flag("tie_word_embeddings")
+    # Mixtral: transformers' MixtralTopKRouter (softmax over X, top k, renormalise).
+    moe = (moe_fields(r, "num_local_experts", "num_experts_per_tok", norm_topk=True,
+                      required=True) if arch == "mixtral" else {})
+    ffn_key = "intermediate_size"
+    if arch == "qwen3moe":
+        # Qwen3MoeTopKRouter: softmax over X, top k, renormalised only if norm_topk_prob.
+        # Every layer must be sparse: one stacked layout for all L layers.
+        step = r.count("decoder_sparse_step", 1)
+        dense_layers = r.get("mlp_only_layers", [])
+        if not isinstance(dense_layers, list):
+            raise ModelLoadError(f"{r.what('mlp_only_layers')} must be a list of layer "
+                                 f"indices, got {checks.short_repr(dense_layers)}")
+        if step != 1 or dense_layers:
+            raise UnsupportedModelError(
+                f"{source}: dense MLP layers between the sparse ones (decoder_sparse_step = "
+                f"{step}, mlp_only_layers = {dense_layers}) are not supported; only "
+                "decoder_sparse_step 1 with mlp_only_layers []")
+        # The Hub's configs say num_experts; transformers 5 saves num_local_experts.
+        count_key = "num_experts" if r.raw("num_experts") is not None else "num_local_experts"
+        moe = moe_fields(r, count_key, "num_experts_per_tok",
+                         norm_topk=bool(r.flag("norm_topk_prob", False)), required=True)
+        ffn_key = "moe_intermediate_size"  # one expert's width
     try:
         return llama.LlamaConfig(
             vocab_size=r.count("vocab_size"), dim=dim, n_layers=r.count("num_hidden_layers"),
             n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-            ffn_dim=r.count("intermediate_size"), norm_eps=r.positive("rms_norm_eps", 1e-6),
+            ffn_dim=r.count(ffn_key), norm_eps=r.positive("rms_norm_eps", 1e-6),
             rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=ctx,
             tie_embeddings=bool(tie) if tie is not None else False,
-            qkv_bias=(arch == "qwen2"), qk_norm=(arch == "qwen3"), rotary_dim=rotary_dim,
-            long_rope=long_rope, dtype=dtype, arch=arch)
+            qkv_bias=(arch == "qwen2"), qk_norm=(arch in ("qwen3", "qwen3moe")),
+            rotary_dim=rotary_dim, long_rope=long_rope, dtype=dtype, arch=arch, **moe)
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 

@@ -333,7 +333,8 @@ class Tensor:
         tensor, the keys of its row blocks in order (`("wq", "wk", "wv")`:
         the rows are split by the target shapes, e.g. Phi-3's `qkv_proj`).
       matrix: the file stores `[out, in]` (PyTorch / GGUF order): transposed
-        to our `[in, out]`.
+        to our `[in, out]` (the last two axes: llama.cpp's stacked experts
+        `[X, out, in]` become `[X, in, out]`).
     """
 
     key: str | tuple[str, ...]
@@ -449,7 +450,8 @@ def copy_tensors(family: ModuleType, cfg, table: TensorTable, names: Iterable[st
         a = fetch(name)
         # The shape in our [in, out] order, checked before any transform (an un-permute
         # needs rows that split into heads).
-        got = a.shape[::-1] if spec.matrix else a.shape
+        # A matrix swaps its last two axes (a stacked [X, out, in] expert tensor too).
+        got = a.shape[:-2] + a.shape[-2:][::-1] if spec.matrix else a.shape
         if len(spec.keys) == 1:
             want = targets[0]
         else:
@@ -467,7 +469,7 @@ def copy_tensors(family: ModuleType, cfg, table: TensorTable, names: Iterable[st
             start += t[-1]
             if table.transform is not None:
                 block = table.transform(key, block)
-            block = block.T if spec.matrix else block
+            block = block.swapaxes(-1, -2) if spec.matrix else block
             if i is None:
                 params[key] = np.ascontiguousarray(block, np.float32)
             elif e is None:
