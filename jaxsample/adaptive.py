@@ -19,7 +19,7 @@ import numpy as np
 from jaxsample import answers as answers_lib
 from jaxsample import cost, stopping
 from jaxsample.engine import stops as stops_lib
-from jaxsample.engine.api import branch_text, finish
+from jaxsample.engine.api import final_text, finish
 from jaxsample.engine.inputs import check_int
 from jaxsample.engine.session import Session
 from jaxsample.errors import InputError
@@ -90,7 +90,12 @@ class AdaptiveResult:
 
     Attributes:
       winner: B answers (normalised strings) or None where no branch answered.
-      share: `[B]` float32, the winner's share of the counted vote weight.
+      share: `[B]` float32, the winner's share of the counted vote weight
+        (support / the total weight of the counted branches).
+      support: `[B]` float32, the winner's votes: the number of counted
+        branches that gave it, or with `confidence` the sum of their weights
+        (lowest group confidences), as `jaxsample.majority_vote`'s
+        `Vote.support`; 0 where no branch answered.
       answers: B lists of n_used[b] answers (None: none found), branch order.
       counted: B lists of n_used[b] bools: the branch voted (valid, not terminated).
       n_used: `[B]` int32 branches drawn per prompt.
@@ -106,6 +111,7 @@ class AdaptiveResult:
 
     winner: list
     share: np.ndarray
+    support: np.ndarray
     answers: list
     counted: list
     n_used: np.ndarray
@@ -241,8 +247,9 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         for i, b in enumerate(active):
             for c in range(width):
                 n = first + c
-                text, _ = branch_text(lm.tokenizer, rnd.tokens[i, c], rnd.lengths[i, c],
-                                      rnd.stopped[i, c], sp.stop)
+                # Exactly the text `finish` puts in Generation.texts (min_tokens included).
+                text, _ = final_text(session, rnd.tokens[i, c], rnd.lengths[i, c],
+                                     rnd.stopped[i, c])
                 answers[b].append(get_answer(text))
                 term[b].append(reasons.get((b, n)) == "terminated")
                 if confidence:
@@ -262,16 +269,18 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
     gen = finish(session, rounds, reasons)
     gen = dataclasses.replace(gen, params=params.replace(n=max_n, seed=sp.seed))
     n_used = np.array([len(a) for a in answers], np.int32)
-    winners, shares, counted = [], [], []
+    winners, supports, shares, counted = [], [], [], []
     for b in range(B):
         votes = [a if not t else None for a, t in zip(answers[b], term[b])]
         w = [x if v is not None else 0.0 for x, v in zip(lowest[b], votes)] if confidence else None
-        winner, share = stopping.vote(votes, w)
+        winner, support, share = stopping.tally(votes, w)
         winners.append(winner)
+        supports.append(support)
         shares.append(share)
         counted.append([v is not None for v in votes])
     bill = _bill(session, gen, n_used, term, max_n, len(rounds))
-    return AdaptiveResult(winner=winners, share=np.array(shares, np.float32), answers=answers,
+    return AdaptiveResult(winner=winners, share=np.array(shares, np.float32),
+                          support=np.array(supports, np.float32), answers=answers,
                           counted=counted, n_used=n_used,
                           terminated=np.array([sum(t) for t in term], np.int32),
                           confidence=lowest, thresholds=thresholds, generation=gen, bill=bill)

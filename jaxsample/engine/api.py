@@ -180,6 +180,15 @@ def branch_text(tokenizer, tokens, length, stopped, stop_strings, min_tokens: in
     return stops_lib.cut(tokenizer, body, stop_strings, min_tokens)
 
 
+def final_text(session: Session, tokens, length, stopped):
+    """(text, kept tokens or None) of one branch exactly as `Generation.texts` holds
+    it: the one function `finish`, `stream` and `adaptive_self_consistency` call,
+    so the text a vote reads and the text returned cannot differ (the session's
+    stop strings and `min_tokens` applied)."""
+    p = session.params
+    return branch_text(session.lm.tokenizer, tokens, length, stopped, p.stop, p.min_tokens)
+
+
 def finish(session: Session, rounds: list[Round], reasons_override=None) -> Generation:
     """Host-side assembly of one Generation from a session's rounds.
 
@@ -225,8 +234,7 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
     for b in range(B):
         row = []
         for n in range(width):
-            text, keep = branch_text(lm.tokenizer, tok[b, n], lens[b, n], stopped[b, n],
-                                     params.stop, params.min_tokens)
+            text, keep = final_text(s, tok[b, n], lens[b, n], stopped[b, n])
             if keep is not None:
                 tok[b, n, keep:], lp[b, n, keep:], lens[b, n] = pad, 0.0, keep
                 top_lp[b, n, keep:], top_id[b, n, keep:] = 0.0, pad

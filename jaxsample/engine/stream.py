@@ -137,8 +137,8 @@ def _events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent
             st = texts.setdefault(key, stops_lib.StreamText(stops, s.params.min_tokens))
             text = st.feed(tok, new[(r, c)]) if (r, c) in new else ""
             if rnd.done[r, c]:  # ended by a stop token or a stop string: its text is final now
-                final, _ = api.branch_text(tok, rnd.tokens[r, c], rnd.lengths[r, c],
-                                           rnd.stopped[r, c], stops, s.params.min_tokens)
+                final, _ = api.final_text(s, rnd.tokens[r, c], rnd.lengths[r, c],
+                                          rnd.stopped[r, c])
                 rest, ok = st.finish(final)
                 _check(ok, key)
                 text += rest
