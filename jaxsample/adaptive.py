@@ -26,6 +26,7 @@ from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling import MAX_LOGPROBS, SamplingParams
+from jaxsample.sampling_params import refuse_foreign_keywords
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,6 +136,7 @@ def _extractor(extract) -> Callable[[str], str | None]:
     return lambda text: answers_lib.extract(text, extract)
 
 
+@refuse_foreign_keywords("jaxsample.adaptive_self_consistency")
 def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
                               max_n: int = 64, window: int = 8, rule: str = "esc",
                               threshold: float = 0.95, confidence: str | None = None,

@@ -16,10 +16,12 @@ from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample import sampling
 from jaxsample.sampling import SamplingParams
+from jaxsample.sampling_params import refuse_foreign_keywords
 
 STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are given
 
 
+@refuse_foreign_keywords("jaxsample.generate")
 def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
              chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
              naive: bool = False, chunk_size: int | None = None,

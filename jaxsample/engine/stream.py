@@ -23,6 +23,7 @@ from jaxsample.engine import stops as stops_lib
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling import SamplingParams
+from jaxsample.sampling_params import refuse_foreign_keywords
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,7 @@ class StreamEvent:
         return self.generation is not None
 
 
+@refuse_foreign_keywords("jaxsample.stream")
 def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
            chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
            chunk_size: int = api.STOP_CHUNK, compact: bool = False,
