@@ -19,7 +19,7 @@ import numpy as np
 from jaxsample import answers as answers_lib
 from jaxsample import cost, stopping
 from jaxsample.engine import stops as stops_lib
-from jaxsample.engine.api import final_text, finish
+from jaxsample.engine.api import final_text, finish, text_tokenizer
 from jaxsample.engine.inputs import check_int
 from jaxsample.engine.session import Session
 from jaxsample.errors import InputError
@@ -223,7 +223,8 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         ids = np.full((len(active), window), -1, np.int32)
         ids[:, :width] = first + np.arange(width)
         rnd = session.round(active, ids)
-        watch = stops_lib.StopWatch(lm.tokenizer, sp.stop, sp.min_tokens) if sp.stop else None
+        watch = (stops_lib.StopWatch(text_tokenizer(session), sp.stop, sp.min_tokens)
+                 if sp.stop else None)
         t0 = 0
         while True:
             more = rnd.run(chunk_size)
@@ -250,8 +251,8 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
             for c in range(width):
                 n = first + c
                 # Exactly the text `finish` puts in Generation.texts (min_tokens included).
-                text, _ = final_text(session, rnd.tokens[i, c], rnd.lengths[i, c],
-                                     rnd.stopped[i, c])
+                text, _, _ = final_text(session, rnd.tokens[i, c], rnd.lengths[i, c],
+                                        rnd.stopped[i, c])
                 answers[b].append(get_answer(text))
                 term[b].append(reasons.get((b, n)) == "terminated")
                 if confidence:

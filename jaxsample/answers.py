@@ -14,7 +14,7 @@ kind "number"), the order answer-extraction harnesses apply: a boxed answer
 (Qwen2.5-Math's parser), then an answer phrase ("#### X", "The answer is X",
 "Answer: X", "Final answer: X", "The result is X": lm-evaluation-harness's
 GSM8K "strict-match" and chain-of-thought filters, OpenAI simple-evals'
-`Answer\s*:`), then the result of the last equation ("= X"), and only then the
+`Answer\\s*:`), then the result of the last equation ("= X"), and only then the
 last number (lm-evaluation-harness's "flexible-extract"), so a restated
 operand ("12 * 7 = 94, from the numbers 12 and 7") does not win the vote.
 

@@ -160,6 +160,16 @@ class SamplingParams:
         (`Generation.prompt_logprobs`), under the raw distribution, as
         vLLM's `prompt_logprobs`. Computed in the prefill; None costs
         nothing.
+      include_stop_str_in_output: False (default): the text ends before the
+        stop string that ended the branch; True: the text ends with it
+        (vLLM's field). The tokens kept are the same either way (the fewest
+        whose text holds the stop string); a stop token's text is never
+        included.
+      skip_special_tokens: True (default): special tokens (the end of turn,
+        BOS, control tokens) are dropped from the decoded text; False keeps
+        their text (`tokenizer.decode(ids, skip_special_tokens=...)`, vLLM's
+        field). It applies to `Generation.texts`, the stream's deltas and the
+        text stop strings are looked for in; tokens are unchanged.
 
     Order of the logits processors (vLLM's v1 sampler): logit bias,
     min-tokens, repetition, frequency and presence penalties, then
@@ -188,6 +198,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         def fail(name: str, allowed: str, value: Any):
@@ -275,6 +287,10 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             fail("ignore_eos", "a bool", self.ignore_eos)
         set_("ignore_eos", bool(self.ignore_eos))
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                fail(name, "a bool", getattr(self, name))
+            set_(name, bool(getattr(self, name)))
         for name in ("presence_penalty", "frequency_penalty"):
             check_float(name, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY,
                         "a float in [-2, 2] (0 is off)")

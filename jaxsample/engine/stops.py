@@ -85,23 +85,56 @@ def tokens_covering(tokenizer, toks: list[int], stops, floor: int = 0,
 
 
 def cut(tokenizer, body: list[int], stops, min_tokens: int = 0) -> tuple[str, int | None]:
-    """(text, kept tokens or None): the branch's text cut before its first stop string.
+    """(text, kept tokens or None): `cut_at` without the stop string."""
+    text, keep, _ = cut_at(tokenizer, body, stops, min_tokens)
+    return text, keep
+
+
+def cut_at(tokenizer, body: list[int], stops, min_tokens: int = 0,
+           include_stop: bool = False) -> tuple[str, int | None, str | None]:
+    """(text, kept tokens or None, the stop string or None): the branch's text cut
+    before its first stop string (after it with `include_stop`,
+    `SamplingParams.include_stop_str_in_output`).
 
     `body` excludes a final stop token. None means no stop string was found
     (all tokens are kept). With `min_tokens`, only stop strings that end
     after the text of the first `min_tokens` tokens count. The text is always a
     prefix of `decode(body)` (never a character cut in half): the kept tokens'
-    stable text (`stable_prefix`) cut before its first stop string.
+    stable text (`stable_prefix`) cut before its first stop string. Of stop
+    strings starting at the same place the one ending first is reported (the
+    one the kept tokens hold).
     """
     text = tokenizer.decode(body)
     if not stops or len(body) <= min_tokens:
-        return text, None
+        return text, None, None
     floor = min_tokens_floor(tokenizer, body, min_tokens)
     if first_stop(text, stops, floor) is None:
-        return text, None
+        return text, None, None
     keep = tokens_covering(tokenizer, body, stops, floor, text)
     head = stable_prefix(tokenizer, body, keep, text)  # the same tokens the arrays keep
-    return head[:first_stop(head, stops, floor)], keep
+    at = first_stop(head, stops, floor)
+    stop = min((s for s in stops if head.startswith(s, at) and at + len(s) > floor),
+               key=len)
+    return head[:at + len(stop)] if include_stop else head[:at], keep, stop
+
+
+class KeepSpecialTokens:
+    """A view of a tokenizer whose `decode` keeps special tokens' text
+    (`skip_special_tokens=False`, `SamplingParams.skip_special_tokens`)."""
+
+    __slots__ = ("tokenizer",)
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def text_tokenizer(tokenizer, skip_special_tokens: bool = True):
+    """The tokenizer to decode branch text with: itself (special tokens dropped, its
+    default), or `KeepSpecialTokens` of it."""
+    return tokenizer if skip_special_tokens else KeepSpecialTokens(tokenizer)
 
 
 class IncrementalText:

@@ -111,7 +111,7 @@ def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
 
 
 def _events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent]:
-    s, tok = session, session.lm.tokenizer
+    s, tok = session, api.text_tokenizer(session)
     stops = s.params.stop
     texts: dict[tuple[int, int], stops_lib.StreamText] = {}
     ended: set[tuple[int, int]] = set()
@@ -139,8 +139,8 @@ def _events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent
             st = texts.setdefault(key, stops_lib.StreamText(stops, s.params.min_tokens))
             text = st.feed(tok, new[(r, c)]) if (r, c) in new else ""
             if rnd.done[r, c]:  # ended by a stop token or a stop string: its text is final now
-                final, _ = api.final_text(s, rnd.tokens[r, c], rnd.lengths[r, c],
-                                          rnd.stopped[r, c])
+                final, _, _ = api.final_text(s, rnd.tokens[r, c], rnd.lengths[r, c],
+                                             rnd.stopped[r, c])
                 rest, ok = st.finish(final)
                 _check(ok, key)
                 text += rest
