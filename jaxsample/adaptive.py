@@ -20,13 +20,14 @@ from jaxsample import answers as answers_lib
 from jaxsample import cost, stopping
 from jaxsample import progress as progress_lib
 from jaxsample.engine import stops as stops_lib
-from jaxsample.engine.api import branch_text, finish
+from jaxsample.engine.api import final_text, finish, text_tokenizer
 from jaxsample.engine.inputs import check_int
 from jaxsample.engine.session import Session
 from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling import MAX_LOGPROBS, SamplingParams
+from jaxsample.sampling_params import refuse_foreign_keywords
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,7 +92,12 @@ class AdaptiveResult:
 
     Attributes:
       winner: B answers (normalised strings) or None where no branch answered.
-      share: `[B]` float32, the winner's share of the counted vote weight.
+      share: `[B]` float32, the winner's share of the counted vote weight
+        (support / the total weight of the counted branches).
+      support: `[B]` float32, the winner's votes: the number of counted
+        branches that gave it, or with `confidence` the sum of their weights
+        (lowest group confidences), as `jaxsample.majority_vote`'s
+        `Vote.support`; 0 where no branch answered.
       answers: B lists of n_used[b] answers (None: none found), branch order.
       counted: B lists of n_used[b] bools: the branch voted (valid, not terminated).
       n_used: `[B]` int32 branches drawn per prompt.
@@ -107,6 +113,7 @@ class AdaptiveResult:
 
     winner: list
     share: np.ndarray
+    support: np.ndarray
     answers: list
     counted: list
     n_used: np.ndarray
@@ -130,6 +137,7 @@ def _extractor(extract) -> Callable[[str], str | None]:
     return lambda text: answers_lib.extract(text, extract)
 
 
+@refuse_foreign_keywords("jaxsample.adaptive_self_consistency")
 def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
                               max_n: int = 64, window: int = 8, rule: str = "esc",
                               threshold: float = 0.95, confidence: str | None = None,
@@ -222,7 +230,8 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         ids = np.full((len(active), window), -1, np.int32)
         ids[:, :width] = first + np.arange(width)
         rnd = session.round(active, ids)
-        watch = stops_lib.StopWatch(lm.tokenizer, sp.stop, sp.min_tokens) if sp.stop else None
+        watch = (stops_lib.StopWatch(text_tokenizer(session), sp.stop, sp.min_tokens)
+                 if sp.stop else None)
         t0 = 0
         while True:
             more = rnd.run(chunk_size)
@@ -251,8 +260,9 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         for i, b in enumerate(active):
             for c in range(width):
                 n = first + c
-                text, _ = branch_text(lm.tokenizer, rnd.tokens[i, c], rnd.lengths[i, c],
-                                      rnd.stopped[i, c], sp.stop)
+                # Exactly the text `finish` puts in Generation.texts (min_tokens included).
+                text, _, _ = final_text(session, rnd.tokens[i, c], rnd.lengths[i, c],
+                                        rnd.stopped[i, c])
                 answers[b].append(get_answer(text))
                 term[b].append(reasons.get((b, n)) == "terminated")
                 if confidence:
@@ -275,16 +285,18 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
     gen = finish(session, rounds, reasons)
     gen = dataclasses.replace(gen, params=params.replace(n=max_n, seed=sp.seed))
     n_used = np.array([len(a) for a in answers], np.int32)
-    winners, shares, counted = [], [], []
+    winners, supports, shares, counted = [], [], [], []
     for b in range(B):
         votes = [a if not t else None for a, t in zip(answers[b], term[b])]
         w = [x if v is not None else 0.0 for x, v in zip(lowest[b], votes)] if confidence else None
-        winner, share = stopping.vote(votes, w)
+        winner, support, share = stopping.tally(votes, w)
         winners.append(winner)
+        supports.append(support)
         shares.append(share)
         counted.append([v is not None for v in votes])
     bill = _bill(session, gen, n_used, term, max_n, len(rounds))
-    return AdaptiveResult(winner=winners, share=np.array(shares, np.float32), answers=answers,
+    return AdaptiveResult(winner=winners, share=np.array(shares, np.float32),
+                          support=np.array(supports, np.float32), answers=answers,
                           counted=counted, n_used=n_used,
                           terminated=np.array([sum(t) for t in term], np.int32),
                           confidence=lowest, thresholds=thresholds, generation=gen, bill=bill)

@@ -946,7 +946,7 @@ def _adaptive_result(adaptive, b: int, args):
     first = next((i for i, (a, c) in enumerate(zip(adaptive.answers[b], counted))
                   if c and a == adaptive.winner[b]), None)
     result = {"answer": adaptive.winner[b], "share": _finite(adaptive.share[b]),
-              "support": float(sum(counted)) if adaptive.winner[b] is not None else 0.0,
+              "support": _finite(adaptive.support[b]),  # the winner's (weighted) votes
               "branch": first, "n_used": int(adaptive.n_used[b]),
               "terminated": int(adaptive.terminated[b]), "adaptive": args.adaptive,
               "saving": adaptive.bill.to_dict()}

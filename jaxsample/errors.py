@@ -25,6 +25,13 @@ class ConfigError(JaxsampleError, ValueError):
     """A configuration file or value is invalid: names the key and the allowed values."""
 
 
+class ForeignArgumentError(ConfigError, TypeError):
+    """A keyword of another library (vLLM, Hugging Face `generate`) that jaxsample
+    spells differently or does not support; the message names the jaxsample
+    equivalent. A ConfigError and a TypeError (what Python raises for an
+    unknown keyword), so either `except` catches it."""
+
+
 class InputError(JaxsampleError, ValueError):
     """A request cannot be served (empty prompt, prompt longer than the context, ...)."""
 

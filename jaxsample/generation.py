@@ -57,6 +57,11 @@ class Generation:
       prompt_top_logprobs, prompt_top_token_ids: B arrays `[P_b - 1, k]`, the
         k most likely tokens after tokens 0..j (float32 logprobs, int32 ids).
       tokenizer: the model's tokenizer (for `outputs()`'s decoded tokens).
+      stop_reason: B lists of N, vLLM's `CompletionOutput.stop_reason`: the stop
+        string (str) that ended the branch, the stop token id (int) when it
+        ended on one of `SamplingParams.stop_token_ids` (not the model's own
+        end id, unless `ignore_eos`), else None (ended by length or by the
+        model's end-of-sequence id; terminated and not drawn branches).
     """
 
     tokens: np.ndarray
@@ -78,6 +83,7 @@ class Generation:
     prompt_top_logprobs: list[np.ndarray] | None = None
     prompt_top_token_ids: list[np.ndarray] | None = None
     tokenizer: Any = None
+    stop_reason: list[list[str | int | None]] | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -143,7 +149,8 @@ class Generation:
                 branches.append(CompletionOutput(
                     index=n, text=self.texts[b][n], token_ids=tuple(int(i) for i in ids),
                     cumulative_logprob=float(np.sum(self.logprobs[b, n, :L], dtype=np.float64)),
-                    logprobs=logprobs, finish_reason=self.finish_reason[b][n]))
+                    logprobs=logprobs, finish_reason=self.finish_reason[b][n],
+                    stop_reason=None if self.stop_reason is None else self.stop_reason[b][n]))
             prompt_lp = None
             if self.prompt_token_logprobs is not None:
                 p_ids = self.prompt_tokens[b]
@@ -189,6 +196,10 @@ class CompletionOutput:
         sampled token, then the top k) when `SamplingParams.logprobs` was set.
       finish_reason: "stop", "length" (and in adaptive runs "terminated",
         "not_drawn").
+      stop_reason: vLLM's: the stop string (str) that ended the branch, the
+        stop token id (int) when it ended on one of
+        `SamplingParams.stop_token_ids`, None when it ended by length or the
+        model's end-of-sequence id (`Generation.stop_reason`).
     """
 
     index: int
@@ -197,6 +208,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
+    stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxsample.errors import ConfigError, short_repr
+from jaxsample.errors import ConfigError, ForeignArgumentError, short_repr
 
 _SEED_LIMIT = 2**32
 
@@ -34,6 +34,56 @@ def _is_int(x: Any) -> bool:
 
 def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+# Keywords of vLLM's SamplingParams and Hugging Face's `generate` that jaxsample
+# spells differently or does not have: each gets a message naming the
+# jaxsample way instead of Python's bare "unexpected keyword argument".
+FOREIGN_KEYWORDS = {
+    "num_return_sequences": "use n (Hugging Face's num_return_sequences is SamplingParams.n)",
+    "do_sample": "use temperature=0 for greedy (do_sample=False); sampling is the default "
+                 "(temperature=1.0)",
+    "max_length": "use max_new_tokens (counts new tokens only; Hugging Face's max_length "
+                  "counts the prompt too) or vLLM's max_tokens",
+    "best_of": "vLLM's best_of (draw best_of, return the best n) is not a field here: use "
+               "n (the branches drawn) and best_of_n (jaxsample.best_of_n(gen.mean_logprob())"
+               ") or self_consistency to pick",
+    "use_beam_search": "beam search is not supported; sample n branches and pick one with "
+                       "jaxsample.best_of_n (or vote with jaxsample.self_consistency)",
+    "num_beams": "beam search is not supported; sample n branches and pick one with "
+                 "jaxsample.best_of_n (or vote with jaxsample.self_consistency)",
+}
+
+
+def check_foreign_keywords(where: str, kwargs) -> None:
+    """Raise ForeignArgumentError for the first of `kwargs` in FOREIGN_KEYWORDS.
+
+    Args:
+      where: the callee as the user typed it ("SamplingParams", "jaxsample.generate").
+      kwargs: the keyword names given.
+    """
+    for name in kwargs:
+        if name in FOREIGN_KEYWORDS:
+            hint = FOREIGN_KEYWORDS[name]
+            if where != "SamplingParams" and hint.startswith("use "):
+                hint += " in SamplingParams(...), passed as params"
+            raise ForeignArgumentError(f"{where}: {name}: {hint}")
+
+
+def refuse_foreign_keywords(where: str):
+    """Decorator: `fn(**kwargs)` with a FOREIGN_KEYWORDS name raises
+    ForeignArgumentError naming the jaxsample equivalent, before `fn` runs; any
+    other unknown keyword keeps Python's own TypeError. The signature is kept
+    (`functools.wraps`)."""
+    import functools
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            check_foreign_keywords(where, kwargs)
+            return fn(*args, **kwargs)
+        return inner
+    return wrap
 
 
 MAX_BIAS = 100.0  # SamplingParams.logit_bias is clamped to [-MAX_BIAS, MAX_BIAS], as vLLM does
@@ -111,6 +161,16 @@ class SamplingParams:
         (`Generation.prompt_logprobs`), under the raw distribution, as
         vLLM's `prompt_logprobs`. Computed in the prefill; None costs
         nothing.
+      include_stop_str_in_output: False (default): the text ends before the
+        stop string that ended the branch; True: the text ends with it
+        (vLLM's field). The tokens kept are the same either way (the fewest
+        whose text holds the stop string); a stop token's text is never
+        included.
+      skip_special_tokens: True (default): special tokens (the end of turn,
+        BOS, control tokens) are dropped from the decoded text; False keeps
+        their text (`tokenizer.decode(ids, skip_special_tokens=...)`, vLLM's
+        field). It applies to `Generation.texts`, the stream's deltas and the
+        text stop strings are looked for in; tokens are unchanged.
 
     Order of the logits processors (vLLM's v1 sampler): logit bias,
     min-tokens, repetition, frequency and presence penalties, then
@@ -139,6 +199,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         def fail(name: str, allowed: str, value: Any):
@@ -226,6 +288,10 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             fail("ignore_eos", "a bool", self.ignore_eos)
         set_("ignore_eos", bool(self.ignore_eos))
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                fail(name, "a bool", getattr(self, name))
+            set_(name, bool(getattr(self, name)))
         for name in ("presence_penalty", "frequency_penalty"):
             check_float(name, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY,
                         "a float in [-2, 2] (0 is off)")
@@ -291,6 +357,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias id {i} is outside [0, {size})")
             out[i] = b
         return out
+
+
+SamplingParams.__init__ = refuse_foreign_keywords("SamplingParams")(SamplingParams.__init__)
 
 
 def _logit_bias(value: Any, fail) -> tuple[tuple[int, float], ...]:

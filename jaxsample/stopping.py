@@ -144,10 +144,15 @@ def should_stop(rule: str, answers: Sequence[Hashable | None], window: int,
     return dirichlet_leader_probability(counts) >= threshold
 
 
-def vote(answers: Sequence[Hashable | None], weights: Sequence[float] | None = None):
-    """(winner or None, share of the valid weight): ties to the answer seen first.
+def tally(answers: Sequence[Hashable | None], weights: Sequence[float] | None = None):
+    """(winner or None, support, share) of a vote: ties to the answer seen first.
 
-    The same rule as `jaxsample.majority_vote` (Counter.most_common order).
+    `support` is the winner's vote weight (its branch count without
+    `weights`, the sum of its branches' weights with them, as
+    `jaxsample.majority_vote`'s `Vote.support`); `share` is support / the
+    total weight of the answering branches (1 / number of answers when that
+    total is 0); (None, 0.0, 0.0) when no branch answered. The same rule as
+    `jaxsample.majority_vote` (Counter.most_common order).
     """
     w = [1.0] * len(answers) if weights is None else [float(x) for x in weights]
     total = collections.defaultdict(float)
@@ -157,10 +162,16 @@ def vote(answers: Sequence[Hashable | None], weights: Sequence[float] | None = N
             total[a] += x
             first.setdefault(a, i)
     if not total:
-        return None, 0.0
+        return None, 0.0, 0.0
     winner = min(total, key=lambda a: (-total[a], first[a]))
     s = sum(total.values())
-    return winner, (total[winner] / s if s > 0 else 1.0 / len(total))
+    return winner, total[winner], (total[winner] / s if s > 0 else 1.0 / len(total))
+
+
+def vote(answers: Sequence[Hashable | None], weights: Sequence[float] | None = None):
+    """(winner or None, share of the valid weight): `tally` without the support."""
+    winner, _, share = tally(answers, weights)
+    return winner, share
 
 
 # ---------------------------------------------------------------------------

@@ -235,3 +235,80 @@ def test_adaptive_equals_offline_rule_on_smollm2(lm):
         total += _assert_online_equals_offline(res, pool, number, **kw)
         assert res.bill.prompt_tokens_prefilled == sum(len(p) for p in pool.prompt_tokens)
     assert total <= 1  # float ties between the two programs' roundings, at most one
+
+
+# ---------------------------------------------------------------------------
+# Regression tests (issue 19): the answers voted on come from exactly
+# Generation.texts (min_tokens was left out of adaptive's cut), and `support`
+# is the winner's (weighted) votes, not the number of answering branches.
+
+
+def _stop_inside_min_tokens(tiny_lm, params, m):
+    """A one-character stop string found in the first m tokens' text of some branch of
+    a plain run with these params (stop strings do not change the tokens sampled)."""
+    from collections import Counter
+
+    pool = engine.generate(tiny_lm, PROMPTS, params.replace(n=16))
+    seen = Counter()
+    for b in range(len(PROMPTS)):
+        for n in range(16):
+            head = tiny_lm.tokenizer.decode(pool.tokens[b, n, :m].tolist())
+            seen.update(set(ch for ch in head if ch.isascii() and ch.isprintable()))
+    assert seen, "no printable character in any branch's first tokens"
+    return seen.most_common(1)[0][0]
+
+
+@pytest.mark.parametrize("confidence", [None, "deepconf-low"])
+def test_adaptive_answers_come_from_generation_texts(tiny_lm, confidence):
+    m = 10
+    params = SamplingParams(max_new_tokens=24, seed=11, temperature=1.0, min_tokens=m)
+    stop = _stop_inside_min_tokens(tiny_lm, params, m)
+    params = params.replace(stop=[stop])
+    whole = lambda t: t or None  # the answer is the whole text: any difference shows  # noqa: E731
+    res = jaxsample.adaptive_self_consistency(
+        tiny_lm, PROMPTS, params, max_n=16, window=4, rule="none", extract=whole,
+        confidence=confidence, warmup=8, group_size=4)
+    g = res.generation
+    early = 0
+    for b in range(len(PROMPTS)):
+        assert res.answers[b] == [jaxsample.answers.normalize(t) or None
+                                  for t in g.texts[b][:res.n_used[b]]], b
+        for n in range(res.n_used[b]):
+            early += stop in tiny_lm.tokenizer.decode(g.tokens[b, n, :m].tolist())
+    assert early > 0  # a stop string inside the first min_tokens tokens: the case that differed
+
+
+def _support_oracle(res, b, confidence):
+    """The winner's votes counted by hand from the result's own answers."""
+    total = 0.0
+    for a, c, w in zip(res.answers[b], res.counted[b],
+                       res.confidence[b] if confidence else [1.0] * len(res.answers[b])):
+        if c and a == res.winner[b]:
+            total += w
+    return total
+
+
+@pytest.mark.parametrize("confidence", [None, "deepconf-high"])
+def test_adaptive_support_is_the_winners_votes(tiny_lm, confidence):
+    params = SamplingParams(max_new_tokens=6, seed=2, temperature=1.0)
+    res = jaxsample.adaptive_self_consistency(
+        tiny_lm, PROMPTS, params, max_n=16, window=4, rule="none", extract=first_char,
+        confidence=confidence, warmup=8, group_size=4)
+    split = 0
+    for b in range(len(PROMPTS)):
+        want = _support_oracle(res, b, confidence)
+        assert float(res.support[b]) == pytest.approx(want, rel=1e-6), b
+        weights = res.confidence[b] if confidence else [1.0] * len(res.answers[b])
+        answering = sum(w for a, c, w in zip(res.answers[b], res.counted[b], weights)
+                        if c and a is not None)
+        assert float(res.share[b]) == pytest.approx(want / answering, rel=1e-5)
+        split += want < answering
+    assert res.support.dtype == np.float32 and res.support.shape == (len(PROMPTS),)
+    assert split > 0  # some prompt's vote was split: support < answering weight
+
+
+def test_tally_support_and_share():
+    assert stopping.tally(["a", "b", "b", None, "a", "b"]) == ("b", 3.0, 0.6)
+    assert stopping.tally(["a", "b"], [3.0, 1.0]) == ("a", 3.0, 0.75)
+    assert stopping.tally([None, None]) == (None, 0.0, 0.0)
+    assert stopping.vote(["a", "b", "b"]) == ("b", pytest.approx(2 / 3))

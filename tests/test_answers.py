@@ -452,7 +452,9 @@ def test_extract_escaped_dollar_inside_maths(text, expected):
 def test_escaped_dollar_first_maths_after_answer_is():
     text = "The answer is $\\$18$ and then $\\$20$."
     assert answers.extract(text) == "18"
-    assert answers.extract(text, "number") == "20"  # the last number
+    # Issue 19: "number" takes the number right after the last answer phrase
+    # before the last number (it took the last number, "20", before).
+    assert answers.extract(text, "number") == "18"
 
 
 def test_escaped_dollar_spellings_are_one_answer():
@@ -485,14 +487,15 @@ def test_extract_space_thousands(sep, text, expected):
 
 
 @pytest.mark.parametrize("text,auto,number", [
-    ("the answer is 2 3", "2", "3"),                     # groups must be exactly 3 digits
+    ("the answer is 2 3", "2", "2"),                     # groups must be exactly 3 digits
     ("I have 3 apples and 4 pears", "4", "4"),
     ("10 00", "0", "0"),
     ("10 0000", "0", "0"),
     ("in 2023 100 people came", "100", "100"),           # a 4-digit leading group is no group
     ("1 2 3 100", "100", "100"),                         # a list, not 3100
     ("The answer is 1 000 people", "1000", "1000"),
-    ("The answer is 7 and 100 more", "7", "100"),
+    ("The answer is 7 and 100 more", "7", "7"),          # the answer phrase wins (issue 19)
+    ("I have 7 and 100 more", "100", "100"),
 ])
 def test_extract_space_thousands_ambiguity(text, auto, number):
     assert answers.extract(text) == auto
@@ -685,3 +688,107 @@ def test_space_thousands_are_one_vote():
     sc = reducers.self_consistency(texts)
     assert sc.answers == [["10000", "10000", "10000", "10000", "10"]]  # "10 00": no 3-digit group
     assert sc.winner == ["10000"] and float(sc.share[0]) == pytest.approx(0.8)
+
+
+# ---------------------------------------------------------------------------
+# Regression tests (issue 19): the precedence of the "number" rules. A
+# restated operand after the result won the vote ("12 * 7 = 94 ... numbers
+# from 7" counted 7). Rules: \boxed{}; the number right after the last answer
+# phrase that has one; the result of the last equation; the last number.
+
+_PRECEDENCE = [
+    # The issue's cases.
+    ("12 * 7 = 94 \n\nSo we multiply the numbers from 7", "94"),
+    ("17 + 25 = 32. That is the sum of 17 and 25.", "32"),
+    ("A prime is a number greater than 1 with no divisors but 1 and itself. "
+     "The answer is 7, since 7 is prime and greater than 1.", "7"),
+    ("7 is prime: its only divisors are 1 and itself, and it is greater than 1. 7 = 1 * 7.",
+     "7"),
+    # 1. \boxed beats everything.
+    ("\\boxed{12}. The answer is 13, as 6 + 7 = 13", "12"),
+    # 2. Answer phrases: the last one that has a number wins; fillers, "$", a variable.
+    ("The answer is 5. No wait, the answer is 6, from 2 and 3.", "6"),
+    ("The answer is 42. I hope the answer is right, given 6 and 7.", "42"),
+    ("The answer is 40.\nCheck: 6 * 7 = 42", "40"),
+    ("Final Answer: 42 (from 6 and 7)", "42"),
+    ("final answer 42, using 6 and 7", "42"),
+    ("The final answer is: $\\$1,200$ for the 3 items", "1200"),
+    ("The result is 12, not 13", "12"),
+    ("answer is: 15 after 3 steps", "15"),
+    ("Answer = 9 from 3 squared", "9"),
+    ("The answer would be 81, which is 9 times 9", "81"),
+    ("The answer is therefore approximately 3.14, close to 3", "3.14"),
+    ("So the answer is x = 5, where x > 2", "5"),
+    ("Answer:\n24 clips, 48 in April", "24"),
+    ("The answer is 17.\n#### 18", "18"),
+    ("The answer is 3 1/2 cups, from 7 halves", "7/2"),
+    # 3. The final equation: the number after the last "=" that has one.
+    ("5 - 8 = -3, so subtract 8", "-3"),
+    ("Total = $1,200 for 3 items", "1200"),
+    ("x = 3, so y = 2x for all 4 cases", "3"),
+    ("3 + \\frac{1}{2} = 3\\frac{1}{2}, from 3 and a half", "7/2"),
+    ("12 - 3 = 9 dollars left of 12", "9"),
+    ("The total is 4 + 5 = 9; the 4 came first", "9"),
+    ("If x >= 10 we stop at 4", "4"),                 # no equation: the last number
+    ("a == 3 and b != 5, c <= 7", "7"),
+    ("2 + 3 = 5 => 5 items in 2 bags", "5"),
+    # 4. Neither: the last number.
+    ("I have 3 apples and 4 pears", "4"),
+]
+
+
+# "auto" reads any answer after "the answer is" (a word too), then the same rules.
+_AUTO_DIFFERS = {"The answer is 42. I hope the answer is right, given 6 and 7.": "right",
+                 "The answer is 3x, so x = 4": "3x"}
+
+
+@pytest.mark.parametrize("text,expected", _PRECEDENCE)
+def test_number_precedence(text, expected):
+    assert answers.extract(text, "number") == expected
+    assert answers.extract(text) == _AUTO_DIFFERS.get(text, expected)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("The answer is therefore 12 - 3 = 9 dollars", "9"),    # an expression: its "=" decides
+    ("The answer is 2 * 5 = 10", "10"),
+    ("The answer is 3x, so x = 4", "4"),                     # glued to a letter: no number
+    ("The answer is indeed 94.", "94"),
+])
+def test_answer_phrase_expressions(text, expected):
+    assert answers.extract(text, "number") == expected
+    assert answers.extract(text) == _AUTO_DIFFERS.get(text, expected)
+
+
+def test_precedence_is_one_vote():
+    from jaxsample import reducers
+    texts = [["12 * 7 = 84, from 12 and 7", "The answer is 84 (7 twelves).", "\\boxed{84}",
+              "12 * 7 = 84 so 7", "The answer is 74."]]
+    for kind in ("number", "auto"):
+        sc = reducers.self_consistency(texts, extract=kind)
+        assert sc.answers == [["84", "84", "84", "84", "74"]], kind
+        assert sc.winner == ["84"]
+
+
+_REPEATED_PRECEDENCE = {
+    "answer phrases": "The answer is therefore thus so " * 4_000,
+    "answer colons": "Answer: " * 15_000,
+    "final answers": "Final answer\n\n" * 10_000,
+    "results": "the result is $( " * 8_000,
+    "hashes": "####" * 30_000,
+    "equals": "= " * 50_000,
+    "equals, spaces": ("=" + " " * 20) * 5_000,
+    "assignments": "x = " * 30_000,
+    "expressions": "= 1 + " * 20_000,
+    "equations": "2 * 7 = 7 * 2 " * 8_000,
+    "leads": "= $\\$\\(( x = " * 8_000,
+}
+
+
+@pytest.mark.parametrize("name", list(_REPEATED_PRECEDENCE))
+def test_number_precedence_is_linear(name):
+    """The phrase and "=" scans read each position a bounded number of times (a
+    quadratic scan takes minutes here; linear code well under a second)."""
+    text = _REPEATED_PRECEDENCE[name]
+    for kind in ("number", "auto"):
+        _, dt = _run_within(5.0, answers.extract, text, kind)
+        assert dt < 5.0, (name, kind, dt)

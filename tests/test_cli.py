@@ -677,3 +677,25 @@ def test_python_dash_m_jaxsample_cli_runs_the_command_line():
                         "--shared-prefix", " "], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--shared-prefix: the shared prefix is empty" in r.stderr
+
+
+def test_adaptive_result_support_is_the_winners_votes():
+    """Regression (issue 19): `--adaptive` reported support = the number of answering
+    branches ("support 32 of 32" next to share 0.41), not the winner's votes."""
+    import types
+
+    import numpy as np
+
+    from jaxsample import stopping
+
+    answers = ["7", "5", "7", None, "7", "5", "3", "7"]
+    counted = [a is not None for a in answers]
+    winner, support, share = stopping.tally(answers)
+    bill = types.SimpleNamespace(to_dict=lambda: {})
+    res = types.SimpleNamespace(winner=[winner], share=np.array([share], np.float32),
+                                support=np.array([support], np.float32), answers=[answers],
+                                counted=[counted], n_used=np.array([8]),
+                                terminated=np.array([0]), bill=bill)
+    result, got = cli._adaptive_result(res, 0, types.SimpleNamespace(adaptive="esc"))
+    assert result["answer"] == "7" and result["support"] == 4.0 and result["branch"] == 0
+    assert result["share"] == pytest.approx(4 / 7) and got == answers

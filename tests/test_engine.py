@@ -372,3 +372,128 @@ def test_mesh_bill_reports_per_device_and_total(tiny_lm):
     assert b.kv_bytes_per_device == prefix + tails // 4  # whole prefix, a quarter of the tails
     assert b.kv_bytes_allocated == 4 * prefix + tails
     assert "on 4 devices" in b.summary()
+
+
+# ---------------------------------------------------------------------------
+# include_stop_str_in_output, skip_special_tokens and CompletionOutput.stop_reason
+# with vLLM's semantics (issue 19). The model has zero weights (every logit
+# exactly 0), so greedy decoding follows the logit bias and the frequency
+# penalty alone, on any machine: "a", "b", ".", then the end id 256 (margins
+# >= 0.4 between the two largest logits at every step).
+
+_ABC = dict(temperature=0.0, max_new_tokens=8, frequency_penalty=2.0,
+            logit_bias={97: 100.0, 98: 99.5, 46: 99.0, 256: 98.4})
+
+
+class _SpecialBytes:
+    """The tests' byte tokenizer, but ids >= 256 decode to "<id>" unless skipped
+    (what a checkpoint tokenizer does with its special tokens)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        for k in ("vocab_size", "eos_token_ids", "pad_token_id", "bos_token_id"):
+            if hasattr(inner, k):
+                setattr(self, k, getattr(inner, k))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, ids, skip_special_tokens=True):
+        out, run = [], []
+        for i in (int(x) for x in ids):
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(bytes(run).decode("utf-8", errors="replace"))
+            run = []
+            if not skip_special_tokens:
+                out.append(f"<{i}>")
+        out.append(bytes(run).decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def flat_lm():
+    import dataclasses
+
+    from conftest import make_tiny_lm
+
+    lm = make_tiny_lm(scale=0.0)
+    return dataclasses.replace(lm, tokenizer=_SpecialBytes(lm.tokenizer))
+
+
+def _outputs(gen):
+    return [o for r in gen.outputs() for o in r.outputs]
+
+
+def test_flat_model_writes_ab_then_the_end_id(flat_lm):
+    g = engine.generate(flat_lm, ["x"], SamplingParams(n=2, **_ABC))
+    assert g.tokens[0, 0, :4].tolist() == [97, 98, 46, 256] and g.texts == [["ab."] * 2]
+    assert [(o.finish_reason, o.stop_reason) for o in _outputs(g)] == [("stop", None)] * 2
+
+
+@pytest.mark.parametrize("kw,text,finish,reason", [
+    (dict(), "ab.", "stop", None),                                   # the model's end id
+    (dict(max_new_tokens=2), "ab", "length", None),
+    (dict(stop=["."]), "ab", "stop", "."),
+    (dict(stop=["."], include_stop_str_in_output=True), "ab.", "stop", "."),
+    (dict(stop=["x", "b."], include_stop_str_in_output=True), "ab.", "stop", "b."),
+    (dict(stop=["b."]), "a", "stop", "b."),
+    (dict(stop_token_ids=[46]), "ab", "stop", 46),                   # a stop token id
+    (dict(stop_token_ids=[46], include_stop_str_in_output=True), "ab", "stop", 46),
+    (dict(stop_token_ids=[256]), "ab.", "stop", None),               # the end id comes first
+    (dict(stop_token_ids=[256], ignore_eos=True), "ab.", "stop", 256),
+    (dict(ignore_eos=True, max_new_tokens=5), "ab.a", "length", None),  # a, b, ., 256, a
+    (dict(ignore_eos=True, max_new_tokens=5, skip_special_tokens=False), "ab.<256>a", "length",
+     None),
+    (dict(skip_special_tokens=False), "ab.", "stop", None),          # the stop token's text: never
+    (dict(ignore_eos=True, max_new_tokens=6, skip_special_tokens=False, stop=["56>a"]),
+     "ab.<2", "stop", "56>a"),
+])
+def test_stop_reason_include_stop_str_and_special_tokens(flat_lm, kw, text, finish, reason):
+    import jaxsample
+
+    params = SamplingParams(n=2, **{**_ABC, **kw})
+    for chunk in (1, 8):
+        g = engine.generate(flat_lm, ["x"], params, chunk_size=chunk)
+        assert g.texts == [[text] * 2], (chunk, g.texts)
+        outs = _outputs(g)
+        assert [(o.text, o.finish_reason, o.stop_reason) for o in outs] == [
+            (text, finish, reason)] * 2
+        assert all(type(o.stop_reason) is type(reason) for o in outs)  # int ids, str strings
+        assert g.stop_reason == [[reason] * 2]
+        streamed = {}
+        for ev in jaxsample.stream(flat_lm, ["x"], params, chunk_size=chunk):
+            for d in ev.deltas:
+                streamed[d.branch] = streamed.get(d.branch, "") + d.text
+        assert streamed == {0: text, 1: text}, chunk
+    if "stop" in kw:  # include_stop_str_in_output changes the text, never the tokens
+        other = engine.generate(flat_lm, ["x"], params.replace(
+            include_stop_str_in_output=not params.include_stop_str_in_output))
+        np.testing.assert_array_equal(other.tokens, g.tokens)
+        np.testing.assert_array_equal(other.lengths, g.lengths)
+
+
+def test_new_fields_are_validated():
+    from jaxsample.errors import ConfigError
+
+    p = SamplingParams()
+    assert p.include_stop_str_in_output is False and p.skip_special_tokens is True
+    for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        with pytest.raises(ConfigError, match=f"{name} must be a bool"):
+            SamplingParams(**{name: 1})
+        assert getattr(SamplingParams(**{name: np.bool_(True)}), name) is True
+
+
+@pytest.mark.slow
+def test_skip_special_tokens_on_the_real_tokenizer(lm):
+    """SmolLM2's end-of-turn token: dropped from the text by default, kept with
+    skip_special_tokens=False (the branch is forced onto it with ignore_eos)."""
+    eos = lm.tokenizer.eos_token_ids[0]
+    piece = lm.tokenizer.decode([eos], skip_special_tokens=False)
+    assert piece and lm.tokenizer.decode([eos]) == ""
+    base = SamplingParams(n=1, temperature=0.0, max_new_tokens=3, ignore_eos=True,
+                          logit_bias={eos: 100.0})
+    assert engine.generate(lm, ["Hi"], base).texts == [[""]]
+    assert engine.generate(lm, ["Hi"], base.replace(skip_special_tokens=False)).texts == [
+        [piece * 3]]

@@ -784,3 +784,54 @@ def test_candidates_must_be_a_non_negative_int():
         keep_mask(jnp.zeros(4), *_args(), vocab_limit=4, candidates=-1)
     with pytest.raises(ValueError, match="candidates"):
         choose_token(jnp.zeros(4), jax.random.key(0), *_args(), vocab_limit=4, candidates=2.5)
+
+
+# ---------------------------------------------------------------------------
+# Regression tests (issue 19): vLLM and Hugging Face keywords that jaxsample
+# spells differently got a bare TypeError ("unexpected keyword argument").
+
+_FOREIGN = [("num_return_sequences", 4, "num_return_sequences: use n"),
+            ("do_sample", False, "do_sample: use temperature=0 for greedy"),
+            ("max_length", 32, r"max_length: use max_new_tokens \(counts new tokens only"),
+            ("best_of", 8, "best_of: .*use n .*best_of_n"),
+            ("use_beam_search", True, "use_beam_search: beam search is not supported"),
+            ("num_beams", 4, "num_beams: beam search is not supported")]
+
+
+@pytest.mark.parametrize("name,value,message", _FOREIGN)
+def test_foreign_keywords_name_the_jaxsample_equivalent(name, value, message):
+    from jaxsample.errors import ConfigError, ForeignArgumentError
+
+    for call in (lambda: SamplingParams(**{name: value}),
+                 lambda: SamplingParams(n=2).replace(**{name: value})):
+        with pytest.raises(ForeignArgumentError, match=message) as e:
+            call()
+        assert isinstance(e.value, TypeError) and isinstance(e.value, ConfigError)
+
+
+@pytest.mark.parametrize("name,value,message", _FOREIGN)
+def test_foreign_keywords_at_the_entry_points(name, value, message):
+    """generate / stream / adaptive_self_consistency refuse them before any compute
+    (no model is needed: the check runs before the arguments are read)."""
+    import jaxsample
+    from jaxsample.errors import ForeignArgumentError
+
+    for fn in (jaxsample.generate, jaxsample.stream, jaxsample.adaptive_self_consistency):
+        with pytest.raises(ForeignArgumentError, match=message):
+            fn(None, ["x"], **{name: value})
+
+
+def test_other_unknown_keywords_keep_pythons_error():
+    import inspect
+
+    import jaxsample
+    from jaxsample.errors import ForeignArgumentError
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'frobnicate'") as e:
+        SamplingParams(frobnicate=1)
+    assert not isinstance(e.value, ForeignArgumentError)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'frobnicate'"):
+        jaxsample.generate(None, ["x"], frobnicate=1)
+    # The signatures are kept (help(), IDEs).
+    assert "n" in inspect.signature(SamplingParams).parameters
+    assert "chat" in inspect.signature(jaxsample.generate).parameters

@@ -270,3 +270,54 @@ def test_progress_phases_announce_only_when_slow():
                                            PREFIX + "loaded x in 0.0 s"]
     with pytest.raises(jaxsample.errors.InputError, match="progress"):
         jaxsample.generate(None, ["x"], progress="yes")
+
+
+# ---------------------------------------------------------------------------
+# Regression tests (issue 19): `stop=["\ufffd"]` cut a character in half. The
+# bisection over decoded prefixes took a prefix ending inside a multi-byte
+# character (decoded as U+FFFD) for the stop string, so the text was cut there
+# and the stream's deltas stopped matching it.
+
+# "abc" 一 (3 bytes, one token each) "d", an invalid byte (a real U+FFFD), "e".
+_HALF = [97, 98, 99, 0xE4, 0xB8, 0x80, 100, 0xFF, 101]
+
+
+def test_cut_never_takes_half_a_character_for_a_stop_string():
+    assert BYTES.decode(_HALF) == "abc\u4e00d\ufffde"
+    assert stops.cut(BYTES, _HALF, ["\ufffd"]) == ("abc\u4e00d", 8)
+    assert stops.cut(BYTES, _HALF, ["d\ufffd"]) == ("abc\u4e00", 8)
+    assert stops.cut(BYTES, _HALF, ["\u4e00"]) == ("abc", 6)
+    assert stops.cut(BYTES, _HALF[:5], ["\ufffd"]) == ("abc", 4)  # truncated: the end is U+FFFD
+    for step in (1, 2, 3):
+        streamed, final = _simulate(BYTES, _HALF, list(range(0, len(_HALF), step)), ("\ufffd",))
+        assert streamed == final == "abc\u4e00d", step
+
+
+@pytest.fixture(scope="module")
+def flat_lm():
+    """The tiny model with zero weights: every logit is exactly 0, so greedy decoding
+    follows the logit bias and the frequency penalty alone, on any machine."""
+    from conftest import make_tiny_lm
+
+    return make_tiny_lm(scale=0.0)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 24])
+def test_replacement_character_stop_streams_the_final_text(flat_lm, chunk):
+    """Greedy with these biases and frequency_penalty=2 writes the bytes
+    E4 B8 80 'a' E4 B8 80 FF 'a' ...: "一a一\ufffda一..." (the smallest margin
+    between two logits is 0.1). Cut at the first U+FFFD the text is "一a一"; the old
+    bisection tried the 5-token prefix "一a" + half of 一 (decoded U+FFFD) and cut
+    there. The stream's deltas concatenate to exactly Generation.texts."""
+    bias = {0xE4: 100.0, 0xB8: 99.5, 0x80: 99.0, 97: 98.5, 0xFF: 96.9}
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=24, logit_bias=bias,
+                            frequency_penalty=2.0, stop=["\ufffd"])
+    free = jaxsample.generate(flat_lm, ["x"], params.replace(stop=()))
+    assert free.texts[0][0].startswith("\u4e00a\u4e00\ufffda\u4e00")
+    with _no_warning():
+        per, gen = _collect(jaxsample.stream(flat_lm, ["x"], params, chunk_size=chunk))
+    _assert_exact(per, gen)
+    assert gen.texts == [["\u4e00a\u4e00"] * 2] and gen.finish_reason == [["stop"] * 2]
+    assert gen.lengths.tolist() == [[8, 8]]  # the tokens up to the invalid byte
+    ref = jaxsample.generate(flat_lm, ["x"], params, chunk_size=chunk)
+    assert ref.texts == gen.texts

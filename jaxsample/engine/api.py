@@ -16,10 +16,12 @@ from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample import sampling
 from jaxsample.sampling import SamplingParams
+from jaxsample.sampling_params import refuse_foreign_keywords
 
 STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are given
 
 
+@refuse_foreign_keywords("jaxsample.generate")
 def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
              chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
              naive: bool = False, chunk_size: int | None = None,
@@ -138,7 +140,7 @@ def chunks(session: Session, rnd: Round, chunk_size: int, compact: bool, observe
     chunk), and, with `compact`, the live branches are gathered.
     """
     params = session.params
-    watch = (stops_lib.StopWatch(session.lm.tokenizer, params.stop, params.min_tokens)
+    watch = (stops_lib.StopWatch(text_tokenizer(session), params.stop, params.min_tokens)
              if params.stop else None)
     c0 = session.timings["compile"]
     if observer is not None:
@@ -178,6 +180,25 @@ def branch_text(tokenizer, tokens, length, stopped, stop_strings, min_tokens: in
     L = int(length)
     body = [int(t) for t in (tokens[:L - 1] if stopped else tokens[:L])]
     return stops_lib.cut(tokenizer, body, stop_strings, min_tokens)
+
+
+def text_tokenizer(session: Session):
+    """What branch text is decoded with: the model's tokenizer, keeping special
+    tokens' text when `params.skip_special_tokens` is False."""
+    return stops_lib.text_tokenizer(session.lm.tokenizer, session.params.skip_special_tokens)
+
+
+def final_text(session: Session, tokens, length, stopped):
+    """(text, kept tokens or None, stop string or None) of one branch exactly as
+    `Generation.texts` holds it: the one function `finish`, `stream` and
+    `adaptive_self_consistency` call, so the text a vote reads and the text
+    returned cannot differ (the session's stop strings, `min_tokens`,
+    `include_stop_str_in_output` and `skip_special_tokens` applied)."""
+    p = session.params
+    L = int(length)
+    body = [int(t) for t in (tokens[:L - 1] if stopped else tokens[:L])]
+    return stops_lib.cut_at(text_tokenizer(session), body, p.stop, p.min_tokens,
+                            p.include_stop_str_in_output)
 
 
 def finish(session: Session, rounds: list[Round], reasons_override=None) -> Generation:
@@ -222,11 +243,19 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
     for (b, n), why in (reasons_override or {}).items():
         reasons[b][n] = why
     texts = []
+    why = [[None] * width for _ in range(B)]
+    eos = set(int(i) for i in getattr(lm.tokenizer, "eos_token_ids", ()) or ())
     for b in range(B):
         row = []
         for n in range(width):
-            text, keep = branch_text(lm.tokenizer, tok[b, n], lens[b, n], stopped[b, n],
-                                     params.stop, params.min_tokens)
+            text, keep, stop_str = final_text(s, tok[b, n], lens[b, n], stopped[b, n])
+            # vLLM's stop_reason: the stop string, else the stop token id when the
+            # branch ended on one of stop_token_ids (not on the model's end id,
+            # unless ignore_eos), else None (length, the model's end id).
+            last = int(tok[b, n, lens[b, n] - 1]) if stopped[b, n] else None
+            why[b][n] = (stop_str if stop_str is not None
+                         else last if last is not None and last in params.stop_token_ids
+                         and (params.ignore_eos or last not in eos) else None)
             if keep is not None:
                 tok[b, n, keep:], lp[b, n, keep:], lens[b, n] = pad, 0.0, keep
                 top_lp[b, n, keep:], top_id[b, n, keep:] = 0.0, pad
@@ -260,4 +289,4 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
                       prompt_token_ranks=None if plp is None else [p.ranks for p in plp],
                       prompt_top_logprobs=None if plp is None else [p.top_logprobs for p in plp],
                       prompt_top_token_ids=None if plp is None else [p.top_ids for p in plp],
-                      tokenizer=lm.tokenizer)
+                      tokenizer=lm.tokenizer, stop_reason=why)

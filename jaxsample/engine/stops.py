@@ -37,18 +37,47 @@ def min_tokens_floor(tokenizer, toks: Sequence[int], min_tokens: int) -> int:
     return len(tokenizer.decode(list(toks[:min_tokens])))
 
 
-def tokens_covering(tokenizer, toks: list[int], stops, floor: int = 0) -> int:
-    """Fewest leading tokens whose decoded text contains a stop string (ending
-    after character `floor`).
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of `a` and `b` (O(answer) per call, by
+    halving on slices compared in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
-    Bisection (O(log T) decodes): containment only grows with the prefix, up to
-    a multi-byte character split across tokens, which is why the caller
-    re-decodes exactly the tokens it keeps.
+
+def stable_prefix(tokenizer, toks: Sequence[int], k: int, text: str) -> str:
+    """The part of `decode(toks[:k])` that the decode of all of `toks` (`text`) keeps:
+    their common prefix. A prefix that ends inside a multi-byte character decodes
+    it as U+FFFD, which the full text replaces by the character; for byte-level
+    tokenizers the stable part only grows with k, and never ends inside a
+    character."""
+    head = tokenizer.decode(list(toks[:k]))
+    return head[:_common_prefix(head, text)]
+
+
+def tokens_covering(tokenizer, toks: list[int], stops, floor: int = 0,
+                    text: str | None = None) -> int:
+    """Fewest leading tokens whose text holds a stop string (ending after character
+    `floor`), counting only text the full decode keeps (`stable_prefix`): a
+    U+FFFD that a prefix shows for a character cut in half is no stop string
+    (issue 19: `stop=["\\ufffd"]` cut such a character in half).
+
+    Bisection (O(log T) decodes): the stable text only grows with the prefix.
+    `text` is `decode(toks)` (computed if None).
     """
-    lo, hi = 1, len(toks)  # decode(toks[:hi]) contains a stop string
+    text = tokenizer.decode(list(toks)) if text is None else text
+    lo, hi = 1, len(toks)  # stable_prefix(toks[:hi]) contains a stop string
     while lo < hi:
         mid = (lo + hi) // 2
-        if first_stop(tokenizer.decode(toks[:mid]), stops, floor) is not None:
+        if first_stop(stable_prefix(tokenizer, toks, mid, text), stops, floor) is not None:
             hi = mid
         else:
             lo = mid + 1
@@ -56,21 +85,56 @@ def tokens_covering(tokenizer, toks: list[int], stops, floor: int = 0) -> int:
 
 
 def cut(tokenizer, body: list[int], stops, min_tokens: int = 0) -> tuple[str, int | None]:
-    """(text, kept tokens or None): the branch's text cut before its first stop string.
+    """(text, kept tokens or None): `cut_at` without the stop string."""
+    text, keep, _ = cut_at(tokenizer, body, stops, min_tokens)
+    return text, keep
+
+
+def cut_at(tokenizer, body: list[int], stops, min_tokens: int = 0,
+           include_stop: bool = False) -> tuple[str, int | None, str | None]:
+    """(text, kept tokens or None, the stop string or None): the branch's text cut
+    before its first stop string (after it with `include_stop`,
+    `SamplingParams.include_stop_str_in_output`).
 
     `body` excludes a final stop token. None means no stop string was found
     (all tokens are kept). With `min_tokens`, only stop strings that end
-    after the text of the first `min_tokens` tokens count.
+    after the text of the first `min_tokens` tokens count. The text is always a
+    prefix of `decode(body)` (never a character cut in half): the kept tokens'
+    stable text (`stable_prefix`) cut before its first stop string. Of stop
+    strings starting at the same place the one ending first is reported (the
+    one the kept tokens hold).
     """
     text = tokenizer.decode(body)
     if not stops or len(body) <= min_tokens:
-        return text, None
+        return text, None, None
     floor = min_tokens_floor(tokenizer, body, min_tokens)
     if first_stop(text, stops, floor) is None:
-        return text, None
-    keep = tokens_covering(tokenizer, body, stops, floor)
-    text = tokenizer.decode(body[:keep])  # the same tokens the arrays keep
-    return text[:first_stop(text, stops, floor)], keep
+        return text, None, None
+    keep = tokens_covering(tokenizer, body, stops, floor, text)
+    head = stable_prefix(tokenizer, body, keep, text)  # the same tokens the arrays keep
+    at = first_stop(head, stops, floor)
+    stop = min((s for s in stops if head.startswith(s, at) and at + len(s) > floor),
+               key=len)
+    return head[:at + len(stop)] if include_stop else head[:at], keep, stop
+
+
+class KeepSpecialTokens:
+    """A view of a tokenizer whose `decode` keeps special tokens' text
+    (`skip_special_tokens=False`, `SamplingParams.skip_special_tokens`)."""
+
+    __slots__ = ("tokenizer",)
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def text_tokenizer(tokenizer, skip_special_tokens: bool = True):
+    """The tokenizer to decode branch text with: itself (special tokens dropped, its
+    default), or `KeepSpecialTokens` of it."""
+    return tokenizer if skip_special_tokens else KeepSpecialTokens(tokenizer)
 
 
 class IncrementalText:

@@ -23,6 +23,7 @@ from jaxsample.engine import stops as stops_lib
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling import SamplingParams
+from jaxsample.sampling_params import refuse_foreign_keywords
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,7 @@ class StreamEvent:
         return self.generation is not None
 
 
+@refuse_foreign_keywords("jaxsample.stream")
 def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
            chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
            chunk_size: int = api.STOP_CHUNK, compact: bool = False,
@@ -109,7 +111,7 @@ def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
 
 
 def _events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent]:
-    s, tok = session, session.lm.tokenizer
+    s, tok = session, api.text_tokenizer(session)
     stops = s.params.stop
     texts: dict[tuple[int, int], stops_lib.StreamText] = {}
     ended: set[tuple[int, int]] = set()
@@ -137,8 +139,8 @@ def _events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent
             st = texts.setdefault(key, stops_lib.StreamText(stops, s.params.min_tokens))
             text = st.feed(tok, new[(r, c)]) if (r, c) in new else ""
             if rnd.done[r, c]:  # ended by a stop token or a stop string: its text is final now
-                final, _ = api.branch_text(tok, rnd.tokens[r, c], rnd.lengths[r, c],
-                                           rnd.stopped[r, c], stops, s.params.min_tokens)
+                final, _, _ = api.final_text(s, rnd.tokens[r, c], rnd.lengths[r, c],
+                                             rnd.stopped[r, c])
                 rest, ok = st.finish(final)
                 _check(ok, key)
                 text += rest
