@@ -57,6 +57,15 @@ class Generation:
       prompt_top_logprobs, prompt_top_token_ids: B arrays `[P_b - 1, k]`, the
         k most likely tokens after tokens 0..j (float32 logprobs, int32 ids).
       tokenizer: the model's tokenizer (for `outputs()`'s decoded tokens).
+      token_entropy: `[B, N, T]` float32, with `SamplingParams(signals=True)`:
+        the entropy (nats) of the raw distribution each token was drawn from
+        (temperature 1, no processors or filters: as the logprobs); 0 at
+        padding. None without `signals`. See `sampling.token_signals`.
+      self_certainty: `[B, N, T]` float32, KL(U || p) = -log V - mean_v log p_v
+        (nats, V the real vocabulary; Kang et al. 2025, arXiv 2502.18581) of
+        the same distributions; 0 at padding. None without `signals`.
+      top2_margin: `[B, N, T]` float32, log p of the most likely token minus
+        that of the second (nats, >= 0); 0 at padding. None without `signals`.
     """
 
     tokens: np.ndarray
@@ -78,6 +87,9 @@ class Generation:
     prompt_top_logprobs: list[np.ndarray] | None = None
     prompt_top_token_ids: list[np.ndarray] | None = None
     tokenizer: Any = None
+    token_entropy: np.ndarray | None = None
+    self_certainty: np.ndarray | None = None
+    top2_margin: np.ndarray | None = None
 
     @property
     def num_prompts(self) -> int:

@@ -110,6 +110,13 @@ class SamplingParams:
         (`Generation.prompt_logprobs`), under the raw distribution, as
         vLLM's `prompt_logprobs`. Computed in the prefill; None costs
         nothing.
+      signals: record per-token selection signals of the raw distribution
+        at every generated position (`Generation.token_entropy`,
+        `self_certainty`, `top2_margin`, `[B, N, T]` float32; see
+        `sampling.token_signals`): one more reduction over V in the decode
+        step, no top-k and no per-token copy beyond 3 floats. A static
+        setting: on, it compiles another step; off (the default), the step
+        is the program it was without the option. Not a vLLM field.
 
     Order of the logits processors (vLLM's v1 sampler): logit bias,
     min-tokens, repetition, frequency and presence penalties, then
@@ -138,6 +145,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    signals: bool = False
 
     def __post_init__(self):
         def fail(name: str, allowed: str, value: Any):
@@ -225,6 +233,9 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             fail("ignore_eos", "a bool", self.ignore_eos)
         set_("ignore_eos", bool(self.ignore_eos))
+        if not isinstance(self.signals, (bool, np.bool_)):
+            fail("signals", "a bool", self.signals)
+        set_("signals", bool(self.signals))
         for name in ("presence_penalty", "frequency_penalty"):
             check_float(name, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY,
                         "a float in [-2, 2] (0 is off)")
