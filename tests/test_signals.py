@@ -227,3 +227,261 @@ def test_off_changes_nothing(tiny_lm):
     c_off = decode_step_cost(tiny_lm.config, 32, 4, 16)
     c_on = decode_step_cost(tiny_lm.config, 32, 4, 16, signals=True)
     assert c_on.flops > c_off.flops
+
+
+# ---------------------------------------------------------------------------
+# Branch scores: DeepConf's trace confidences against their reference loops
+
+
+def ref_tail(confs, tail):  # deepconf analysis_offline.calculate_tail_confidence
+    t = confs[-tail:] if len(confs) > tail else confs
+    return float(np.mean(t))
+
+
+def ref_bottom(confs, window, bottom):  # calculate_bottom_window_confidence (-1: min)
+    if len(confs) < window:
+        return float(np.mean(confs))
+    means = []
+    cur = sum(confs[:window])
+    means.append(cur / window)
+    for i in range(1, len(confs) - window + 1):
+        cur = cur - confs[i - 1] + confs[i + window - 1]
+        means.append(cur / window)
+    if bottom == -1:
+        return float(min(means))
+    k = max(1, int(len(means) * bottom))
+    return float(min(means)) if k == 1 else float(np.mean(np.partition(means, k - 1)[:k]))
+
+
+def test_confidence_scores_match_deepconf_reference():
+    rng = np.random.default_rng(1)
+    B, N, T = 2, 5, 40
+    conf = rng.uniform(0, 5, size=(B, N, T))
+    lengths = np.array([[40, 3, 17, 0, 25], [1, 39, 12, 40, 8]])
+    conf[np.arange(T)[None, None] >= lengths[..., None]] = 0.0
+    for window, tail in ((4, 6), (16, 3), (64, 64)):
+        got = {k: reducers.confidence_scores(conf, lengths, k, window=window, tail=tail)
+               for k in ("mean", "tail", "lowest_group", "bottom_group")}
+        for b in range(B):
+            for n in range(N):
+                L = lengths[b, n]
+                c = list(conf[b, n, :L])
+                if L == 0:
+                    assert all(np.isnan(got[k][b, n]) for k in got)
+                    continue
+                np.testing.assert_allclose(got["mean"][b, n], np.mean(c), rtol=1e-12)
+                np.testing.assert_allclose(got["tail"][b, n], ref_tail(c, tail), rtol=1e-12)
+                np.testing.assert_allclose(got["lowest_group"][b, n], ref_bottom(c, window, -1),
+                                           rtol=1e-9)
+                np.testing.assert_allclose(got["bottom_group"][b, n], ref_bottom(c, window, 0.1),
+                                           rtol=1e-9)
+    # the bottom-10% differs from the lowest once there are >= 20 windows
+    g = reducers.confidence_scores(conf, lengths, "bottom_group", window=4)
+    assert not np.allclose(g, reducers.confidence_scores(conf, lengths, "lowest_group", window=4),
+                           equal_nan=True)
+
+
+def test_branch_scores_by_name(tiny_lm):
+    params = SamplingParams(n=4, max_new_tokens=12, seed=11, temperature=1.0, signals=True,
+                            logprobs=20)
+    g = engine.generate(tiny_lm, PROMPTS[:2], params)
+    L = g.lengths
+    sc = reducers.branch_scores(g, "self-certainty")
+    ref = np.array([[g.self_certainty[b, n, :L[b, n]].astype(np.float64).mean() for n in range(4)]
+                    for b in range(2)])
+    np.testing.assert_allclose(sc, ref, rtol=1e-12)
+    top = -g.top_logprobs.astype(np.float64).mean(-1)
+    for name, kind in (("tail_confidence", "tail"), ("lowest_group_confidence", "lowest_group"),
+                       ("bottom-10-group-confidence", "bottom_group")):
+        for source, c in (("signals", g.self_certainty), ("top_logprobs", top)):
+            got = reducers.branch_scores(g, name, source=source, window=4, tail=5)
+            np.testing.assert_array_equal(
+                got, reducers.confidence_scores(c, L, kind, window=4, tail=5))
+            idx = np.asarray(reducers.best_of_n(g, score=name, source=source, window=4, tail=5))
+            np.testing.assert_array_equal(idx, np.nanargmax(got, axis=1))
+    np.testing.assert_array_equal(np.asarray(reducers.best_of_n(g)),
+                                  np.asarray(reducers.best_of_n(g.mean_logprob())))
+    with pytest.raises(ValueError, match="score must be one of"):
+        reducers.best_of_n(g, score="entropy")
+    with pytest.raises(ValueError, match="need a Generation"):
+        reducers.best_of_n(np.zeros((1, 2)), score="self_certainty")
+    plain = engine.generate(tiny_lm, PROMPTS[:1], params.replace(signals=False, logprobs=None))
+    with pytest.raises(ValueError, match="SamplingParams\\(signals=True\\)"):
+        reducers.branch_scores(plain, "self_certainty")
+    with pytest.raises(ValueError, match="logprobs=20"):
+        reducers.branch_scores(plain, "tail_confidence", source="top_logprobs")
+
+
+# ---------------------------------------------------------------------------
+# Votes: DeepConf's offline votes and Borda voting against numpy oracles
+
+
+def ref_deepconf(answers, confs, valid, top_percent):
+    """DeepConf's offline vote (analysis_offline: filter_top_confidence then
+    weighted_majority_vote), on one row; None: no answer."""
+    pool = [i for i in range(len(answers))
+            if valid[i] and answers[i] >= 0 and not np.isnan(confs[i])]
+    if not pool:
+        return -1
+    if top_percent is not None:
+        thr = np.percentile([confs[i] for i in pool], (1 - top_percent / 100) * 100)
+        pool = [i for i in pool if confs[i] >= thr]
+    totals = {}
+    for i in pool:  # insertion order = branch order: max() keeps the first on ties
+        totals[answers[i]] = totals.get(answers[i], 0.0) + max(float(confs[i]), 0.0)
+    return max(totals, key=lambda a: totals[a])
+
+
+def ref_borda(answers, confs, valid, power):
+    """Self-Certainty's Borda vote (voting_from_list.confidence_with_file), on one row."""
+    pool = [i for i in range(len(answers)) if valid[i] and not np.isnan(confs[i])]
+    if not any(answers[i] >= 0 for i in pool):
+        return -1, None
+    order = sorted(pool, key=lambda i: confs[i], reverse=True)  # stable: ties in branch order
+    votes_map = {order[r]: float(len(pool) - r) ** power for r in range(len(order))}
+    votes = {}
+    first = {}
+    for i in pool:
+        if answers[i] < 0:
+            continue
+        first.setdefault(answers[i], i)
+        votes[answers[i]] = votes.get(answers[i], 0.0) + votes_map[i]
+    best = max(votes.values())
+    winner = min((a for a in votes if votes[a] == best), key=lambda a: first[a])
+    gap = best - max([v for a, v in votes.items() if a != winner], default=-np.inf)
+    return winner, gap
+
+
+HAND = [  # (answers, confidences, valid)
+    ([1, 2, 2, 3, 1, 1], [0.9, 2.0, 1.8, 0.1, 0.5, 0.4], [1] * 6),  # confidence beats count
+    ([5, 6, 5, 6, 7, 7], [1.0] * 6, [1] * 6),  # ties everywhere: the answer seen first
+    ([1, 2, 3, 1, 2, 3], [2.0, 1.0, 3.0, 2.0, 1.0, 0.0], [0] * 6),  # all invalid
+    ([4, 3, 3, 4, 2, 2], [0.0] * 6, [1] * 6),  # zero weights: the first kept answer, support 0
+    ([-1, 2, -1, 2, 9, 9], [5.0, 1.0, 4.0, np.nan, 1.5, 0.2], [1] * 6),  # no answer, NaN
+    ([8, 8, 8, 1, 1, 2], [3.0, 3.0, 3.0, 1.0, 1.0, 3.0], [1, 1, 0, 1, 1, 1]),  # ties at the cut
+    ([-1, -1, -1, -1, -1, -1], [1.0] * 6, [1] * 6),  # nobody answered
+    ([3, 1, 2, 2, 1, 3], [-0.5, 0.25, 0.75, 0.75, 0.5, 2.0], [1] * 6),  # a negative confidence
+]
+
+
+def _pool(rows):
+    ids = np.array([r[0] for r in rows], np.int32)
+    conf = np.array([r[1] for r in rows], np.float32)
+    valid = np.array([r[2] for r in rows], bool)
+    return ids, conf, valid
+
+
+@pytest.mark.parametrize("top_percent", [None, 10, 90, 50, 33.3])
+def test_confidence_vote_hand_made(top_percent):
+    ids, conf, valid = _pool(HAND)
+    v = reducers.confidence_vote(ids, conf, valid, top_percent=top_percent)
+    want = [ref_deepconf(*r[:2], [bool(x) for x in r[2]], top_percent) for r in HAND]
+    np.testing.assert_array_equal(np.asarray(v.winner), want)
+    assert np.asarray(v.winner)[2] == -1 and np.asarray(v.first_branch)[2] == -1
+    assert np.asarray(v.support)[3] == 0.0 and np.asarray(v.winner)[3] == 4
+
+
+def test_confidence_vote_random_pools():
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        B, N = 6, (1, 7, 16, 33)[trial % 4]  # few shapes: few compiles
+        ids = rng.integers(-1, 4, size=(B, N)).astype(np.int32)
+        conf = rng.choice([0.0, 0.5, 1.0, 1.5, 2.0, 4.0, np.nan], size=(B, N)).astype(np.float32)
+        valid = rng.random((B, N)) < 0.85
+        for eta in (None, 10, 90):
+            got = np.asarray(reducers.confidence_vote(ids, conf, valid, top_percent=eta).winner)
+            want = [ref_deepconf(list(ids[b]), list(conf[b]), list(valid[b]), eta)
+                    for b in range(B)]
+            np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}, eta {eta}")
+
+
+@pytest.mark.parametrize("power", [0.0, 0.5, 1.0, 2.0])
+def test_borda_vote_hand_made(power):
+    ids, conf, valid = _pool(HAND)
+    v = reducers.borda_vote(ids, conf, valid, power=power)
+    for b, r in enumerate(HAND):
+        want, gap = ref_borda(r[0], r[1], [bool(x) for x in r[2]], power)
+        assert gap is None or gap == 0 or gap > 1e-4  # exact ties or clear margins only
+        assert int(v.winner[b]) == want, (b, power)
+    # power 0 is the plain majority vote
+    if power == 0.0:
+        plain = reducers.majority_vote(ids, valid & ~np.isnan(conf))
+        np.testing.assert_array_equal(np.asarray(v.winner), np.asarray(plain.winner))
+
+
+def test_borda_vote_random_pools_and_float64():
+    rng = np.random.default_rng(3)
+    checked = 0
+    for trial in range(30):
+        B, N = 5, (2, 9, 24)[trial % 3]
+        ids = rng.integers(-1, 4, size=(B, N)).astype(np.int32)
+        conf = rng.normal(size=(B, N))
+        conf[rng.random((B, N)) < 0.1] = np.nan
+        conf[:, :2] = 1.0  # a tie in every row
+        valid = rng.random((B, N)) < 0.9
+        for power in (0.5, 1.0, 3.0):
+            got = np.asarray(reducers.borda_vote(ids, conf, valid, power=power).winner)
+            for b in range(B):
+                want, gap = ref_borda(list(ids[b]), list(conf[b]), list(valid[b]), power)
+                if gap is not None and 0 < gap <= 1e-4:
+                    continue  # a float32 near-tie: either answer is right
+                assert got[b] == want, (trial, power, b)
+                checked += 1
+    assert checked > 400
+    # float64 confidences 1e-9 apart keep their order (ranked on the host)
+    v = reducers.borda_vote(np.array([[1, 2]]), np.array([[1.0, 1.0 + 1e-9]]), power=5.0)
+    assert int(v.winner[0]) == 2
+
+
+def test_vote_arguments_checked():
+    ids = np.zeros((2, 3), np.int32)
+    with pytest.raises(ValueError, match="top_percent"):
+        reducers.confidence_vote(ids, np.ones((2, 3)), top_percent=0)
+    with pytest.raises(ValueError, match="confidence must have the shape"):
+        reducers.confidence_vote(ids, np.ones((2, 4)))
+    with pytest.raises(ValueError, match="power"):
+        reducers.borda_vote(ids, np.ones((2, 3)), power=-1.0)
+    with pytest.raises(ValueError, match="int array"):
+        reducers.borda_vote(np.zeros((2, 3)), np.ones((2, 3)))
+
+
+def test_votes_jit_over_rows():
+    """The votes are jitted programs over [B, N]: a row's outcome does not depend on the others."""
+    ids, conf, valid = _pool(HAND)
+    for fn in (lambda i, c, v: reducers.confidence_vote(i, c, v, top_percent=10),
+               lambda i, c, v: reducers.borda_vote(i, c, v)):
+        whole = np.asarray(fn(ids, conf, valid).winner)
+        alone = [int(fn(ids[b:b + 1], conf[b:b + 1], valid[b:b + 1]).winner[0])
+                 for b in range(len(HAND))]
+        np.testing.assert_array_equal(whole, alone)
+
+
+# ---------------------------------------------------------------------------
+# The command line: --select NAME
+
+
+def test_cli_select(tiny_lm, capsys):
+    from jaxsample import cli, config as config_lib
+
+    args = cli.build_parser().parse_args(["run", "--prompt", "x", "--select", "self-certainty"])
+    cfg = cli.resolve_run_config(args)
+    assert cfg.reducer.kind == "best" and cfg.reducer.score == "self_certainty"
+    assert cfg.sampling.signals is True
+    args = cli.build_parser().parse_args(["run", "--prompt", "x", "--select",
+                                          "bottom-10-group-confidence"])
+    assert cli.resolve_run_config(args).reducer.score == "bottom_group_confidence"
+    plain = cli.resolve_run_config(cli.build_parser().parse_args(["run", "--prompt", "x"]))
+    assert plain.sampling.signals is False  # nothing changes without --select
+    assert cli.main(["run", "--prompt", "x", "--select", "entropy"]) == 2
+    assert "invalid choice: 'entropy'" in capsys.readouterr().err
+    assert cli.main(["run", "--prompt", "x", "--select", "self-certainty", "--reduce",
+                     "vote"]) == 2
+    assert "--select picks the best branch" in capsys.readouterr().err
+    # the reducer the command line runs: best-of-N by the named score
+    g = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=4, max_new_tokens=8, seed=1,
+                                                             signals=True))
+    red = config_lib.ReducerConfig(kind="best", score="self_certainty")
+    result, _ = cli._reduce(g, red, 0)
+    assert result["branch"] == int(np.asarray(reducers.best_of_n(g, score="self_certainty"))[0])
+    np.testing.assert_allclose(result["score"],
+                               reducers.branch_scores(g, "self_certainty")[0, result["branch"]])
