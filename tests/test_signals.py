@@ -485,3 +485,56 @@ def test_cli_select(tiny_lm, capsys):
     assert result["branch"] == int(np.asarray(reducers.best_of_n(g, score="self_certainty"))[0])
     np.testing.assert_allclose(result["score"],
                                reducers.branch_scores(g, "self_certainty")[0, result["branch"]])
+
+
+# ---------------------------------------------------------------------------
+# DeepConf online on the signals
+
+
+def _replay_on_signals(pool, b, *, max_n, window, rule, threshold, confidence, warmup,
+                       group_size):
+    from jaxsample import answers, stopping
+
+    # adaptive_self_consistency normalises what a callable extractor returns
+    ans = [None if not t[:1] else (answers.normalize(t[:1]) or None) for t in pool.texts[b]]
+    conf = [stopping.token_confidence_from_signals(pool.self_certainty[b, n, :pool.lengths[b, n]])
+            for n in range(max_n)]
+    weights = [stopping.lowest_group_confidence(c, group_size) for c in conf]
+    thr = stopping.threshold_from_warmup(weights[:warmup], confidence)
+    term = [n >= warmup and stopping.first_low_group(c, group_size, thr) is not None
+            for n, c in enumerate(conf)]
+    return stopping.replay(ans, max_n=max_n, window=window, rule=rule, threshold=threshold,
+                           weights=weights, terminated=term, warmup=warmup)
+
+
+@pytest.mark.parametrize("confidence", ["deepconf-low", "deepconf-high"])
+def test_adaptive_deepconf_on_signals_equals_offline(tiny_lm, confidence):
+    import jaxsample
+
+    params = SamplingParams(max_new_tokens=12, seed=7, temperature=0.8)
+    kw = dict(max_n=16, window=4, rule="beta", threshold=0.6, confidence=confidence, warmup=8,
+              group_size=4)
+    res = jaxsample.adaptive_self_consistency(tiny_lm, PROMPTS, params, extract=lambda t: t[:1] or None,
+                                              confidence_source="signals", **kw)
+    g = res.generation
+    assert g.top_logprobs is None  # no top-k was computed or copied
+    assert g.self_certainty is not None
+    pool = engine.generate(tiny_lm, PROMPTS, params.replace(n=16, signals=True))
+    for b in range(len(PROMPTS)):
+        rep = _replay_on_signals(pool, b, **kw)
+        assert (rep.n_used, rep.winner, sum(rep.terminated)) == (
+            res.n_used[b], res.winner[b], res.terminated[b]), b
+        assert res.share[b] == pytest.approx(rep.share, abs=1e-5)
+        full = [n for n in range(res.n_used[b]) if g.finish_reason[b][n] != "terminated"]
+        np.testing.assert_allclose(np.asarray(res.confidence[b])[full], [
+            reducers.confidence_scores(pool.self_certainty[b:b + 1, n:n + 1],
+                                       pool.lengths[b:b + 1, n:n + 1], "lowest_group",
+                                       window=4)[0, 0] for n in full],
+            atol=1e-5, rtol=0)  # rounds of 4 slots vs a pool of 16: other float32 programs
+    assert np.all(np.isfinite(res.thresholds))
+    if confidence == "deepconf-low":
+        assert res.terminated.sum() > 0  # the rule had something to do
+    with pytest.raises(jaxsample.errors.InputError, match="confidence_source"):
+        jaxsample.adaptive_self_consistency(tiny_lm, PROMPTS, params, confidence="deepconf-low",
+                                            confidence_source="entropy", **{
+                                                k: v for k, v in kw.items() if k != "confidence"})
