@@ -189,6 +189,17 @@ def test_chunked_and_compacted_equal_one_call(tiny_lm):
     assert (one.lengths < 24).any()  # some branches stopped: compaction had work to do
 
 
+def test_sharded_equals_unsharded(tiny_lm):
+    """On a (data 2, branch 2) mesh, with compaction: the signals travel with their branch."""
+    params = SamplingParams(n=4, max_new_tokens=16, seed=6, temperature=0.9, signals=True,
+                            stop_token_ids=[ord("e")])
+    one = engine.generate(tiny_lm, PROMPTS[:2], params)
+    mesh = jax.make_mesh((2, 2), ("data", "branch"))
+    got = engine.generate(tiny_lm, PROMPTS[:2], params, mesh=mesh, chunk_size=4, compact=True)
+    assert_same_tokens_up_to_ties(tiny_lm, one, got)
+    _close_where_tokens_agree(one, got)
+
+
 def test_stream_and_stop_strings(tiny_lm):
     """The streamed Generation carries the signals; a stop string's cut zeroes them
     past the kept tokens."""
