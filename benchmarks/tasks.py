@@ -14,6 +14,7 @@ benchmarks/RESULTS.md, "Accuracy: best-of-N and self-consistency"):
   mul1     single-digit multiplication  "What is 7 * 8?"
   word     one-step word problem        "Sam has 12 apples and gets 5 more. ..."
   compare  the larger of two numbers    "Which number is larger, 37 or 52?"
+  mul21    two-digit times one-digit    "What is 23 * 7?"  (harder; benchmarks/selection.py)
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def _mul1(rng: random.Random):
     return f"What is {a} * {b}?", a * b
 
 
+def _mul21(rng: random.Random):
+    a, b = rng.randint(11, 99), rng.randint(3, 9)
+    return f"What is {a} * {b}?", a * b
+
+
 def _word(rng: random.Random):
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     if rng.random() < 0.5:
@@ -79,7 +85,7 @@ def _compare(rng: random.Random):
 
 
 FAMILIES = {"add1": _add1, "add2": _add2, "addsub": _addsub, "mul1": _mul1,
-            "word": _word, "compare": _compare}
+            "word": _word, "compare": _compare, "mul21": _mul21}
 
 
 def make_tasks(family: str, count: int, seed: int = 0) -> list[Task]:

@@ -144,7 +144,8 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                               warmup: int = 16, group_size: int = 16, extract="auto",
                               chat: bool = False, mesh=None, chunk_size: int = 8,
                               compact: bool = True, prompt_index_offset: int = 0,
-                              progress=False) -> AdaptiveResult:
+                              progress=False,
+                              confidence_source: str = "top_logprobs") -> AdaptiveResult:
     """Self-consistency that stops spending on branches that cannot change the answer.
 
     The prompts are prefilled once. Branches are drawn in rounds of `window`
@@ -182,6 +183,14 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         `jaxsample.progress.Progress` reports preparing the programs and, after
         every chunk, the round, the branches drawn and the prompts settled
         (`Progress.adaptive_update`; off a terminal a line every `interval` s).
+      confidence_source: DeepConf's token confidence, "top_logprobs" (its
+        own: minus the mean of the top-k logprobs, k = `params.logprobs` or
+        20, copied to the host every chunk) or "signals" (the self-certainty
+        recorded by the step with `SamplingParams(signals=True)`,
+        `stopping.token_confidence_from_signals`: DeepConf's formula with
+        k = V, minus log V; no top-k over V and 3 floats per token instead of
+        k). The group means, threshold and terminations are computed on the
+        host from it in both cases.
     Returns:
       An `AdaptiveResult`.
     Raises:
@@ -209,12 +218,22 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                              "the threshold is set between rounds")
     else:
         warmup = 0
-    k = (params.logprobs or MAX_LOGPROBS) if confidence else (params.logprobs or 0)
+    if confidence_source not in stopping.CONFIDENCE_SOURCES:
+        raise InputError(f"confidence_source must be one of {stopping.CONFIDENCE_SOURCES}, "
+                         f"got {confidence_source!r}")
+    on_signals = bool(confidence) and confidence_source == "signals"
+    k = (params.logprobs or MAX_LOGPROBS) if confidence and not on_signals else (params.logprobs or 0)
     get_answer = _extractor(extract)
     observer = progress_lib.resolve(progress)
-    session = Session(lm, prompts, params.replace(n=window), chat=chat, mesh=mesh,
-                      prompt_index_offset=prompt_index_offset, top_logprobs=k,
-                      observer=observer)
+    session = Session(lm, prompts, params.replace(n=window, signals=params.signals or on_signals),
+                      chat=chat, mesh=mesh, prompt_index_offset=prompt_index_offset,
+                      top_logprobs=k, observer=observer)
+
+    def token_conf(rnd, i, c, L):  # DeepConf's C_t of branch (i, c)'s first L tokens
+        if on_signals:
+            return stopping.token_confidence_from_signals(rnd.signals[i, c, :L, 1])
+        return stopping.token_confidence(rnd.top_logprobs[i, c, :L])
+
     sp = session.params
     B = session.B
     answers = [[] for _ in range(B)]
@@ -242,7 +261,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                     end[i, c] = True
                 if confidence and n >= warmup:
                     L = int(rnd.lengths[i, c])
-                    conf = stopping.token_confidence(rnd.top_logprobs[i, c, :L])
+                    conf = token_conf(rnd, i, c, L)
                     if stopping.first_low_group(conf, group_size, thresholds[b]) is not None:
                         end[i, c] = True
                         reasons[(b, n)] = "terminated"
@@ -268,7 +287,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                 if confidence:
                     L = int(rnd.lengths[i, c])
                     lowest[b].append(stopping.lowest_group_confidence(
-                        stopping.token_confidence(rnd.top_logprobs[i, c, :L]), group_size))
+                        token_conf(rnd, i, c, L), group_size))
             n_b = len(answers[b])
             if confidence and n_b == warmup:
                 thresholds[b] = stopping.threshold_from_warmup(lowest[b][:warmup], confidence)

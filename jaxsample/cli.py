@@ -245,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--reduce", choices=config_lib.REDUCER_KINDS,
                      help="vote (self-consistency), best (best-of-N by mean logprob) or none "
                           "(default: vote)")
+    run.add_argument("--select", metavar="SCORE", type=_score_name,
+                     help="best-of-N by this score (implies --reduce best): "
+                          + ", ".join(s.replace("_", "-") for s in config_lib.SCORES)
+                          + "; all but the logprob ones record the selection signals "
+                          "(self-certainty, arXiv 2502.18581; DeepConf's confidences, "
+                          "arXiv 2508.15260)")
     run.add_argument("--extract", choices=config_lib.EXTRACT_KINDS,
                      help="answer extraction for the vote (default: number)")
     run.add_argument("--adaptive", choices=ADAPTIVE_CHOICES,
@@ -399,9 +405,27 @@ def resolve_run_config(args: argparse.Namespace) -> config_lib.RunConfig:
         cfg = cfg.replace(reducer=dataclasses.replace(
             cfg.reducer, kind=args.reduce or cfg.reducer.kind,
             extract=args.extract or cfg.reducer.extract))
+    if getattr(args, "select", None) is not None:
+        if args.reduce not in (None, "best"):
+            raise ConfigError(f"--select picks the best branch; it cannot be combined with "
+                              f"--reduce {args.reduce}")
+        cfg = cfg.replace(reducer=dataclasses.replace(cfg.reducer, kind="best", score=args.select))
+    if cfg.reducer.kind == "best" and cfg.reducer.score in config_lib.SIGNAL_SCORES:
+        cfg = cfg.replace(sampling=cfg.sampling.replace(signals=True))
     if args.chat is not None:
         cfg = cfg.replace(chat=args.chat)
     return cfg
+
+
+def _score_name(text: str) -> str:
+    """--select: a score name, hyphens or underscores."""
+    name = text.strip().replace("-", "_")
+    name = "bottom_group_confidence" if name == "bottom_10_group_confidence" else name
+    if name not in config_lib.SCORES:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from "
+            + ", ".join(s.replace("_", "-") for s in config_lib.SCORES) + ")")
+    return name
 
 
 PROMPT_FILE_LIMIT = 64 * 2**20  # bytes; a larger prompt file is an error, never truncated
@@ -981,7 +1005,7 @@ def _reduce(gen, reducer: config_lib.ReducerConfig, b: int = 0, sc=None):
 
     answers = [one(t) for t in texts]
     if reducer.kind == "best":
-        scores = gen.mean_logprob() if reducer.score == "mean_logprob" else gen.sum_logprob()
+        scores = reducers.branch_scores(gen, reducer.score)
         # Prefer complete branches (ended by a stop): a branch cut at max_new_tokens
         # may carry a truncated answer. Without any complete branch, take them all.
         lengths = np.asarray(gen.lengths)[b:b + 1]

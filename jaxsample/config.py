@@ -27,7 +27,9 @@ Fields of the sections:
     reducer.kind      vote (self-consistency) | best (best-of-N) | none
     reducer.extract   number | boxed | choice | text | auto   (answer extraction, vote)
     reducer.weights   null | mean_logprob                     (vote weights)
-    reducer.score     mean_logprob | sum_logprob              (best-of-N score)
+    reducer.score     mean_logprob | sum_logprob | self_certainty | tail_confidence |
+                      lowest_group_confidence | bottom_group_confidence  (best-of-N score;
+                      the last four need sampling.signals: true, which --select sets)
     mesh.data         int >= 1, devices along the prompt axis ("data")
     mesh.branch       int >= 1, devices along the branch axis ("branch")
     chat              bool, render prompts with the model's chat template
@@ -51,7 +53,9 @@ DTYPES = ("float32", "bfloat16")
 REDUCER_KINDS = ("vote", "best", "none")
 EXTRACT_KINDS = ("number", "boxed", "choice", "text", "auto")
 VOTE_WEIGHTS = (None, "mean_logprob")
-SCORES = ("mean_logprob", "sum_logprob")
+SCORES = ("mean_logprob", "sum_logprob", "self_certainty", "tail_confidence",
+          "lowest_group_confidence", "bottom_group_confidence")  # reducers.SCORE_NAMES
+SIGNAL_SCORES = SCORES[2:]  # need SamplingParams(signals=True)
 
 # The command line's sampling defaults; a config's `sampling` section overrides them.
 DEFAULT_SAMPLING = dict(n=16, temperature=0.8, top_k=0, top_p=0.95, min_p=0.0,
@@ -106,7 +110,7 @@ class ReducerConfig:
         \\boxed{}), "choice" (A-E), "text" (the whole stripped text) or "auto".
       weights: None (one vote per branch) or "mean_logprob" (votes weighted
         by the branch's length-normalised probability).
-      score: best-of-N score, "mean_logprob" or "sum_logprob".
+      score: best-of-N score, one of `SCORES` (`reducers.branch_scores`).
     """
 
     kind: str = "vote"

@@ -62,6 +62,15 @@ class Generation:
         ended on one of `SamplingParams.stop_token_ids` (not the model's own
         end id, unless `ignore_eos`), else None (ended by length or by the
         model's end-of-sequence id; terminated and not drawn branches).
+      token_entropy: `[B, N, T]` float32, with `SamplingParams(signals=True)`:
+        the entropy (nats) of the raw distribution each token was drawn from
+        (temperature 1, no processors or filters: as the logprobs); 0 at
+        padding. None without `signals`. See `sampling.token_signals`.
+      self_certainty: `[B, N, T]` float32, KL(U || p) = -log V - mean_v log p_v
+        (nats, V the real vocabulary; Kang et al. 2025, arXiv 2502.18581) of
+        the same distributions; 0 at padding. None without `signals`.
+      top2_margin: `[B, N, T]` float32, log p of the most likely token minus
+        that of the second (nats, >= 0); 0 at padding. None without `signals`.
     """
 
     tokens: np.ndarray
@@ -84,6 +93,9 @@ class Generation:
     prompt_top_token_ids: list[np.ndarray] | None = None
     tokenizer: Any = None
     stop_reason: list[list[str | int | None]] | None = None
+    token_entropy: np.ndarray | None = None
+    self_certainty: np.ndarray | None = None
+    top2_margin: np.ndarray | None = None
 
     @property
     def num_prompts(self) -> int:

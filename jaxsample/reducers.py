@@ -25,6 +25,7 @@ Conventions shared by every reducer here:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -43,6 +44,12 @@ __all__ = [
     "score_mean_logprob",
     "weights_from_mean_logprob",
     "weights_from_scores",
+    "SCORE_NAMES",
+    "branch_scores",
+    "confidence_scores",
+    "token_confidence",
+    "confidence_vote",
+    "borda_vote",
 ]
 
 
@@ -140,16 +147,28 @@ def _best_of_n(scores: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(jnp.any(ok, axis=-1), first, jnp.int32(-1))
 
 
-def best_of_n(scores: Any, valid: Any = None) -> jax.Array:
+def best_of_n(scores: Any, valid: Any = None, *, score: str | None = None,
+              **options: Any) -> jax.Array:
     """Best-of-N: the branch with the highest score, per prompt (jitted).
 
     Scores can be anything per branch where higher is better: the sum or mean
-    token logprob (`score_sum_logprob`, `score_mean_logprob`), or an external
+    token logprob (`score_sum_logprob`, `score_mean_logprob`), the selection
+    signals' scores (`branch_scores`: self-certainty, DeepConf's tail, lowest
+    group and bottom-10% group confidence), or an external
     reward-model / verifier output (Cobbe et al. 2021, "Training Verifiers to
     Solve Math Word Problems", arXiv 2110.14168).
 
+    `best_of_n(gen, score="self_certainty")` takes a `Generation` and a score
+    name (`SCORE_NAMES`, hyphens allowed; default "mean_logprob"): the
+    scores are `branch_scores(gen, score, **options)` and `valid` defaults
+    to the non-empty branches.
+
     Args:
-      scores: `[B, N]` float (or int) score per branch; NaN never wins.
+      scores: `[B, N]` float (or int) score per branch; NaN never wins. Or a
+        `Generation`, with `score`.
+      score: with a Generation, the score's name; must be None with an array.
+      options: with a Generation, `branch_scores`'s keywords (source,
+        window, tail, bottom_percent).
         Concrete scores that JAX would cast to 32 bits with loss (float64,
         or 64-bit ints outside the int32 range) are replaced on the host by
         their exact per-row ranks (equal scores, equal ranks) first, so the
@@ -163,8 +182,17 @@ def best_of_n(scores: Any, valid: Any = None) -> jax.Array:
 
     Raises:
       ValueError: `scores` is not `[B, N]` with N >= 1 or not real-valued,
-        or `valid` is not a bool array of the same shape.
+        or `valid` is not a bool array of the same shape; an unknown score
+        name, or a name (or options) given with an array of scores.
     """
+    if hasattr(scores, "tokens") and hasattr(scores, "lengths"):  # a Generation
+        gen = scores
+        scores = branch_scores(gen, "mean_logprob" if score is None else score, **options)
+        if valid is None:
+            valid = np.asarray(gen.lengths) > 0
+    elif score is not None or options:
+        raise ValueError("score= (a name) and its options need a Generation as the first "
+                         "argument; with a [B, N] array of scores, pass the array alone")
     scores = _check_2d("scores", scores)
     _check_real("scores", scores)
     valid = _check_valid(valid, scores.shape, "scores")
@@ -602,3 +630,301 @@ def self_consistency(
         first_branch=np.asarray(vote.first_branch),
         vote=Vote(*(np.asarray(x) for x in vote)),
     )
+
+
+# ----------------------------------------------------------------------------
+# Selection signals: branch scores and confidence votes
+# ----------------------------------------------------------------------------
+#
+# Token confidence C_t, per generated token, higher = more confident:
+#   "signals" (`SamplingParams(signals=True)`, computed in the decode step):
+#     the self-certainty KL(U || p_t) = -log V - mean_v log p_t(v) (Kang et al.
+#     2025, arXiv 2502.18581). This is DeepConf's formula with k = V (the whole
+#     real vocabulary) minus the constant log V: rankings, percentiles and
+#     threshold tests are those of DeepConf's C at k = V exactly; as vote
+#     weights it differs from C_{k=V} by that constant.
+#   "top_logprobs" (`SamplingParams(logprobs=k)`): DeepConf's own C_t = minus
+#     the mean of the k largest logprobs at t (Fu et al. 2025, arXiv 2508.15260;
+#     facebookresearch/deepconf `compute_confidence`, k = 20 there).
+# The two are different numbers (k = V weighs the whole tail of the
+# distribution, k = 20 its head); both are >= 0 and grow as p_t concentrates.
+
+SCORE_NAMES = ("mean_logprob", "sum_logprob", "self_certainty", "tail_confidence",
+               "lowest_group_confidence", "bottom_group_confidence")
+CONFIDENCE_SOURCES = ("signals", "top_logprobs")
+DEEPCONF_WINDOW = 2048  # DeepConf's group size and tail length in tokens (its README)
+
+
+def _canonical_score(name: Any) -> str:
+    key = name.replace("-", "_") if isinstance(name, str) else name
+    if key == "bottom_10_group_confidence":
+        key = "bottom_group_confidence"
+    if key not in SCORE_NAMES:
+        raise ValueError(f"score must be one of {SCORE_NAMES} (hyphens allowed), got {name!r}")
+    return key
+
+
+def token_confidence(gen: Any, source: str = "signals") -> np.ndarray:
+    """Per-token confidence `[B, N, T]` float64 of a Generation (0 at padding).
+
+    Args:
+      gen: a `Generation`.
+      source: "signals" (its `self_certainty`, from `SamplingParams(signals=True)`)
+        or "top_logprobs" (DeepConf's minus the mean of the top-k logprobs,
+        from `SamplingParams(logprobs=k)`, k >= 1). See the comment above
+        `SCORE_NAMES` for how the two relate.
+    Raises:
+      ValueError: an unknown source, or the Generation was made without what
+        it needs.
+    """
+    if source == "signals":
+        if getattr(gen, "self_certainty", None) is None:
+            raise ValueError("this Generation has no signals: sample with "
+                             "SamplingParams(signals=True), or pass source='top_logprobs'")
+        return np.asarray(gen.self_certainty, np.float64)
+    if source == "top_logprobs":
+        top = getattr(gen, "top_logprobs", None)
+        if top is None or top.shape[-1] == 0:
+            raise ValueError("this Generation has no top logprobs: sample with "
+                             "SamplingParams(logprobs=20), or pass source='signals'")
+        return -np.asarray(top, np.float64).mean(axis=-1)
+    raise ValueError(f"source must be one of {CONFIDENCE_SOURCES}, got {source!r}")
+
+
+def _group_means(c: np.ndarray, window: int) -> np.ndarray:
+    """DeepConf's sliding-window means of one trace's `[L]` confidences (its
+    `compute_least_grouped`: the mean of all tokens when L < window)."""
+    if c.size < window:
+        return c.mean(keepdims=True)
+    s = np.concatenate([[0.0], np.cumsum(c)])
+    return (s[window:] - s[:-window]) / window
+
+
+def confidence_scores(conf: Any, lengths: Any, kind: str, *, window: int = DEEPCONF_WINDOW,
+                      tail: int = DEEPCONF_WINDOW, bottom_percent: float = 10.0) -> np.ndarray:
+    """Branch scores from per-token confidences, DeepConf's trace confidences.
+
+    Fu et al. 2025 (arXiv 2508.15260), as facebookresearch/deepconf's
+    `analysis_offline.py` computes them:
+
+    * "mean": the mean over the trace's tokens (with C = self-certainty this
+      is Kang et al.'s branch self-certainty, arXiv 2502.18581).
+    * "tail": the mean over its last `tail` tokens (all, if fewer).
+    * "lowest_group": the lowest mean over a sliding window of `window`
+      tokens (one window of all tokens when the trace is shorter).
+    * "bottom_group": the mean of the lowest `max(1, int(G * bottom_percent /
+      100))` of its G window means (DeepConf's "bottom-10%").
+
+    Args:
+      conf: `[B, N, T]` per-token confidence (`token_confidence`).
+      lengths: `[B, N]` int tokens per branch; the first lengths[b, n] count.
+      kind: "mean", "tail", "lowest_group" or "bottom_group".
+      window, tail: >= 1 tokens (DeepConf: 2048); bottom_percent in (0, 100].
+    Returns:
+      `[B, N]` float64, higher = more confident; NaN for an empty branch (it
+      never wins `best_of_n`).
+    Raises:
+      ValueError: bad shapes, kind or sizes.
+    """
+    conf = np.asarray(conf, np.float64)
+    lengths = np.asarray(lengths)
+    if conf.ndim != 3 or lengths.shape != conf.shape[:2]:
+        raise ValueError(f"conf must be [B, N, T] and lengths [B, N]; got {conf.shape} and "
+                         f"{lengths.shape}")
+    if kind not in ("mean", "tail", "lowest_group", "bottom_group"):
+        raise ValueError(f"kind must be mean, tail, lowest_group or bottom_group; got {kind!r}")
+    for name, v in (("window", window), ("tail", tail)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if not 0 < float(bottom_percent) <= 100:
+        raise ValueError(f"bottom_percent must be in (0, 100], got {bottom_percent!r}")
+    out = np.full(conf.shape[:2], np.nan)
+    for b in range(conf.shape[0]):
+        for n in range(conf.shape[1]):
+            L = int(lengths[b, n])
+            if L <= 0:
+                continue
+            c = conf[b, n, :L]
+            if kind == "mean":
+                out[b, n] = c.mean()
+            elif kind == "tail":
+                out[b, n] = c[-tail:].mean()
+            else:
+                g = _group_means(c, window)
+                if kind == "lowest_group":
+                    out[b, n] = g.min()
+                else:
+                    k = max(1, int(len(g) * float(bottom_percent) / 100))
+                    out[b, n] = np.sort(g)[:k].mean()
+    return out
+
+
+def branch_scores(gen: Any, score: str = "mean_logprob", *, source: str = "signals",
+                  window: int = DEEPCONF_WINDOW, tail: int = DEEPCONF_WINDOW,
+                  bottom_percent: float = 10.0) -> np.ndarray:
+    """A named best-of-N score `[B, N]` of every branch of a Generation.
+
+    Names (hyphens or underscores):
+
+    * "mean_logprob", "sum_logprob": the sequence logprob, length-normalised
+      or not (`score_mean_logprob`, `score_sum_logprob`; float32 as before).
+    * "self_certainty": the branch's mean token self-certainty, KL(U || p)
+      averaged over its tokens (Kang et al. 2025, arXiv 2502.18581, eq. 4);
+      always from the signals.
+    * "tail_confidence": DeepConf's tail confidence, the mean token confidence
+      over the last `tail` tokens (Fu et al. 2025, arXiv 2508.15260).
+    * "lowest_group_confidence": DeepConf's lowest group confidence, the
+      lowest sliding-window (`window` tokens) mean.
+    * "bottom_group_confidence" (also "bottom-10-group-confidence"):
+      DeepConf's bottom-10% group confidence (`bottom_percent`).
+
+    The DeepConf scores read the token confidence of `source` (see
+    `token_confidence`). Empty branches score NaN (0 for the logprob scores).
+
+    Raises:
+      ValueError: an unknown name, or the Generation lacks its signals /
+        top logprobs.
+    """
+    score = _canonical_score(score)
+    if score == "mean_logprob":
+        return score_mean_logprob(gen)
+    if score == "sum_logprob":
+        return score_sum_logprob(gen)
+    if score == "self_certainty":
+        conf, kind = token_confidence(gen, "signals"), "mean"
+    else:
+        conf = token_confidence(gen, source)
+        kind = {"tail_confidence": "tail", "lowest_group_confidence": "lowest_group",
+                "bottom_group_confidence": "bottom_group"}[score]
+    return confidence_scores(conf, gen.lengths, kind, window=window, tail=tail,
+                             bottom_percent=bottom_percent)
+
+
+def _keep_index_table(n: int, top_percent: float) -> np.ndarray:
+    """`[n + 1]` int32: for m valid branches, the ascending rank from which a
+    branch is kept, ceil((m - 1) (1 - top_percent / 100)), in exact arithmetic."""
+    from fractions import Fraction
+
+    q = 1 - Fraction(top_percent) / 100
+    return np.array([0] + [math.ceil((m - 1) * q) for m in range(1, n + 1)], np.int32)
+
+
+@jax.jit
+def _confidence_vote(answer_ids, confidence, valid, keep_from):
+    n = answer_ids.shape[-1]
+    ok = valid & (answer_ids >= 0) & ~jnp.isnan(confidence)
+    m = jnp.sum(ok, axis=-1)
+    # ascending order of the pool's confidences (others at +inf, after them)
+    srt = jnp.sort(jnp.where(ok, confidence, jnp.inf), axis=-1)
+    idx = jnp.clip(keep_from[m], 0, n - 1)
+    thr = jnp.take_along_axis(srt, idx[:, None], axis=-1)
+    keep = ok & (confidence >= thr)
+    w = jnp.where(keep, jnp.maximum(confidence, 0.0), 0.0).astype(jnp.float32)
+    return _majority_vote(answer_ids, keep, w, jnp.zeros(answer_ids.shape[:1], jnp.int32))
+
+
+def confidence_vote(answer_ids: Any, confidence: Any, valid: Any = None, *,
+                    top_percent: float | None = None) -> Vote:
+    """DeepConf's offline votes: confidence-weighted majority, optionally after
+    keeping only the top `top_percent`% of branches by confidence (jitted).
+
+    Fu et al. 2025 (arXiv 2508.15260, "offline"; facebookresearch/deepconf
+    `analysis_offline.py`): each branch votes for its answer with weight its
+    trace confidence (`confidence_scores` / `branch_scores`). With
+    `top_percent = eta` (the paper's eta = 10 "DeepConf-low" and 90
+    "DeepConf-high"), only branches whose confidence is at least the
+    (100 - eta)th percentile (numpy's linear interpolation, as their
+    `filter_top_confidence`) of the pool's vote, then weighted. The pool is
+    the valid branches with an answer and a non-NaN confidence; ties at the
+    threshold are all kept. The percentile's keep set is computed exactly
+    (a branch is kept iff its confidence is >= the pool's
+    ceil((m - 1)(1 - eta/100))-th smallest, which is what the interpolated
+    threshold keeps), so no float rounding moves a branch across it.
+
+    Args:
+      answer_ids: `[B, N]` int answer ids (< 0: no answer).
+      confidence: `[B, N]` float per-branch confidence, higher = more
+        confident, compared and summed in float32; negative values weigh 0,
+        NaN excludes the branch, +inf excludes it from the vote (as
+        `majority_vote`'s non-finite weights).
+      valid: `[B, N]` bool or None.
+      top_percent: None (no filter) or eta in (0, 100].
+    Returns:
+      A `Vote` (ties as `majority_vote`: the answer seen first; with all
+      weights 0 the first kept answer wins with support 0).
+    Raises:
+      ValueError: shapes or dtypes as `majority_vote`, or a top_percent
+        outside (0, 100].
+    """
+    answer_ids = _check_2d("answer_ids", answer_ids)
+    if not jnp.issubdtype(answer_ids.dtype, jnp.integer):
+        raise ValueError(f"answer_ids must be an int array; got dtype {answer_ids.dtype}")
+    confidence = _check_like("confidence", confidence, answer_ids.shape, "answer_ids")
+    _check_real("confidence", confidence)
+    valid = _check_valid(valid, answer_ids.shape, "answer_ids")
+    n = answer_ids.shape[1]
+    if top_percent is None:
+        table = np.zeros((n + 1,), np.int32)
+    else:
+        if isinstance(top_percent, bool) or not isinstance(top_percent, (int, float)) or not (
+                0 < float(top_percent) <= 100):
+            raise ValueError(f"top_percent must be None or in (0, 100], got {top_percent!r}")
+        table = _keep_index_table(n, float(top_percent))
+    return _confidence_vote(jnp.asarray(answer_ids).astype(jnp.int32),
+                            jnp.asarray(confidence, jnp.float32), jnp.asarray(valid),
+                            jnp.asarray(table))
+
+
+@jax.jit
+def _borda_vote(answer_ids, confidence, valid, power):
+    pool = valid & ~jnp.isnan(confidence)
+    c = confidence
+    i = jnp.arange(c.shape[-1])
+    better = (c[:, None, :] > c[:, :, None]) | (
+        (c[:, None, :] == c[:, :, None]) & (i[None, None, :] < i[None, :, None]))
+    rank = jnp.sum(better & pool[:, None, :], axis=-1)  # [B, N]: 0 = most confident
+    m = jnp.sum(pool, axis=-1, keepdims=True)
+    w = jnp.where(pool, (m - rank).astype(jnp.float32) ** power, 0.0)
+    votes = pool & (answer_ids >= 0)
+    return _majority_vote(answer_ids, votes, w, jnp.zeros(answer_ids.shape[:1], jnp.int32))
+
+
+def borda_vote(answer_ids: Any, confidence: Any, valid: Any = None, *,
+               power: float = 0.5) -> Vote:
+    """Borda voting by confidence rank (Kang et al. 2025, arXiv 2502.18581, sec. 3.3; jitted).
+
+    The valid, non-NaN branches of a row are ranked by confidence (the
+    branch self-certainty in the paper), most confident first, equal
+    confidences in branch order (their code's stable sort); the branch of
+    rank r (r = 1 .. m) gives its answer (m - r + 1)^power votes. power = 0
+    is the plain majority vote, a large power best-of-N; the paper's code
+    defaults to 0.5 (backprop07/Self-Certainty `voting_from_list.py`).
+    Branches without an answer (id < 0) keep their rank but vote for
+    nothing, as in that code. The answer with the most votes wins; ties go to
+    the answer seen first (`majority_vote`).
+
+    Args:
+      answer_ids: `[B, N]` int answer ids (< 0: no answer).
+      confidence: `[B, N]` float branch confidence (e.g.
+        `branch_scores(gen, "self_certainty")`); NaN excludes a branch.
+      valid: `[B, N]` bool or None.
+      power: finite float >= 0.
+    Returns:
+      A `Vote`; `support` is the winner's summed (m - r + 1)^power.
+    Raises:
+      ValueError: shapes or dtypes as `majority_vote`, or a bad power.
+    """
+    answer_ids = _check_2d("answer_ids", answer_ids)
+    if not jnp.issubdtype(answer_ids.dtype, jnp.integer):
+        raise ValueError(f"answer_ids must be an int array; got dtype {answer_ids.dtype}")
+    confidence = _check_like("confidence", confidence, answer_ids.shape, "answer_ids")
+    _check_real("confidence", confidence)
+    valid = _check_valid(valid, answer_ids.shape, "answer_ids")
+    if isinstance(power, bool) or not isinstance(power, (int, float)) or not (
+            math.isfinite(power) and power >= 0):
+        raise ValueError(f"power must be a finite float >= 0, got {power!r}")
+    conf = np.asarray(confidence) if not isinstance(confidence, jax.Array) else confidence
+    if isinstance(conf, np.ndarray) and not _fits_32(conf):
+        conf = _exact_ranks(conf)  # float64: rank exactly on the host (ties kept)
+    return _borda_vote(jnp.asarray(answer_ids).astype(jnp.int32), jnp.asarray(conf, jnp.float32),
+                       jnp.asarray(valid), jnp.float32(power))

@@ -725,6 +725,62 @@ def top_logprobs(logits: jax.Array, k: int, vocab_limit: int) -> tuple[jax.Array
     return (vals - jnp.log(jnp.sum(jnp.exp(shifted)))).astype(jnp.float32), ids.astype(jnp.int32)
 
 
+NUM_SIGNALS = 3  # token_signals' outputs: entropy, self-certainty, top-2 margin
+SIGNAL_NAMES = ("token_entropy", "self_certainty", "top2_margin")
+
+
+def token_signals(logits: jax.Array, vocab_limit: int) -> jax.Array:
+    """Selection signals of one raw distribution: entropy, self-certainty, top-2 margin.
+
+    On the raw distribution p = softmax(logits) over the real vocabulary
+    (temperature 1, no processors or filters, rows >= `vocab_limit` excluded:
+    the arithmetic of the recorded logprobs, `_prepare` then the max-shifted
+    log-sum-exp), in nats:
+
+    * entropy H(p) = -sum_v p_v log p_v, >= 0.
+    * self-certainty KL(U || p) = (1/V) sum_v -log(V p_v) = -log V - mean_v
+      log p_v, >= 0 (Kang et al. 2025, arXiv 2502.18581, eq. 3, "self-certainty";
+      their code, `confidence_logits` in backprop07/Self-Certainty, computes
+      `-1/V * sum(logprob + log V)`: the same sign, higher = more confident).
+      V is `vocab_limit`, the tokens that can be sampled, not the logits rows:
+      the padding rows beyond the tokenizer's vocabulary have p = 0 here (as
+      for every logprob this library reports), so counting them would make
+      the KL infinite. (The paper's V is the logits width of a Hugging Face
+      model, whose padding rows carry finite untrained logits.) It is also
+      DeepConf's token confidence -mean log p over the top k with k = V,
+      minus the constant log V.
+    * top-2 margin log p_(1) - log p_(2) = logit_(1) - logit_(2), >= 0: the
+      log-ratio of the two most likely tokens (0 on a tie; +inf when a single
+      token has all the mass, e.g. vocab_limit = 1).
+
+    A NaN or -inf logit below `vocab_limit` counts as p = 0 (as in
+    `choose_token`): the entropy ignores it, the self-certainty is then +inf.
+    A row without a distribution gives NaN for all three.
+
+    Args:
+      logits: `[V]` raw logits (any float dtype; computed in float32).
+      vocab_limit: static int in [1, V].
+    Returns:
+      `[3]` float32: (entropy, self-certainty, top-2 margin), `SIGNAL_NAMES`.
+    """
+    raw, _, top = _prepare(logits, 1.0, vocab_limit)  # NaN and padding at -inf
+    v = raw.shape[0]
+    m = raw[top]
+    shifted = raw - m  # <= 0; -inf where p = 0 (the same arithmetic as the logprob)
+    e = jnp.exp(shifted)
+    z = jnp.sum(e)
+    lse = jnp.log(z)
+    # H = lse - sum_v p_v shifted_v, with 0 * -inf taken as 0.
+    entropy = lse - jnp.sum(jnp.where(e > 0, e * shifted, 0.0)) / z
+    real = jnp.arange(v) < vocab_limit
+    mean_shifted = jnp.sum(jnp.where(real, shifted, 0.0)) / vocab_limit
+    certainty = lse - mean_shifted - jnp.log(jnp.float32(vocab_limit))
+    second = jnp.max(jnp.where(jnp.arange(v) == top, -jnp.inf, raw))
+    margin = m - second
+    out = jnp.stack([entropy, certainty, margin]).astype(jnp.float32)
+    return jnp.where(m > -jnp.inf, out, jnp.nan)
+
+
 def check_logprobs(logprobs: Any) -> None:
     """Raise if any sampled token came from a row without a distribution.
 

@@ -171,6 +171,13 @@ class SamplingParams:
         their text (`tokenizer.decode(ids, skip_special_tokens=...)`, vLLM's
         field). It applies to `Generation.texts`, the stream's deltas and the
         text stop strings are looked for in; tokens are unchanged.
+      signals: record per-token selection signals of the raw distribution
+        at every generated position (`Generation.token_entropy`,
+        `self_certainty`, `top2_margin`, `[B, N, T]` float32; see
+        `sampling.token_signals`): one more reduction over V in the decode
+        step, no top-k and no per-token copy beyond 3 floats. A static
+        setting: on, it compiles another step; off (the default), the step
+        is the program it was without the option. Not a vLLM field.
 
     Order of the logits processors (vLLM's v1 sampler): logit bias,
     min-tokens, repetition, frequency and presence penalties, then
@@ -201,6 +208,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    signals: bool = False
 
     def __post_init__(self):
         def fail(name: str, allowed: str, value: Any):
@@ -288,7 +296,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             fail("ignore_eos", "a bool", self.ignore_eos)
         set_("ignore_eos", bool(self.ignore_eos))
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "signals"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 fail(name, "a bool", getattr(self, name))
             set_(name, bool(getattr(self, name)))

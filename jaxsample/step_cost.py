@@ -127,7 +127,8 @@ def _abstract(tree):
 
 
 def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
-                        naive: bool = False, vocab_limit: int | None = None):
+                        naive: bool = False, vocab_limit: int | None = None,
+                        signals: bool = False, top_logprobs: int = 0):
     """The compiled decode step (`jax.stages.Compiled`) for abstract inputs.
 
     Args:
@@ -137,6 +138,10 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
       new_tokens: T, the tail buffer length.
       naive: compile the naive engine's step (N prefix copies).
       vocab_limit: rows of the logits that may be sampled (default V).
+      signals: compile the step that records the selection signals
+        (`SamplingParams.signals`); off, the step is the plain one.
+      top_logprobs: k of the top logprobs recorded per token (0: none; with
+        k > 0 the ranks are recorded too, as `SamplingParams(logprobs=k)`).
     Returns:
       `jax.stages.Compiled` of `step(params, prefix, state, knobs) -> state`
       (state donated), the loop body of `loop.decode_chunk`.
@@ -155,7 +160,8 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
     V = config.vocab_size
     vocab_limit = V if vocab_limit is None else vocab_limit
     R, slots = (n, 1) if naive else (1, n)
-    st = Static(cfg=config, n=slots, t_cap=new_tokens, vocab_limit=vocab_limit, pad_id=0)
+    st = Static(cfg=config, n=slots, t_cap=new_tokens, vocab_limit=vocab_limit, pad_id=0,
+                top_logprobs=top_logprobs, token_ranks=top_logprobs > 0, signals=signals)
     params = jax.eval_shape(
         lambda: fam.unstack_layers(fam.init_params(config, jax.random.key(0))))
     dt = config.jnp_dtype
@@ -195,7 +201,8 @@ def _cost_dict(compiled) -> dict:
 
 
 def decode_step_cost(config, prompt_tokens: int, n: int, new_tokens: int, *,
-                     naive: bool = False) -> StepCost:
+                     naive: bool = False, signals: bool = False,
+                     top_logprobs: int = 0) -> StepCost:
     """Bytes accessed and FLOPs of one compiled decode step (see the module docstring).
 
     Args:
@@ -204,12 +211,15 @@ def decode_step_cost(config, prompt_tokens: int, n: int, new_tokens: int, *,
       n: N branches.
       new_tokens: T, the tail buffer length.
       naive: the naive engine (N rows with N prefix copies) instead of the shared one.
+      signals, top_logprobs: as `compile_decode_step` (the step with the
+        selection signals, or with the top-k logprobs, recorded).
     Returns:
       A `StepCost`.
     Raises:
       ValueError: P, N or T not a positive integer.
     """
-    ca = _cost_dict(compile_decode_step(config, prompt_tokens, n, new_tokens, naive=naive))
+    ca = _cost_dict(compile_decode_step(config, prompt_tokens, n, new_tokens, naive=naive,
+                                        signals=signals, top_logprobs=top_logprobs))
     ideal = ideal_step_bytes(config, prompt_tokens, n, new_tokens)
     return StepCost(engine="naive" if naive else "shared", prompt_tokens=prompt_tokens, n=n,
                     new_tokens=new_tokens, bytes_accessed=float(ca["bytes accessed"]),

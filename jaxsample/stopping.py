@@ -48,6 +48,7 @@ import numpy as np
 
 RULES = ("esc", "beta", "dirichlet", "none")
 CONFIDENCES = (None, "deepconf-low", "deepconf-high")
+CONFIDENCE_SOURCES = ("top_logprobs", "signals")
 _PERCENTILE = {"deepconf-low": 90.0, "deepconf-high": 10.0}
 
 
@@ -181,6 +182,23 @@ def vote(answers: Sequence[Hashable | None], weights: Sequence[float] | None = N
 def token_confidence(top_logprobs: np.ndarray) -> np.ndarray:
     """`[..., T, k]` top-k logprobs -> `[..., T]` C_t = -mean_j logprob_j (>= 0)."""
     return -np.asarray(top_logprobs, np.float64).mean(axis=-1)
+
+
+def token_confidence_from_signals(self_certainty: np.ndarray) -> np.ndarray:
+    """`[..., T]` self-certainty (`SamplingParams(signals=True)`) -> `[..., T]` float64
+    token confidence for DeepConf's rules, computed on the device without top-k.
+
+    Self-certainty is KL(U || p_t) = -log V - mean_v log p_t(v) (arXiv
+    2502.18581): DeepConf's C_t = -mean of the top-k logprobs with k = V (the
+    whole real vocabulary), minus the constant log V. The constant changes
+    no percentile threshold and no "group < threshold" test, so the
+    terminations are exactly DeepConf's at k = V; the lowest group
+    confidences used as vote weights are C_{k=V} - log V (>= 0). It is not
+    C_{k=20}: k = V averages the logprobs of the whole tail, k = 20 of the
+    head; both rise as the distribution concentrates, their rankings of
+    traces differ (benchmarks/selection.py compares the two).
+    """
+    return np.asarray(self_certainty, np.float64)
 
 
 def group_confidences(conf: np.ndarray, group_size: int) -> np.ndarray:

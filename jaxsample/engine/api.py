@@ -84,7 +84,9 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
       `[B, N]`, finish reasons, texts, the bill, with `params.logprobs = k`
       top_logprobs / top_token_ids `[B, N, T, k]` and token_ranks `[B, N, T]`,
       with `params.prompt_logprobs = k` the prompt tokens' logprobs, ranks and
-      top k. `Generation.outputs()` gives vLLM-style `RequestOutput`s.
+      top k, with `params.signals` the per-token entropy, self-certainty and
+      top-2 margin `[B, N, T]`. `Generation.outputs()` gives vLLM-style
+      `RequestOutput`s.
     Raises:
       InputError: empty prompt, a malformed chat prompt, prompt + max_new_tokens
         beyond the context (shared_prefix included), an empty or malformed
@@ -222,6 +224,7 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
     top_lp = np.zeros((B, width, T, k), np.float32)
     top_id = np.full((B, width, T, k), pad, np.int32)
     ranks = np.zeros((B, width, T if s.st.token_ranks else 0), np.int32)
+    sig = np.zeros((B, width, T, 3), np.float32) if s.st.signals else None
     lens = np.zeros((B, width), np.int32)
     stopped = np.zeros((B, width), bool)
     drawn = np.zeros((B, width), bool)
@@ -235,6 +238,8 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
                 tok[b, n], lp[b, n], lens[b, n] = rnd.tokens[i, c], rnd.logprobs[i, c], rnd.lengths[i, c]
                 top_lp[b, n], top_id[b, n] = rnd.top_logprobs[i, c], rnd.top_ids[i, c]
                 ranks[b, n] = rnd.token_ranks[i, c]
+                if sig is not None:
+                    sig[b, n] = rnd.signals[i, c]
                 stopped[b, n], drawn[b, n] = rnd.stopped[i, c], True
     sampling.check_logprobs(lp)  # NumericalError if a token had no distribution (NaN logits)
     decoded = lens.copy()  # what the device decoded: the bill counts it
@@ -260,6 +265,8 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
                 tok[b, n, keep:], lp[b, n, keep:], lens[b, n] = pad, 0.0, keep
                 top_lp[b, n, keep:], top_id[b, n, keep:] = 0.0, pad
                 ranks[b, n, keep:] = 0
+                if sig is not None:
+                    sig[b, n, keep:] = 0.0
                 reasons[b][n] = "stop"
             row.append(text)
         texts.append(row)
@@ -289,4 +296,7 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
                       prompt_token_ranks=None if plp is None else [p.ranks for p in plp],
                       prompt_top_logprobs=None if plp is None else [p.top_logprobs for p in plp],
                       prompt_top_token_ids=None if plp is None else [p.top_ids for p in plp],
-                      tokenizer=lm.tokenizer, stop_reason=why)
+                      tokenizer=lm.tokenizer, stop_reason=why,
+                      **({} if sig is None else dict(token_entropy=sig[..., 0],
+                                                     self_certainty=sig[..., 1],
+                                                     top2_margin=sig[..., 2])))

@@ -86,7 +86,8 @@ def init_state(st: Static, last_logits: jax.Array, prompt_index: jax.Array,
         branch_ids=branch_ids,
         tail_k=tail, tail_v=tail,
         token_ranks=jnp.zeros((R, N, T if st.token_ranks else 0), jnp.int32),
-        counts=counts, prompt_mask=prompt_mask)
+        counts=counts, prompt_mask=prompt_mask,
+        signals=jnp.zeros((R, N, T, 3), jnp.float32) if st.signals else None)
 
 
 def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slots: jax.Array,
@@ -120,7 +121,8 @@ def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slots: jax
         prompt_index=take_rows(s.prompt_index), branch_ids=take_slots(s.branch_ids),
         tail_k=tuple(map(take_slots, s.tail_k)), tail_v=tuple(map(take_slots, s.tail_v)),
         token_ranks=take_slots(s.token_ranks), counts=take_slots(s.counts),
-        prompt_mask=take_rows(s.prompt_mask))
+        prompt_mask=take_rows(s.prompt_mask),
+        signals=None if s.signals is None else take_slots(s.signals))
     return new_prefix, new
 
 

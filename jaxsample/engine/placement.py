@@ -103,6 +103,8 @@ class _Mesh:
             top_logprobs=Ps(d, b), top_ids=Ps(d, b), lengths=Ps(d, b), done=Ps(d, b),
             stopped=Ps(d, b), prompt_index=Ps(d), branch_ids=Ps(d, b), tail_k=Ps(d, b),
             tail_v=Ps(d, b), token_ranks=Ps(d, b), counts=Ps(d, b), prompt_mask=Ps(d))
+        # With SamplingParams.signals (a state whose `signals` is None has no leaf there).
+        self.state_spec_signals = self.state_spec._replace(signals=Ps(d, b))
         self.knob_spec = Knobs(*([Ps()] * len(Knobs._fields)))
         self.Ps = Ps
         self.NamedSharding = NamedSharding

@@ -124,7 +124,8 @@ class Session:
                          branch_axis=LOCAL_BRANCH_AXIS if mesh else BRANCH_AXIS,
                          branch_axes=(LOCAL_BRANCH_AXIS, BRANCH_AXIS) if mesh else (BRANCH_AXIS,),
                          bridge=self.bridge_cfg, processors=params.logits_processors,
-                         penalties=params.penalties, token_ranks=params.logprobs is not None)
+                         penalties=params.penalties, token_ranks=params.logprobs is not None,
+                         signals=params.signals)
         self.prompt_k = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         pad_ids = lambda ids: np.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
         assert T <= self.st.t_cap  # tail writes stay in range: dynamic_update_slice would clamp
@@ -271,6 +272,11 @@ class Session:
         self.timings["compile"] += dt
         return prog
 
+    @property
+    def state_spec(self):
+        """The DecodeState's partition specs on the mesh (with or without signals)."""
+        return self.m.state_spec_signals if self.st.signals else self.m.state_spec
+
     def knob_args(self, t_stop: int):
         knobs = self.knobs._replace(t_stop=np.int32(t_stop))
         return knobs if self.m is None else _put(knobs, self.m.rep)
@@ -306,7 +312,9 @@ class Round:
       tokens `[R, N, T]` int32, logprobs `[R, N, T]` float32, top_logprobs and
       top_ids `[R, N, T, k]`, token_ranks `[R, N, T]` int32 (`[R, N, 0]`
       without `SamplingParams.logprobs`), lengths `[R, N]` int32, stopped `[R, N]` bool
-      (ended by a stop token), done `[R, N]` bool.
+      (ended by a stop token), done `[R, N]` bool, signals `[R, N, T, 3]`
+      float32 (entropy, self-certainty, top-2 margin) with
+      `SamplingParams.signals`, else None.
     """
 
     def __init__(self, session: Session, rows: list[int], branch_ids: np.ndarray):
@@ -323,6 +331,7 @@ class Round:
         self.top_logprobs = np.zeros((R, N, T, k), np.float32)
         self.top_ids = np.full((R, N, T, k), s.st.pad_id, np.int32)
         self.token_ranks = np.zeros((R, N, T if s.st.token_ranks else 0), np.int32)
+        self.signals = np.zeros((R, N, T, 3), np.float32) if s.st.signals else None
         self.lengths = np.zeros((R, N), np.int32)
         self.stopped = np.zeros((R, N), bool)
         self.done = branch_ids < 0
@@ -380,7 +389,7 @@ class Round:
         if s.m is not None:
             m = s.m
             fn = m.shard_map(fn, (m.Ps(m.d), m.Ps(m.d), m.Ps(m.d, BRANCH_AXIS),
-                                  m.Ps(m.d, BRANCH_AXIS), m.Ps(m.d)), m.state_spec)
+                                  m.Ps(m.d, BRANCH_AXIS), m.Ps(m.d)), s.state_spec)
         prog = s.program(("init", st, s.mesh), fn, args)
         self.prefix, self.state = prefix, prog(*args)
         # The tails as first allocated (the largest they get: compaction shrinks them).
@@ -402,8 +411,8 @@ class Round:
                 s.context)
         if s.m is not None:
             m = s.m
-            fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, m.state_spec, m.knob_spec, m.Ps(),
-                                  m.context_spec), m.state_spec)
+            fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, s.state_spec, m.knob_spec, m.Ps(),
+                                  m.context_spec), s.state_spec)
         prog = s.program(("decode", st, s.mesh), fn, args, donate=(2,))
         t_run = time.perf_counter()
         self.state = jax.block_until_ready(prog(*args))
@@ -436,6 +445,8 @@ class Round:
                 self.top_ids[ri, ci, t0:t1] = _host(st.top_ids[sl])[real]
             if self.s.st.token_ranks:
                 self.token_ranks[ri, ci, t0:t1] = _host(st.token_ranks[sl])[real]
+            if self.s.st.signals:
+                self.signals[ri, ci, t0:t1] = _host(st.signals[sl])[real]
         self.lengths[ri, ci] = lengths[real]
         self.stopped[ri, ci] = stopped[real]
         self.done[ri, ci] = done[real] | self.done[ri, ci]
@@ -499,7 +510,7 @@ class Round:
         t0, c0 = time.perf_counter(), s.timings["compile"]
         args = (self.prefix, self.state, jnp.asarray(src_rows, jnp.int32), jnp.asarray(slots),
                 jnp.asarray(new_live))
-        out_specs = None if s.m is None else (s.m.prefix_spec, s.m.state_spec)
+        out_specs = None if s.m is None else (s.m.prefix_spec, s.state_spec)
         self.prefix, self.state = jax.block_until_ready(s.gather("compact", compact, args,
                                                                  out_specs))
         s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)

@@ -102,6 +102,11 @@ class DecodeState(NamedTuple):
     prompt_mask: `[R, V]` bool, the tokens of each row's prompt (repetition
       penalty), shared by the row's slots (never copied N times), with
       `Static.penalties`; else `[R, 0]`.
+    signals: `[R, N, T, 3]` float32 per-token selection signals of the raw
+      distribution (entropy, self-certainty, top-2 margin:
+      `sampling.token_signals`; 0 after a slot is done), with
+      `Static.signals`; else None, which is no pytree leaf at all, so the
+      compiled programs without the option are those from before it existed.
     """
 
     t: jax.Array
@@ -120,6 +125,7 @@ class DecodeState(NamedTuple):
     token_ranks: jax.Array
     counts: jax.Array
     prompt_mask: jax.Array
+    signals: Any = None
 
 
 class Knobs(NamedTuple):
@@ -162,6 +168,7 @@ class Static:
     processors: bool = False  # run sampling.process_logits (bias, min-tokens, penalties)
     penalties: bool = False  # keep DecodeState.counts / prompt_mask (implies processors)
     token_ranks: bool = False  # record DecodeState.token_ranks (SamplingParams.logprobs set)
+    signals: bool = False  # record DecodeState.signals (SamplingParams.signals)
 
     def post_layer(self, alive, axes):
         """The Bridge hook for `llama.run_layers` (None without a Bridge)."""

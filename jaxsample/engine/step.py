@@ -118,7 +118,8 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
     With `st.processors`, each slot's logits go through
     `sampling.process_logits` (the one place of the logit bias, min-tokens and
     penalties, in vLLM's order) before `sampling.choose_token`; the recorded
-    logprobs, top logprobs and ranks stay those of the raw logits. The
+    logprobs, top logprobs, ranks and signals (`st.signals`:
+    `sampling.token_signals`) stay those of the raw logits. The
     penalties' token counts are updated after the choice, so token t sees
     the counts of tokens 0..t-1.
 
@@ -193,6 +194,11 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
             rank = vv(lambda x, k: sampling.token_rank(x, k, st.vocab_limit))(s.logits, tok)
             ranks = jax.lax.dynamic_update_index_in_dim(ranks, jnp.where(live, rank, 0), s.t,
                                                         axis=2)
+        sig = s.signals
+        if st.signals:  # on the raw logits, like the logprobs: [R, N, 3]
+            vals = vv(lambda x: sampling.token_signals(x, st.vocab_limit))(s.logits)
+            vals = jnp.where(live[..., None], vals, 0.0)
+            sig = jax.lax.dynamic_update_index_in_dim(sig, vals, s.t, axis=2)
         counts = s.counts
         if st.penalties:  # one scatter of R x N ones (zeros for done slots)
             R, N = tok.shape
@@ -224,6 +230,6 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
         return s._replace(t=s.t + 1, logits=logits, tokens=tokens, logprobs=logprobs,
                           top_logprobs=top_lp, top_ids=top_ids, lengths=lengths, done=done,
                           stopped=s.stopped | hit_stop, tail_k=tail_k, tail_v=tail_v,
-                          token_ranks=ranks, counts=counts)
+                          token_ranks=ranks, counts=counts, signals=sig)
 
     return step
