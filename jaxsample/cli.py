@@ -71,6 +71,7 @@ from jaxsample import cache as cache_lib
 from jaxsample import config as config_lib
 from jaxsample import cost
 from jaxsample.errors import ConfigError, InputError, JaxsampleError, ModelLoadError, short_repr
+from jaxsample.sampling_params import FOREIGN_KEYWORDS
 
 EXIT_OK = 0
 EXIT_USAGE = 2  # bad input of any kind (argparse's convention)
@@ -606,6 +607,8 @@ def read_requests(args, cfg: config_lib.RunConfig) -> list[Request]:
             if key in ("prompt", "messages", "id"):
                 continue
             field = _ALIASES.get(key, key)
+            if key in FOREIGN_KEYWORDS:
+                raise InputError(f"{at}: {key}: {FOREIGN_KEYWORDS[key]}")
             if field not in fields:
                 raise InputError(f"{at}: unknown key {key!r}; a line holds \"prompt\" or "
                                  f"\"messages\", optionally \"id\", and SamplingParams fields "

@@ -48,6 +48,7 @@ from typing import Any
 import yaml
 
 from jaxsample.errors import ConfigError, short_repr
+from jaxsample.sampling_params import FOREIGN_KEYWORDS
 
 DTYPES = ("float32", "bfloat16")
 REDUCER_KINDS = ("vote", "best", "none")
@@ -247,6 +248,8 @@ def _sampling(values: Any, source: str):
         raise ConfigError(f"{source}: sampling must be a mapping with keys {', '.join(names)}, "
                           f"got {short_repr(values)}")
     for k in values:
+        if k in FOREIGN_KEYWORDS:
+            raise ConfigError(f"{source}: sampling.{k}: {FOREIGN_KEYWORDS[k]}")
         if k not in names:
             raise ConfigError(f"{source}: unknown key sampling.{k}; allowed keys: "
                               f"{', '.join(names)}")

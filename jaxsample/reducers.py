@@ -823,6 +823,17 @@ def _confidence_vote(answer_ids, confidence, valid, keep_from):
     return _majority_vote(answer_ids, keep, w, jnp.zeros(answer_ids.shape[:1], jnp.int32))
 
 
+def _check_confidence_vote(answer_ids, confidence, valid):
+    """The checked (answer_ids, confidence, valid) of a confidence-weighted vote."""
+    answer_ids = _check_2d("answer_ids", answer_ids)
+    if not jnp.issubdtype(answer_ids.dtype, jnp.integer):
+        raise ValueError(f"answer_ids must be an int array; got dtype {answer_ids.dtype}")
+    confidence = _check_like("confidence", confidence, answer_ids.shape, "answer_ids")
+    _check_real("confidence", confidence)
+    valid = _check_valid(valid, answer_ids.shape, "answer_ids")
+    return answer_ids, confidence, valid
+
+
 def confidence_vote(answer_ids: Any, confidence: Any, valid: Any = None, *,
                     top_percent: float | None = None) -> Vote:
     """DeepConf's offline votes: confidence-weighted majority, optionally after
@@ -856,12 +867,7 @@ def confidence_vote(answer_ids: Any, confidence: Any, valid: Any = None, *,
       ValueError: shapes or dtypes as `majority_vote`, or a top_percent
         outside (0, 100].
     """
-    answer_ids = _check_2d("answer_ids", answer_ids)
-    if not jnp.issubdtype(answer_ids.dtype, jnp.integer):
-        raise ValueError(f"answer_ids must be an int array; got dtype {answer_ids.dtype}")
-    confidence = _check_like("confidence", confidence, answer_ids.shape, "answer_ids")
-    _check_real("confidence", confidence)
-    valid = _check_valid(valid, answer_ids.shape, "answer_ids")
+    answer_ids, confidence, valid = _check_confidence_vote(answer_ids, confidence, valid)
     n = answer_ids.shape[1]
     if top_percent is None:
         table = np.zeros((n + 1,), np.int32)
@@ -914,12 +920,7 @@ def borda_vote(answer_ids: Any, confidence: Any, valid: Any = None, *,
     Raises:
       ValueError: shapes or dtypes as `majority_vote`, or a bad power.
     """
-    answer_ids = _check_2d("answer_ids", answer_ids)
-    if not jnp.issubdtype(answer_ids.dtype, jnp.integer):
-        raise ValueError(f"answer_ids must be an int array; got dtype {answer_ids.dtype}")
-    confidence = _check_like("confidence", confidence, answer_ids.shape, "answer_ids")
-    _check_real("confidence", confidence)
-    valid = _check_valid(valid, answer_ids.shape, "answer_ids")
+    answer_ids, confidence, valid = _check_confidence_vote(answer_ids, confidence, valid)
     if isinstance(power, bool) or not isinstance(power, (int, float)) or not (
             math.isfinite(power) and power >= 0):
         raise ValueError(f"power must be a finite float >= 0, got {power!r}")

@@ -133,6 +133,28 @@ def hf_table(cfg: gemma3.Gemma3Config) -> TensorTable:
 # GGUF
 
 
+def _gguf_shape(r: ConfigReader, tensors: dict[str, Any]):
+    """(E, V, L, H, K, D) of a Gemma GGUF (both architectures), each key validated.
+
+    Raises:
+      ModelLoadError: a key missing or inconsistent with the tensors;
+      UnsupportedModelError: partial rotary embeddings.
+    """
+    a, source = r.arch, r.source
+    dim, n_vocab = gguf_embedding(tensors, r)
+    n_layers = r.count("block_count")
+    n_heads, n_kv, head_dim = gguf_attention(r, dim)
+    rot = r.count("rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise UnsupportedModelError(f"{source}: partial rotary embeddings ({a}.rope.dimension_count"
+                                    f" = {rot}, head dim {head_dim}) are not supported")
+    meta_vocab = r.count("vocab_size", None)
+    if meta_vocab is not None and meta_vocab != n_vocab:
+        raise ModelLoadError(f"{source}: {a}.vocab_size = {meta_vocab} but token_embd.weight "
+                             f"has {n_vocab} rows")
+    return dim, n_vocab, n_layers, n_heads, n_kv, head_dim
+
+
 def config_from_gguf_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: str,
                               dtype: str = "float32") -> gemma3.Gemma3Config:
     """Build the `Gemma3Config` a `gemma3` GGUF file describes.
@@ -149,17 +171,7 @@ def config_from_gguf_metadata(meta: dict[str, Any], tensors: dict[str, Any], sou
     """
     a = GGUF_ARCH
     r = ConfigReader(meta, source, a)
-    dim, n_vocab = gguf_embedding(tensors, r)
-    n_layers = r.count("block_count")
-    n_heads, n_kv, head_dim = gguf_attention(r, dim)
-    rot = r.count("rope.dimension_count", head_dim)
-    if rot != head_dim:
-        raise UnsupportedModelError(f"{source}: partial rotary embeddings ({a}.rope.dimension_count"
-                                    f" = {rot}, head dim {head_dim}) are not supported")
-    meta_vocab = r.count("vocab_size", None)
-    if meta_vocab is not None and meta_vocab != n_vocab:
-        raise ModelLoadError(f"{source}: {a}.vocab_size = {meta_vocab} but token_embd.weight "
-                             f"has {n_vocab} rows")
+    dim, n_vocab, n_layers, n_heads, n_kv, head_dim = _gguf_shape(r, tensors)
     window = r.count("attention.sliding_window")
     windows = _gguf_layer_windows(r, n_layers, window)
     if r.raw("attn_logit_softcapping") is not None:
@@ -312,17 +324,7 @@ def config_from_gguf_gemma2(meta: dict[str, Any], tensors: dict[str, Any], sourc
     """
     a = GEMMA2_GGUF_ARCH
     r = ConfigReader(meta, source, a)
-    dim, n_vocab = gguf_embedding(tensors, r)
-    n_layers = r.count("block_count")
-    n_heads, n_kv, head_dim = gguf_attention(r, dim)
-    rot = r.count("rope.dimension_count", head_dim)
-    if rot != head_dim:
-        raise UnsupportedModelError(f"{source}: partial rotary embeddings ({a}.rope.dimension_count"
-                                    f" = {rot}, head dim {head_dim}) are not supported")
-    meta_vocab = r.count("vocab_size", None)
-    if meta_vocab is not None and meta_vocab != n_vocab:
-        raise ModelLoadError(f"{source}: {a}.vocab_size = {meta_vocab} but token_embd.weight "
-                             f"has {n_vocab} rows")
+    dim, n_vocab, n_layers, n_heads, n_kv, head_dim = _gguf_shape(r, tensors)
     window = r.count("attention.sliding_window")
     scaling_type = r.string("rope.scaling.type", "none")
     if scaling_type != "none" and r.positive("rope.scaling.factor", 1.0) != 1.0:

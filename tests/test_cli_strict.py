@@ -128,6 +128,10 @@ def test_dumps_is_strict_json():
     ('{"prompt": "x", "logit_bias": {"\u00b2": 1}}', "logit_bias"),
     ('{"prompt": "x", "logit_bias": {"++5": 1}}', "'++5'"),
     ('{"prompt": "x", "logprobs": 21}', "logprobs"),
+    # vLLM / Hugging Face names get the jaxsample equivalent, as in SamplingParams (issue 19.14)
+    ('{"prompt": "x", "num_return_sequences": 4}', "num_return_sequences: use n"),
+    ('{"prompt": "x", "max_length": 4}', "max_length: use max_new_tokens"),
+    ('{"prompt": "x", "use_beam_search": true}', "beam search is not supported"),
 ])
 def test_bad_request_lines_name_the_line(capsys, tmp_path, line, needle):
     f = tmp_path / "r.jsonl"

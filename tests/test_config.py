@@ -58,6 +58,8 @@ def test_defaults_and_partial_files(tmp_path):
     ("model: {nmae: x}", ["model.nmae", "name, dtype"]),
     ("model: {dtype: float16}", ["model.dtype", "float32, bfloat16", "float16"]),
     ("sampling: {temprature: 1}", ["sampling.temprature", "temperature"]),
+    ("sampling: {num_return_sequences: 4}", ["sampling.num_return_sequences", "use n"]),
+    ("sampling: {do_sample: false}", ["sampling.do_sample", "temperature=0"]),
     ("sampling: {top_p: 1.5}", ["top_p", "(0, 1]", "1.5"]),
     ("sampling: {n: 0}", ["n must be", "[1, 2**31 - 1]", "got 0"]),
     ("sampling: {n: sixteen}", ["SamplingParams.n", "sixteen"]),
