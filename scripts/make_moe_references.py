@@ -21,7 +21,15 @@ the saved files for the reference:
   permuted, `ffn_gate_inp` the router, experts stacked into
   `ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, `llama.expert_count`,
   `llama.expert_used_count`).
-* `tiny_moe_reference.npz`, per model `<name>/...`:
+* `tiny_qwen3_moe.gguf`: tiny_qwen3_moe's saved safetensors written as llama.cpp's
+  `convert_hf_to_gguf.py` writes Qwen3-MoE (`Qwen3MoeModel(Qwen2MoeModel)`: arch
+  `qwen3moe`, Q/K rows unpermuted, `attn_{q,k}_norm`, `ffn_gate_inp`, stacked
+  `ffn_*_exps`, `qwen3moe.expert_count` / `expert_used_count` /
+  `expert_feed_forward_length`). llama.cpp's qwen3moe graph always renormalises the
+  top-k weights (`build_moe_ffn(..., norm_w=true)`), so its reference,
+  `tiny_qwen3_moe_gguf/...`, is transformers on the same weights with
+  `norm_topk_prob=True`.
+* `tiny_moe_reference.npz`, per model `<name>/...` (and `tiny_qwen3_moe_gguf/...`):
   `logits` `[S, V]` float32 over a fixed 40-token sequence `sequence`;
   `router_logits` `[L, S, X]` (transformers' `output_router_logits`);
   `greedy` `[G]` int32, 16 greedy tokens after `prompt`, with `margins`
@@ -172,7 +180,8 @@ def write_qwen3_moe_gguf(sd, cfg, path: pathlib.Path):
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():
-            w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(sd[f"model.layers.{i}.{hf}.weight"]))
+            a = sd[f"model.layers.{i}.{hf}.weight"]
+            w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(a))
         for hf, gg in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
                        ("down_proj", "ffn_down_exps")):
             a = np.stack([sd[f"model.layers.{i}.mlp.experts.{j}.{hf}.weight"]
