@@ -19,8 +19,19 @@ Mixtral (a sparse MoE FFN, `models.moe`): GGUF arch `llama` with
 `MixtralForCausalLM` (`block_sparse_moe.gate`, `.experts.{e}.w1/w3/w2`), and
 `Qwen3MoeForCausalLM` (Qwen3's QK-norm; `mlp.gate`, `mlp.experts.{e}.gate_proj/
 up_proj/down_proj`; `moe_intermediate_size`, `norm_topk_prob`; every layer
-sparse: `decoder_sparse_step` 1, `mlp_only_layers` [], else refused). Not
-yet: GGUF `qwen3moe` (refused with the supported list).
+sparse: `decoder_sparse_step` 1, `mlp_only_layers` [], else refused).
+
+Qwen3-MoE GGUF (arch `qwen3moe`, llama.cpp's `Qwen3MoeModel(Qwen2MoeModel)` converter
+and `src/models/qwen3moe.cpp`): Qwen3's layout (Q/K rows unpermuted, NEOX RoPE,
+`attn_{q,k}_norm`) with Mixtral's stacked expert tensors in every layer;
+`qwen3moe.expert_count` / `expert_used_count` are required (llama.cpp throws
+without them), one expert's width is `qwen3moe.expert_feed_forward_length`
+(llama.cpp's fallback without it: `feed_forward_length / expert_used_count`).
+llama.cpp's graph renormalises the top-k weights unconditionally for qwen3moe
+(`build_moe_ffn(..., norm_w=true, ...)`; the converter writes no
+`expert_weights_norm` and the graph reads none), so `norm_topk` is True whatever
+the source's `norm_topk_prob` was; a `qwen3moe.expert_weights_scale` other than
+0 / 1 (llama.cpp would scale the weights by it) is refused.
 
 Hugging Face: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`
 (q/k/v bias), `Qwen3ForCausalLM` (QK-norm, no biases, `head_dim` independent
@@ -52,7 +63,7 @@ HF_CLASSES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3moe",
 }
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3moe")
 
 # Sparse mixture-of-experts FFN tensors (models.moe), replacing the MLP's.
 # llama.cpp stacks the experts ([X, out, in] per layer, `convert_hf_to_gguf.py`
@@ -231,7 +242,8 @@ def gguf_longrope(r: ConfigReader, tensors: dict[str, Any], rope_dims: int) -> l
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
                      dtype: str = "float32") -> llama.LlamaConfig:
-    """Build the `LlamaConfig` a llama / mistral / qwen2 GGUF file describes, validating every key.
+    """Build the `LlamaConfig` a llama / mistral / qwen2 / qwen3 / phi3 / qwen3moe GGUF file
+    describes, validating every key.
 
     Rules (`ARCH` is `general.architecture`; `models.checks` has the type rules):
 
@@ -259,6 +271,12 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
                                                      experts (Mixtral as llama.cpp writes it),
                                                      integers with 1 <= used <= count, and
                                                      feed_forward_length is one expert's width
+                                                     qwen3moe: both required (count >= 1);
+        .expert_feed_forward_length                  qwen3moe: optional, positive integer,
+                                                     one expert's width (default
+                                                     feed_forward_length // expert_used_count,
+                                                     llama.cpp's fallback)
+        .expert_weights_scale                        qwen3moe: optional; only 0 or 1 (none)
 
     Args:
       meta: key -> value from `loader_core.read_gguf`.
@@ -300,17 +318,31 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
         raise UnsupportedModelError(
             f"{source}: rope scaling type {scaling_type!r} is not supported (only none and "
             "Llama-3 rope_freqs)")
+    # qwen3moe: llama.cpp's graph always renormalises the top-k weights (norm_w = true).
+    moe = moe_fields(r, "expert_count", "expert_used_count", norm_topk=True,
+                     required=(arch == "qwen3moe"))
+    if arch == "qwen3moe":
+        ffn_dim = r.count("expert_feed_forward_length", None)
+        if ffn_dim is None:  # llama.cpp: n_ff_exp = n_ff / n_expert_used
+            ffn_dim = r.count("feed_forward_length") // moe["n_experts_per_tok"]
+        scale = r.positive("expert_weights_scale", None, allow_zero=True)
+        if scale not in (None, 0.0, 1.0):
+            raise UnsupportedModelError(
+                f"{r.what('expert_weights_scale')} = {scale} (scaled expert "
+                "weights) is not supported (only 0 or 1: unscaled)")
+    else:
+        ffn_dim = r.count("feed_forward_length")
     try:
         cfg = llama.LlamaConfig(
             vocab_size=n_vocab, dim=dim, n_layers=r.count("block_count"), n_heads=n_heads,
-            n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=r.count("feed_forward_length"),
+            n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=ffn_dim,
             norm_eps=r.positive("attention.layer_norm_rms_epsilon"),
             rope_theta=r.positive("rope.freq_base", 10000.0), max_seq_len=ctx,
             tie_embeddings="output.weight" not in tensors,
-            qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm=(arch == "qwen3"),
+            qkv_bias="blk.0.attn_q.bias" in tensors, qk_norm=(arch in ("qwen3", "qwen3moe")),
             rotary_dim=None if rot == head_dim else rot,
             long_rope=gguf_longrope(r, tensors, rot) if arch == "phi3" else None, dtype=dtype,
-            arch=arch, **moe_fields(r, "expert_count", "expert_used_count", norm_topk=True))
+            arch=arch, **moe)
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
     if "rope_freqs.weight" in tensors:

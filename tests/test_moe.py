@@ -384,7 +384,7 @@ def test_measure_refuses_a_dense_model(tiny_lm):
 
 
 # ---------------------------------------------------------------------------
-# Qwen3-MoE (QK-norm, norm_topk_prob=False) and Mixtral from GGUF
+# Qwen3-MoE (QK-norm, norm_topk_prob=False), Mixtral and Qwen3-MoE from GGUF
 
 
 @pytest.fixture(scope="module")
@@ -441,3 +441,80 @@ def test_mixtral_gguf_matches_transformers():
     assert (lm.config.n_experts, lm.config.n_experts_per_tok, lm.config.norm_topk) == (8, 2, True)
     assert_logits_close(np.asarray(lm.forward(REF["sequence"][None]))[0],
                         REF["tiny_mixtral/logits"])
+
+
+# llama.cpp's qwen3moe graph renormalises the top-k weights whatever norm_topk_prob was
+# (src/models/qwen3moe.cpp: build_moe_ffn(..., norm_w = true)); the oracle is transformers
+# on the same weights with norm_topk_prob=True (scripts/make_moe_references.py).
+def test_qwen3_moe_gguf_matches_transformers(qwen3_moe):
+    lm = load(DATA / "tiny_qwen3_moe.gguf")
+    c = lm.config
+    assert (c.arch, c.n_experts, c.n_experts_per_tok, c.norm_topk, c.qk_norm, c.ffn_dim,
+            c.head_dim) == ("qwen3moe", 8, 2, True, True, 48, 16)
+    # the same model as the safetensors but for the renormalisation (and float32 eps)
+    assert c.replace(norm_topk=False, norm_eps=1e-5) == qwen3_moe.config.replace(norm_eps=1e-5)
+    ours = np.asarray(lm.forward(REF["sequence"][None]))[0]
+    assert_logits_close(ours, REF["tiny_qwen3_moe_gguf/logits"])
+    assert_logits_close(ours[-1:], REF["tiny_qwen3_moe_gguf/logits"][-1:])
+    ref = REF["tiny_qwen3_moe_gguf/router_logits"]
+    s = np.sort(ref, -1)
+    assert (s[..., -2] - s[..., -3]).min() > 1e-3
+    idx = np.asarray(llama.router_choices(c, lm.params, jnp.asarray(REF["sequence"])))
+    np.testing.assert_array_equal(np.sort(idx, -1),
+                                  np.sort(np.argsort(-ref, -1, kind="stable")[..., :2], -1))
+    g = engine.generate(lm, [[int(t) for t in REF["prompt"]]],
+                        SamplingParams(n=1, temperature=0.0, max_new_tokens=16))
+    n = int(g.lengths[0, 0])
+    assert greedy_matches(g.tokens[0, 0, :n], REF["tiny_qwen3_moe_gguf/greedy"][:n],
+                          REF["tiny_qwen3_moe_gguf/margins"]) >= min(n, 5)
+
+
+def _qwen3_moe_gguf_meta():
+    import gguf
+
+    reader = gguf.GGUFReader(DATA / "tiny_qwen3_moe.gguf")
+    return ({k: f.contents() for k, f in reader.fields.items()},
+            {t.name: t for t in reader.tensors})
+
+
+def test_qwen3_moe_gguf_expert_width_falls_back_like_llama_cpp():
+    """Without expert_feed_forward_length, llama.cpp takes feed_forward_length / used."""
+    from jaxsample.models import gguf_loader
+
+    meta, tensors = _qwen3_moe_gguf_meta()
+    assert (meta["qwen3moe.expert_feed_forward_length"], meta["qwen3moe.feed_forward_length"]) \
+        == (48, 64)
+    del meta["qwen3moe.expert_feed_forward_length"]
+    meta["qwen3moe.feed_forward_length"] = 96
+    assert gguf_loader.config_from_metadata(meta, tensors, "f.gguf").ffn_dim == 48
+
+
+@pytest.mark.parametrize("change,error,needle", [
+    ({"qwen3moe.expert_count": None}, ModelLoadError, "f.gguf.*qwen3moe.expert_count"),
+    ({"qwen3moe.expert_used_count": 9}, ModelLoadError, "qwen3moe.expert_used_count.*<="),
+    ({"qwen3moe.expert_weights_scale": 2.5}, UnsupportedModelError,
+     "qwen3moe.expert_weights_scale = 2.5"),
+    ({"qwen3moe.expert_feed_forward_length": 0}, ModelLoadError,
+     "qwen3moe.expert_feed_forward_length"),
+])
+def test_qwen3_moe_gguf_bad_expert_keys_are_refused(change, error, needle):
+    from jaxsample.models import gguf_loader
+
+    meta, tensors = _qwen3_moe_gguf_meta()
+    for k, v in change.items():
+        if v is None:
+            del meta[k]
+        else:
+            meta[k] = v
+    with pytest.raises(error, match=needle) as e:
+        gguf_loader.config_from_metadata(meta, tensors, "f.gguf")
+    assert "\n" not in str(e.value)
+
+
+def test_qwen3_moe_gguf_unit_expert_scale_is_accepted():
+    from jaxsample.models import gguf_loader
+
+    meta, tensors = _qwen3_moe_gguf_meta()
+    for scale in (0.0, 1.0):  # llama.cpp scales only for a value other than 0 and 1
+        meta["qwen3moe.expert_weights_scale"] = scale
+        assert gguf_loader.config_from_metadata(meta, tensors, "f.gguf").n_experts == 8
