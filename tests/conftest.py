@@ -21,10 +21,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # imports jaxsample; subprocesses inherit it through os.environ. The user's
 # ~/.cache is never touched. JAXSAMPLE_TEST_CACHE_DIR keeps a cache across runs on
 # purpose (a directory of your choice, never the default).
-TEST_CACHE_DIR = os.environ.get("JAXSAMPLE_TEST_CACHE_DIR") or tempfile.mkdtemp(
-    prefix="jaxsample-tests-cache-")
-if not os.environ.get("JAXSAMPLE_TEST_CACHE_DIR"):
+# This module may be imported twice in one process (as `conftest` by pytest and as
+# `tests.conftest` by a test module): the second import reuses the first's directory
+# (a marker naming this process), so the environment never moves under a test.
+_MARK = "_JAXSAMPLE_TESTS_CACHE_OF_PID"
+_pid, _, _dir = os.environ.get(_MARK, "").partition(":")
+if os.environ.get("JAXSAMPLE_TEST_CACHE_DIR"):
+    TEST_CACHE_DIR = os.environ["JAXSAMPLE_TEST_CACHE_DIR"]
+elif _pid == str(os.getpid()) and _dir:
+    TEST_CACHE_DIR = _dir
+else:
+    TEST_CACHE_DIR = tempfile.mkdtemp(prefix="jaxsample-tests-cache-")
     atexit.register(shutil.rmtree, TEST_CACHE_DIR, ignore_errors=True)
+    os.environ[_MARK] = f"{os.getpid()}:{TEST_CACHE_DIR}"
 os.environ["JAXSAMPLE_CACHE_DIR"] = os.path.join(TEST_CACHE_DIR, "jaxsample")
 os.environ["XDG_CACHE_HOME"] = TEST_CACHE_DIR
 os.environ.pop("JAXSAMPLE_NO_CACHE", None)

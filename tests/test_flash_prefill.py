@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from jaxsample.engine.prefill import prefill as engine_prefill
 from jaxsample.models import common, flash, gemma3, llama
-from tests.conftest import TINY
+from conftest import TINY
 
 RTOL = 1e-5
 ATOL = 1e-5
