@@ -1308,13 +1308,12 @@ def _cache_command(args) -> int:
                  or list(cache_lib.CLEAR_PARTS))
         freed = cache_lib.clear(parts)
         if args.json:
-            print(json.dumps({"dir": info["dir"], "cleared": parts, "freed_bytes": freed},
-                             allow_nan=False))
+            print(dumps({"dir": info["dir"], "cleared": parts, "freed_bytes": freed}))
         else:
             print(f"cleared {', '.join(parts)} in {info['dir']}: {cost.format_bytes(freed)} freed")
         return EXIT_OK
     if args.json:
-        print(json.dumps(info, allow_nan=False))
+        print(dumps(info))
         return EXIT_OK
     fb = cost.format_bytes
     off = f" (off: {cache_lib.ENV_OFF} is set)" if info["disabled"] else ""
