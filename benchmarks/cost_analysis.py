@@ -25,7 +25,7 @@ import json
 
 def rows(model: str, Ps, Ns, T: int) -> list[dict]:
     """One dict per (P, N): shared and naive `StepCost`s and their ratios."""
-    from jaxsample import step_cost
+    from jaxsample.engine import step_cost
 
     if model == "smollm2":
         from jaxsample.loading import read_config

@@ -17,7 +17,7 @@ import weakref
 import jax
 import jax.numpy as jnp
 
-from jaxsample import cache as cache_lib
+from jaxsample import disk_cache as cache_lib
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import LanguageModel
 from jaxsample.models import families, registry

@@ -1,7 +1,7 @@
 """`SamplingParams`: one request's sampling fields, validated on the host.
 
 The fields and their names are vLLM's (`vllm.SamplingParams`); the token
-choice they drive is `jaxsample.sampling` (its module docstring is the table
+choice they drive is `jaxsample.engine.sampling` (its module docstring is the table
 of what each field does on the device). Everything here is plain Python and
 numpy: constructing a `SamplingParams` never touches JAX.
 """

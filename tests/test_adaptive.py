@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import jaxsample
-from jaxsample import engine, stopping
+from jaxsample import engine
+from jaxsample.reduce import adaptive_rules as stopping
 from jaxsample.errors import InputError
-from jaxsample.sampling import SamplingParams
+from jaxsample.engine.sampling import SamplingParams
 
 # ---------------------------------------------------------------------------
 # Posterior probabilities against independent oracles
@@ -149,7 +150,7 @@ def first_char(text):
 def _offline(pool, b, extract, *, max_n, window, rule, threshold=0.95, confidence=None,
              warmup=0, group_size=16):
     """stopping.replay on row b of a fixed pool, DeepConf quantities from its top logprobs."""
-    from jaxsample import answers
+    from jaxsample.reduce import answers
 
     ans = [None if (a := extract(t)) is None else (answers.normalize(a) or None)
            for t in pool.texts[b]]

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxsample import cache, loading
+from jaxsample import loading
+from jaxsample import disk_cache as cache
 
 DATA = pathlib.Path(__file__).parent / "data"
 TINY_GGUF = DATA / "tiny_llama.gguf"
@@ -310,7 +311,8 @@ def test_poisoned_tensor_bytes_are_caught_warned_and_rewritten(gguf, caplog):
 
 _POISONED_RUN = textwrap.dedent("""
     import sys
-    from jaxsample import cache, cli
+    from jaxsample import disk_cache as cache
+    from jaxsample.cli import app as cli
     cache.WEIGHT_CACHE_MIN_BYTES = 0
     sys.exit(cli.main(["run", "--model", sys.argv[1], "--prompt", "hi", "--n", "2",
                        "--max-new-tokens", "2", "--chat" if False else "--no-chat",
@@ -343,7 +345,8 @@ def test_cli_warns_once_about_a_poisoned_entry_and_runs(gguf, tmp_path):
 
 _WRITER = textwrap.dedent("""
     import sys
-    from jaxsample import cache, loading
+    from jaxsample import loading
+    from jaxsample import disk_cache as cache
     cache.WEIGHT_CACHE_MIN_BYTES = 0
     lm = loading.load(sys.argv[1], cache=sys.argv[2])
     print(loading.load_info(lm)["weights"])
@@ -406,7 +409,7 @@ _CHILD = textwrap.dedent("""
     import jax
     import jaxsample, jaxsample.cli, jaxsample.engine   # importing changes no JAX setting
     before = jax.config.jax_compilation_cache_dir
-    from jaxsample import cache
+    from jaxsample import disk_cache as cache
     used = cache.enable_compilation_cache(sys.argv[1])
     hits = []
     jax.monitoring.register_event_listener(
@@ -463,7 +466,7 @@ def test_the_suite_uses_a_temporary_cache():
     assert d != user / "jaxsample" and user not in d.parents
     assert os.environ["XDG_CACHE_HOME"] == conftest.TEST_CACHE_DIR
     assert cache.models_dir() == d / "models"
-    out = subprocess.run([sys.executable, "-c", "from jaxsample import cache; "
+    out = subprocess.run([sys.executable, "-c", "from jaxsample import disk_cache as cache; "
                           "print(cache.cache_dir()); print(cache.models_dir())"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.split() == [str(d), str(d / "models")], out.stderr
@@ -552,7 +555,7 @@ def _du(base):
 
 
 def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
-    from jaxsample import cli
+    from jaxsample.cli import app as cli
 
     path, base = gguf
     monkeypatch.setenv(cache.ENV_DIR, str(base))
@@ -592,7 +595,7 @@ def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
 @pytest.mark.parametrize("argv", [["cache"], ["cache", "clear", "--bogus"],
                                   ["cache", "info", "extra"], ["cache", "purge"]])
 def test_cache_command_bad_input_is_one_line(capsys, argv):
-    from jaxsample import cli
+    from jaxsample.cli import app as cli
 
     assert cli.main(argv) == 2
     out, err = capsys.readouterr()

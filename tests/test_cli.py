@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from jaxsample import cli, cost
-from jaxsample.config import DEFAULT_SAMPLING
+from jaxsample import cost
+from jaxsample.cli import app as cli
+from jaxsample.cli.config import DEFAULT_SAMPLING
 
 QUESTION = "What is 3 + 4? Answer with a number."
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
@@ -437,8 +438,8 @@ def test_best_of_n_prefers_complete_branches():
     """A branch cut at max_new_tokens never beats a complete one, whatever its score."""
     import numpy as np
 
-    from jaxsample import cli
-    from jaxsample.config import ReducerConfig
+    from jaxsample.cli import app as cli
+    from jaxsample.cli.config import ReducerConfig
     from jaxsample.generation import Generation
 
     def gen(reasons):
@@ -686,7 +687,7 @@ def test_adaptive_result_support_is_the_winners_votes():
 
     import numpy as np
 
-    from jaxsample import stopping
+    from jaxsample.reduce import adaptive_rules as stopping
 
     answers = ["7", "5", "7", None, "7", "5", "3", "7"]
     counted = [a is not None for a in answers]

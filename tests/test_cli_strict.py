@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxsample import cli
+from jaxsample.cli import app as cli
 
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
 TINY_RUN = ["run", "--model", TINY_GGUF, "--n", "3", "--max-new-tokens", "7", "--seed", "0",

@@ -179,7 +179,8 @@ def test_unsupported_architecture_lists_what_that_path_supports(tmp_path, monkey
     architecture on it is accepted by the dispatch."""
     import ast
 
-    from jaxsample import cli, loading
+    from jaxsample import loading
+    from jaxsample.cli import app as cli
     from jaxsample.models import architectures, gguf_loader
 
     def supported(text):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from jaxsample import reducers
+from jaxsample.reduce import vote as reducers
 from jaxsample.generation import Generation
 
 CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"

@@ -19,7 +19,7 @@ from jaxsample import bridge as bridge_lib
 from jaxsample import cost, engine
 from jaxsample.engine import inputs
 from jaxsample.errors import InputError
-from jaxsample.sampling import SamplingParams
+from jaxsample.engine.sampling import SamplingParams
 from ties import assert_same_tokens_up_to_ties
 
 from conftest import byte_tokenizer
@@ -325,7 +325,7 @@ def test_smollm2_shared_context_equals_concatenation(lm):
 def test_cli_price_knows_three_levels(capsys):
     import json
 
-    from jaxsample import cli
+    from jaxsample.cli import app as cli
 
     argv = ["price", "--model", "smollm2-135m", "--prompt-tokens", "40", "--new-tokens", "16",
             "--n", "1,8", "--context-tokens", "2000", "--prompts", "8"]
@@ -351,7 +351,7 @@ def test_cli_price_knows_three_levels(capsys):
     (["price", "--prompts", "0"], "--prompts"),
 ])
 def test_cli_bad_shared_prefix_is_one_line_and_exit_2(capsys, argv, needle):
-    from jaxsample import cli
+    from jaxsample.cli import app as cli
 
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -360,7 +360,7 @@ def test_cli_bad_shared_prefix_is_one_line_and_exit_2(capsys, argv, needle):
 
 def test_cli_checks_the_shared_prefix_against_the_context(tiny_lm):
     """`check_requests` counts context + own tokens as generate splits them."""
-    from jaxsample import cli
+    from jaxsample.cli import app as cli
 
     r = cli.Request(0, None, "3+3=", None, SamplingParams(max_new_tokens=10), "--prompt")
     n = cli._prompt_tokens(tiny_lm.tokenizer, r, False, CONTEXT)

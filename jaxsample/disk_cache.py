@@ -306,7 +306,7 @@ class CacheAbsent(CacheMiss):
 
 
 def warn_bad_entry(entry: pathlib.Path, source: str, reason: str) -> None:
-    """The one line on stderr (logger `jaxsample.cache`, WARNING) for an entry that
+    """The one line on stderr (logger `jaxsample.disk_cache`, WARNING) for an entry that
     exists but cannot be used; without a logging configuration, Python prints it bare."""
     log.warning("jaxsample: warning: weight cache entry %s is unusable (%s); ignored: reading "
                 "%s again and rewriting it", entry, " ".join(str(reason).split())[:200], source)

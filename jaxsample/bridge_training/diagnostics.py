@@ -1,7 +1,7 @@
 """What a Bridge does to a group: per-layer output size and where its attention goes.
 
-For teacher-forced groups (a `jaxsample.bridge_train.Batch`, e.g. rollouts of
-`jaxsample.bridge_grpo.rollout` or the warm-up data of `jaxsample.bridge_sft`),
+For teacher-forced groups (a `jaxsample.bridge_training.common.Batch`, e.g. rollouts of
+`jaxsample.bridge_training.grpo.rollout` or the warm-up data of `jaxsample.bridge_training.sft`),
 `diagnose` runs the model exactly as `bridge_train.group_logprobs` does (the
 prompt once, the N completions coupled at the same positions) and records at
 every completion position where the branch is alive and at least one other
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample import bridge as bridge_lib
-from jaxsample import bridge_train as bt
-from jaxsample.bridge_train import Batch
+from jaxsample.bridge_training import common as bt
+from jaxsample.bridge_training.common import Batch
 from jaxsample.sharding import BRANCH_AXIS
 from jaxsample.models import llama
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample import answers as answers_lib
+from jaxsample.reduce import answers as answers_lib
 
 __all__ = [
     "Vote",
@@ -537,7 +537,7 @@ def self_consistency(
 
     Wang et al. 2022 ("Self-Consistency Improves Chain of Thought Reasoning
     in Language Models", arXiv 2203.11171). Extraction and normalisation run
-    on the host (`jaxsample.answers`); the vote is `majority_vote` (jitted).
+    on the host (`jaxsample.reduce.answers`); the vote is `majority_vote` (jitted).
 
     Args:
       generation: a `Generation` (its `texts`, B lists of N strings), or B

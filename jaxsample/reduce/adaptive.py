@@ -1,7 +1,7 @@
 """Adaptive self-consistency: draw branches in windows over one prefill, stop when
 the answer is settled, terminate low-confidence branches, and bill what was saved.
 
-The rules are in `jaxsample.stopping` (ESC, Adaptive-Consistency's Beta and
+The rules are in `jaxsample.reduce.adaptive_rules` (ESC, Adaptive-Consistency's Beta and
 Dirichlet criteria, DeepConf). Branch i of prompt b has the key it has as
 branch i of `generate(n=max_n)`, so an adaptive run equals the offline rule
 (`stopping.replay`) applied in branch order to a fixed pool with the same
@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxsample import answers as answers_lib
-from jaxsample import cost, stopping
+from jaxsample.reduce import answers as answers_lib
+from jaxsample import cost
+from jaxsample.reduce import adaptive_rules as stopping
 from jaxsample import progress as progress_lib
 from jaxsample.engine import stops as stops_lib
 from jaxsample.engine.api import final_text, finish, text_tokenizer
@@ -26,7 +27,7 @@ from jaxsample.engine.session import Session
 from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
-from jaxsample.sampling import MAX_LOGPROBS, SamplingParams
+from jaxsample.engine.sampling import MAX_LOGPROBS, SamplingParams
 from jaxsample.sampling_params import refuse_foreign_keywords
 
 
@@ -158,7 +159,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
     confidence (terminated branches excluded). References: ESC (Li et al.
     2024, arXiv 2401.10480), Adaptive-Consistency (Aggarwal et al. 2023, arXiv
     2305.11860), DeepConf (Fu et al. 2025, arXiv 2508.15260); the rules are in
-    `jaxsample.stopping`.
+    `jaxsample.reduce.adaptive_rules`.
 
     Args:
       lm, prompts, chat, mesh, prompt_index_offset: as `jaxsample.generate`.
@@ -168,7 +169,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
       max_n: the most branches per prompt, in [1, 2**20].
       window: branches per round, in [1, max_n]; on a mesh, a multiple of its
         "branch" axis.
-      rule: "esc", "beta", "dirichlet" or "none" (see `jaxsample.stopping`).
+      rule: "esc", "beta", "dirichlet" or "none" (see `jaxsample.reduce.adaptive_rules`).
       threshold: posterior probability for "beta"/"dirichlet", in (0, 1).
       confidence: None, "deepconf-low" (keep about the top 10% by confidence)
         or "deepconf-high" (about the top 90%).

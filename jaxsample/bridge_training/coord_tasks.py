@@ -4,7 +4,7 @@ Used by benchmarks/bridge_coord.py. Each problem lists K single-token items of o
 category (colours, fruits, animals, digits, ...) in a random order and asks for
 two different ones; an answer is the *unordered* pair. A branch scores 1 when
 its pair is valid (two different listed items) and no other branch of the group
-gave the same pair (`jaxsample.bridge_grpo.distinct_rewards`).
+gave the same pair (`jaxsample.bridge_training.grpo.distinct_rewards`).
 
 Why an unordered pair (the mechanism, `docs/ARCHITECTURE.md`, Bridge): a Bridge
 block attends across branches at the same position. At the first answer token
@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 import re
 
-from jaxsample.bridge_train import Problem
+from jaxsample.bridge_training.common import Problem
 
 # Every item is one SmolLM2 token after a space (" red"); digits are two (" ", "3"),
 # the same count for every item of the digit category.

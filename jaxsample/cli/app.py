@@ -21,12 +21,12 @@ works it reports on stderr (`jaxsample.progress`): loading, compiling and
 decoding, as a rich bar on a terminal and as plain `jaxsample: ...` lines
 otherwise; `--quiet` silences it; stdout carries only the result. `run`
 turns on JAX's persistent compilation cache and the weight cache
-(`jaxsample.cache`, under `$JAXSAMPLE_CACHE_DIR` or
+(`jaxsample.disk_cache`, under `$JAXSAMPLE_CACHE_DIR` or
 `$XDG_CACHE_HOME/jaxsample`), so a second run skips dequantising and
 compiling; `--no-cache` or `JAXSAMPLE_NO_CACHE=1` turns both off.
 
 Flags given explicitly override the `--config` file, which overrides the
-defaults (`jaxsample.config`). Bad input (unknown model, missing file, a
+defaults (`jaxsample.cli.config`). Bad input (unknown model, missing file, a
 broken or impossible checkpoint, bad flag values, empty or too long prompt,
 a malformed request line, unreadable config, a model whose logits are all
 NaN) prints one line on stderr (`jaxsample: error: ...`; progress lines, if
@@ -67,8 +67,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from jaxsample import cache as cache_lib
-from jaxsample import config as config_lib
+from jaxsample import disk_cache as cache_lib
+from jaxsample.cli import config as config_lib
 from jaxsample import cost
 from jaxsample.errors import ConfigError, InputError, JaxsampleError, ModelLoadError, short_repr
 from jaxsample.sampling_params import FOREIGN_KEYWORDS
@@ -954,7 +954,7 @@ def _json_record(lm, cfg, out, single: bool) -> dict:
 
 def _run_adaptive(lm, prompts, cfg, args, kwargs, progress=None):
     """`jaxsample.adaptive_self_consistency` for `run --adaptive`."""
-    from jaxsample import adaptive as adaptive_lib
+    from jaxsample.reduce import adaptive as adaptive_lib
 
     rule, confidence = ADAPTIVE[args.adaptive]
     ctx = (progress.phase("adaptive self-consistency: rounds of "
@@ -981,7 +981,7 @@ def _adaptive_result(adaptive, b: int, args):
 
 
 def _vote(gen, reducer: config_lib.ReducerConfig):
-    from jaxsample import reducers
+    from jaxsample.reduce import vote as reducers
 
     return reducers.self_consistency(gen, extract=reducer.extract, weights=reducer.weights)
 
@@ -991,8 +991,8 @@ def _reduce(gen, reducer: config_lib.ReducerConfig, b: int = 0, sc=None):
     answer; `sc` is the batch's `self_consistency` (computed here if None)."""
     import numpy as np
 
-    from jaxsample import answers as answers_lib
-    from jaxsample import reducers
+    from jaxsample.reduce import answers as answers_lib
+    from jaxsample.reduce import vote as reducers
 
     texts = gen.texts[b]
     if reducer.kind == "vote":
@@ -1430,6 +1430,3 @@ def _plot(rows, path: Path, title: str) -> None:
     finally:
         plt.close(fig)
 
-
-if __name__ == "__main__":  # `python -m jaxsample.cli` as `python -m jaxsample`
-    raise SystemExit(main())

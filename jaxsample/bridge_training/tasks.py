@@ -2,7 +2,7 @@
 
 Used by benchmarks/bridge.py (Bridge training and evaluation). Each problem is
 a one-sentence word problem whose answer is a non-negative integer; rewards
-are exact-match on the final number (`jaxsample.answers`). The set is a pure
+are exact-match on the final number (`jaxsample.reduce.answers`). The set is a pure
 function of (split, count, seed), so train and held-out problems never
 overlap (disjoint seeds and a de-duplication on the prompt text).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from jaxsample.bridge_train import Problem
+from jaxsample.bridge_training.common import Problem
 
 _NAMES = ["Sam", "Ana", "Li", "Tom", "Mia", "Ben", "Zoe", "Raj", "Eva", "Max"]
 _ITEMS = ["apples", "books", "coins", "pens", "cards", "eggs", "shells", "stamps"]

@@ -1,0 +1,5 @@
+"""The `jaxsample` command line."""
+
+from jaxsample.cli.app import main
+
+__all__ = ["main"]

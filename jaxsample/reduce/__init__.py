@@ -1,0 +1,1 @@
+"""Reducing N branches to one answer."""
