@@ -55,7 +55,7 @@ def _sample(lm, tasks, n, args, seed):
     """Generate N branches for every task; returns per-problem records and seconds."""
     from jaxsample import generate, self_consistency
     from jaxsample.reduce import answers
-    from jaxsample.engine.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     params = SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=seed)

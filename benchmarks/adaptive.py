@@ -56,7 +56,7 @@ def _pool(lm, tasks, args, family_index, first=0):
     from jaxsample import generate
     from jaxsample.reduce import answers
     from jaxsample.reduce import adaptive_rules as stopping
-    from jaxsample.engine.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     params = SamplingParams(n=args.max_n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, logprobs=20)
@@ -83,7 +83,7 @@ def _pool(lm, tasks, args, family_index, first=0):
 def _timed_fixed(lm, tasks, args, family_index, n, first=0):
     """Decode wall time and decoded tokens of fixed-N self-consistency (measured)."""
     from jaxsample import generate
-    from jaxsample.engine.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     params = SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -99,7 +99,7 @@ def _timed_fixed(lm, tasks, args, family_index, n, first=0):
 
 def _online(lm, tasks, args, family_index, rule, confidence, first=0):
     from jaxsample import adaptive_self_consistency
-    from jaxsample.engine.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)

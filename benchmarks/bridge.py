@@ -42,7 +42,7 @@ from jaxsample import bridge as bridge_lib, engine  # noqa: E402
 from jaxsample.reduce import answers  # noqa: E402
 from jaxsample.bridge_training import common as bridge_train  # noqa: E402
 from jaxsample.bridge_training import grpo as bridge_grpo  # noqa: E402
-from jaxsample.engine.sampling import SamplingParams  # noqa: E402
+from jaxsample import SamplingParams  # noqa: E402
 
 # cpu: the settings of the reported CPU run (benchmarks/RESULTS.md, Bridge).
 # cpu-v1: the first CPU run, which collapsed both trained models to ~0 accuracy

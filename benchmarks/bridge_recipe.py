@@ -59,7 +59,7 @@ from jaxsample.bridge_training import diagnostics as bridge_diagnostics  # noqa:
 from jaxsample.bridge_training import grpo as bridge_grpo  # noqa: E402
 from jaxsample import engine  # noqa: E402
 from jaxsample.bridge_training import sft as bridge_sft  # noqa: E402
-from jaxsample.engine.sampling import SamplingParams  # noqa: E402
+from jaxsample import SamplingParams  # noqa: E402
 
 TRAINED = ("bridge", "mlp", "nocross", "center")
 ATTENTION = ("bridge", "center")  # conditions with cross-branch attention (paired against the rest)

@@ -16,7 +16,7 @@ import jaxsample
 from jaxsample import engine
 from jaxsample.reduce import adaptive_rules as stopping
 from jaxsample.errors import InputError
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample import SamplingParams
 
 # ---------------------------------------------------------------------------
 # Posterior probabilities against independent oracles

@@ -18,7 +18,7 @@ from jaxsample import bridge as bridge_lib
 from jaxsample import engine
 from jaxsample.bridge_training import common as bridge_train
 from jaxsample.bridge_training import grpo as bridge_grpo
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample import SamplingParams
 from jaxsample.models import llama
 from ties import assert_same_tokens_up_to_ties, rows
 

@@ -23,7 +23,7 @@ import pytest
 from jaxsample import bridge as bridge_lib
 from jaxsample import engine
 from jaxsample.bridge_training import common as bridge_train
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties
 
 CCFG = bridge_lib.BridgeConfig(dim=8, n_heads=2, center=True)

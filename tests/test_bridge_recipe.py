@@ -23,7 +23,7 @@ from jaxsample.bridge_training import grpo as bridge_grpo
 from jaxsample.bridge_training import sft as bridge_sft
 from jaxsample.bridge_training import common as bridge_train
 from jaxsample.models import llama
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))

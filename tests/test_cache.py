@@ -312,7 +312,7 @@ def test_poisoned_tensor_bytes_are_caught_warned_and_rewritten(gguf, caplog):
 _POISONED_RUN = textwrap.dedent("""
     import sys
     from jaxsample import disk_cache as cache
-    from jaxsample.cli import app as cli
+    from jaxsample import cli
     cache.WEIGHT_CACHE_MIN_BYTES = 0
     sys.exit(cli.main(["run", "--model", sys.argv[1], "--prompt", "hi", "--n", "2",
                        "--max-new-tokens", "2", "--chat" if False else "--no-chat",
@@ -555,7 +555,7 @@ def _du(base):
 
 
 def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
-    from jaxsample.cli import app as cli
+    from jaxsample import cli
 
     path, base = gguf
     monkeypatch.setenv(cache.ENV_DIR, str(base))
@@ -595,7 +595,7 @@ def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
 @pytest.mark.parametrize("argv", [["cache"], ["cache", "clear", "--bogus"],
                                   ["cache", "info", "extra"], ["cache", "purge"]])
 def test_cache_command_bad_input_is_one_line(capsys, argv):
-    from jaxsample.cli import app as cli
+    from jaxsample import cli
 
     assert cli.main(argv) == 2
     out, err = capsys.readouterr()

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from jaxsample import cost
-from jaxsample.cli import app as cli
+from jaxsample import cli
 from jaxsample.cli.config import DEFAULT_SAMPLING
 
 QUESTION = "What is 3 + 4? Answer with a number."
@@ -21,7 +21,7 @@ def _no_global_compilation_cache(monkeypatch):
     record the call instead of changing this test process's JAX config (tests/test_cache.py
     runs the real thing in subprocesses)."""
     calls = []
-    monkeypatch.setattr(cli.cache_lib, "enable_compilation_cache",
+    monkeypatch.setattr(cli.app.cache_lib, "enable_compilation_cache",
                         lambda *a, **k: calls.append((a, k)))
     return calls
 
@@ -126,7 +126,7 @@ def test_price_n_drops_repeats_and_keeps_order(capsys):
 
 
 def _prompt_of(argv):
-    return cli._read_prompt(cli.build_parser().parse_args(argv))
+    return cli.requests._read_prompt(cli.build_parser().parse_args(argv))
 
 
 needs_dev_fd = pytest.mark.skipif(not os.path.isdir("/dev/fd"), reason="needs /dev/fd (Linux)")
@@ -438,7 +438,7 @@ def test_best_of_n_prefers_complete_branches():
     """A branch cut at max_new_tokens never beats a complete one, whatever its score."""
     import numpy as np
 
-    from jaxsample.cli import app as cli
+    from jaxsample import cli
     from jaxsample.cli.config import ReducerConfig
     from jaxsample.generation import Generation
 
@@ -452,9 +452,9 @@ def test_best_of_n_prefers_complete_branches():
             params=None, bill=None, timings={}, pad_id=0)
 
     reducer = ReducerConfig(kind="best", extract="number", score="mean_logprob")
-    result, _ = cli._reduce(gen(["length", "stop", "stop"]), reducer)
+    result, _ = cli.app._reduce(gen(["length", "stop", "stop"]), reducer)
     assert result["branch"] == 2 and result["answer"] == "7"  # best complete branch
-    result, _ = cli._reduce(gen(["length", "length", "length"]), reducer)
+    result, _ = cli.app._reduce(gen(["length", "length", "length"]), reducer)
     assert result["branch"] == 0  # no complete branch: all are candidates
 
 
@@ -697,6 +697,6 @@ def test_adaptive_result_support_is_the_winners_votes():
                                 support=np.array([support], np.float32), answers=[answers],
                                 counted=[counted], n_used=np.array([8]),
                                 terminated=np.array([0]), bill=bill)
-    result, got = cli._adaptive_result(res, 0, types.SimpleNamespace(adaptive="esc"))
+    result, got = cli.app._adaptive_result(res, 0, types.SimpleNamespace(adaptive="esc"))
     assert result["answer"] == "7" and result["support"] == 4.0 and result["branch"] == 0
     assert result["share"] == pytest.approx(4 / 7) and got == answers

@@ -7,7 +7,7 @@ import pytest
 
 from jaxsample.cli import config
 from jaxsample.errors import ConfigError
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample import SamplingParams
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxsample.reduce import estimators
-from jaxsample.reduce import vote as reducers
+from jaxsample import reduce as reducers
 
 CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
 

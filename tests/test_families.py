@@ -122,7 +122,7 @@ from jaxsample import bridge as bridge_lib  # noqa: E402
 from jaxsample import disk_cache as cache_lib  # noqa: E402
 from jaxsample import engine, loading  # noqa: E402
 from jaxsample.models import common, families  # noqa: E402
-from jaxsample.engine.sampling import SamplingParams  # noqa: E402
+from jaxsample import SamplingParams  # noqa: E402
 from ties import assert_same_tokens_up_to_ties  # noqa: E402
 
 DATA = pathlib.Path(__file__).parent / "data"

@@ -700,7 +700,7 @@ def test_gemma_engine_greedy_and_long_prompt_logprobs(gemma_lm):
     up to each one's first near-tie; on the 1,300-token prompt (past the 512 window) the
     sampled branches' logprobs equal the windowed forward pass at 1e-4."""
     from jaxsample import engine
-    from jaxsample.engine.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     names = [n for n, p in REF["prompts"].items() if "greedy" in p]
     steps = len(REF["prompts"][names[0]]["greedy"]["ids"])
@@ -739,7 +739,7 @@ def test_gemma_engine_greedy_and_long_prompt_logprobs(gemma_lm):
 
 @pytest.mark.parametrize("cache", [False, None])
 def test_read_config_answers_what_load_answers(tmp_path, cache):
-    from jaxsample.cli import app as cli
+    from jaxsample import cli
 
     gguf_path = _llamacpp_gemma3_gguf(DATA / "tiny_gemma3", tmp_path / "g.gguf")
     for path in [gguf_path] + [DATA / name for name in TINY_NAMES]:
@@ -752,7 +752,7 @@ def test_read_config_answers_what_load_answers(tmp_path, cache):
 
 _EMPTY_CACHE_CLI = """
 import json, sys, time
-from jaxsample.cli import app as cli
+from jaxsample import cli
 t = time.perf_counter()
 code = cli.main(sys.argv[1:])
 print(json.dumps({"code": code, "seconds": time.perf_counter() - t}), file=sys.stderr)

@@ -180,7 +180,7 @@ def test_unsupported_architecture_lists_what_that_path_supports(tmp_path, monkey
     import ast
 
     from jaxsample import loading
-    from jaxsample.cli import app as cli
+    from jaxsample import cli
     from jaxsample.models import architectures, gguf_loader
 
     def supported(text):

@@ -25,7 +25,7 @@ from jaxsample import engine
 from jaxsample.cli import config
 from jaxsample.errors import ConfigError, InputError
 from jaxsample.generation import CompletionOutput, Logprob, RequestOutput
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample import SamplingParams
 from test_sampling import _reference as keep_reference
 from ties import _gumbel, assert_same_tokens_up_to_ties, branch_key
 

@@ -15,7 +15,7 @@ import pytest
 
 import jaxsample
 from jaxsample import SamplingParams
-from jaxsample.cli import app as cli
+from jaxsample import cli
 from jaxsample.progress import PREFIX, Progress
 
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
@@ -24,7 +24,7 @@ TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
 @pytest.fixture(autouse=True)
 def _no_global_compilation_cache(monkeypatch):
     """As in tests/test_cli.py: in-process runs never change this process's JAX config."""
-    monkeypatch.setattr(cli.cache_lib, "enable_compilation_cache", lambda *a, **k: None)
+    monkeypatch.setattr(cli.app.cache_lib, "enable_compilation_cache", lambda *a, **k: None)
 
 
 def _main(argv):

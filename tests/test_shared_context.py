@@ -19,7 +19,7 @@ from jaxsample import bridge as bridge_lib
 from jaxsample import cost, engine
 from jaxsample.engine import inputs
 from jaxsample.errors import InputError
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties
 
 from conftest import byte_tokenizer
@@ -325,7 +325,7 @@ def test_smollm2_shared_context_equals_concatenation(lm):
 def test_cli_price_knows_three_levels(capsys):
     import json
 
-    from jaxsample.cli import app as cli
+    from jaxsample import cli
 
     argv = ["price", "--model", "smollm2-135m", "--prompt-tokens", "40", "--new-tokens", "16",
             "--n", "1,8", "--context-tokens", "2000", "--prompts", "8"]
@@ -351,7 +351,7 @@ def test_cli_price_knows_three_levels(capsys):
     (["price", "--prompts", "0"], "--prompts"),
 ])
 def test_cli_bad_shared_prefix_is_one_line_and_exit_2(capsys, argv, needle):
-    from jaxsample.cli import app as cli
+    from jaxsample import cli
 
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -360,14 +360,14 @@ def test_cli_bad_shared_prefix_is_one_line_and_exit_2(capsys, argv, needle):
 
 def test_cli_checks_the_shared_prefix_against_the_context(tiny_lm):
     """`check_requests` counts context + own tokens as generate splits them."""
-    from jaxsample.cli import app as cli
+    from jaxsample import cli
 
     r = cli.Request(0, None, "3+3=", None, SamplingParams(max_new_tokens=10), "--prompt")
-    n = cli._prompt_tokens(tiny_lm.tokenizer, r, False, CONTEXT)
+    n = cli.requests._prompt_tokens(tiny_lm.tokenizer, r, False, CONTEXT)
     s = engine.Session(tiny_lm, ["3+3="], SamplingParams(max_new_tokens=10),
                        shared_prefix=CONTEXT)
     assert n == len(s.prompt_ids[0])
-    n_chat = cli._prompt_tokens(tiny_lm.tokenizer, r, True, "Be brief.")
+    n_chat = cli.requests._prompt_tokens(tiny_lm.tokenizer, r, True, "Be brief.")
     s = engine.Session(tiny_lm, ["3+3="], SamplingParams(max_new_tokens=10), chat=True,
                        shared_prefix="Be brief.")
     assert n_chat == len(s.prompt_ids[0])

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from jaxsample import engine
-from jaxsample.reduce import vote as reducers
+from jaxsample import reduce as reducers
 from jaxsample.engine import sampling
 from jaxsample.errors import ConfigError
 from jaxsample.lm import LanguageModel
 from jaxsample.models import gemma3
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties, first_difference
 
 from conftest import byte_tokenizer
@@ -474,7 +474,7 @@ def test_votes_jit_over_rows():
 
 
 def test_cli_select(tiny_lm, capsys):
-    from jaxsample.cli import app as cli
+    from jaxsample import cli
     from jaxsample.cli import config as config_lib
 
     args = cli.build_parser().parse_args(["run", "--prompt", "x", "--select", "self-certainty"])
@@ -495,7 +495,7 @@ def test_cli_select(tiny_lm, capsys):
     g = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=4, max_new_tokens=8, seed=1,
                                                              signals=True))
     red = config_lib.ReducerConfig(kind="best", score="self_certainty")
-    result, _ = cli._reduce(g, red, 0)
+    result, _ = cli.app._reduce(g, red, 0)
     assert result["branch"] == int(np.asarray(reducers.best_of_n(g, score="self_certainty"))[0])
     np.testing.assert_allclose(result["score"],
                                reducers.branch_scores(g, "self_certainty")[0, result["branch"]])

@@ -34,7 +34,7 @@ from jaxsample.bridge_training import common as bt
 from jaxsample import engine
 from jaxsample.bridge_training.common import (Batch, Problem, init_state, latest_step, make_optimizer,
                                     restore, save, update, fingerprint)
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample.sampling_params import SamplingParams
 
 __all__ = ["reward", "distinct_rewards", "distinct_correct", "score_group", "rollout", "train"]
 

@@ -36,7 +36,7 @@ from jaxsample.bridge_training import common as bt
 from jaxsample import engine
 from jaxsample.bridge_training.grpo import score_group
 from jaxsample.bridge_training.common import Batch, Problem
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample.sampling_params import SamplingParams
 
 __all__ = ["SFTData", "filter_groups", "collect", "train_sft", "save_data", "load_data"]
 

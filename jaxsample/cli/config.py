@@ -66,7 +66,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _sampling_params_cls():
-    from jaxsample.engine.sampling import SamplingParams  # lazily: keeps `import config` cheap
+    from jaxsample.sampling_params import SamplingParams  # lazily: keeps `import config` cheap
     return SamplingParams
 
 

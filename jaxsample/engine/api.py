@@ -15,7 +15,7 @@ from jaxsample.engine.session import Round, Session
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.engine import sampling
-from jaxsample.engine.sampling import SamplingParams
+from jaxsample.sampling_params import SamplingParams
 from jaxsample.sampling_params import refuse_foreign_keywords
 
 STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are given

@@ -27,7 +27,7 @@ from jaxsample.engine.session import Session
 from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
-from jaxsample.engine.sampling import MAX_LOGPROBS, SamplingParams
+from jaxsample.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxsample.sampling_params import refuse_foreign_keywords
 
 

@@ -2,7 +2,7 @@
 
 `extract(text, kind)` finds the final answer in a model's output and returns
 it normalised; `normalize(answer)` maps equivalent spellings of one answer to
-one string, so that a vote (`jaxsample.reduce.vote.self_consistency`) counts
+one string, so that a vote (`jaxsample.reduce.self_consistency`) counts
 "1,000", "1000" and "$1{,}000$" as the same answer.
 
 Conventions follow the usual math-reasoning graders: the last `\\boxed{...}`

@@ -1,236 +1,22 @@
-"""Reducers: turn N sampled branches per prompt into one answer (jitted).
+"""Majority vote and its weighted variants (jitted over `[B, N]`).
 
-Two families, both written for static shapes so they can run under `jit`,
-`vmap` and inside the decode loop:
-
-* **best-of-N** picks the branch with the highest score (sum or mean logprob,
-  or any external reward/verifier score `[B, N]`): `best_of_n`.
-* **majority vote / self-consistency** (Wang et al. 2022, "Self-Consistency
-  Improves Chain of Thought Reasoning in Language Models", arXiv 2203.11171)
-  maps each branch to an answer id and returns the most frequent (optionally
-  weighted) answer: `majority_vote`, and on the host, from a `Generation`'s
-  texts, `self_consistency`.
-
-Letters (see `models/llama.py`): B prompts, N branches per prompt.
-
-Conventions shared by every reducer here:
-
-* A branch marked invalid (`valid=False`) never wins and is never counted.
-* Ties go to the lowest branch index: for best-of-N, the lowest index among
-  the tied top scores; for a vote, the answer whose *first occurrence* has the
-  lowest branch index (the `collections.Counter.most_common` convention).
-* A row with nothing valid gives `-1` (index, answer id, first branch).
+`majority_vote` maps each branch to an answer id and returns the most
+frequent (optionally weighted) one (Wang et al. 2022, "Self-Consistency
+Improves Chain of Thought Reasoning in Language Models", arXiv 2203.11171);
+`confidence_vote` is DeepConf's weighted vote, optionally filtered to the top
+eta% (arXiv 2508.15260); `borda_vote` gives rank votes (m - r + 1)^p. Both
+reuse `majority_vote`'s kernel. Conventions: `jaxsample.reduce`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Sequence
-
+from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.reduce import answers as answers_lib
-
-__all__ = [
-    "Vote",
-    "SelfConsistency",
-    "best_of_n",
-    "majority_vote",
-    "self_consistency",
-    "score_sum_logprob",
-    "score_mean_logprob",
-    "weights_from_mean_logprob",
-    "weights_from_scores",
-    "SCORE_NAMES",
-    "branch_scores",
-    "confidence_scores",
-    "token_confidence",
-    "confidence_vote",
-    "borda_vote",
-]
-
-
-# ----------------------------------------------------------------------------
-# Boundary checks (shapes are static, so these also run under jit/vmap).
-# ----------------------------------------------------------------------------
-
-
-def _host_array(name: str, x: Any) -> Any:
-    """`x` as an array without any 64 -> 32-bit cast: numpy for concrete input
-    (a jax array or tracer is returned as is). Strings, objects and ragged
-    lists raise a ValueError naming `name`."""
-    if isinstance(x, jax.Array):
-        return x
-    try:
-        arr = np.asarray(x)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{name} must be a [B, N] numeric array; got {type(x).__name__} ({e})") from None
-    if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
-        raise ValueError(f"{name} must be a [B, N] numeric array; got dtype {arr.dtype}")
-    return arr
-
-
-def _check_2d(name: str, x: Any) -> jax.Array:
-    x = _host_array(name, x)
-    if x.ndim != 2:
-        raise ValueError(f"{name} must have shape [B, N] (prompts, branches); got shape {tuple(x.shape)}")
-    if x.shape[1] == 0:
-        raise ValueError(f"{name} must have at least one branch (N >= 1); got shape {tuple(x.shape)}")
-    return x
-
-
-def _check_like(name: str, x: Any, shape: tuple[int, ...], ref: str) -> jax.Array:
-    x = _host_array(name, x)
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have the shape of {ref} {tuple(shape)}; got shape {tuple(x.shape)}")
-    return x
-
-
-def _check_valid(valid: Any, shape: tuple[int, ...], ref: str) -> jax.Array:
-    if valid is None:
-        return jnp.ones(shape, dtype=bool)
-    valid = _check_like("valid", valid, shape, ref)
-    if valid.dtype != jnp.bool_:
-        raise ValueError(f"valid must be a bool array; got dtype {valid.dtype}")
-    return valid
-
-
-def _check_real(name: str, x: jax.Array) -> None:
-    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
-        raise ValueError(f"{name} must be a real (float or int) array; got dtype {x.dtype}")
-
-
-def _exact_ranks(scores: np.ndarray) -> np.ndarray:
-    """Host-side dense ranks per row (int32; equal scores equal ranks, NaN stays NaN).
-
-    Scores whose dtype does not fit the jitted kernel exactly (float64, 64-bit
-    ints) become their ranks, so `[[1.0, 1.0 + 1e-9]]` or `[[1e300, 1e301]]`
-    keep their order and ties instead of collapsing in a float32 cast."""
-    x = scores.astype(np.float64) if np.issubdtype(scores.dtype, np.floating) else scores
-    out = np.full(x.shape, np.nan, dtype=np.float32)
-    for b in range(x.shape[0]):
-        row = x[b]
-        ok = ~np.isnan(row) if np.issubdtype(row.dtype, np.floating) else np.ones(row.shape, bool)
-        if not ok.any():
-            continue
-        # np.unique on exact values: equal scores share a rank.
-        _, inv = np.unique(row[ok], return_inverse=True)
-        out[b, ok] = inv.astype(np.float32)
-    return out
-
-
-def _fits_32(x: np.ndarray) -> bool:
-    """Whether the kernel's 32-bit dtype holds every value of `x` exactly."""
-    if x.dtype.itemsize <= 4 or x.size == 0:
-        return x.dtype != np.uint32 or x.size == 0 or int(x.max()) <= np.iinfo(np.int32).max
-    if np.issubdtype(x.dtype, np.integer):
-        return int(x.min()) >= np.iinfo(np.int32).min and int(x.max()) <= np.iinfo(np.int32).max
-    return False  # float64: decided by ranking on the host
-
-
-# ----------------------------------------------------------------------------
-# best-of-N
-# ----------------------------------------------------------------------------
-
-
-@jax.jit
-def _best_of_n(scores: jax.Array, valid: jax.Array) -> jax.Array:
-    ok = valid & ~jnp.isnan(scores)
-    low = jnp.array(-jnp.inf, dtype=scores.dtype) if jnp.issubdtype(scores.dtype, jnp.floating) else jnp.iinfo(scores.dtype).min
-    top = jnp.max(jnp.where(ok, scores, low), axis=-1, keepdims=True)
-    # `== top` keeps a row whose valid scores are all -inf selectable.
-    winners = ok & (scores == top)
-    first = jnp.argmax(winners, axis=-1).astype(jnp.int32)  # first True wins ties
-    return jnp.where(jnp.any(ok, axis=-1), first, jnp.int32(-1))
-
-
-def best_of_n(scores: Any, valid: Any = None, *, score: str | None = None,
-              **options: Any) -> jax.Array:
-    """Best-of-N: the branch with the highest score, per prompt (jitted).
-
-    Scores can be anything per branch where higher is better: the sum or mean
-    token logprob (`score_sum_logprob`, `score_mean_logprob`), the selection
-    signals' scores (`branch_scores`: self-certainty, DeepConf's tail, lowest
-    group and bottom-10% group confidence), or an external
-    reward-model / verifier output (Cobbe et al. 2021, "Training Verifiers to
-    Solve Math Word Problems", arXiv 2110.14168).
-
-    `best_of_n(gen, score="self_certainty")` takes a `Generation` and a score
-    name (`SCORE_NAMES`, hyphens allowed; default "mean_logprob"): the
-    scores are `branch_scores(gen, score, **options)` and `valid` defaults
-    to the non-empty branches.
-
-    Args:
-      scores: `[B, N]` float (or int) score per branch; NaN never wins. Or a
-        `Generation`, with `score`.
-      score: with a Generation, the score's name; must be None with an array.
-      options: with a Generation, `branch_scores`'s keywords (source,
-        window, tail, bottom_percent).
-        Concrete scores that JAX would cast to 32 bits with loss (float64,
-        or 64-bit ints outside the int32 range) are replaced on the host by
-        their exact per-row ranks (equal scores, equal ranks) first, so the
-        winner is that of the exact values, ties included.
-      valid: `[B, N]` bool, or None (every branch valid). Invalid branches
-        never win, whatever their score.
-
-    Returns:
-      `[B]` int32 index of the winning branch; ties go to the lowest branch
-      index; -1 for a row with no valid (non-NaN) branch.
-
-    Raises:
-      ValueError: `scores` is not `[B, N]` with N >= 1 or not real-valued,
-        or `valid` is not a bool array of the same shape; an unknown score
-        name, or a name (or options) given with an array of scores.
-    """
-    if hasattr(scores, "tokens") and hasattr(scores, "lengths"):  # a Generation
-        gen = scores
-        scores = branch_scores(gen, "mean_logprob" if score is None else score, **options)
-        if valid is None:
-            valid = np.asarray(gen.lengths) > 0
-    elif score is not None or options:
-        raise ValueError("score= (a name) and its options need a Generation as the first "
-                         "argument; with a [B, N] array of scores, pass the array alone")
-    scores = _check_2d("scores", scores)
-    _check_real("scores", scores)
-    valid = _check_valid(valid, scores.shape, "scores")
-    if isinstance(scores, np.ndarray):
-        if not _fits_32(scores):
-            scores = _exact_ranks(scores)
-        elif scores.dtype == np.bool_:
-            scores = scores.astype(np.int32)
-    return _best_of_n(jnp.asarray(scores), valid)
-
-
-def score_sum_logprob(gen: Any) -> np.ndarray:
-    """Sum of the generated tokens' logprobs, a best-of-N score.
-
-    Args:
-      gen: a `jaxsample.generation.Generation`.
-
-    Returns:
-      `[B, N]` float32; favours short branches (every token costs logprob).
-    """
-    return np.asarray(gen.sum_logprob(), dtype=np.float32)
-
-
-def score_mean_logprob(gen: Any) -> np.ndarray:
-    """Length-normalised logprob (sum / generated tokens), a best-of-N score.
-
-    Args:
-      gen: a `jaxsample.generation.Generation`.
-
-    Returns:
-      `[B, N]` float32; 0 for empty branches (see `Generation.mean_logprob`).
-    """
-    return np.asarray(gen.mean_logprob(), dtype=np.float32)
-
-
-# ----------------------------------------------------------------------------
-# Majority vote
-# ----------------------------------------------------------------------------
+from jaxsample.reduce.arrays import check_2d, check_like, check_real, check_valid, exact_ranks, fits_32
 
 
 class Vote(NamedTuple):
@@ -253,7 +39,11 @@ class Vote(NamedTuple):
 
 
 _F32_MANT = 0x7FFFFF
+
+
 _F32_HIDDEN = 0x800000
+
+
 _F32_INF_BITS = 0x7F800000
 
 
@@ -412,19 +202,19 @@ def majority_vote(answer_ids: Any, valid: Any = None, weights: Any = None) -> Vo
         (or the right dtype), or concrete `weights` contain negative values
         or values infinite in float32 (e.g. 1e300).
     """
-    answer_ids = _check_2d("answer_ids", answer_ids)
+    answer_ids = check_2d("answer_ids", answer_ids)
     if not jnp.issubdtype(answer_ids.dtype, jnp.integer):
         raise ValueError(f"answer_ids must be an int array (answers mapped to ids); got dtype {answer_ids.dtype}")
-    if isinstance(answer_ids, np.ndarray) and not _fits_32(answer_ids):
+    if isinstance(answer_ids, np.ndarray) and not fits_32(answer_ids):
         raise ValueError("answer_ids must fit int32 (in [-2**31, 2**31 - 1]); got values in "
                          f"[{int(answer_ids.min())}, {int(answer_ids.max())}]")
     answer_ids = jnp.asarray(answer_ids).astype(jnp.int32)
-    valid = _check_valid(valid, answer_ids.shape, "answer_ids")
+    valid = check_valid(valid, answer_ids.shape, "answer_ids")
     shift = jnp.zeros(answer_ids.shape[:1], dtype=jnp.int32)
     if weights is None:
         weights = jnp.ones(answer_ids.shape, dtype=jnp.float32)
     else:
-        weights = _check_like("weights", weights, answer_ids.shape, "answer_ids")
+        weights = check_like("weights", weights, answer_ids.shape, "answer_ids")
         if not jnp.issubdtype(weights.dtype, jnp.floating):
             if not jnp.issubdtype(weights.dtype, jnp.integer) and weights.dtype != jnp.bool_:
                 raise ValueError(f"weights must be a float array; got dtype {weights.dtype}")
@@ -482,9 +272,9 @@ def weights_from_scores(scores: Any, valid: Any = None, temperature: float | Non
     Raises:
       ValueError: wrong shapes, or a temperature that is not positive.
     """
-    scores = _check_2d("scores", scores)
-    _check_real("scores", scores)
-    valid = _check_valid(valid, scores.shape, "scores")
+    scores = check_2d("scores", scores)
+    check_real("scores", scores)
+    valid = check_valid(valid, scores.shape, "scores")
     scores = scores.astype(jnp.float32)
     if temperature is None:
         return jnp.where(valid, scores, 0.0)
@@ -495,309 +285,6 @@ def weights_from_scores(scores: Any, valid: Any = None, temperature: float | Non
     any_ok = jnp.any(mask, axis=-1, keepdims=True)
     probs = jax.nn.softmax(jnp.where(any_ok, logits, 0.0), axis=-1)
     return jnp.where(mask, probs, 0.0)
-
-
-# ----------------------------------------------------------------------------
-# Self-consistency from texts (host side)
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class SelfConsistency:
-    """Result of `self_consistency`.
-
-    Attributes:
-      answers: B lists of N normalised answers (`str`, or None where nothing
-        was extracted or the branch was marked invalid).
-      answer_ids: `[B, N]` int32 id per branch; equal answers share an id
-        within a prompt, numbered in first-seen branch order; -1 for None.
-      winner: B winning answers (`str`, or None when no branch gave one).
-      share: `[B]` float32 winner's fraction of the valid votes (or weight).
-      support: `[B]` float32 votes (or summed weight) for the winner.
-      first_branch: `[B]` int32 lowest branch index that gave the winner; -1 if none.
-      vote: the `Vote` (numpy arrays) returned by `majority_vote`.
-    """
-
-    answers: list[list[str | None]]
-    answer_ids: np.ndarray
-    winner: list[str | None]
-    share: np.ndarray
-    support: np.ndarray
-    first_branch: np.ndarray
-    vote: Vote
-
-
-def self_consistency(
-    generation: Any,
-    extract: str | Callable[[str], str | None] = "auto",
-    weights: Any = None,
-    valid: Any = None,
-) -> SelfConsistency:
-    """Self-consistency: extract each branch's answer and take the majority vote.
-
-    Wang et al. 2022 ("Self-Consistency Improves Chain of Thought Reasoning
-    in Language Models", arXiv 2203.11171). Extraction and normalisation run
-    on the host (`jaxsample.reduce.answers`); the vote is `majority_vote` (jitted).
-
-    Args:
-      generation: a `Generation` (its `texts`, B lists of N strings), or B
-        lists of N strings directly (then `weights="mean_logprob"` is not
-        available). A flat list of strings is rejected (a string is not a
-        row): for one prompt's branches pass `[texts]`.
-      extract: an `answers.extract` kind ("auto", "boxed", "number",
-        "choice", "text"), or a callable `text -> str | None`. Whatever it
-        returns is passed through `answers.normalize`, so "1,000" and
-        "1000" are the same answer; empty answers count as None.
-      weights: None (plain counting), "mean_logprob" (weights
-        `exp(generation.mean_logprob())` in float64, the paper's normalised
-        weighted sum; tiny ones, e^-110, still rank), or a `[B, N]` float
-        array (e.g. `weights_from_scores`).
-      valid: optional `[B, N]` bool; False excludes a branch (e.g. branches
-        cut at `max_new_tokens`).
-
-    Returns:
-      A `SelfConsistency`.
-
-    Raises:
-      ValueError: unknown `extract` kind or `weights` string, texts that are
-        not B lists of the same number N >= 1 of strings (a row that is a
-        `str` included), or arrays whose shape is not `[B, N]`.
-    """
-    texts = generation.texts if hasattr(generation, "texts") else generation
-    if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
-        raise ValueError("generation must be a Generation or B lists of N strings")
-    for b, r in enumerate(texts):
-        if isinstance(r, (str, bytes)) or not isinstance(r, (Sequence, np.ndarray)):
-            raise ValueError(
-                f"generation must be B lists of N strings, but row {b} is a {type(r).__name__} "
-                f"({r!r:.40}), not a list of strings; for one prompt's N texts pass [texts]")
-    rows = [list(r) for r in texts]
-    if not rows:
-        raise ValueError("generation has no prompts (B = 0)")
-    n = len(rows[0])
-    if n == 0 or any(len(r) != n for r in rows):
-        raise ValueError(f"texts must be B lists of the same number N >= 1 of strings; got lengths {[len(r) for r in rows]}")
-    if isinstance(extract, str):
-        if extract not in answers_lib.KINDS:
-            raise ValueError(f"extract must be one of {answers_lib.KINDS} or a callable; got {extract!r}")
-        kind = extract
-        extract_fn = lambda t: answers_lib.extract(t, kind)  # noqa: E731
-    elif callable(extract):
-        extract_fn = extract
-    else:
-        raise ValueError(f"extract must be a kind string or a callable; got {type(extract).__name__}")
-
-    if valid is not None:
-        valid_np = np.asarray(valid)
-        if valid_np.shape != (len(rows), n) or valid_np.dtype != np.bool_:
-            raise ValueError(f"valid must be a bool array of shape {(len(rows), n)}; got {valid_np.dtype} {valid_np.shape}")
-    else:
-        valid_np = np.ones((len(rows), n), dtype=bool)
-
-    answers: list[list[str | None]] = []
-    ids = np.full((len(rows), n), -1, dtype=np.int32)
-    vocab: list[list[str]] = []
-    for b, row in enumerate(rows):
-        seen: dict[str, int] = {}
-        row_answers: list[str | None] = []
-        for i, text in enumerate(row):
-            ans = extract_fn(text) if valid_np[b, i] else None
-            if ans is not None:
-                ans = answers_lib.normalize(ans) or None
-            if ans is not None:
-                ids[b, i] = seen.setdefault(ans, len(seen))
-            row_answers.append(ans)
-        answers.append(row_answers)
-        vocab.append(list(seen))
-
-    if isinstance(weights, str):
-        if weights != "mean_logprob":
-            raise ValueError(f"weights must be None, 'mean_logprob' or a [B, N] array; got {weights!r}")
-        if not hasattr(generation, "mean_logprob"):
-            raise ValueError("weights='mean_logprob' needs a Generation (with logprobs), not bare texts")
-        # float64, not `weights_from_mean_logprob`'s float32: exp(-110) is 0 in
-        # float32 but ranks in float64 (majority_vote scales each row exactly).
-        weights = np.exp(np.asarray(generation.mean_logprob(), dtype=np.float64))
-
-    vote = jax.device_get(majority_vote(ids, ids >= 0, weights))
-    winner = [vocab[b][int(w)] if w >= 0 else None for b, w in enumerate(vote.winner)]
-    return SelfConsistency(
-        answers=answers,
-        answer_ids=ids,
-        winner=winner,
-        share=np.asarray(vote.share),
-        support=np.asarray(vote.support),
-        first_branch=np.asarray(vote.first_branch),
-        vote=Vote(*(np.asarray(x) for x in vote)),
-    )
-
-
-# ----------------------------------------------------------------------------
-# Selection signals: branch scores and confidence votes
-# ----------------------------------------------------------------------------
-#
-# Token confidence C_t, per generated token, higher = more confident:
-#   "signals" (`SamplingParams(signals=True)`, computed in the decode step):
-#     the self-certainty KL(U || p_t) = -log V - mean_v log p_t(v) (Kang et al.
-#     2025, arXiv 2502.18581). This is DeepConf's formula with k = V (the whole
-#     real vocabulary) minus the constant log V: rankings, percentiles and
-#     threshold tests are those of DeepConf's C at k = V exactly; as vote
-#     weights it differs from C_{k=V} by that constant.
-#   "top_logprobs" (`SamplingParams(logprobs=k)`): DeepConf's own C_t = minus
-#     the mean of the k largest logprobs at t (Fu et al. 2025, arXiv 2508.15260;
-#     facebookresearch/deepconf `compute_confidence`, k = 20 there).
-# The two are different numbers (k = V weighs the whole tail of the
-# distribution, k = 20 its head); both are >= 0 and grow as p_t concentrates.
-
-SCORE_NAMES = ("mean_logprob", "sum_logprob", "self_certainty", "tail_confidence",
-               "lowest_group_confidence", "bottom_group_confidence")
-CONFIDENCE_SOURCES = ("signals", "top_logprobs")
-DEEPCONF_WINDOW = 2048  # DeepConf's group size and tail length in tokens (its README)
-
-
-def _canonical_score(name: Any) -> str:
-    key = name.replace("-", "_") if isinstance(name, str) else name
-    if key == "bottom_10_group_confidence":
-        key = "bottom_group_confidence"
-    if key not in SCORE_NAMES:
-        raise ValueError(f"score must be one of {SCORE_NAMES} (hyphens allowed), got {name!r}")
-    return key
-
-
-def token_confidence(gen: Any, source: str = "signals") -> np.ndarray:
-    """Per-token confidence `[B, N, T]` float64 of a Generation (0 at padding).
-
-    Args:
-      gen: a `Generation`.
-      source: "signals" (its `self_certainty`, from `SamplingParams(signals=True)`)
-        or "top_logprobs" (DeepConf's minus the mean of the top-k logprobs,
-        from `SamplingParams(logprobs=k)`, k >= 1). See the comment above
-        `SCORE_NAMES` for how the two relate.
-    Raises:
-      ValueError: an unknown source, or the Generation was made without what
-        it needs.
-    """
-    if source == "signals":
-        if getattr(gen, "self_certainty", None) is None:
-            raise ValueError("this Generation has no signals: sample with "
-                             "SamplingParams(signals=True), or pass source='top_logprobs'")
-        return np.asarray(gen.self_certainty, np.float64)
-    if source == "top_logprobs":
-        top = getattr(gen, "top_logprobs", None)
-        if top is None or top.shape[-1] == 0:
-            raise ValueError("this Generation has no top logprobs: sample with "
-                             "SamplingParams(logprobs=20), or pass source='signals'")
-        return -np.asarray(top, np.float64).mean(axis=-1)
-    raise ValueError(f"source must be one of {CONFIDENCE_SOURCES}, got {source!r}")
-
-
-def _group_means(c: np.ndarray, window: int) -> np.ndarray:
-    """DeepConf's sliding-window means of one trace's `[L]` confidences (its
-    `compute_least_grouped`: the mean of all tokens when L < window)."""
-    if c.size < window:
-        return c.mean(keepdims=True)
-    s = np.concatenate([[0.0], np.cumsum(c)])
-    return (s[window:] - s[:-window]) / window
-
-
-def confidence_scores(conf: Any, lengths: Any, kind: str, *, window: int = DEEPCONF_WINDOW,
-                      tail: int = DEEPCONF_WINDOW, bottom_percent: float = 10.0) -> np.ndarray:
-    """Branch scores from per-token confidences, DeepConf's trace confidences.
-
-    Fu et al. 2025 (arXiv 2508.15260), as facebookresearch/deepconf's
-    `analysis_offline.py` computes them:
-
-    * "mean": the mean over the trace's tokens (with C = self-certainty this
-      is Kang et al.'s branch self-certainty, arXiv 2502.18581).
-    * "tail": the mean over its last `tail` tokens (all, if fewer).
-    * "lowest_group": the lowest mean over a sliding window of `window`
-      tokens (one window of all tokens when the trace is shorter).
-    * "bottom_group": the mean of the lowest `max(1, int(G * bottom_percent /
-      100))` of its G window means (DeepConf's "bottom-10%").
-
-    Args:
-      conf: `[B, N, T]` per-token confidence (`token_confidence`).
-      lengths: `[B, N]` int tokens per branch; the first lengths[b, n] count.
-      kind: "mean", "tail", "lowest_group" or "bottom_group".
-      window, tail: >= 1 tokens (DeepConf: 2048); bottom_percent in (0, 100].
-    Returns:
-      `[B, N]` float64, higher = more confident; NaN for an empty branch (it
-      never wins `best_of_n`).
-    Raises:
-      ValueError: bad shapes, kind or sizes.
-    """
-    conf = np.asarray(conf, np.float64)
-    lengths = np.asarray(lengths)
-    if conf.ndim != 3 or lengths.shape != conf.shape[:2]:
-        raise ValueError(f"conf must be [B, N, T] and lengths [B, N]; got {conf.shape} and "
-                         f"{lengths.shape}")
-    if kind not in ("mean", "tail", "lowest_group", "bottom_group"):
-        raise ValueError(f"kind must be mean, tail, lowest_group or bottom_group; got {kind!r}")
-    for name, v in (("window", window), ("tail", tail)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if not 0 < float(bottom_percent) <= 100:
-        raise ValueError(f"bottom_percent must be in (0, 100], got {bottom_percent!r}")
-    out = np.full(conf.shape[:2], np.nan)
-    for b in range(conf.shape[0]):
-        for n in range(conf.shape[1]):
-            L = int(lengths[b, n])
-            if L <= 0:
-                continue
-            c = conf[b, n, :L]
-            if kind == "mean":
-                out[b, n] = c.mean()
-            elif kind == "tail":
-                out[b, n] = c[-tail:].mean()
-            else:
-                g = _group_means(c, window)
-                if kind == "lowest_group":
-                    out[b, n] = g.min()
-                else:
-                    k = max(1, int(len(g) * float(bottom_percent) / 100))
-                    out[b, n] = np.sort(g)[:k].mean()
-    return out
-
-
-def branch_scores(gen: Any, score: str = "mean_logprob", *, source: str = "signals",
-                  window: int = DEEPCONF_WINDOW, tail: int = DEEPCONF_WINDOW,
-                  bottom_percent: float = 10.0) -> np.ndarray:
-    """A named best-of-N score `[B, N]` of every branch of a Generation.
-
-    Names (hyphens or underscores):
-
-    * "mean_logprob", "sum_logprob": the sequence logprob, length-normalised
-      or not (`score_mean_logprob`, `score_sum_logprob`; float32 as before).
-    * "self_certainty": the branch's mean token self-certainty, KL(U || p)
-      averaged over its tokens (Kang et al. 2025, arXiv 2502.18581, eq. 4);
-      always from the signals.
-    * "tail_confidence": DeepConf's tail confidence, the mean token confidence
-      over the last `tail` tokens (Fu et al. 2025, arXiv 2508.15260).
-    * "lowest_group_confidence": DeepConf's lowest group confidence, the
-      lowest sliding-window (`window` tokens) mean.
-    * "bottom_group_confidence" (also "bottom-10-group-confidence"):
-      DeepConf's bottom-10% group confidence (`bottom_percent`).
-
-    The DeepConf scores read the token confidence of `source` (see
-    `token_confidence`). Empty branches score NaN (0 for the logprob scores).
-
-    Raises:
-      ValueError: an unknown name, or the Generation lacks its signals /
-        top logprobs.
-    """
-    score = _canonical_score(score)
-    if score == "mean_logprob":
-        return score_mean_logprob(gen)
-    if score == "sum_logprob":
-        return score_sum_logprob(gen)
-    if score == "self_certainty":
-        conf, kind = token_confidence(gen, "signals"), "mean"
-    else:
-        conf = token_confidence(gen, source)
-        kind = {"tail_confidence": "tail", "lowest_group_confidence": "lowest_group",
-                "bottom_group_confidence": "bottom_group"}[score]
-    return confidence_scores(conf, gen.lengths, kind, window=window, tail=tail,
-                             bottom_percent=bottom_percent)
 
 
 def _keep_index_table(n: int, top_percent: float) -> np.ndarray:
@@ -825,12 +312,12 @@ def _confidence_vote(answer_ids, confidence, valid, keep_from):
 
 def _check_confidence_vote(answer_ids, confidence, valid):
     """The checked (answer_ids, confidence, valid) of a confidence-weighted vote."""
-    answer_ids = _check_2d("answer_ids", answer_ids)
+    answer_ids = check_2d("answer_ids", answer_ids)
     if not jnp.issubdtype(answer_ids.dtype, jnp.integer):
         raise ValueError(f"answer_ids must be an int array; got dtype {answer_ids.dtype}")
-    confidence = _check_like("confidence", confidence, answer_ids.shape, "answer_ids")
-    _check_real("confidence", confidence)
-    valid = _check_valid(valid, answer_ids.shape, "answer_ids")
+    confidence = check_like("confidence", confidence, answer_ids.shape, "answer_ids")
+    check_real("confidence", confidence)
+    valid = check_valid(valid, answer_ids.shape, "answer_ids")
     return answer_ids, confidence, valid
 
 
@@ -925,7 +412,7 @@ def borda_vote(answer_ids: Any, confidence: Any, valid: Any = None, *,
             math.isfinite(power) and power >= 0):
         raise ValueError(f"power must be a finite float >= 0, got {power!r}")
     conf = np.asarray(confidence) if not isinstance(confidence, jax.Array) else confidence
-    if isinstance(conf, np.ndarray) and not _fits_32(conf):
-        conf = _exact_ranks(conf)  # float64: rank exactly on the host (ties kept)
+    if isinstance(conf, np.ndarray) and not fits_32(conf):
+        conf = exact_ranks(conf)  # float64: rank exactly on the host (ties kept)
     return _borda_vote(jnp.asarray(answer_ids).astype(jnp.int32), jnp.asarray(conf, jnp.float32),
                        jnp.asarray(valid), jnp.float32(power))
