@@ -40,7 +40,7 @@ _EXPORTS = {
     "adaptive_self_consistency": "jaxsample.reduce.adaptive",
     "AdaptiveResult": "jaxsample.reduce.adaptive",
 }
-_SUBMODULES = {"bridge", "bridge_training", "cli", "cost", "disk_cache", "engine", "errors",
+_SUBMODULES = {"bridge", "bridge_training", "cli", "cost", "disk_cache", "engine", "errors", "weight_cache",
                "generation", "lm", "loading", "progress", "reduce", "sampling_params", "sharding"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)

@@ -1,8 +1,8 @@
 """`SamplingParams`: one request's sampling fields, validated on the host.
 
 The fields and their names are vLLM's (`vllm.SamplingParams`); the token
-choice they drive is `jaxsample.engine.sampling` (its module docstring is the table
-of what each field does on the device). Everything here is plain Python and
+choice they drive is `jaxsample.engine.sampling` (its docstring is the table of
+what each field does on the device, in order). Everything here is plain Python and
 numpy: constructing a `SamplingParams` never touches JAX.
 """
 
@@ -179,9 +179,8 @@ class SamplingParams:
         setting: on, it compiles another step; off (the default), the step
         is the program it was without the option. Not a vLLM field.
 
-    Order of the logits processors (vLLM's v1 sampler): logit bias,
-    min-tokens, repetition, frequency and presence penalties, then
-    temperature, top-k, top-p, min-p (see the module table).
+    The order in which the fields act on the logits: the docstring of
+    `jaxsample.engine.sampling`, the one place it is written.
 
     Raises:
       ConfigError (a ValueError): a field is out of range or of the wrong

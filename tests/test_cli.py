@@ -96,7 +96,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
 def test_overflow_error_is_one_line_and_exit_2(capsys, monkeypatch):
     def boom(args):
         raise OverflowError("Python int too large to convert to C long")
-    monkeypatch.setattr(cli, "_price", boom)
+    monkeypatch.setattr(cli.app, "price_command", boom)
     err = _one_line_error(capsys, ["price"])
     assert "too large" in err
 
@@ -173,7 +173,7 @@ def test_prompt_file_errors_say_what_is_wrong(capsys, tmp_path, monkeypatch):
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("caf\xe9".encode("latin-1"))
     assert "not UTF-8" in _one_line_error(capsys, ["run", "--prompt-file", str(latin)])
-    monkeypatch.setattr(cli, "PROMPT_FILE_LIMIT", 8)
+    monkeypatch.setattr(cli.requests, "PROMPT_FILE_LIMIT", 8)
     big = tmp_path / "big.txt"
     big.write_text("x" * 9)
     assert "larger than" in _one_line_error(capsys, ["run", "--prompt-file", str(big)])
@@ -240,7 +240,7 @@ def test_numerical_error_is_one_line_and_exit_2(capsys, monkeypatch):
 
     def nan(args):
         raise NumericalError("the model gave no valid distribution (every logit NaN or -inf)")
-    monkeypatch.setattr(cli, "_price", nan)
+    monkeypatch.setattr(cli.app, "price_command", nan)
     assert "no valid distribution" in _one_line_error(capsys, ["price"])
 
 
@@ -581,7 +581,7 @@ def _no_load(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the weights were loaded")
 
-    monkeypatch.setattr(cli, "_load_model", boom)
+    monkeypatch.setattr(cli.app, "_load_model", boom)
     from jaxsample import loading
     monkeypatch.setattr(loading, "load", boom)
 

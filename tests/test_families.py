@@ -119,7 +119,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxsample import bridge as bridge_lib  # noqa: E402
-from jaxsample import disk_cache as cache_lib  # noqa: E402
+from jaxsample import weight_cache as cache_lib  # noqa: E402
 from jaxsample import engine, loading  # noqa: E402
 from jaxsample.models import common, families  # noqa: E402
 from jaxsample import SamplingParams  # noqa: E402

@@ -104,7 +104,7 @@ def group_forward(cfg: llama.LlamaConfig, base_params, bconfig: bridge_lib.Bridg
     return jax.vmap(one, axis_name=BRANCH_AXIS)(tokens, alive)
 
 
-def _tail_attend(kp, vp, prompt_len, scale):
+def tail_attend(kp, vp, prompt_len, scale):
     """Attention of T completion queries over the shared prompt (keys < prompt_len)
     and their own causal tail, merged by log-sum-exp (as in the engine's decode)."""
 
@@ -163,7 +163,7 @@ def shared_prefix_forward(cfg: llama.LlamaConfig, base_params, bconfig, bparams,
     def one(toks, al):
         x = llama.embed(base_params, toks)
         x, _ = llama.run_layers(cfg, base_params, x, positions,
-                                lambda lx: _tail_attend(lx[0], lx[1], prompt_len, scale),
+                                lambda lx: tail_attend(lx[0], lx[1], prompt_len, scale),
                                 layer_xs=layer_kv, post_layer=make_post(al, (BRANCH_AXIS,)),
                                 post_xs=bparams)
         return x

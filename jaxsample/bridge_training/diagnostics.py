@@ -67,7 +67,7 @@ def group_stats(cfg: llama.LlamaConfig, base_params, bconfig: bridge_lib.BridgeC
         x = llama.embed(base_params, toks)
         rels, selfs, tvs = [], [], []
         for l, lp in enumerate(layers):
-            x, _ = llama.layer(cfg, lp, x, positions, bt._tail_attend(kp[l], vp[l], prompt_len,
+            x, _ = llama.layer(cfg, lp, x, positions, bt.tail_attend(kp[l], vp[l], prompt_len,
                                                                         scale))
             p_l = jax.tree_util.tree_map(lambda a: a[l], bparams)
             x, rel, sw, tv = bridge_lib.block_stats(bconfig, p_l, x, al, (BRANCH_AXIS,))

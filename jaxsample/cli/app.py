@@ -32,7 +32,7 @@ from jaxsample.cli import config as config_lib
 from jaxsample.cli.console import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, dumps, finite, json_record, print_run, stdout_console
 from jaxsample.cli.parser import ADAPTIVE, UsageError, build_parser
 from jaxsample.cli.price import price_command
-from jaxsample.cli.requests import batches, check_adaptive, check_requests, is_jsonl, read_requests, read_shared_prefix, render
+from jaxsample.cli.requests import check_adaptive, check_requests, is_jsonl, read_requests, read_shared_prefix, render, group_requests
 from jaxsample.errors import ConfigError, InputError, JaxsampleError
 
 
@@ -207,7 +207,7 @@ def _run(args) -> int:
                else "read from the checkpoint")
         progress.line(f"loaded {lm.name} in {t_load:.2f} s ({how})")
     outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
-    batches = batches(requests)
+    batches = group_requests(requests)
     for k, batch in enumerate(batches):
         run_cfg = cfg.replace(sampling=batch[0].sampling)
         mesh = _make_mesh(cfg.mesh, run_cfg.sampling.n)

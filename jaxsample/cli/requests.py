@@ -281,7 +281,7 @@ def check_adaptive(args) -> None:
         int_in("max_n", args.max_n, 2 * args.window, 2**20)
 
 
-def batches(requests: list[Request]) -> list[list[Request]]:
+def group_requests(requests: list[Request]) -> list[list[Request]]:
     """Consecutive requests with equal SamplingParams, each run as one call.
 
     Each call passes `prompt_index_offset` = the index of its first request, so

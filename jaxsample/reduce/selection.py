@@ -244,7 +244,7 @@ def branch_scores(gen: Any, score: str = "mean_logprob", *, source: str = "signa
     Names (hyphens or underscores):
 
     * "mean_logprob", "sum_logprob": the sequence logprob, length-normalised
-      or not (`score_mean_logprob`, `score_sum_logprob`; float32 as before).
+      or not (`score_mean_logprob`, `score_sum_logprob`; float32).
     * "self_certainty": the branch's mean token self-certainty, KL(U || p)
       averaged over its tokens (Kang et al. 2025, arXiv 2502.18581, eq. 4);
       always from the signals.

@@ -47,7 +47,7 @@ min-p before top-k / top-p; we keep Hugging Face's order for the filters.)
     presence     | x -= presence_penalty * (count > 0).
                  | The steps above are `process_logits`; without any of them
                  | (the engine's static flag off) x is the raw logits, with
-                 | the same arithmetic as before they existed.
+                 | no arithmetic on them.
     temperature  | z = (x - max(x)) / temperature. temperature == 0
                  | means greedy: the argmax of x (first index on
                  | ties), whatever the filters say; there is no division by

@@ -60,20 +60,14 @@ def process_logits(logits: jax.Array, *, t: jax.Array, bias: jax.Array, stop_mas
                    prompt_mask: jax.Array | None = None,
                    repetition_penalty: jax.Array = 1.0, frequency_penalty: jax.Array = 0.0,
                    presence_penalty: jax.Array = 0.0) -> jax.Array:
-    """The logits processors before temperature, in vLLM's order, for one distribution.
+    """The logits processors before temperature, for one distribution.
 
-    The one place where they are applied (the table of `jaxsample.engine.sampling`'s rows "logit
-    bias" to "presence penalty"); `choose_token(..., processed=...)` then
-    tempers, filters and samples the result. Every setting is traced.
-
-    1. logit bias: `x = logits + bias` (vLLM's `LogitBiasLogitsProcessor`).
-    2. min-tokens: `x[stop_mask] = -inf` while `t < min_tokens` (vLLM's
-       `MinTokensLogitsProcessor`; it commutes with 1).
-    3. repetition penalty, over the prompt and the generated tokens: where
-       `prompt_mask | counts > 0`, `x / p` if `x > 0` else `x * p` (vLLM's
-       `apply_penalties`, Hugging Face's `RepetitionPenaltyLogitsProcessor`).
-    4. frequency penalty: `x -= frequency_penalty * counts`.
-    5. presence penalty: `x -= presence_penalty * (counts > 0)`.
+    The one place where they are applied: logit bias, min-tokens, then the
+    repetition, frequency and presence penalties, as the rows of the table of
+    `jaxsample.engine.sampling` say (vLLM's `LogitBiasLogitsProcessor`,
+    `MinTokensLogitsProcessor`, `apply_penalties`; Hugging Face's
+    `RepetitionPenaltyLogitsProcessor`); `choose_token(..., processed=...)`
+    then tempers, filters and samples the result. Every setting is traced.
 
     Args:
       logits: `[V]` raw logits (any float dtype; computed in float32).

@@ -23,8 +23,8 @@ gathers the vmapped rows into one batch): under the engine's
 stages, and a row's result never depends on the other rows (it comes from
 the first stage it fits). Measured at N = 16 on 2 shared cores
 (benchmarks/notes_topp.md): at V = 262,144 top-k 50 + top-p 0.95 + min-p
-0.05 went from ~334 to ~54 ms, top-p 0.95 (nuclei up to ~960 tokens) from
-~212 to ~74 ms; a step with a row that needs the bisection costs ~1.6x the
+0.05 take ~54 ms against ~334 ms for the bisection alone, top-p 0.95 (nuclei
+up to ~960 tokens) ~74 ms against ~212 ms; a step with a row that needs the bisection costs ~1.6x the
 bisection alone (both stages and the full draw run too). `candidates=0` selects the bisection and the full draw alone
 (the reference path). Min-p is a single O(V) comparison. Top-k and top-p
 sit behind a `lax.cond` on the scalar parameters (also skipped when
