@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models import gemma3, llama_loader
+from jaxsample.models import gemma3, llama_config
 from jaxsample.models.loader_core import (Architecture, ConfigReader, Tensor, TensorTable,
                                           gguf_attention, gguf_embedding)
 
@@ -391,8 +391,8 @@ def config_from_hf_gemma2(hf: dict[str, Any], source: str, dtype: str = "float32
             raise UnsupportedModelError(f"{source}: config.json {flag} = true is not supported")
     n_layers = r.count("num_hidden_layers")
     windows = _hf_windows(r, hf, n_layers, every=2)
-    theta, scaling, key = llama_loader.hf_rope(r)
-    kind = llama_loader.rope_kind(r, scaling, key)
+    theta, scaling, key = llama_config.hf_rope(r)
+    kind = llama_config.rope_kind(r, scaling, key)
     if kind != "default":
         raise UnsupportedModelError(f"{source}: rope scaling type {kind!r} is not supported for "
                                     "Gemma 2")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxsample.reduce import answers
+from jaxsample.reduce import answer_text, answers
 
 CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
 
@@ -322,10 +322,10 @@ def test_extract_is_linear_in_repeated_constructs(name):
 def test_simple_part_check_matches_the_regex(s, data):
     i = data.draw(st.integers(0, len(s)))
     j = data.draw(st.integers(i, len(s)))
-    not_simple = [m.start() for m in answers._NOT_SIMPLE_RE.finditer(s)]
-    i2, j2 = answers._trimmed(s, i, j)
+    not_simple = [m.start() for m in answer_text._NOT_SIMPLE_RE.finditer(s)]
+    i2, j2 = answer_text.trimmed(s, i, j)
     assert s[i2:j2] == s[i:j].strip()
-    assert answers._is_simple(s, i2, j2, not_simple) == bool(answers._SIMPLE_RE.match(s[i:j].strip()))
+    assert answer_text._is_simple(s, i2, j2, not_simple) == bool(answer_text._SIMPLE_RE.match(s[i:j].strip()))
 
 
 def test_repeated_constructs_still_give_the_answer():
