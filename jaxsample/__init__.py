@@ -39,6 +39,8 @@ _EXPORTS = {
     "JaxsampleError": "jaxsample.errors",
     "adaptive_self_consistency": "jaxsample.reduce.adaptive",
     "AdaptiveResult": "jaxsample.reduce.adaptive",
+    "AdaptiveBill": "jaxsample.reduce.adaptive",
+    "Bill": "jaxsample.cost",
 }
 _SUBMODULES = {"bridge", "bridge_training", "cli", "cost", "disk_cache", "engine", "errors", "weight_cache",
                "generation", "lm", "loading", "progress", "reduce", "sampling_params", "sharding"}
