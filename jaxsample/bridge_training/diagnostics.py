@@ -2,7 +2,7 @@
 
 For teacher-forced groups (a `jaxsample.bridge_training.common.Batch`, e.g. rollouts of
 `jaxsample.bridge_training.grpo.rollout` or the warm-up data of `jaxsample.bridge_training.sft`),
-`diagnose` runs the model exactly as `bridge_train.group_logprobs` does (the
+`diagnose` runs the model exactly as `common.group_logprobs` does (the
 prompt once, the N completions coupled at the same positions) and records at
 every completion position where the branch is alive and at least one other
 branch is alive too:
@@ -46,7 +46,7 @@ def group_stats(cfg: llama.LlamaConfig, base_params, bconfig: bridge_lib.BridgeC
                 prompt, prompt_len, completions, lengths, stop_ids):
     """Per-layer, per-position statistics of one group.
 
-    Args: as `bridge_train.group_logprobs` (`base_params` in the list layout or stacked).
+    Args: as `common.group_logprobs` (`base_params` in the list layout or stacked).
     Returns:
       (rel `[N, L, T]` float32, self weight `[N, L, T]` float32, alive `[N, T]` bool,
       spread `[N, L, T]` float32: distance of the attention from uniform).

@@ -111,7 +111,7 @@ class ReducerConfig:
         \\boxed{}), "choice" (A-E), "text" (the whole stripped text) or "auto".
       weights: None (one vote per branch) or "mean_logprob" (votes weighted
         by the branch's length-normalised probability).
-      score: best-of-N score, one of `SCORES` (`reducers.branch_scores`).
+      score: best-of-N score, one of `SCORES` (`jaxsample.reduce.branch_scores`).
     """
 
     kind: str = "vote"

@@ -157,7 +157,7 @@ def price_command(args) -> int:
                       markup=False)
     console.print("Prefix sharing saves prefill FLOPs and prefix KV memory and reads; decode "
                   "FLOPs are the same either way. read/step: bytes the last decode step reads "
-                  "(weights once + KV). Counting conventions: jaxsample/cost.py.", markup=False)
+                  "(weights once + KV). Counting conventions: jaxsample/cost/model.py.", markup=False)
     if plot is not None:
         console.print(f"plot written to {plot}", markup=False)
     return EXIT_OK
