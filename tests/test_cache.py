@@ -28,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture
 def gguf(tmp_path, monkeypatch):
     """A private copy of the tiny GGUF, cached despite its size, in an empty cache dir."""
-    monkeypatch.setattr(cache, "WEIGHT_CACHE_MIN_BYTES", 0)
+    monkeypatch.setattr(weight_cache, "WEIGHT_CACHE_MIN_BYTES", 0)
     monkeypatch.setattr(loading, "_LOADED", {})  # no in-process memo between loads
     path = tmp_path / "model.gguf"
     shutil.copy(TINY_GGUF, path)
