@@ -347,7 +347,7 @@ def test_cli_warns_once_about_a_poisoned_entry_and_runs(gguf, tmp_path):
 _WRITER = textwrap.dedent("""
     import sys
     from jaxsample import loading
-    from jaxsample import disk_cache as cache
+    from jaxsample import weight_cache
     weight_cache.WEIGHT_CACHE_MIN_BYTES = 0
     lm = loading.load(sys.argv[1], cache=sys.argv[2])
     print(loading.load_info(lm)["weights"])
