@@ -53,8 +53,9 @@ METRICS = ("pass@1", "maj@k", "best@k", "pass@k")  # pass@1 is flat in k (refere
 
 def _sample(lm, tasks, n, args, seed):
     """Generate N branches for every task; returns per-problem records and seconds."""
-    from jaxsample import answers, generate, self_consistency
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import generate, self_consistency
+    from jaxsample.reduce import answers
+    from jaxsample import SamplingParams
 
     params = SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=seed)
@@ -124,7 +125,7 @@ def ks_for(n: int) -> list[int]:
 
 def per_problem(records, ks):
     """{metric: [P, len(ks)] float} exact expected accuracy per problem and k."""
-    from jaxsample.estimators import best_of_k, maj_at_k, pass_at_k
+    from jaxsample.reduce.estimators import best_of_k, maj_at_k, pass_at_k
 
     out = {m: np.zeros((len(records), len(ks))) for m in METRICS}
     out["maj@k (random ties)"] = np.zeros((len(records), len(ks)))

@@ -53,8 +53,10 @@ def _se(x) -> float:
 
 def _pool(lm, tasks, args, family_index, first=0):
     """The fixed pool: max_n branches per problem with top-20 logprobs; returns records, seconds."""
-    from jaxsample import answers, generate, stopping
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import generate
+    from jaxsample.reduce import answers
+    from jaxsample.reduce import adaptive_rules as stopping
+    from jaxsample import SamplingParams
 
     params = SamplingParams(n=args.max_n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, logprobs=20)
@@ -81,7 +83,7 @@ def _pool(lm, tasks, args, family_index, first=0):
 def _timed_fixed(lm, tasks, args, family_index, n, first=0):
     """Decode wall time and decoded tokens of fixed-N self-consistency (measured)."""
     from jaxsample import generate
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     params = SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -97,7 +99,7 @@ def _timed_fixed(lm, tasks, args, family_index, n, first=0):
 
 def _online(lm, tasks, args, family_index, rule, confidence, first=0):
     from jaxsample import adaptive_self_consistency
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -118,7 +120,7 @@ def _online(lm, tasks, args, family_index, rule, confidence, first=0):
 
 
 def _replay(rec, args, rule, confidence):
-    from jaxsample import stopping
+    from jaxsample.reduce import adaptive_rules as stopping
 
     weights = term = None
     if confidence:
@@ -135,7 +137,7 @@ def _replay(rec, args, rule, confidence):
 
 def analyse(data) -> dict:
     """Per family: fixed-N curves, online and offline rule results, targets."""
-    from jaxsample import estimators
+    from jaxsample.reduce import estimators
 
     args = argparse.Namespace(**data["config"])
     out = {}

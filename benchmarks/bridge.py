@@ -6,7 +6,7 @@ Conditions (arXiv 2510.01143, its control included):
   control  the same block and parameter count with attention restricted to
            the branch itself (`BridgeConfig(cross_branch=False)`), same training.
 
-Problems: benchmarks/bridge_tasks.py (one-step arithmetic word problems, a
+Problems: jaxsample/bridge_training/tasks.py (one-step arithmetic word problems, a
 two-example few-shot prompt, the answer line ends at a newline = stop token).
 Metrics on held-out problems at each width N: mean per-branch accuracy,
 majority vote (maj@N, ties -> the earliest branch's answer) and pass@N (any
@@ -37,9 +37,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.bridge_tasks import make_problems  # noqa: E402
-from jaxsample import answers, bridge as bridge_lib, bridge_train, engine  # noqa: E402
-from jaxsample.sampling import SamplingParams  # noqa: E402
+from jaxsample.bridge_training.tasks import make_problems  # noqa: E402
+from jaxsample import bridge as bridge_lib, engine  # noqa: E402
+from jaxsample.reduce import answers  # noqa: E402
+from jaxsample.bridge_training import common as bridge_train  # noqa: E402
+from jaxsample.bridge_training import grpo as bridge_grpo  # noqa: E402
+from jaxsample import SamplingParams  # noqa: E402
 
 # cpu: the settings of the reported CPU run (benchmarks/RESULTS.md, Bridge).
 # cpu-v1: the first CPU run, which collapsed both trained models to ~0 accuracy
@@ -99,8 +102,7 @@ def parse_args(argv=None):
 
 def load_model(args):
     if args.tiny:
-        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-        from conftest import make_tiny_lm
+        from jaxsample.models.tiny import make_tiny_lm
 
         return make_tiny_lm()
     from jaxsample.loading import load
@@ -114,7 +116,7 @@ def score(lm, bridge, problems, n, seed, args, stop_ids):
                           SamplingParams(n=n, temperature=args.temperature,
                                          max_new_tokens=args.max_new_tokens, seed=seed,
                                          stop_token_ids=stop_ids), bridge=bridge)
-    rewards = np.array([[bridge_train.reward(t, p.answer) for t in row]
+    rewards = np.array([[bridge_grpo.reward(t, p.answer) for t in row]
                         for row, p in zip(gen.texts, problems)], np.float32)
     maj = []
     for row, p in zip(gen.texts, problems):
@@ -158,7 +160,7 @@ def main(argv=None):
         frac = bridge_lib.param_fraction(b0, lm.params)
         print(f"[{name}] new parameters: {count:,} ({100 * frac:.2f}% of {lm.name})", flush=True)
         t0 = time.perf_counter()
-        trained_b, state, hist = bridge_train.train(
+        trained_b, state, hist = bridge_grpo.train(
             lm, b0, train_set, steps=args.steps, n=args.n, groups=args.groups,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             learning_rate=args.lr, seed=args.seed, sft_steps=args.sft_steps,

@@ -17,10 +17,10 @@ warm-up groups, the same RL problems and the same rollout keys:
             the ablation.
 
 Tasks:
-  coord     benchmarks/bridge_coord_tasks.py: name two different listed items,
+  coord     jaxsample/bridge_training/coord_tasks.py: name two different listed items,
             different from every other branch; metric = distinct valid answers
             per group, at widths 2, 4, 8 (trained at 4);
-  accuracy  benchmarks/bridge_tasks.py (one-step arithmetic): per-branch accuracy,
+  accuracy  jaxsample/bridge_training/tasks.py (one-step arithmetic): per-branch accuracy,
             maj@N, pass@N, consistency (all N correct), at widths 1, 2, 4, 8.
 
 Intervals: standard errors over problems; paired differences (bridge minus each
@@ -50,11 +50,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import bridge_coord_tasks, bridge_tasks  # noqa: E402
+from jaxsample.bridge_training import coord_tasks as bridge_coord_tasks  # noqa: E402
+from jaxsample.bridge_training import tasks as bridge_tasks  # noqa: E402
 from benchmarks.bridge import load_model  # noqa: E402  (the same model for both scripts)
-from jaxsample import answers, bridge as bridge_lib, bridge_diagnostics, bridge_grpo  # noqa: E402
-from jaxsample import bridge_sft, engine  # noqa: E402
-from jaxsample.sampling import SamplingParams  # noqa: E402
+from jaxsample import bridge as bridge_lib  # noqa: E402
+from jaxsample.reduce import answers  # noqa: E402
+from jaxsample.bridge_training import diagnostics as bridge_diagnostics  # noqa: E402
+from jaxsample.bridge_training import grpo as bridge_grpo  # noqa: E402
+from jaxsample import engine  # noqa: E402
+from jaxsample.bridge_training import sft as bridge_sft  # noqa: E402
+from jaxsample import SamplingParams  # noqa: E402
 
 TRAINED = ("bridge", "mlp", "nocross", "center")
 ATTENTION = ("bridge", "center")  # conditions with cross-branch attention (paired against the rest)

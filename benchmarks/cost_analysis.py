@@ -1,6 +1,6 @@
 """XLA's cost analysis of the compiled decode step: shared, naive and ideal bytes.
 
-For each (P, N): `jaxsample.step_cost.decode_step_cost` compiles one decode
+For each (P, N): `jaxsample.engine.step_cost.decode_step_cost` compiles one decode
 step (the loop body, state donated; see its module docstring for how XLA
 counts conditionals and loops) of the shared-prefix engine and of the naive
 engine (N prefix copies) for the model's config, with abstract inputs (no
@@ -25,7 +25,7 @@ import json
 
 def rows(model: str, Ps, Ns, T: int) -> list[dict]:
     """One dict per (P, N): shared and naive `StepCost`s and their ratios."""
-    from jaxsample import step_cost
+    from jaxsample.engine import step_cost
 
     if model == "smollm2":
         from jaxsample.loading import read_config

@@ -289,7 +289,7 @@ def run_jax_cell(lm, engine, P, N, T, args, plat):
 
     from jaxsample import cost
     from jaxsample.engine import generate
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     ids = _prompt_ids(args.seed, P, lm.vocab_limit)
     params = SamplingParams(n=N, temperature=1.0, max_new_tokens=T, seed=args.seed)

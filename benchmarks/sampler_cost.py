@@ -42,9 +42,9 @@ def _icdf_choose(logits, key, temperature, vocab_limit, block=512):
     import jax
     import jax.numpy as jnp
 
-    from jaxsample import sampling
+    from jaxsample.engine import sampling
 
-    _, z, _ = sampling._prepare(logits, temperature, vocab_limit)
+    _, z, _ = sampling.prepare(logits, temperature, vocab_limit)
     e = jnp.exp(z).reshape(-1, block)
     c = jnp.cumsum(jnp.sum(e, axis=1))
     u = jax.random.uniform(key) * c[-1]
@@ -67,7 +67,7 @@ def sampler_ms(V: int, vocab_limit: int, n: int, repeats: int, k0s: list[int]):
     import jax
     import jax.numpy as jnp
 
-    from jaxsample import sampling
+    from jaxsample.engine import sampling
 
     logits = jax.random.normal(jax.random.key(0), (n, V), jnp.float32) * 4.0
     keys = jax.random.split(jax.random.key(1), n)
@@ -105,7 +105,7 @@ def sampler_ms(V: int, vocab_limit: int, n: int, repeats: int, k0s: list[int]):
 
 def step_ms(lm, n: int, steps: int = 16) -> float:
     from jaxsample import generate
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     params = SamplingParams(n=n, temperature=0.8, top_p=0.95, max_new_tokens=steps, seed=0,
                             stop_token_ids=[])

@@ -66,8 +66,10 @@ def _se(x) -> float:
 
 
 def _pool(lm, tasks, args, family_index):
-    from jaxsample import answers, generate, reducers
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import generate
+    from jaxsample.reduce import answers
+    from jaxsample import reduce as reducers
+    from jaxsample import SamplingParams
 
     params = SamplingParams(n=args.max_n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, logprobs=20,
@@ -97,7 +99,7 @@ def _pool(lm, tasks, args, family_index):
 
 def _vote_accuracy(rec, key, how, k, subsets, rng):
     """Mean correctness of a vote over random k-subsets (the one subset when k = n)."""
-    from jaxsample import reducers
+    from jaxsample import reduce as reducers
 
     n = len(rec["answers"])
     ids_of = {}
@@ -118,7 +120,7 @@ def _vote_accuracy(rec, key, how, k, subsets, rng):
 
 
 def analyse(data) -> dict:
-    from jaxsample import estimators
+    from jaxsample.reduce import estimators
 
     cfg = data["config"]
     rng = np.random.default_rng(0)
@@ -176,7 +178,7 @@ def markdown(summary, data) -> str:
 def overhead(lm, args) -> dict:
     """Decode seconds per step with signals off / on / logprobs=20, interleaved medians."""
     from jaxsample import generate
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     base = SamplingParams(n=args.overhead_n, temperature=0.8, max_new_tokens=args.overhead_tokens,
                           seed=0, ignore_eos=True)

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
 
     import jaxsample
     from jaxsample import engine
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     lm = jaxsample.load(args.model) if args.model else jaxsample.load()
     tok = lm.tokenizer

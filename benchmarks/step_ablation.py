@@ -65,7 +65,7 @@ def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0):
 
     from jaxsample.engine import loop, session
     from jaxsample.loading import load
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from decode import NoEosTokenizer, _prompt_ids

@@ -1,7 +1,7 @@
 """Deterministic generators of small verifiable arithmetic problems (chat prompts).
 
 Used by benchmarks/accuracy.py. Every problem has a single integer answer,
-graded by exact match of `jaxsample.answers.extract(text, "number")` with the
+graded by exact match of `jaxsample.reduce.answers.extract(text, "number")` with the
 reference. A problem set is a pure function of (family, count, seed): no
 downloads, no global random state. Problems within one set are distinct.
 

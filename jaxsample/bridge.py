@@ -288,7 +288,7 @@ def apply_block(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[s
     """One Bridge block after one transformer block, for one branch.
 
     Called by the engine (`_Static.post_layer`) and by the training forward
-    (`jaxsample.bridge_train.group_forward`) inside the branch vmap.
+    (`jaxsample.bridge_training.common.group_forward`) inside the branch vmap.
 
     Args:
       config: the `BridgeConfig`.
@@ -312,7 +312,7 @@ def apply_block(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[s
 
 
 def block_stats(config: BridgeConfig, p_l, x: jax.Array, alive, axes: Sequence[str]):
-    """`apply_block` plus what it did (for `jaxsample.bridge_diagnostics`).
+    """`apply_block` plus what it did (for `jaxsample.bridge_training.diagnostics`).
 
     Returns:
       (new x `[S, E]`, relative norm `[S]` float32 = |gate * y| / |x| per position

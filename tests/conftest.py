@@ -68,24 +68,7 @@ def _free_compiled_programs():
 
 
 from jaxsample.lm import LanguageModel  # noqa: E402
-from jaxsample.models import llama  # noqa: E402
-from jaxsample.models.tokenizer import ByteTokenizer  # noqa: E402
-
-
-def byte_tokenizer() -> ByteTokenizer:
-    """Ids 0-255 are bytes, 256 is end-of-text (the stop id), 257 is padding; the
-    tiny model has more logits rows than this (padding rows are never sampled)."""
-    return ByteTokenizer(vocab_size=258, eos_token_ids=(256,), pad_token_id=257)
-
-
-TINY = llama.LlamaConfig(vocab_size=264, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                         head_dim=8, ffn_dim=64, rope_theta=10000.0, max_seq_len=512)
-
-
-def make_tiny_lm(cfg=TINY, seed=0, scale=0.3) -> LanguageModel:
-    """A random tiny model with a peaked enough distribution to make sampling interesting."""
-    return LanguageModel(config=cfg, params=llama.init_params(cfg, jax.random.key(seed), scale),
-                         tokenizer=byte_tokenizer(), name="tiny", source="random")
+from jaxsample.models.tiny import TINY, byte_tokenizer, make_tiny_lm  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

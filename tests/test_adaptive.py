@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import jaxsample
-from jaxsample import engine, stopping
+from jaxsample import engine
+from jaxsample.reduce import adaptive_rules as stopping
 from jaxsample.errors import InputError
-from jaxsample.sampling import SamplingParams
+from jaxsample import SamplingParams
 
 # ---------------------------------------------------------------------------
 # Posterior probabilities against independent oracles
@@ -149,7 +150,7 @@ def first_char(text):
 def _offline(pool, b, extract, *, max_n, window, rule, threshold=0.95, confidence=None,
              warmup=0, group_size=16):
     """stopping.replay on row b of a fixed pool, DeepConf quantities from its top logprobs."""
-    from jaxsample import answers
+    from jaxsample.reduce import answers
 
     ans = [None if (a := extract(t)) is None else (answers.normalize(a) or None)
            for t in pool.texts[b]]
@@ -225,7 +226,7 @@ def test_adaptive_equals_offline_rule_on_smollm2(lm):
                "What is 6 + 2? Answer with just the number."]
     params = SamplingParams(max_new_tokens=10, seed=0, temperature=0.8)
     pool = engine.generate(lm, prompts, params.replace(n=16, logprobs=20), chat=True)
-    number = lambda t: jaxsample.answers.extract(t, "number")
+    number = lambda t: jaxsample.reduce.answers.extract(t, "number")
     total = 0
     for rule, confidence in (("esc", None), ("beta", None), ("beta", "deepconf-low")):
         kw = dict(max_n=16, window=4, rule=rule, threshold=0.9, confidence=confidence,
@@ -271,7 +272,7 @@ def test_adaptive_answers_come_from_generation_texts(tiny_lm, confidence):
     g = res.generation
     early = 0
     for b in range(len(PROMPTS)):
-        assert res.answers[b] == [jaxsample.answers.normalize(t) or None
+        assert res.answers[b] == [jaxsample.reduce.answers.normalize(t) or None
                                   for t in g.texts[b][:res.n_used[b]]], b
         for n in range(res.n_used[b]):
             early += stop in tiny_lm.tokenizer.decode(g.tokens[b, n, :m].tolist())

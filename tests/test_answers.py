@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxsample import answers
+from jaxsample.reduce import answer_text, answers
 
 CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
 
@@ -322,10 +322,10 @@ def test_extract_is_linear_in_repeated_constructs(name):
 def test_simple_part_check_matches_the_regex(s, data):
     i = data.draw(st.integers(0, len(s)))
     j = data.draw(st.integers(i, len(s)))
-    not_simple = [m.start() for m in answers._NOT_SIMPLE_RE.finditer(s)]
-    i2, j2 = answers._trimmed(s, i, j)
+    not_simple = [m.start() for m in answer_text._NOT_SIMPLE_RE.finditer(s)]
+    i2, j2 = answer_text.trimmed(s, i, j)
     assert s[i2:j2] == s[i:j].strip()
-    assert answers._is_simple(s, i2, j2, not_simple) == bool(answers._SIMPLE_RE.match(s[i:j].strip()))
+    assert answer_text._is_simple(s, i2, j2, not_simple) == bool(answer_text._SIMPLE_RE.match(s[i:j].strip()))
 
 
 def test_repeated_constructs_still_give_the_answer():
@@ -404,7 +404,7 @@ def test_emphasis_does_not_pair_across_lines_or_maths():
 
 
 def test_emphasised_spellings_are_one_vote():
-    from jaxsample import reducers
+    from jaxsample import reduce as reducers
     texts = [["Final Answer: **73**", "The answer is 73.", "**Answer:** 73", "#### 73", "The answer is 72."]]
     sc = reducers.self_consistency(texts)
     assert sc.answers == [["73", "73", "73", "73", "72"]]
@@ -565,7 +565,7 @@ def test_mixed_number_look_alikes(text, kind, expected):
 
 
 def test_mixed_numbers_are_one_vote():
-    from jaxsample import reducers
+    from jaxsample import reduce as reducers
     texts = [["\\boxed{3\\frac{1}{2}}", "She needs 3 1/2 cups.", "#### 7/2", "The answer is $\\frac{7}{2}$",
               "#### 31/2"]]
     sc = reducers.self_consistency(texts)
@@ -633,7 +633,7 @@ def test_extract_choice_never_reads_an_article(text):
 
 
 def test_choice_spellings_are_one_vote():
-    from jaxsample import reducers
+    from jaxsample import reduce as reducers
     texts = [["The answer is (b)", "**B**", "Answer: b", "B) 42", "The answer is a banana"]]
     sc = reducers.self_consistency(texts, extract="choice")
     assert sc.answers == [["B", "B", "B", "B", None]]
@@ -683,7 +683,7 @@ def test_extract_combined_probes(text, expected):
 
 
 def test_space_thousands_are_one_vote():
-    from jaxsample import reducers
+    from jaxsample import reduce as reducers
     texts = [["#### 10 000", "#### 10,000", "The answer is 10000.", "\\boxed{10\u202f000}", "#### 10 00"]]
     sc = reducers.self_consistency(texts)
     assert sc.answers == [["10000", "10000", "10000", "10000", "10"]]  # "10 00": no 3-digit group
@@ -760,7 +760,7 @@ def test_answer_phrase_expressions(text, expected):
 
 
 def test_precedence_is_one_vote():
-    from jaxsample import reducers
+    from jaxsample import reduce as reducers
     texts = [["12 * 7 = 84, from 12 and 7", "The answer is 84 (7 twelves).", "\\boxed{84}",
               "12 * 7 = 84 so 7", "The answer is 74."]]
     for kind in ("number", "auto"):

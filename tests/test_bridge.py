@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 from jaxsample import bridge as bridge_lib
-from jaxsample import bridge_train, engine
-from jaxsample.sampling import SamplingParams
+from jaxsample import engine
+from jaxsample.bridge_training import common as bridge_train
+from jaxsample.bridge_training import grpo as bridge_grpo
+from jaxsample import SamplingParams
 from jaxsample.models import llama
 from ties import assert_same_tokens_up_to_ties, rows
 
@@ -244,11 +246,11 @@ def test_checkpoint_round_trip_and_resume(tiny_lm, tmp_path):
               chat=False, stop_token_ids=STOPS, log=None, save_every=100,
               reward_fn=lambda text, p: float(len(text) > 5))
     b0 = bridge_lib.init(tiny_lm, BCFG)
-    full, st_full, hist_full = bridge_train.train(tiny_lm, b0, problems, **kw)
+    full, st_full, hist_full = bridge_grpo.train(tiny_lm, b0, problems, **kw)
     assert any(h["grad_norm"] > 0 for h in hist_full)  # rewards varied: params moved
     assert not np.array_equal(full.params["wo"], b0.params["wo"])
     d = str(tmp_path / "ckpt")
-    _, st_half, _ = bridge_train.train(tiny_lm, b0, problems, ckpt_dir=d, stop_after=1, **kw)
+    _, st_half, _ = bridge_grpo.train(tiny_lm, b0, problems, ckpt_dir=d, stop_after=1, **kw)
     assert bridge_train.latest_step(d) == 1
     # Round trip: bit-identical params and optimizer state.
     opt = bridge_train.make_optimizer(3e-2)
@@ -258,7 +260,7 @@ def test_checkpoint_round_trip_and_resume(tiny_lm, tmp_path):
         np.testing.assert_array_equal(a, c)
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(st_half)
     # Continue from step 1: identical to the uninterrupted run.
-    resumed, st_res, hist_res = bridge_train.train(tiny_lm, b0, problems, ckpt_dir=d, **kw)
+    resumed, st_res, hist_res = bridge_grpo.train(tiny_lm, b0, problems, ckpt_dir=d, **kw)
     assert [h["step"] for h in hist_res] == [2, 3]
     for a, c in zip(jax.tree_util.tree_leaves(st_full), jax.tree_util.tree_leaves(st_res)):
         np.testing.assert_array_equal(a, c)
@@ -283,7 +285,7 @@ def test_zero_signal_steps_leave_params_and_adam_state_alone(tiny_lm, skip):
             calls[0] += 1
             return float(calls[0] % 2) if calls[0] <= n * groups else 1.0
 
-        return bridge_train.train(tiny_lm, bridge_lib.init(tiny_lm, BCFG), problems, steps=steps,
+        return bridge_grpo.train(tiny_lm, bridge_lib.init(tiny_lm, BCFG), problems, steps=steps,
                                   n=n, groups=groups, max_new_tokens=12, learning_rate=3e-2,
                                   seed=5, chat=False, stop_token_ids=STOPS, log=None,
                                   reward_fn=reward_fn, skip_no_signal=skip)

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from jaxsample import bridge as bridge_lib
-from jaxsample import bridge_train, engine
-from jaxsample.sampling import SamplingParams
+from jaxsample import engine
+from jaxsample.bridge_training import common as bridge_train
+from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties
 
 CCFG = bridge_lib.BridgeConfig(dim=8, n_heads=2, center=True)
@@ -210,7 +211,8 @@ def test_gradients_only_into_bridge_params_and_checkpoint(tiny_lm, coupled, tmp_
 
 
 def test_diagnostics_run_on_a_centred_bridge(tiny_lm, bridge):
-    from jaxsample import bridge_diagnostics, bridge_grpo
+    from jaxsample.bridge_training import diagnostics as bridge_diagnostics
+    from jaxsample.bridge_training import grpo as bridge_grpo
 
     batch, _, _ = bridge_grpo.rollout(tiny_lm, bridge, [bridge_train.Problem(p, "0") for p in PROMPTS],
                                       4, 3, 10, 1.0, chat=False, stop_token_ids=STOPS)

@@ -17,13 +17,17 @@ import numpy as np
 import pytest
 
 from jaxsample import bridge as bridge_lib
-from jaxsample import bridge_diagnostics, bridge_grpo, bridge_sft, bridge_train, engine
+from jaxsample import engine
+from jaxsample.bridge_training import diagnostics as bridge_diagnostics
+from jaxsample.bridge_training import grpo as bridge_grpo
+from jaxsample.bridge_training import sft as bridge_sft
+from jaxsample.bridge_training import common as bridge_train
 from jaxsample.models import llama
-from jaxsample.sampling import SamplingParams
+from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import bridge_coord_tasks  # noqa: E402
+from jaxsample.bridge_training import coord_tasks as bridge_coord_tasks  # noqa: E402
 
 ATT = bridge_lib.BridgeConfig(dim=8, n_heads=2)
 MLP = bridge_lib.BridgeConfig(dim=8, n_heads=2, kind="mlp")

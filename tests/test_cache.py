@@ -16,7 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxsample import cache, loading
+from jaxsample import loading
+from jaxsample import disk_cache as cache
+from jaxsample import weight_cache
 
 DATA = pathlib.Path(__file__).parent / "data"
 TINY_GGUF = DATA / "tiny_llama.gguf"
@@ -26,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture
 def gguf(tmp_path, monkeypatch):
     """A private copy of the tiny GGUF, cached despite its size, in an empty cache dir."""
-    monkeypatch.setattr(cache, "WEIGHT_CACHE_MIN_BYTES", 0)
+    monkeypatch.setattr(weight_cache, "WEIGHT_CACHE_MIN_BYTES", 0)
     monkeypatch.setattr(loading, "_LOADED", {})  # no in-process memo between loads
     path = tmp_path / "model.gguf"
     shutil.copy(TINY_GGUF, path)
@@ -310,8 +312,9 @@ def test_poisoned_tensor_bytes_are_caught_warned_and_rewritten(gguf, caplog):
 
 _POISONED_RUN = textwrap.dedent("""
     import sys
-    from jaxsample import cache, cli
-    cache.WEIGHT_CACHE_MIN_BYTES = 0
+    from jaxsample import weight_cache
+    from jaxsample import cli
+    weight_cache.WEIGHT_CACHE_MIN_BYTES = 0
     sys.exit(cli.main(["run", "--model", sys.argv[1], "--prompt", "hi", "--n", "2",
                        "--max-new-tokens", "2", "--chat" if False else "--no-chat",
                        "--reduce", "none", "--json", "-q"]))
@@ -343,8 +346,9 @@ def test_cli_warns_once_about_a_poisoned_entry_and_runs(gguf, tmp_path):
 
 _WRITER = textwrap.dedent("""
     import sys
-    from jaxsample import cache, loading
-    cache.WEIGHT_CACHE_MIN_BYTES = 0
+    from jaxsample import loading
+    from jaxsample import weight_cache
+    weight_cache.WEIGHT_CACHE_MIN_BYTES = 0
     lm = loading.load(sys.argv[1], cache=sys.argv[2])
     print(loading.load_info(lm)["weights"])
 """)
@@ -361,8 +365,8 @@ def test_concurrent_writers_leave_one_good_entry(gguf):
     assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
     (entry,) = _entries(base)
     assert [f.name for f in (base / "weights").iterdir() if f.name.endswith(".tmp")] == []
-    key = cache.WeightKey.of(path, base)
-    cfg, params, _ = cache.load_weights(entry, key)  # verifies every CRC-32
+    key = weight_cache.WeightKey.of(path, base)
+    cfg, params, _ = weight_cache.load_weights(entry, key)  # verifies every CRC-32
     lm = _load(path, base)
     assert loading.load_info(lm)["weights"] == "cache"
     want = loading.load(path, cache=False)
@@ -393,7 +397,7 @@ def test_entry_is_a_safetensors_file(gguf):
     (entry,) = _entries(base)
     with safetensors.safe_open(str(entry), "np") as f:
         meta = f.metadata()
-        assert meta["format"] == cache.FORMAT and meta["source"] == str(path)
+        assert meta["format"] == weight_cache.FORMAT and meta["source"] == str(path)
         assert np.array_equal(f.get_tensor("embed"), np.asarray(lm.params["embed"]))
 
 
@@ -406,7 +410,7 @@ _CHILD = textwrap.dedent("""
     import jax
     import jaxsample, jaxsample.cli, jaxsample.engine   # importing changes no JAX setting
     before = jax.config.jax_compilation_cache_dir
-    from jaxsample import cache
+    from jaxsample import disk_cache as cache
     used = cache.enable_compilation_cache(sys.argv[1])
     hits = []
     jax.monitoring.register_event_listener(
@@ -463,7 +467,7 @@ def test_the_suite_uses_a_temporary_cache():
     assert d != user / "jaxsample" and user not in d.parents
     assert os.environ["XDG_CACHE_HOME"] == conftest.TEST_CACHE_DIR
     assert cache.models_dir() == d / "models"
-    out = subprocess.run([sys.executable, "-c", "from jaxsample import cache; "
+    out = subprocess.run([sys.executable, "-c", "from jaxsample import disk_cache as cache; "
                           "print(cache.cache_dir()); print(cache.models_dir())"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.split() == [str(d), str(d / "models")], out.stderr
@@ -563,7 +567,7 @@ def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
     assert info["dir"] == str(base) and info["exists"] and not info["disabled"]
     (w,) = info["weights"]
     assert (w["file"], w["source"], w["bytes"]) == (str(entry), str(path), entry.stat().st_size)
-    assert w["format"] == cache.FORMAT and 0 <= w["age_s"] < 600
+    assert w["format"] == weight_cache.FORMAT and 0 <= w["age_s"] < 600
     assert info["compiled_programs"] == 3 and info["compiled_bytes"] == 1000 + 1001 + 1002 + 24
     assert [m["bytes"] for m in info["models"]] == [64] and info["total_bytes"] == _du(base)
     assert cli.main(["cache", "info"]) == 0

@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from jaxsample import cli, cost
-from jaxsample.config import DEFAULT_SAMPLING
+from jaxsample import cost
+from jaxsample import cli
+from jaxsample.cli.config import DEFAULT_SAMPLING
 
 QUESTION = "What is 3 + 4? Answer with a number."
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
@@ -20,7 +21,7 @@ def _no_global_compilation_cache(monkeypatch):
     record the call instead of changing this test process's JAX config (tests/test_cache.py
     runs the real thing in subprocesses)."""
     calls = []
-    monkeypatch.setattr(cli.cache_lib, "enable_compilation_cache",
+    monkeypatch.setattr(cli.app.cache_lib, "enable_compilation_cache",
                         lambda *a, **k: calls.append((a, k)))
     return calls
 
@@ -95,7 +96,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
 def test_overflow_error_is_one_line_and_exit_2(capsys, monkeypatch):
     def boom(args):
         raise OverflowError("Python int too large to convert to C long")
-    monkeypatch.setattr(cli, "_price", boom)
+    monkeypatch.setattr(cli.app, "price_command", boom)
     err = _one_line_error(capsys, ["price"])
     assert "too large" in err
 
@@ -125,7 +126,7 @@ def test_price_n_drops_repeats_and_keeps_order(capsys):
 
 
 def _prompt_of(argv):
-    return cli._read_prompt(cli.build_parser().parse_args(argv))
+    return cli.requests._read_prompt(cli.build_parser().parse_args(argv))
 
 
 needs_dev_fd = pytest.mark.skipif(not os.path.isdir("/dev/fd"), reason="needs /dev/fd (Linux)")
@@ -172,7 +173,7 @@ def test_prompt_file_errors_say_what_is_wrong(capsys, tmp_path, monkeypatch):
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("caf\xe9".encode("latin-1"))
     assert "not UTF-8" in _one_line_error(capsys, ["run", "--prompt-file", str(latin)])
-    monkeypatch.setattr(cli, "PROMPT_FILE_LIMIT", 8)
+    monkeypatch.setattr(cli.requests, "PROMPT_FILE_LIMIT", 8)
     big = tmp_path / "big.txt"
     big.write_text("x" * 9)
     assert "larger than" in _one_line_error(capsys, ["run", "--prompt-file", str(big)])
@@ -239,7 +240,7 @@ def test_numerical_error_is_one_line_and_exit_2(capsys, monkeypatch):
 
     def nan(args):
         raise NumericalError("the model gave no valid distribution (every logit NaN or -inf)")
-    monkeypatch.setattr(cli, "_price", nan)
+    monkeypatch.setattr(cli.app, "price_command", nan)
     assert "no valid distribution" in _one_line_error(capsys, ["price"])
 
 
@@ -438,7 +439,7 @@ def test_best_of_n_prefers_complete_branches():
     import numpy as np
 
     from jaxsample import cli
-    from jaxsample.config import ReducerConfig
+    from jaxsample.cli.config import ReducerConfig
     from jaxsample.generation import Generation
 
     def gen(reasons):
@@ -451,9 +452,9 @@ def test_best_of_n_prefers_complete_branches():
             params=None, bill=None, timings={}, pad_id=0)
 
     reducer = ReducerConfig(kind="best", extract="number", score="mean_logprob")
-    result, _ = cli._reduce(gen(["length", "stop", "stop"]), reducer)
+    result, _ = cli.app._reduce(gen(["length", "stop", "stop"]), reducer)
     assert result["branch"] == 2 and result["answer"] == "7"  # best complete branch
-    result, _ = cli._reduce(gen(["length", "length", "length"]), reducer)
+    result, _ = cli.app._reduce(gen(["length", "length", "length"]), reducer)
     assert result["branch"] == 0  # no complete branch: all are candidates
 
 
@@ -580,7 +581,7 @@ def _no_load(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the weights were loaded")
 
-    monkeypatch.setattr(cli, "_load_model", boom)
+    monkeypatch.setattr(cli.app, "_load_model", boom)
     from jaxsample import loading
     monkeypatch.setattr(loading, "load", boom)
 
@@ -686,7 +687,7 @@ def test_adaptive_result_support_is_the_winners_votes():
 
     import numpy as np
 
-    from jaxsample import stopping
+    from jaxsample.reduce import adaptive_rules as stopping
 
     answers = ["7", "5", "7", None, "7", "5", "3", "7"]
     counted = [a is not None for a in answers]
@@ -696,6 +697,6 @@ def test_adaptive_result_support_is_the_winners_votes():
                                 support=np.array([support], np.float32), answers=[answers],
                                 counted=[counted], n_used=np.array([8]),
                                 terminated=np.array([0]), bill=bill)
-    result, got = cli._adaptive_result(res, 0, types.SimpleNamespace(adaptive="esc"))
+    result, got = cli.app._adaptive_result(res, 0, types.SimpleNamespace(adaptive="esc"))
     assert result["answer"] == "7" and result["support"] == 4.0 and result["branch"] == 0
     assert result["share"] == pytest.approx(4 / 7) and got == answers

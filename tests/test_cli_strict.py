@@ -29,7 +29,7 @@ TINY_RUN = ["run", "--model", TINY_GGUF, "--n", "3", "--max-new-tokens", "7", "-
 @pytest.fixture(autouse=True)
 def _no_global_compilation_cache(monkeypatch):
     """As in tests/test_cli.py: in-process runs never change this process's JAX config."""
-    monkeypatch.setattr(cli.cache_lib, "enable_compilation_cache", lambda *a, **k: None)
+    monkeypatch.setattr(cli.app.cache_lib, "enable_compilation_cache", lambda *a, **k: None)
 
 
 def _main(argv):
@@ -88,7 +88,7 @@ def _shorter_one_exists(x: np.float32, k: int) -> bool:
 @given(st.integers(0, 2**32 - 1))
 def test_f32_is_the_shortest_decimal_that_round_trips(bits):
     x = np.array(bits, np.uint32).view(np.float32)[()]
-    value = cli._f32(x)
+    value = cli.console._f32(x)
     if not np.isfinite(x):
         assert value is None
         return
@@ -100,18 +100,18 @@ def test_f32_is_the_shortest_decimal_that_round_trips(bits):
 
 
 def test_f32_examples():
-    assert cli.dumps(cli._f32(np.float32(0.5333333611488342))) == "0.53333336"
-    assert cli.dumps(cli._f32(np.float32(-1.195))) == "-1.195"
-    assert cli.dumps(cli._f32(np.float32(0.1))) == "0.1"
-    assert cli.dumps(cli._f32(np.float32(1e-45))) == "1e-45"  # the smallest subnormal
-    assert cli.dumps(cli._f32_list(np.array([[0.25, np.nan]], np.float32))) == "[[0.25, null]]"
+    assert cli.dumps(cli.console._f32(np.float32(0.5333333611488342))) == "0.53333336"
+    assert cli.dumps(cli.console._f32(np.float32(-1.195))) == "-1.195"
+    assert cli.dumps(cli.console._f32(np.float32(0.1))) == "0.1"
+    assert cli.dumps(cli.console._f32(np.float32(1e-45))) == "1e-45"  # the smallest subnormal
+    assert cli.dumps(cli.console._f32_list(np.array([[0.25, np.nan]], np.float32))) == "[[0.25, null]]"
 
 
 def test_dumps_is_strict_json():
     assert cli.dumps({"a": float("nan"), "b": [float("inf"), 1.5], "c": "é"}) == (
         '{"a": null, "b": [null, 1.5], "c": "é"}')
     # The one JSON writer: no other json.dumps in the command line.
-    source = open(cli.__file__, encoding="utf-8").read()
+    source = open(cli.console.__file__, encoding="utf-8").read()
     assert source.count("json.dumps(") == 1
 
 

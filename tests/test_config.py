@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxsample import config
+from jaxsample.cli import config
 from jaxsample.errors import ConfigError
-from jaxsample.sampling import SamplingParams
+from jaxsample import SamplingParams
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -158,7 +158,7 @@ def test_billion_laughs_is_refused_quickly_with_a_short_message(tmp_path):
     # In a fresh process, so that its peak memory is this load's alone.
     # Peak RSS from VmHWM (this process image's own high-water mark: ru_maxrss would
     # carry the forking pytest process's peak across exec on Linux).
-    script = ("import re, sys\nfrom jaxsample import config\n"
+    script = ("import re, sys\nfrom jaxsample.cli import config\n"
               "try:\n    config.load_config(sys.argv[1])\nexcept config.ConfigError as e:\n"
               "    try:\n        status = open('/proc/self/status').read()\n"
               "        hwm = int(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1))\n"

@@ -16,7 +16,7 @@ import pytest
 
 from jaxsample import engine
 from jaxsample.lm import LanguageModel
-from jaxsample.sampling import SamplingParams
+from jaxsample import SamplingParams
 from jaxsample.models import gemma3
 from ties import assert_same_tokens_up_to_ties
 

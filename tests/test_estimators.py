@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxsample import estimators, reducers
+from jaxsample.reduce import estimators
+from jaxsample import reduce as reducers
 
 CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
 

@@ -119,10 +119,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxsample import bridge as bridge_lib  # noqa: E402
-from jaxsample import cache as cache_lib  # noqa: E402
+from jaxsample import weight_cache as cache_lib  # noqa: E402
 from jaxsample import engine, loading  # noqa: E402
 from jaxsample.models import common, families  # noqa: E402
-from jaxsample.sampling import SamplingParams  # noqa: E402
+from jaxsample import SamplingParams  # noqa: E402
 from ties import assert_same_tokens_up_to_ties  # noqa: E402
 
 DATA = pathlib.Path(__file__).parent / "data"

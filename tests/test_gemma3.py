@@ -700,7 +700,7 @@ def test_gemma_engine_greedy_and_long_prompt_logprobs(gemma_lm):
     up to each one's first near-tie; on the 1,300-token prompt (past the 512 window) the
     sampled branches' logprobs equal the windowed forward pass at 1e-4."""
     from jaxsample import engine
-    from jaxsample.sampling import SamplingParams
+    from jaxsample import SamplingParams
 
     names = [n for n, p in REF["prompts"].items() if "greedy" in p]
     steps = len(REF["prompts"][names[0]]["greedy"]["ids"])

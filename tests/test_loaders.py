@@ -13,7 +13,7 @@ import pytest
 
 from jaxsample.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from jaxsample.loading import load
-from jaxsample.models import gguf_loader, llama, llama_loader, registry
+from jaxsample.models import gguf_loader, llama, llama_config, registry
 
 DATA = pathlib.Path(__file__).parent / "data"
 TINY_GGUF = DATA / "tiny_llama.gguf"
@@ -94,8 +94,8 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs():
     want = llama.RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                              original_max_position_embeddings=64)
     factors = llama.rope_frequencies(base) / llama.rope_frequencies(base.replace(rope_scaling=want))
-    assert llama_loader.llama3_from_factors(factors.astype(np.float64), base) == want
-    assert llama_loader.llama3_from_factors(np.ones(8), base) is None
+    assert llama_config.llama3_from_factors(factors.astype(np.float64), base) == want
+    assert llama_config.llama3_from_factors(np.ones(8), base) is None
 
 
 def rewrite_gguf(src: pathlib.Path, dst: pathlib.Path, *, arch=None, drop=(), kv=None, tensors=None,
@@ -179,7 +179,8 @@ def test_unsupported_architecture_lists_what_that_path_supports(tmp_path, monkey
     architecture on it is accepted by the dispatch."""
     import ast
 
-    from jaxsample import cli, loading
+    from jaxsample import loading
+    from jaxsample import cli
     from jaxsample.models import architectures, gguf_loader
 
     def supported(text):

@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsample import config, engine
+from jaxsample import engine
+from jaxsample.cli import config
 from jaxsample.errors import ConfigError, InputError
 from jaxsample.generation import CompletionOutput, Logprob, RequestOutput
-from jaxsample.sampling import SamplingParams
+from jaxsample import SamplingParams
 from test_sampling import _reference as keep_reference
 from ties import _gumbel, assert_same_tokens_up_to_ties, branch_key
 

@@ -14,7 +14,8 @@ import time
 import pytest
 
 import jaxsample
-from jaxsample import SamplingParams, cli
+from jaxsample import SamplingParams
+from jaxsample import cli
 from jaxsample.progress import PREFIX, Progress
 
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
@@ -23,7 +24,7 @@ TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
 @pytest.fixture(autouse=True)
 def _no_global_compilation_cache(monkeypatch):
     """As in tests/test_cli.py: in-process runs never change this process's JAX config."""
-    monkeypatch.setattr(cli.cache_lib, "enable_compilation_cache", lambda *a, **k: None)
+    monkeypatch.setattr(cli.app.cache_lib, "enable_compilation_cache", lambda *a, **k: None)
 
 
 def _main(argv):
@@ -62,7 +63,8 @@ def test_a_program_from_the_cache_is_not_called_compiled():
 
 _TWICE = r"""
 import sys
-from jaxsample import cache, load, generate, SamplingParams
+from jaxsample import load, generate, SamplingParams
+from jaxsample import disk_cache as cache
 from jaxsample.progress import Progress
 cache.enable_compilation_cache(sys.argv[1])
 lm = load(sys.argv[2], cache=False)

@@ -15,7 +15,7 @@ import pytest
 
 from jaxsample import engine
 from jaxsample.errors import InputError
-from jaxsample.sampling import SamplingParams
+from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties, rows
 
 PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?"]

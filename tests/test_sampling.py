@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
 from jaxsample.errors import ConfigError, JaxsampleError, NumericalError
-from jaxsample.sampling import (SamplingParams, check_logprobs, choose_token, is_stop, keep_mask,
-                                pad_stop_ids)
+from jaxsample import SamplingParams
+from jaxsample.engine.sampling import check_logprobs, choose_token, is_stop, keep_mask, pad_stop_ids
 
 CASES_JSON = Path(__file__).parents[2] / "shared" / "cases" / "sampling.json"
 
@@ -694,7 +694,7 @@ def test_pre_selection_on_nan_inf_and_padding_rows(k0):
 def test_candidate_noise_is_the_full_draw_at_those_indices():
     """`_gumbel_at` reproduces jax.random.gumbel's value at each index (threefry
     partitionable): the pre-selection keeps the documented per-index noise."""
-    from jaxsample.sampling import _gumbel_at
+    from jaxsample.engine.sampling.draw import _gumbel_at
 
     for v, seed in [(1000, 0), (262144, 5)]:
         key = jax.random.fold_in(jax.random.key(seed), 3)

@@ -19,7 +19,7 @@ from jaxsample import bridge as bridge_lib
 from jaxsample import cost, engine
 from jaxsample.engine import inputs
 from jaxsample.errors import InputError
-from jaxsample.sampling import SamplingParams
+from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties
 
 from conftest import byte_tokenizer
@@ -363,11 +363,11 @@ def test_cli_checks_the_shared_prefix_against_the_context(tiny_lm):
     from jaxsample import cli
 
     r = cli.Request(0, None, "3+3=", None, SamplingParams(max_new_tokens=10), "--prompt")
-    n = cli._prompt_tokens(tiny_lm.tokenizer, r, False, CONTEXT)
+    n = cli.requests._prompt_tokens(tiny_lm.tokenizer, r, False, CONTEXT)
     s = engine.Session(tiny_lm, ["3+3="], SamplingParams(max_new_tokens=10),
                        shared_prefix=CONTEXT)
     assert n == len(s.prompt_ids[0])
-    n_chat = cli._prompt_tokens(tiny_lm.tokenizer, r, True, "Be brief.")
+    n_chat = cli.requests._prompt_tokens(tiny_lm.tokenizer, r, True, "Be brief.")
     s = engine.Session(tiny_lm, ["3+3="], SamplingParams(max_new_tokens=10), chat=True,
                        shared_prefix="Be brief.")
     assert n_chat == len(s.prompt_ids[0])

@@ -18,11 +18,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxsample import engine, reducers, sampling
+from jaxsample import engine
+from jaxsample import reduce as reducers
+from jaxsample.engine import sampling
 from jaxsample.errors import ConfigError
 from jaxsample.lm import LanguageModel
 from jaxsample.models import gemma3
-from jaxsample.sampling import SamplingParams
+from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties, first_difference
 
 from conftest import byte_tokenizer
@@ -222,7 +224,7 @@ def test_off_changes_nothing(tiny_lm):
     its HLO with main's). On: the step does more work, the tokens stay."""
     from jaxsample.engine.loop import init_state
     from jaxsample.engine.state import Static
-    from jaxsample.step_cost import decode_step_cost
+    from jaxsample.engine.step_cost import decode_step_cost
 
     params = SamplingParams(n=3, max_new_tokens=16, seed=7, temperature=0.9)
     off = engine.generate(tiny_lm, PROMPTS, params)
@@ -472,7 +474,8 @@ def test_votes_jit_over_rows():
 
 
 def test_cli_select(tiny_lm, capsys):
-    from jaxsample import cli, config as config_lib
+    from jaxsample import cli
+    from jaxsample.cli import config as config_lib
 
     args = cli.build_parser().parse_args(["run", "--prompt", "x", "--select", "self-certainty"])
     cfg = cli.resolve_run_config(args)
@@ -492,7 +495,7 @@ def test_cli_select(tiny_lm, capsys):
     g = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=4, max_new_tokens=8, seed=1,
                                                              signals=True))
     red = config_lib.ReducerConfig(kind="best", score="self_certainty")
-    result, _ = cli._reduce(g, red, 0)
+    result, _ = cli.app._reduce(g, red, 0)
     assert result["branch"] == int(np.asarray(reducers.best_of_n(g, score="self_certainty"))[0])
     np.testing.assert_allclose(result["score"],
                                reducers.branch_scores(g, "self_certainty")[0, result["branch"]])
@@ -504,7 +507,8 @@ def test_cli_select(tiny_lm, capsys):
 
 def _replay_on_signals(pool, b, *, max_n, window, rule, threshold, confidence, warmup,
                        group_size):
-    from jaxsample import answers, stopping
+    from jaxsample.reduce import answers
+    from jaxsample.reduce import adaptive_rules as stopping
 
     # adaptive_self_consistency normalises what a callable extractor returns
     ans = [None if not t[:1] else (answers.normalize(t[:1]) or None) for t in pool.texts[b]]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsample import step_cost
+from jaxsample.engine import step_cost
 from jaxsample.engine.prefix_attention import prefix_attention
 from jaxsample.models import common, llama
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample import sampling
+from jaxsample.engine import sampling
 
 
 def branch_key(seed: int, prompt_index: int, branch_index: int, t: int):

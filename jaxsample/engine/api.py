@@ -14,8 +14,8 @@ from jaxsample.engine.inputs import check_int
 from jaxsample.engine.session import Round, Session
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
-from jaxsample import sampling
-from jaxsample.sampling import SamplingParams
+from jaxsample.engine import sampling
+from jaxsample.sampling_params import SamplingParams
 from jaxsample.sampling_params import refuse_foreign_keywords
 
 STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are given

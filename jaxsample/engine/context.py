@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsample import sampling
+from jaxsample.engine import sampling
 from jaxsample.engine.prefill import keep_window, prefix_start, prompt_logprobs_of
 from jaxsample.engine.state import ContextCache, PrefixCache, PromptLogprobs
 from jaxsample.models import common, families

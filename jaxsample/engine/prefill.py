@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsample import sampling
+from jaxsample.engine import sampling
 from jaxsample.engine.state import PrefixCache, PromptLogprobs
 from jaxsample.models import families
 

@@ -7,7 +7,7 @@ while the dot's batch is K: on XLA CPU the compiled step then transposes
 every layer's prefix keys (`[K, P, D]` -> `[K, D, P]`, a copy of the whole
 prefix K per step) and copies the probabilities `[N, K, G, P]` back to
 kv-head-major order before the product with V, 1.7x the prefix's own bytes
-in layout copies per step (measured with `jaxsample.step_cost`).
+in layout copies per step (measured with `jaxsample.engine.step_cost`).
 
 `prefix_attention` is the one-branch `common.partial_attention` with a
 custom batching rule (`jax.custom_batching.custom_vmap`): when the queries

@@ -31,7 +31,7 @@ from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PromptLog
                                     bucket, slot_bucket)
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
-from jaxsample.sampling import SamplingParams
+from jaxsample.sampling_params import SamplingParams
 from jaxsample.sharding import BRANCH_AXIS, LOCAL_BRANCH_AXIS
 
 # ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import jax
 from jaxsample.sharding import BRANCH_AXIS
 
 MAX_STOP_IDS = 16  # stop ids are a fixed-size traced array (padded with -1)
-from jaxsample.sampling import MAX_LOGPROBS  # noqa: E402  (SamplingParams.logprobs <= 20)
+from jaxsample.sampling_params import MAX_LOGPROBS  # noqa: E402  (SamplingParams.logprobs <= 20)
 
 
 class PrefixCache(NamedTuple):

@@ -13,7 +13,7 @@ below (the command line's defaults). Unknown keys, repeated keys (at any
 depth; PyYAML would keep the last silently), wrong types and values outside
 the allowed set raise `ConfigError` naming the file, the key and the allowed
 values (for a repeated key: both lines). The `sampling` section is validated by
-`jaxsample.sampling.SamplingParams` itself.
+`jaxsample.SamplingParams` itself.
 
 Fields of the sections:
 
@@ -62,11 +62,11 @@ SIGNAL_SCORES = SCORES[2:]  # need SamplingParams(signals=True)
 DEFAULT_SAMPLING = dict(n=16, temperature=0.8, top_k=0, top_p=0.95, min_p=0.0,
                         max_new_tokens=128, seed=0)
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _sampling_params_cls():
-    from jaxsample.sampling import SamplingParams  # lazily: keeps `import config` cheap
+    from jaxsample.sampling_params import SamplingParams  # lazily: keeps `import config` cheap
     return SamplingParams
 
 
@@ -111,7 +111,7 @@ class ReducerConfig:
         \\boxed{}), "choice" (A-E), "text" (the whole stripped text) or "auto".
       weights: None (one vote per branch) or "mean_logprob" (votes weighted
         by the branch's length-normalised probability).
-      score: best-of-N score, one of `SCORES` (`reducers.branch_scores`).
+      score: best-of-N score, one of `SCORES` (`jaxsample.reduce.branch_scores`).
     """
 
     kind: str = "vote"
@@ -156,7 +156,7 @@ class RunConfig:
 
     Attributes:
       model: `ModelConfig`.
-      sampling: `jaxsample.sampling.SamplingParams`.
+      sampling: `jaxsample.SamplingParams`.
       reducer: `ReducerConfig`.
       mesh: `MeshConfig`.
       chat: render prompts with the model's chat template.

@@ -1,8 +1,8 @@
 """What a Bridge does to a group: per-layer output size and where its attention goes.
 
-For teacher-forced groups (a `jaxsample.bridge_train.Batch`, e.g. rollouts of
-`jaxsample.bridge_grpo.rollout` or the warm-up data of `jaxsample.bridge_sft`),
-`diagnose` runs the model exactly as `bridge_train.group_logprobs` does (the
+For teacher-forced groups (a `jaxsample.bridge_training.common.Batch`, e.g. rollouts of
+`jaxsample.bridge_training.grpo.rollout` or the warm-up data of `jaxsample.bridge_training.sft`),
+`diagnose` runs the model exactly as `common.group_logprobs` does (the
 prompt once, the N completions coupled at the same positions) and records at
 every completion position where the branch is alive and at least one other
 branch is alive too:
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample import bridge as bridge_lib
-from jaxsample import bridge_train as bt
-from jaxsample.bridge_train import Batch
+from jaxsample.bridge_training import common as bt
+from jaxsample.bridge_training.common import Batch
 from jaxsample.sharding import BRANCH_AXIS
 from jaxsample.models import llama
 
@@ -46,7 +46,7 @@ def group_stats(cfg: llama.LlamaConfig, base_params, bconfig: bridge_lib.BridgeC
                 prompt, prompt_len, completions, lengths, stop_ids):
     """Per-layer, per-position statistics of one group.
 
-    Args: as `bridge_train.group_logprobs` (`base_params` in the list layout or stacked).
+    Args: as `common.group_logprobs` (`base_params` in the list layout or stacked).
     Returns:
       (rel `[N, L, T]` float32, self weight `[N, L, T]` float32, alive `[N, T]` bool,
       spread `[N, L, T]` float32: distance of the attention from uniform).
@@ -67,7 +67,7 @@ def group_stats(cfg: llama.LlamaConfig, base_params, bconfig: bridge_lib.BridgeC
         x = llama.embed(base_params, toks)
         rels, selfs, tvs = [], [], []
         for l, lp in enumerate(layers):
-            x, _ = llama.layer(cfg, lp, x, positions, bt._tail_attend(kp[l], vp[l], prompt_len,
+            x, _ = llama.layer(cfg, lp, x, positions, bt.tail_attend(kp[l], vp[l], prompt_len,
                                                                         scale))
             p_l = jax.tree_util.tree_map(lambda a: a[l], bparams)
             x, rel, sw, tv = bridge_lib.block_stats(bconfig, p_l, x, al, (BRANCH_AXIS,))

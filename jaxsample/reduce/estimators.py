@@ -7,9 +7,9 @@ k-subsets of the pool, drawn uniformly: combinatorics, no Monte Carlo.
 * `pass_at_k`: Chen et al. 2021 ("Evaluating Large Language Models Trained on
   Code", arXiv 2107.03374), the unbiased estimator 1 - C(n-c, k) / C(n, k).
 * `best_of_k`: the chance that a random k-subset's best-scored sample (ties
-  to the lowest pool index, as `reducers.best_of_n`) is correct.
+  to the lowest pool index, as `jaxsample.reduce.best_of_n`) is correct.
 * `maj_at_k`: the chance that a random k-subset's majority vote (as
-  `reducers.majority_vote`) is correct; the self-consistency curve of Wang
+  `jaxsample.reduce.majority_vote`) is correct; the self-consistency curve of Wang
   et al. 2022 (arXiv 2203.11171) without resampling noise.
 
 All three work in Python integers, fractions or ratios in [0, 1], so nothing
@@ -188,7 +188,7 @@ def best_of_k(scores_pool: Any, correct: Any, k: int, valid: Any = None) -> floa
     """Exact expected accuracy of best-of-k over random k-subsets of a pool.
 
     The pool is ranked by score, ties to the lower pool index (the subset is
-    kept in pool order, so this is exactly `reducers.best_of_n` on the
+    kept in pool order, so this is exactly `jaxsample.reduce.best_of_n` on the
     subset: ties to the lowest branch index). The sample ranked i-th (i = 0
     the best) is the subset's winner iff it is drawn and none of the i ranked
     above it are: probability C(n-1-i, k-1) / C(n, k). NaN-scored and
@@ -346,7 +346,7 @@ def maj_at_k(
 
     maj@k: draw k of the n pooled answers uniformly without replacement,
     take the majority vote (None answers are excluded, as invalid branches
-    are by `reducers.majority_vote`), and score 1 if the winner equals
+    are by `jaxsample.reduce.majority_vote`), and score 1 if the winner equals
     `correct`. This returns the exact expectation over all C(n, k) subsets,
     by dynamic programming over per-answer counts in Python integers
     (no Monte Carlo, no overflow). A subset with no valid answer scores 0.

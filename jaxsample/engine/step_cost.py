@@ -26,7 +26,7 @@ both from XLA:
   the forward pass against "every slot done" (the forward pass is the
   step), and in `sampling.choose_token` the Gumbel draw against greedy and
   the top-k / top-p filters against "off" (`lax.cond` on traced knobs). The
-  filters' branches are 32-pass bisections (`sampling._largest_key`) run as
+  filters' branches are 32-pass bisections (`sampling.select._largest_key`) run as
   a `fori_loop`, i.e. a `while`, counted as one pass; so the count bounds a
   step with the filters on from below and a step without them from above,
   by the filters' branches (SmolLM2, N = 16: about 135 MB, some 40 passes

@@ -5,7 +5,7 @@ Per step: sample N Bridge-coupled branches per problem with
 verifiable reward, or a per-group one for coordination tasks:
 `distinct_rewards`), group-relative advantage A_n = (r_n - mean r) /
 (std r + eps), one on-policy step of the token-normalised policy-gradient
-loss `jaxsample.bridge_train.pg_loss` (ratio exactly 1, no clipping, no KL:
+loss `jaxsample.bridge_training.common.pg_loss` (ratio exactly 1, no clipping, no KL:
 the base is frozen and the Bridge starts as an exact no-op). Recipe: Dong et
 al., arXiv 2510.01143; GRPO: Shao et al. 2024, arXiv 2402.03300.
 
@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample import bridge as bridge_lib
-from jaxsample import bridge_train as bt
+from jaxsample.bridge_training import common as bt
 from jaxsample import engine
-from jaxsample.bridge_train import (Batch, Problem, init_state, latest_step, make_optimizer,
+from jaxsample.bridge_training.common import (Batch, Problem, init_state, latest_step, make_optimizer,
                                     restore, save, update, fingerprint)
-from jaxsample.sampling import SamplingParams
+from jaxsample.sampling_params import SamplingParams
 
 __all__ = ["reward", "distinct_rewards", "distinct_correct", "score_group", "rollout", "train"]
 
@@ -45,11 +45,11 @@ _NUM_RE = re.compile(r"-?\d+(?:\.\d+)?")
 def reward(text: str, answer: str) -> float:
     """1.0 if the final number in `text` equals `answer`, else 0.0.
 
-    Uses `jaxsample.answers.extract(text, "number")` and `normalize` (last
+    Uses `jaxsample.reduce.answers.extract(text, "number")` and `normalize` (last
     number in the text; GSM8K / "the answer is" conventions handled there).
     """
     try:
-        from jaxsample import answers
+        from jaxsample.reduce import answers
         got = answers.extract(text, "number")
         return float(got is not None and got == answers.normalize(answer))
     except ImportError:  # pragma: no cover - answers is part of the package
@@ -137,7 +137,7 @@ def train(lm, bridge: bridge_lib.Bridge, problems: Sequence[Problem], *, steps: 
     Steps `< sft_steps` are an on-policy supervised warm-up: advantage 1 on the
     rewarded samples of each group, 0 on the others. (The paper's warm-up, on
     groups of correct samples drawn once from the base model, is
-    `jaxsample.bridge_sft`; pass its Bridge here as `bridge`.)
+    `jaxsample.bridge_training.sft`; pass its Bridge here as `bridge`.)
 
     Args:
       problems: the training problems.

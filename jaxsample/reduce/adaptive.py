@@ -1,10 +1,10 @@
 """Adaptive self-consistency: draw branches in windows over one prefill, stop when
 the answer is settled, terminate low-confidence branches, and bill what was saved.
 
-The rules are in `jaxsample.stopping` (ESC, Adaptive-Consistency's Beta and
+The rules are in `jaxsample.reduce.adaptive_rules` (ESC, Adaptive-Consistency's Beta and
 Dirichlet criteria, DeepConf). Branch i of prompt b has the key it has as
 branch i of `generate(n=max_n)`, so an adaptive run equals the offline rule
-(`stopping.replay`) applied in branch order to a fixed pool with the same
+(`adaptive_rules.replay`) applied in branch order to a fixed pool with the same
 seed: every saving can be checked against the run it replaces.
 """
 
@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxsample import answers as answers_lib
-from jaxsample import cost, stopping
+from jaxsample.reduce import answers as answers_lib
+from jaxsample import cost
+from jaxsample.reduce import adaptive_rules as rules
 from jaxsample import progress as progress_lib
 from jaxsample.engine import stops as stops_lib
 from jaxsample.engine.api import final_text, finish, text_tokenizer
@@ -26,8 +27,7 @@ from jaxsample.engine.session import Session
 from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
-from jaxsample.sampling import MAX_LOGPROBS, SamplingParams
-from jaxsample.sampling_params import refuse_foreign_keywords
+from jaxsample.sampling_params import MAX_LOGPROBS, SamplingParams, refuse_foreign_keywords
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,7 +158,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
     confidence (terminated branches excluded). References: ESC (Li et al.
     2024, arXiv 2401.10480), Adaptive-Consistency (Aggarwal et al. 2023, arXiv
     2305.11860), DeepConf (Fu et al. 2025, arXiv 2508.15260); the rules are in
-    `jaxsample.stopping`.
+    `jaxsample.reduce.adaptive_rules`.
 
     Args:
       lm, prompts, chat, mesh, prompt_index_offset: as `jaxsample.generate`.
@@ -168,7 +168,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
       max_n: the most branches per prompt, in [1, 2**20].
       window: branches per round, in [1, max_n]; on a mesh, a multiple of its
         "branch" axis.
-      rule: "esc", "beta", "dirichlet" or "none" (see `jaxsample.stopping`).
+      rule: "esc", "beta", "dirichlet" or "none" (see `jaxsample.reduce.adaptive_rules`).
       threshold: posterior probability for "beta"/"dirichlet", in (0, 1).
       confidence: None, "deepconf-low" (keep about the top 10% by confidence)
         or "deepconf-high" (about the top 90%).
@@ -187,7 +187,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         own: minus the mean of the top-k logprobs, k = `params.logprobs` or
         20, copied to the host every chunk) or "signals" (the self-certainty
         recorded by the step with `SamplingParams(signals=True)`,
-        `stopping.token_confidence_from_signals`: DeepConf's formula with
+        `adaptive_rules.token_confidence_from_signals`: DeepConf's formula with
         k = V, minus log V; no top-k over V and 3 floats per token instead of
         k). The group means, threshold and terminations are computed on the
         host from it in both cases.
@@ -202,13 +202,13 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
     max_n = check_int("max_n", max_n, 1, 2**20)
     window = check_int("window", window, 1, max_n)
-    if rule not in stopping.RULES:
-        raise InputError(f"rule must be one of {stopping.RULES}, got {rule!r}")
+    if rule not in rules.RULES:
+        raise InputError(f"rule must be one of {rules.RULES}, got {rule!r}")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
             0.0 < float(threshold) < 1.0):
         raise InputError(f"threshold must be a float in (0, 1), got {threshold!r}")
-    if confidence not in stopping.CONFIDENCES:
-        raise InputError(f"confidence must be one of {stopping.CONFIDENCES}, got {confidence!r}")
+    if confidence not in rules.CONFIDENCES:
+        raise InputError(f"confidence must be one of {rules.CONFIDENCES}, got {confidence!r}")
     group_size = check_int("group_size", group_size, 1, 2**31 - 1)
     chunk_size = check_int("chunk_size", chunk_size, 1, 2**31 - 1)
     if confidence is not None:
@@ -218,8 +218,8 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                              "the threshold is set between rounds")
     else:
         warmup = 0
-    if confidence_source not in stopping.CONFIDENCE_SOURCES:
-        raise InputError(f"confidence_source must be one of {stopping.CONFIDENCE_SOURCES}, "
+    if confidence_source not in rules.CONFIDENCE_SOURCES:
+        raise InputError(f"confidence_source must be one of {rules.CONFIDENCE_SOURCES}, "
                          f"got {confidence_source!r}")
     on_signals = bool(confidence) and confidence_source == "signals"
     k = (params.logprobs or MAX_LOGPROBS) if confidence and not on_signals else (params.logprobs or 0)
@@ -231,8 +231,8 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
 
     def token_conf(rnd, i, c, L):  # DeepConf's C_t of branch (i, c)'s first L tokens
         if on_signals:
-            return stopping.token_confidence_from_signals(rnd.signals[i, c, :L, 1])
-        return stopping.token_confidence(rnd.top_logprobs[i, c, :L])
+            return rules.token_confidence_from_signals(rnd.signals[i, c, :L, 1])
+        return rules.token_confidence(rnd.top_logprobs[i, c, :L])
 
     sp = session.params
     B = session.B
@@ -262,7 +262,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                 if confidence and n >= warmup:
                     L = int(rnd.lengths[i, c])
                     conf = token_conf(rnd, i, c, L)
-                    if stopping.first_low_group(conf, group_size, thresholds[b]) is not None:
+                    if rules.first_low_group(conf, group_size, thresholds[b]) is not None:
                         end[i, c] = True
                         reasons[(b, n)] = "terminated"
             rnd.finish_slots(end)
@@ -286,13 +286,13 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                 term[b].append(reasons.get((b, n)) == "terminated")
                 if confidence:
                     L = int(rnd.lengths[i, c])
-                    lowest[b].append(stopping.lowest_group_confidence(
+                    lowest[b].append(rules.lowest_group_confidence(
                         token_conf(rnd, i, c, L), group_size))
             n_b = len(answers[b])
             if confidence and n_b == warmup:
-                thresholds[b] = stopping.threshold_from_warmup(lowest[b][:warmup], confidence)
+                thresholds[b] = rules.threshold_from_warmup(lowest[b][:warmup], confidence)
             votes = [a if not t else None for a, t in zip(answers[b], term[b])]
-            if n_b < max_n and not (n_b >= warmup and stopping.should_stop(rule, votes, window,
+            if n_b < max_n and not (n_b >= warmup and rules.should_stop(rule, votes, window,
                                                                             threshold)):
                 still.append(b)
         active = still
@@ -308,7 +308,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
     for b in range(B):
         votes = [a if not t else None for a, t in zip(answers[b], term[b])]
         w = [x if v is not None else 0.0 for x, v in zip(lowest[b], votes)] if confidence else None
-        winner, support, share = stopping.tally(votes, w)
+        winner, support, share = rules.tally(votes, w)
         winners.append(winner)
         supports.append(support)
         shares.append(share)

@@ -4,7 +4,7 @@ Used by benchmarks/bridge_coord.py. Each problem lists K single-token items of o
 category (colours, fruits, animals, digits, ...) in a random order and asks for
 two different ones; an answer is the *unordered* pair. A branch scores 1 when
 its pair is valid (two different listed items) and no other branch of the group
-gave the same pair (`jaxsample.bridge_grpo.distinct_rewards`).
+gave the same pair (`jaxsample.bridge_training.grpo.distinct_rewards`).
 
 Why an unordered pair (the mechanism, `docs/ARCHITECTURE.md`, Bridge): a Bridge
 block attends across branches at the same position. At the first answer token
@@ -28,7 +28,8 @@ from __future__ import annotations
 import random
 import re
 
-from jaxsample.bridge_train import Problem
+from jaxsample.bridge_training.common import Problem
+from jaxsample.bridge_training.tasks import distinct_problems
 
 # Every item is one SmolLM2 token after a space (" red"); digits are two (" ", "3"),
 # the same count for every item of the digit category.
@@ -90,23 +91,5 @@ def _one(rng: random.Random) -> Problem:
 
 
 def make_problems(split: str, count: int) -> list[Problem]:
-    """`count` distinct problems of one split ("train" or "test").
-
-    Raises:
-      ValueError: an unknown split, or more problems than the generator can make distinct.
-    """
-    seeds = {"train": 4321, "test": 56789}
-    if split not in seeds:
-        raise ValueError(f"split must be one of {sorted(seeds)}, got {split!r}")
-    other = "test" if split == "train" else "train"
-    rng, rng_other = random.Random(seeds[split]), random.Random(seeds[other])
-    excluded = {_one(rng_other).prompt for _ in range(2000)}
-    out, seen = [], set()
-    for _ in range(100 * count + 1000):
-        if len(out) == count:
-            return out
-        p = _one(rng)
-        if p.prompt not in seen and p.prompt not in excluded:
-            seen.add(p.prompt)
-            out.append(p)
-    raise ValueError(f"could not make {count} distinct {split} problems")
+    """`count` distinct problems of one split ("train" or "test"); `tasks.distinct_problems`."""
+    return distinct_problems(_one, {"train": 4321, "test": 56789}, split, count)

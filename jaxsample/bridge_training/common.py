@@ -4,12 +4,12 @@ Recipe (Dong et al., "Generalized Parallel Scaling with Interdependent
 Generations", arXiv 2510.01143; GRPO: Shao et al. 2024, arXiv 2402.03300),
 data flow by module:
 
-1. `jaxsample.bridge_sft`: supervised warm-up of the Bridge parameters only,
+1. `jaxsample.bridge_training.sft`: supervised warm-up of the Bridge parameters only,
    on groups of correct samples the base model drew for the same problem
    (wrong ones dropped, groups with at most one correct sample dropped), the
    whole group teacher-forced together so the cross-branch attention is
    trained;
-2. `jaxsample.bridge_grpo`: RL: per problem, sample N Bridge-coupled branches
+2. `jaxsample.bridge_training.grpo`: RL: per problem, sample N Bridge-coupled branches
    with `jaxsample.engine.generate(..., bridge=...)`, score them (per sample,
    or per group for coordination tasks), group-relative advantage
    A_n = (r_n - mean(r)) / (std(r) + eps), token-level normalised
@@ -64,18 +64,6 @@ __all__ = ["Problem", "TrainState", "Batch", "group_forward", "shared_prefix_for
            "group_logprobs", "pg_loss", "make_optimizer", "init_state", "update", "fingerprint",
            "save", "restore", "latest_step", "pad_prompts", "stop_array", "completion_alive"]
 
-# Moved to jaxsample.bridge_grpo (the RL loop); still importable from here.
-_MOVED = {"rollout", "reward", "train"}
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        from jaxsample import bridge_grpo
-
-        return getattr(bridge_grpo, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """A verifiable problem: the prompt text and the reference answer (task-defined)."""
@@ -116,7 +104,7 @@ def group_forward(cfg: llama.LlamaConfig, base_params, bconfig: bridge_lib.Bridg
     return jax.vmap(one, axis_name=BRANCH_AXIS)(tokens, alive)
 
 
-def _tail_attend(kp, vp, prompt_len, scale):
+def tail_attend(kp, vp, prompt_len, scale):
     """Attention of T completion queries over the shared prompt (keys < prompt_len)
     and their own causal tail, merged by log-sum-exp (as in the engine's decode)."""
 
@@ -150,7 +138,7 @@ def shared_prefix_forward(cfg: llama.LlamaConfig, base_params, bconfig, bparams,
       alive: `[N, T]` bool, branch n is a Bridge key for the others at completion position t.
       bparams: Bridge params (leaves `[L, ...]`), or None for the base model.
       post_maker: optional `f(alive, axes) -> post_layer` replacing the Bridge hook
-        (`jaxsample.bridge_diagnostics` records statistics through it).
+        (`jaxsample.bridge_training.diagnostics` records statistics through it).
     Returns:
       (prompt hidden `[P, E]`, completion hidden `[N, T, E]`), after the last block,
       before the final norm.
@@ -175,7 +163,7 @@ def shared_prefix_forward(cfg: llama.LlamaConfig, base_params, bconfig, bparams,
     def one(toks, al):
         x = llama.embed(base_params, toks)
         x, _ = llama.run_layers(cfg, base_params, x, positions,
-                                lambda lx: _tail_attend(lx[0], lx[1], prompt_len, scale),
+                                lambda lx: tail_attend(lx[0], lx[1], prompt_len, scale),
                                 layer_xs=layer_kv, post_layer=make_post(al, (BRANCH_AXIS,)),
                                 post_xs=bparams)
         return x

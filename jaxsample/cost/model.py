@@ -1,14 +1,8 @@
 """Pricing ("price it properly"): what N branches over one shared prompt cost.
 
-Two things live here:
-
-* `estimate` / `table`: an analytic model from a `models.llama.LlamaConfig`
-  and (P prompt tokens, T new tokens, N branches), comparing the shared-prefix
-  engine against N separate retries.
-* `make_bill`: the `Bill` the engine attaches to every `Generation`, with the
-  counts actually measured (prompt tokens prefilled, tokens decoded per branch,
-  the `nbytes` of the KV-cache arrays allocated) and the analytic estimate
-  beside them.
+`estimate` / `table`: an analytic model from a `models.llama.LlamaConfig`
+and (P prompt tokens, T new tokens, N branches), comparing the shared-prefix
+engine against N separate retries (`bill.py` holds what one request measured).
 
 Prefix sharing saves prefill work (the prompt is prefilled once, not N times)
 and prefix memory (its KV cache is held and read once per decode step, not N
@@ -78,21 +72,20 @@ read per step).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Sequence
 
 import numpy as np
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # ---------------------------------------------------------------------------
 # Per-model constants
 
 
-def _dtype_bytes(config, dtype_bytes: int | None) -> int:
+def resolve_dtype_bytes(config, dtype_bytes: int | None) -> int:
     if dtype_bytes is None:
-        return _DTYPE_BYTES[getattr(config, "dtype", "float32")]
+        return DTYPE_BYTES[getattr(config, "dtype", "float32")]
     if not isinstance(dtype_bytes, (int, np.integer)) or isinstance(dtype_bytes, bool) \
             or dtype_bytes < 1:
         raise ValueError(f"dtype_bytes must be a positive integer, got {dtype_bytes!r}")
@@ -144,7 +137,7 @@ def expert_bytes(config, dtype_bytes: int | None = None) -> int:
     """Bytes of one expert of one layer, `3*E*F*dtype_bytes` (0 for a dense model)."""
     if not getattr(config, "n_experts", 0):
         return 0
-    return 3 * config.dim * config.ffn_dim * _dtype_bytes(config, dtype_bytes)
+    return 3 * config.dim * config.ffn_dim * resolve_dtype_bytes(config, dtype_bytes)
 
 
 def step_weight_bytes(config, tokens, dtype_bytes: int | None = None) -> int:
@@ -176,7 +169,7 @@ def attention_flops_per_pair(config) -> int:
 
 def kv_bytes_per_token(config, dtype_bytes: int | None = None) -> int:
     """KV-cache bytes per token of one sequence: `2 * L * K * D * dtype_bytes`."""
-    b = _dtype_bytes(config, dtype_bytes)
+    b = resolve_dtype_bytes(config, dtype_bytes)
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * b
 
 
@@ -185,7 +178,7 @@ def kv_bytes(config, positions: int, dtype_bytes: int | None = None) -> int:
     every position on a global layer, at most w - 1 on a local (sliding-window) layer
     of window w (`engine.prefill.window_extent`). Equals positions x
     `kv_bytes_per_token` for a model without local layers."""
-    b = _dtype_bytes(config, dtype_bytes)
+    b = resolve_dtype_bytes(config, dtype_bytes)
     per = 2 * config.n_kv_heads * config.head_dim * b
     windows = getattr(config, "layer_windows", (None,) * config.n_layers)
     if not positions:
@@ -195,7 +188,7 @@ def kv_bytes(config, positions: int, dtype_bytes: int | None = None) -> int:
 
 def weight_bytes(config, dtype_bytes: int | None = None) -> int:
     """Bytes of all parameters: `param_count * dtype_bytes`."""
-    return param_count(config) * _dtype_bytes(config, dtype_bytes)
+    return param_count(config) * resolve_dtype_bytes(config, dtype_bytes)
 
 
 def prefill_flops(config, prompt_tokens: int) -> int:
@@ -360,7 +353,7 @@ Far beyond any real request (about 10**12 tokens), and small enough that
 every derived count, ratio and float conversion stays finite and exact."""
 
 
-def _check_count(name: str, value, minimum: int, maximum: int = MAX_COUNT,
+def check_count(name: str, value, minimum: int, maximum: int = MAX_COUNT,
                  maximum_text: str = "2**40") -> int:
     if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
             or not minimum <= value < maximum):
@@ -390,12 +383,12 @@ def estimate(config, prompt_tokens: int, new_tokens: int, n: int,
       ValueError: a token count outside [0, 2**40), n or num_prompts outside
         [1, 2**40), a non-integer count, or a bad dtype_bytes.
     """
-    P = _check_count("prompt_tokens", prompt_tokens, 0)
-    T = _check_count("new_tokens", new_tokens, 0)
-    N = _check_count("n", n, 1)
-    C = _check_count("context_tokens", context_tokens, 0)
-    B = _check_count("num_prompts", num_prompts, 1)
-    b = _dtype_bytes(config, dtype_bytes)
+    P = check_count("prompt_tokens", prompt_tokens, 0)
+    T = check_count("new_tokens", new_tokens, 0)
+    N = check_count("n", n, 1)
+    C = check_count("context_tokens", context_tokens, 0)
+    B = check_count("num_prompts", num_prompts, 1)
+    b = resolve_dtype_bytes(config, dtype_bytes)
     R = B * N  # branches in all
     W = step_weight_bytes(config, R, b)  # weights one decode step of R tokens reads
     W1 = step_weight_bytes(config, 1, b)  # ... of one retry run alone
@@ -473,382 +466,3 @@ def table(config, prompt_tokens: int, new_tokens: int, ns: Sequence[int],
             total_flops_separate=e.total_flops_separate,
         ) | extra)
     return rows
-
-
-# ---------------------------------------------------------------------------
-# The bill of one request
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Bill:
-    """What one `generate` call cost: measured counts and the analytic estimate.
-
-    Measured (from the engine):
-      num_prompts: B.
-      n: N, branches per prompt.
-      decode_steps: decode-loop iterations run (all B*N branches advance together).
-      branch_steps: branch slots x steps actually computed (padding and
-        finished slots included, after compaction): what the decode paid for.
-      prompt_tokens_prefilled: sum of the B prompt lengths, each prefilled once.
-      prompt_tokens_if_separate: N times that (N retries prefill the prompt N times).
-      decoded_tokens_per_branch: B lists of N ints, tokens the device decoded
-        per branch (the stop token included): what was paid for.
-      decoded_tokens_total: their sum. The same with or without prefix sharing.
-      kept_tokens_per_branch: B lists of N ints, tokens each branch keeps,
-        equal to `Generation.lengths`; a branch cut by a stop string keeps
-        fewer than it decoded (the tokens after the stop string are
-        discarded, see `tokens_discarded`); otherwise kept == decoded.
-      kept_tokens_total: their sum.
-      kv_bytes_shared_prefix: `nbytes` of one copy of the prefix cache of the
-        request's prompts (padded to the length bucket; the padding rows that
-        fill a data axis are not counted).
-      kv_bytes_tails: `nbytes` of the request's branch tails (padded to the bucket).
-      kv_bytes_held: the two together.
-      kv_bytes_if_separate: N full copies at the same padded sizes,
-        `N * kv_bytes_shared_prefix + kv_bytes_tails` (like for like).
-      devices: devices the request ran on (1 without a mesh).
-      kv_bytes_per_device: KV cache allocated on one device (its shard of the
-        prefix, replicated over the "branch" mesh axis, plus its tails).
-      kv_bytes_allocated: KV cache allocated on all devices together: on a mesh
-        with a "branch" axis of size b the prefix is stored b times, so this
-        exceeds `kv_bytes_held`; padding rows included (they are allocated).
-
-    Analytic (see the module docstring; from the unpadded lengths):
-      prefill_flops_shared / prefill_flops_if_separate: 1x against Nx prefill.
-      decode_flops_shared / decode_flops_if_separate: equal, always.
-      decode_bytes_read_shared / decode_bytes_read_if_separate: weights, prefix
-        and tails read over the decode steps (separate = batched retries: weights
-        once per step, N prefix copies).
-      weight_bytes, kv_bytes_per_token: the model constants used.
-
-    Three levels (`generate(shared_prefix=...)`; all 0 / equal to the two-level
-    fields without one):
-      shared_context_tokens: C, tokens of the context common to all B prompts,
-        prefilled and stored once; `prompt_tokens_prefilled` is then
-        C + the B prompts' own tokens, and `prompt_tokens_if_separate`
-        N x sum(C + own).
-      kv_bytes_shared_context: `nbytes` of its one cache (padded to its bucket),
-        included in `kv_bytes_held` (context once + prompts' own once each +
-        tails); `kv_bytes_if_separate` counts B x N context copies.
-      prompt_tokens_if_context_per_prompt, prefill_flops_if_context_per_prompt:
-        what the context prefixed to every prompt would prefill (B contexts,
-        branches still sharing each prompt: `generate` without shared_prefix).
-
-    Sparse mixture of experts (0 / None for a dense model):
-      experts, experts_per_token: X and k.
-      slots_per_step: branch slots computed per decode step, averaged
-        (`branch_steps / decode_steps`): the tokens of one MoE call.
-      experts_touched_per_step: expected distinct experts per layer per decode
-        step at that many tokens under uniform routing
-        (`expected_experts_touched`); k at N = 1, near X at large N.
-        `decode_bytes_read_*` count the experts' weights at this rate.
-      experts_touched_measured: the count the router really gave, per layer
-        and decode step, averaged; None until `measure_experts_touched`
-        replays the request (`dataclasses.replace` a bill with it).
-    """
-
-    num_prompts: int
-    n: int
-    decode_steps: int
-    branch_steps: int
-    prompt_tokens_prefilled: int
-    prompt_tokens_if_separate: int
-    decoded_tokens_per_branch: list[list[int]]
-    decoded_tokens_total: int
-    kept_tokens_per_branch: list[list[int]]
-    kept_tokens_total: int
-    kv_bytes_held: int
-    kv_bytes_shared_prefix: int
-    kv_bytes_tails: int
-    kv_bytes_if_separate: int
-    prefill_flops_shared: int
-    prefill_flops_if_separate: int
-    decode_flops_shared: int
-    decode_flops_if_separate: int
-    decode_bytes_read_shared: int
-    decode_bytes_read_if_separate: int
-    weight_bytes: int
-    kv_bytes_per_token: int
-    devices: int = 1
-    kv_bytes_per_device: int = 0
-    kv_bytes_allocated: int = 0
-    shared_context_tokens: int = 0
-    kv_bytes_shared_context: int = 0
-    prompt_tokens_if_context_per_prompt: int = 0
-    prefill_flops_if_context_per_prompt: int = 0
-    experts: int = 0
-    experts_per_token: int = 0
-    slots_per_step: float = 0.0
-    experts_touched_per_step: float = 0.0
-    experts_touched_measured: float | None = None
-
-    @property
-    def tokens_discarded(self) -> int:
-        """Tokens decoded after a stop string and dropped: decoded - kept (>= 0)."""
-        return self.decoded_tokens_total - self.kept_tokens_total
-
-    @property
-    def kv_saving(self) -> float:
-        """kv_bytes_if_separate / kv_bytes_held (>= 1; 1 at N = 1)."""
-        return self.kv_bytes_if_separate / max(self.kv_bytes_held, 1)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (plain ints, floats and lists)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in ("decoded_tokens_per_branch", "kept_tokens_per_branch"):
-            d[name] = [list(map(int, row)) for row in getattr(self, name)]
-        d["kv_saving"] = self.kv_saving
-        d["tokens_discarded"] = self.tokens_discarded
-        return d
-
-    def summary(self) -> str:
-        """A few lines for people: what was shared, what was not."""
-        N = self.n
-        context = []
-        if self.shared_context_tokens:
-            context = [
-                f"shared context: {self.shared_context_tokens} tokens prefilled and stored once "
-                f"for {self.num_prompts} prompts x {N} branches "
-                f"({format_bytes(self.kv_bytes_shared_context)} of KV); prefixed to every "
-                f"prompt it would prefill {self.prompt_tokens_if_context_per_prompt} tokens "
-                f"({format_flops(self.prefill_flops_if_context_per_prompt)})"]
-        lines = context + [
-            f"prefill: {self.prompt_tokens_prefilled} prompt tokens once "
-            f"({format_flops(self.prefill_flops_shared)}); {N} separate retries would "
-            f"prefill {self.prompt_tokens_if_separate} "
-            f"({format_flops(self.prefill_flops_if_separate)})",
-            f"decode: {self.decoded_tokens_total} tokens over {self.num_prompts * N} branches "
-            f"in {self.decode_steps} steps ({self.branch_steps} branch-steps computed; "
-            f"{format_flops(self.decode_flops_shared)}); "
-            f"the same for separate retries: sharing never saves per-branch decode"
-            + (f"; {self.tokens_discarded} of them decoded after a stop string and dropped"
-               if self.tokens_discarded else ""),
-            f"KV cache held: {format_bytes(self.kv_bytes_held)} "
-            + (f"(shared context {format_bytes(self.kv_bytes_shared_context)} once + "
-               if self.shared_context_tokens else "(")
-            + f"shared prefix {format_bytes(self.kv_bytes_shared_prefix)} once + tails "
-            f"{format_bytes(self.kv_bytes_tails)}); separate retries: "
-            f"{format_bytes(self.kv_bytes_if_separate)} ({self.kv_saving:.2f}x as much)",
-            f"decode reads: {format_bytes(self.decode_bytes_read_shared)} against "
-            f"{format_bytes(self.decode_bytes_read_if_separate)} for batched retries "
-            f"(weights {format_bytes(self.weight_bytes)} read once per step in both)",
-        ]
-        if self.experts:
-            measured = ("" if self.experts_touched_measured is None else
-                        f", measured {self.experts_touched_measured:.2f}")
-            lines.append(
-                f"mixture of experts: {self.experts_per_token} of {self.experts} experts per "
-                f"token; {self.slots_per_step:.1f} tokens per decode step touch "
-                f"{self.experts_touched_per_step:.2f} distinct experts per layer under "
-                f"uniform routing{measured} (one branch alone: {self.experts_per_token})")
-        if self.devices > 1:
-            lines.append(
-                f"on {self.devices} devices: {format_bytes(self.kv_bytes_per_device)} of KV "
-                f"cache per device, {format_bytes(self.kv_bytes_allocated)} allocated in all "
-                f"(the prefix is replicated on every device of the branch axis)")
-        return "\n".join(lines)
-
-
-def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
-              n: int, prefix_cache_bytes: int, tail_cache_bytes: int,
-              decode_steps: int, dtype_bytes: int | None = None,
-              prefix_copies: int = 1, kept_lengths=None, devices: int = 1,
-              kv_bytes_per_device: int | None = None,
-              kv_bytes_allocated: int | None = None, branch_steps: int | None = None,
-              context_length: int = 0, context_cache_bytes: int = 0) -> Bill:
-    """The bill of one `generate` call (called by the engine).
-
-    Args:
-      config: the model's `LlamaConfig`.
-      prompt_lengths: B ints, tokens of each prompt (each prefilled once).
-      branch_lengths: `[B, N]` ints, tokens decoded per branch, stop token included.
-      n: N, branches per prompt.
-      prefix_cache_bytes: `nbytes` of the prefix KV arrays allocated (k and v,
-        padded buckets included).
-      tail_cache_bytes: `nbytes` of the tail KV arrays allocated (k and v, padded).
-      decode_steps: decode-loop iterations run.
-      dtype_bytes: bytes per element for the analytic part; default from `config.dtype`.
-      prefix_copies: how many times each prompt was prefilled and stored: 1 for
-        the shared-prefix engine, N for the naive baseline that copies each
-        prompt N times (then `prefix_cache_bytes` holds all the copies and the
-        "shared" fields report what the baseline actually did).
-      kept_lengths: `[B, N]` ints, tokens each branch keeps (`Generation.lengths`),
-        each <= its branch_lengths; default: equal to branch_lengths.
-      devices: devices the request ran on.
-      kv_bytes_per_device, kv_bytes_allocated: KV bytes allocated on one device
-        and on all of them; default (one device): prefix + tail bytes.
-      branch_steps: slots x steps computed; default decode_steps x B x N.
-      context_length: C, tokens of a context common to all prompts
-        (`shared_prefix=`), prefilled once before them; `prompt_lengths` are
-        then each prompt's own tokens after it.
-      context_cache_bytes: `nbytes` of the context's KV arrays (k and v, padded).
-    Returns:
-      A `Bill`.
-    Raises:
-      ValueError: branch_lengths or kept_lengths not `[B, N]`, negative counts,
-        kept_lengths above branch_lengths, prefix_copies outside [1, N], or a
-        context with prefix_copies > 1.
-    """
-    try:
-        prompts = np.asarray(list(prompt_lengths), dtype=np.int64).reshape(-1)
-        lengths = np.asarray(branch_lengths, dtype=np.int64)
-    except (OverflowError, TypeError, ValueError) as e:
-        raise ValueError("prompt_lengths and branch_lengths must be integers in "
-                         f"[0, 2**40) ({e})") from None
-    if (prompts >= MAX_COUNT).any() or (lengths >= MAX_COUNT).any():
-        raise ValueError("prompt_lengths and branch_lengths must be integers in [0, 2**40)")
-    N = _check_count("n", n, 1)
-    B = prompts.shape[0]
-    if lengths.shape != (B, N):
-        raise ValueError(f"branch_lengths must have shape [B, N] = [{B}, {N}], "
-                         f"got {list(lengths.shape)}")
-    if (prompts < 0).any() or (lengths < 0).any():
-        raise ValueError("prompt_lengths and branch_lengths must be >= 0")
-    prefix_bytes = _check_count("prefix_cache_bytes", prefix_cache_bytes, 0, 2**62, "2**62")
-    tail_bytes = _check_count("tail_cache_bytes", tail_cache_bytes, 0, 2**62, "2**62")
-    steps = _check_count("decode_steps", decode_steps, 0)
-    copies = _check_count("prefix_copies", prefix_copies, 1)
-    if copies > N:
-        raise ValueError(f"prefix_copies must be in [1, n={N}], got {copies}")
-    kept = lengths if kept_lengths is None else np.asarray(kept_lengths, dtype=np.int64)
-    if kept.shape != lengths.shape or (kept < 0).any() or (kept > lengths).any():
-        raise ValueError("kept_lengths must be [B, N] ints in [0, branch_lengths], "
-                         f"got {kept.tolist()!r:.200}")
-    C = _check_count("context_length", context_length, 0)
-    ctx_bytes = _check_count("context_cache_bytes", context_cache_bytes, 0, 2**62, "2**62")
-    if C and copies > 1:
-        raise ValueError("a shared context is priced for the shared engine only (prefix_copies=1)")
-    devices = _check_count("devices", devices, 1)
-    branch_steps = steps * B * N if branch_steps is None else _check_count(
-        "branch_steps", branch_steps, 0)
-    held = ctx_bytes + prefix_bytes + tail_bytes
-    per_device = held if kv_bytes_per_device is None else _check_count(
-        "kv_bytes_per_device", kv_bytes_per_device, 0, 2**62, "2**62")
-    allocated = held if kv_bytes_allocated is None else _check_count(
-        "kv_bytes_allocated", kv_bytes_allocated, 0, 2**62, "2**62")
-
-    b = _dtype_bytes(config, dtype_bytes)
-    slots = branch_steps / steps if steps else 0.0
-    W = step_weight_bytes(config, slots, b) if steps else weight_bytes(config, b)
-    kv = kv_bytes_per_token(config, b)
-    full = prompts + C  # the tokens before the first new one, context included
-    prefill = sum(prefill_flops(config, int(p)) for p in full)  # each prompt alone
-    prefill_shared = (copies * prefill if not C else prefill_flops(config, C) + sum(
-        suffix_prefill_flops(config, C, int(p)) for p in prompts))
-    decode = int(np.sum(decode_flops(config, full[:, None], lengths)))
-
-    # Bytes read over the decode steps: at step s, branch (b, n) reads the
-    # min(s + 1, length) tail tokens it has; the prefix is read once per
-    # step (shared) or once per branch (separate, batched).
-    s = np.arange(steps, dtype=np.int64)[:, None, None]
-    tail_tokens = int(np.minimum(s + 1, lengths[None]).sum()) if steps else 0
-    prefix_tokens = int(prompts.sum())
-    read_shared = steps * (W + (C + copies * prefix_tokens) * kv) + tail_tokens * kv
-    read_separate = steps * (W + N * (B * C + prefix_tokens) * kv) + tail_tokens * kv
-
-    return Bill(
-        num_prompts=B, n=N, decode_steps=steps, branch_steps=branch_steps,
-        prompt_tokens_prefilled=C + copies * prefix_tokens,
-        prompt_tokens_if_separate=N * (B * C + prefix_tokens),
-        decoded_tokens_per_branch=lengths.tolist(),
-        decoded_tokens_total=int(lengths.sum()),
-        kept_tokens_per_branch=kept.tolist(),
-        kept_tokens_total=int(kept.sum()),
-        kv_bytes_held=held,
-        kv_bytes_shared_prefix=prefix_bytes,
-        kv_bytes_tails=tail_bytes,
-        kv_bytes_if_separate=N * (B * ctx_bytes + prefix_bytes // copies) + tail_bytes,
-        prefill_flops_shared=int(prefill_shared),
-        prefill_flops_if_separate=N * int(prefill),
-        decode_flops_shared=decode,
-        decode_flops_if_separate=decode,
-        decode_bytes_read_shared=int(read_shared),
-        decode_bytes_read_if_separate=int(read_separate),
-        weight_bytes=weight_bytes(config, b),
-        kv_bytes_per_token=kv,
-        devices=devices, kv_bytes_per_device=per_device, kv_bytes_allocated=allocated,
-        shared_context_tokens=C, kv_bytes_shared_context=ctx_bytes,
-        prompt_tokens_if_context_per_prompt=int(full.sum()),
-        prefill_flops_if_context_per_prompt=int(prefill),
-        experts=getattr(config, "n_experts", 0),
-        experts_per_token=getattr(config, "n_experts_per_tok", 0),
-        slots_per_step=float(slots) if getattr(config, "n_experts", 0) else 0.0,
-        experts_touched_per_step=expected_experts_touched(config, slots) if steps else 0.0,
-    )
-
-
-def measure_experts_touched(lm, generation) -> float:
-    """The distinct experts per layer the router really chose per decode step, averaged.
-
-    Replays the request teacher-forced (each branch's prompt + decoded tokens
-    through `models.llama.router_choices`, which routes exactly as the
-    forward does): decode step t chooses token t of every branch and feeds it
-    (position P + t) through the model; the tokens counted at step t are
-    those of the branches with t < their decoded length; the count is the number of distinct experts among their k
-    choices at each layer, averaged over layers and steps. Finished slots
-    the engine still computes (pad tokens) are not counted.
-
-    Args:
-      lm: the MoE `LanguageModel` that generated; generation: its `Generation`
-        (two-level requests: `shared_prefix` is not replayed).
-    Returns:
-      The mean count, a float in [k, X].
-    Raises:
-      ValueError: the model has no experts.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from jaxsample.models import llama
-
-    cfg = lm.config
-    if not getattr(cfg, "n_experts", 0):
-        raise ValueError("measure_experts_touched: the model has no experts (n_experts = 0)")
-    prompts = generation.prompt_tokens
-    lengths = np.asarray(generation.bill.decoded_tokens_per_branch)
-    B, N = lengths.shape
-    T = int(lengths.max()) if lengths.size else 0
-    if T == 0:
-        return 0.0
-    choose = jax.jit(lambda toks: jax.vmap(lambda t: llama.router_choices(cfg, lm.params, t))(
-        toks))
-    hits = np.zeros((T, cfg.n_layers, cfg.n_experts), bool)
-    for b in range(B):
-        prompt = list(map(int, prompts[b]))
-        P = len(prompt)
-        seqs = np.full((N, P + T), 0, np.int32)
-        for n in range(N):
-            seqs[n, :P] = prompt
-            seqs[n, P:P + lengths[b, n]] = generation.tokens[b, n, :lengths[b, n]]
-        idx = np.asarray(choose(jnp.asarray(seqs)))  # [N, L, P + T, k]
-        for n in range(N):
-            for t in range(int(lengths[b, n])):
-                # step t feeds token t (position P + t) through the layers.
-                hits[t, np.arange(cfg.n_layers)[:, None], idx[n, :, P + t]] = True
-    return float(hits.sum(-1).mean())
-
-
-# ---------------------------------------------------------------------------
-# Formatting
-
-
-def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary prefixes)."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_flops(n: float) -> str:
-    """2.5e12 -> '2.50 TFLOP' (decimal prefixes)."""
-    n = float(n)
-    if n == 0:
-        return "0 FLOP"
-    exp = min(int(math.log10(abs(n)) // 3), 5)
-    if exp <= 0:
-        return f"{n:.0f} FLOP"
-    prefix = "kMGTP"[exp - 1]
-    return f"{n / 10 ** (3 * exp):.2f} {prefix}FLOP"

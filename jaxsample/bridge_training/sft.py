@@ -6,7 +6,7 @@ groups of correct answers to the same problem: draw n samples per problem
 from the base model (the paper: 8 per GSM8K problem), drop the wrong ones,
 drop the problems with at most one correct answer, batch the correct answers
 of a problem together as one group. The whole group is teacher-forced through
-`jaxsample.bridge_train.pg_loss` with advantage 1 on every kept sample (the
+`jaxsample.bridge_training.common.pg_loss` with advantage 1 on every kept sample (the
 supervised loss), so the cross-branch attention sees the other correct
 answers at the same positions and is trained; the base model stays frozen.
 
@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample import bridge as bridge_lib
-from jaxsample import bridge_train as bt
+from jaxsample.bridge_training import common as bt
 from jaxsample import engine
-from jaxsample.bridge_grpo import score_group
-from jaxsample.bridge_train import Batch, Problem
-from jaxsample.sampling import SamplingParams
+from jaxsample.bridge_training.grpo import score_group
+from jaxsample.bridge_training.common import Batch, Problem
+from jaxsample.sampling_params import SamplingParams
 
 __all__ = ["SFTData", "filter_groups", "collect", "train_sft", "save_data", "load_data"]
 
@@ -90,7 +90,7 @@ def collect(lm, problems: Sequence[Problem], *, n: int = 8, max_group: int = 8, 
       problems: the training problems.
       n: samples per problem (the paper: 8); max_group: the widest group kept.
       seed: sampling seed (`SamplingParams.seed`; chunk c uses seed + c).
-      reward_fn, group_reward_fn: as in `jaxsample.bridge_grpo.rollout`; a sample is
+      reward_fn, group_reward_fn: as in `jaxsample.bridge_training.grpo.rollout`; a sample is
         correct when its reward is > 0.
       keep_fn: `f(texts of one group, problem) -> [n] bool` overrides the reward
         (e.g. a coordination task keeps the first copy of each distinct valid answer).

@@ -2,7 +2,7 @@
 
 Used by benchmarks/bridge.py (Bridge training and evaluation). Each problem is
 a one-sentence word problem whose answer is a non-negative integer; rewards
-are exact-match on the final number (`jaxsample.answers`). The set is a pure
+are exact-match on the final number (`jaxsample.reduce.answers`). The set is a pure
 function of (split, count, seed), so train and held-out problems never
 overlap (disjoint seeds and a de-duplication on the prompt text).
 
@@ -13,8 +13,9 @@ with small numbers, which the base model solves some but not all of the time.
 from __future__ import annotations
 
 import random
+from typing import Callable
 
-from jaxsample.bridge_train import Problem
+from jaxsample.bridge_training.common import Problem
 
 _NAMES = ["Sam", "Ana", "Li", "Tom", "Mia", "Ben", "Zoe", "Raj", "Eva", "Max"]
 _ITEMS = ["apples", "books", "coins", "pens", "cards", "eggs", "shells", "stamps"]
@@ -42,23 +43,35 @@ def _one(rng: random.Random) -> Problem:
     return Problem(f"{FEW_SHOT}Q: {text}\nA:", str(ans))
 
 
-def make_problems(split: str, count: int) -> list[Problem]:
-    """`count` distinct problems of one split ("train" or "test").
+def distinct_problems(one: Callable[[random.Random], Problem], seeds: dict[str, int], split: str,
+                      count: int) -> list[Problem]:
+    """`count` distinct problems of one split, drawn with `one(rng)` from the split's seed.
+
+    The other split's first 2000 prompts are excluded, so train and test never
+    overlap; repeated prompts are skipped.
 
     Raises:
-      ValueError: an unknown split.
+      ValueError: an unknown split, or more problems than `100 * count + 1000`
+        draws make distinct.
     """
-    seeds = {"train": 1234, "test": 98765}
     if split not in seeds:
         raise ValueError(f"split must be one of {sorted(seeds)}, got {split!r}")
     other = "test" if split == "train" else "train"
     rng, rng_other = random.Random(seeds[split]), random.Random(seeds[other])
-    # Exclude the other split's first 2000 prompts so train and test never overlap.
-    excluded = {_one(rng_other).prompt for _ in range(2000)}
+    excluded = {one(rng_other).prompt for _ in range(2000)}
     out, seen = [], set()
-    while len(out) < count:
-        p = _one(rng)
+    for _ in range(100 * count + 1000):
+        if len(out) == count:
+            return out
+        p = one(rng)
         if p.prompt not in seen and p.prompt not in excluded:
             seen.add(p.prompt)
             out.append(p)
-    return out
+    if len(out) == count:
+        return out
+    raise ValueError(f"could not make {count} distinct {split} problems")
+
+
+def make_problems(split: str, count: int) -> list[Problem]:
+    """`count` distinct problems of one split ("train" or "test"); `distinct_problems`."""
+    return distinct_problems(_one, {"train": 1234, "test": 98765}, split, count)

@@ -1,0 +1,363 @@
+"""`main`: the `jaxsample` command's dispatch, `run` and `cache`.
+
+    jaxsample run --prompt "What is 3 + 4? Answer with a number." --n 16
+    jaxsample run --prompt-file q.txt --config configs/best_of_n.yaml --json
+    jaxsample run --prompt-file requests.jsonl --json        # one JSON line per request
+    jaxsample price --model smollm2-135m --prompt-tokens 4096 --new-tokens 256 --n 1,4,16,64
+    jaxsample cache info          # where the cache is, what it holds; `cache clear` empties it
+
+`run` loads a model (`jaxsample.loading.load`), samples N branches that share
+the prompt's KV cache (`jaxsample.engine.generate`), reduces them (vote,
+best-of-N or none) and prints the branches, the result and the bill. Bad input
+of any kind (every `JaxsampleError`, `ValueError`, `OSError`, `OverflowError`)
+is one line on stderr (`jaxsample: error: ...`) and exit status 2; a reader of
+stdout that leaves (`| head -1`) ends it quietly with status 141. What the
+command guarantees (strict JSON, float32 digits, flag values, caches) is in
+docs/ARCHITECTURE.md, "The command line".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from jaxsample import cost
+from jaxsample import disk_cache as cache_lib
+from jaxsample.cli import config as config_lib
+from jaxsample.cli.console import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, dumps, finite, json_record, print_run, stdout_console
+from jaxsample.cli.parser import ADAPTIVE, UsageError, build_parser
+from jaxsample.cli.price import price_command
+from jaxsample.cli.requests import check_adaptive, check_requests, is_jsonl, read_requests, read_shared_prefix, render, group_requests
+from jaxsample.errors import ConfigError, InputError, JaxsampleError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+      argv: the arguments (default `sys.argv[1:]`).
+    Returns:
+      The exit status: 0 on success, 2 on bad input (one line on stderr), 141
+      (quietly) when the reader of stdout went away, 130 on Ctrl-C.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:  # --help / --version
+            return int(e.code or 0)
+        if args.command == "run":
+            return _run(args)
+        if args.command == "cache":
+            return _cache_command(args)
+        return price_command(args)
+    except BrokenPipeError:  # `jaxsample run ... | head -1`: the reader left
+        return _broken_pipe()
+    except (UsageError, JaxsampleError, ValueError, OSError, OverflowError) as e:
+        # OverflowError: a user value too large for a fixed-width type (int32,
+        # float) that slipped past validation; still bad input, not a crash.
+        _fail(e)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("jaxsample: interrupted", file=sys.stderr)
+        return 130
+
+
+def _broken_pipe() -> int:
+    """The reader of stdout (or stderr) went away (`| head -1`): stop quietly, as Unix
+    filters do, with the status a filter killed by SIGPIPE has (141; `set -o pipefail`
+    sees it, a plain pipeline does not). Both streams are pointed at /dev/null first,
+    so neither this exit nor the interpreter's last flush prints "Broken pipe" (the
+    recipe of the Python docs, "Note on SIGPIPE")."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (AttributeError, OSError, ValueError):  # not a real file (tests, embedding)
+            pass
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
+
+
+def _fail(e: BaseException) -> None:
+    msg = str(e) or type(e).__name__
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        msg = f"{e.filename}: {e.strerror}"
+    msg = " ".join(msg.split())  # one line, whatever the message
+    prog = "jaxsample"
+    if isinstance(e, UsageError):  # "jaxsample run: message"
+        prog, _, msg = msg.partition(": ")
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+
+
+def resolve_run_config(args: argparse.Namespace) -> config_lib.RunConfig:
+    """Defaults, then the --config file, then the flags given explicitly.
+
+    Raises:
+      ConfigError: an unreadable config file or a bad flag value (the same
+        validation as `SamplingParams`).
+    """
+    cfg = config_lib.load_config(args.config) if args.config else config_lib.RunConfig()
+    sampling = {name: getattr(args, name) for name in
+                ("n", "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "seed",
+                 "logprobs")
+                if getattr(args, name) is not None}
+    if args.stop:
+        sampling["stop"] = tuple(args.stop)
+    if sampling:
+        try:
+            cfg = cfg.replace(sampling=cfg.sampling.replace(**sampling))
+        except ConfigError as e:
+            flag = str(e).split(".", 1)[-1].split(" ", 1)[0]
+            raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
+    if args.model is not None or args.dtype is not None:
+        cfg = cfg.replace(model=config_lib.ModelConfig(
+            name=args.model if args.model is not None else cfg.model.name,
+            dtype=args.dtype or cfg.model.dtype))
+    if args.reduce is not None or args.extract is not None:
+        cfg = cfg.replace(reducer=dataclasses.replace(
+            cfg.reducer, kind=args.reduce or cfg.reducer.kind,
+            extract=args.extract or cfg.reducer.extract))
+    if getattr(args, "select", None) is not None:
+        if args.reduce not in (None, "best"):
+            raise ConfigError(f"--select picks the best branch; it cannot be combined with "
+                              f"--reduce {args.reduce}")
+        cfg = cfg.replace(reducer=dataclasses.replace(cfg.reducer, kind="best", score=args.select))
+    if cfg.reducer.kind == "best" and cfg.reducer.score in config_lib.SIGNAL_SCORES:
+        cfg = cfg.replace(sampling=cfg.sampling.replace(signals=True))
+    if args.chat is not None:
+        cfg = cfg.replace(chat=args.chat)
+    return cfg
+
+
+def _load_model(name: str | None, dtype: str, *, use_cache: bool = True):
+    from jaxsample import loading
+
+    return loading.load(name, dtype=dtype, cache=None if use_cache else False)
+
+
+def _make_mesh(mesh_cfg: config_lib.MeshConfig, n: int):
+    """The ("data", "branch") mesh of the config, or None for one device."""
+    if mesh_cfg.devices == 1:
+        return None
+    if n % mesh_cfg.branch:
+        raise InputError(f"--n {n} must be a multiple of mesh.branch ({mesh_cfg.branch})")
+    from jaxsample import sharding
+
+    try:
+        return sharding.make_mesh(branch=mesh_cfg.branch, data=mesh_cfg.data)
+    except ValueError as e:
+        raise InputError(f"mesh: {e}") from None
+
+
+def _model_header(cfg: config_lib.RunConfig, use_cache: bool):
+    """(config, tokenizer) of the run's model, without its weights."""
+    from jaxsample import loading
+
+    return loading.read_model(cfg.model.name, cache=None if use_cache else False)
+
+
+def _run(args) -> int:
+    t_start = time.perf_counter()
+    cfg = resolve_run_config(args)
+    requests = read_requests(args, cfg)
+    shared = read_shared_prefix(args)
+    use_cache = not args.no_cache and not cache_lib.cache_disabled()
+    if shared is not None and args.adaptive:
+        raise InputError("--shared-prefix cannot be combined with --adaptive")
+    if args.adaptive:
+        if cfg.reducer.kind != "vote":
+            raise InputError(f"--adaptive votes; it cannot be combined with --reduce "
+                             f"{cfg.reducer.kind}")
+        check_adaptive(args)
+    for r in requests:
+        _make_mesh(cfg.mesh, r.sampling.n)
+    # Every check that needs the model, made on its metadata and tokenizer alone, so bad
+    # input is refused before the weights load (and before any progress line).
+    t0 = time.perf_counter()
+    check_requests(*_model_header(cfg, use_cache), requests, cfg.chat, shared)
+    t_meta = time.perf_counter() - t0  # reading the header counts as loading
+    from jaxsample import loading
+    from jaxsample.progress import Progress
+
+    progress = None if args.quiet else Progress()
+    if use_cache:
+        cache_lib.enable_compilation_cache()
+    what = cfg.model.name or "the embedded model"
+    t0 = time.perf_counter()
+    if progress is not None:
+        with progress.phase(f"loading {what}") as ph:
+            lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
+            ph.cancel()
+    else:
+        lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
+    # One figure, said twice: the header and tokenizer read first, then the weights.
+    t_load = t_meta + time.perf_counter() - t0
+    if progress is not None:
+        info = loading.load_info(lm)
+        how = ("dequantised weights from the cache" if info.get("weights") == "cache"
+               else "dequantised; cached for the next run" if info.get("cache_entry")
+               else "read from the checkpoint")
+        progress.line(f"loaded {lm.name} in {t_load:.2f} s ({how})")
+    outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
+    batches = group_requests(requests)
+    for k, batch in enumerate(batches):
+        run_cfg = cfg.replace(sampling=batch[0].sampling)
+        mesh = _make_mesh(cfg.mesh, run_cfg.sampling.n)
+        texts = [render(lm.tokenizer, r, cfg.chat) for r in batch]
+        kwargs = {"chat": False, "prompt_index_offset": batch[0].index}
+        if mesh is not None:
+            kwargs["mesh"] = mesh
+        t_batch = time.perf_counter()
+        if args.adaptive:
+            adaptive = _run_adaptive(lm, texts, run_cfg, args, kwargs, progress)
+            gen = adaptive.generation
+            per = [_adaptive_result(adaptive, b, args) for b in range(len(batch))]
+        else:
+            from jaxsample import engine
+
+            adaptive = None
+            if shared is not None:  # the prompts after the common context
+                # With chat, generate renders [system turn] + each conversation itself.
+                kwargs.update(chat=cfg.chat, shared_prefix=shared)
+                texts = [(r.messages if r.messages is not None else r.prompt) if cfg.chat
+                         else render(lm.tokenizer, r, False) for r in batch]
+            gen = engine.generate(lm, texts, run_cfg.sampling, progress=progress or False,
+                                  **kwargs)
+            sc = _vote(gen, cfg.reducer) if cfg.reducer.kind == "vote" else None
+            per = [_reduce(gen, cfg.reducer, b, sc) for b in range(len(batch))]
+        timings = {"load": t_load,
+                   "compile": float(gen.timings.get("compile", 0.0)),
+                   "prefill": float(gen.timings.get("prefill", 0.0)),
+                   "decode": float(gen.timings.get("decode", 0.0)),
+                   "total": time.perf_counter() - (t_start if k == 0 else t_batch)}
+        for b, (r, (result, answers)) in enumerate(zip(batch, per)):
+            outputs.append(dict(request=r, batch=k, gen=gen, b=b, result=result,
+                                answers=answers, adaptive=adaptive, timings=timings,
+                                cfg=run_cfg, requests=[x.index for x in batch]))
+    if progress is not None:
+        progress.close()
+    single = not is_jsonl(args)  # one prompt: one JSON object / one table, as ever
+    if args.json:
+        for out in outputs:
+            print(dumps(json_record(lm, cfg, out, single)))
+        return EXIT_OK
+    console = stdout_console()
+    for i, out in enumerate(outputs):
+        last_of_batch = i + 1 == len(outputs) or outputs[i + 1]["batch"] != out["batch"]
+        print_run(console, lm, out, single, bill=last_of_batch,
+                   batch_requests=None if single else out["requests"])
+    return EXIT_OK
+
+
+def _run_adaptive(lm, prompts, cfg, args, kwargs, progress=None):
+    """`jaxsample.adaptive_self_consistency` for `run --adaptive`."""
+    from jaxsample.reduce import adaptive as adaptive_lib
+
+    rule, confidence = ADAPTIVE[args.adaptive]
+    ctx = (progress.phase("adaptive self-consistency: rounds of "
+                          f"{args.window} branches, up to {args.max_n}")
+           if progress is not None else contextlib.nullcontext())
+    with ctx:
+        return adaptive_lib.adaptive_self_consistency(
+            lm, prompts, cfg.sampling, max_n=args.max_n, window=args.window, rule=rule,
+            threshold=args.threshold, confidence=confidence, extract=cfg.reducer.extract,
+            warmup=2 * args.window if confidence else 16, progress=progress or False,
+            **kwargs)
+
+
+def _adaptive_result(adaptive, b: int, args):
+    counted = adaptive.counted[b]
+    first = next((i for i, (a, c) in enumerate(zip(adaptive.answers[b], counted))
+                  if c and a == adaptive.winner[b]), None)
+    result = {"answer": adaptive.winner[b], "share": finite(adaptive.share[b]),
+              "support": finite(adaptive.support[b]),  # the winner's (weighted) votes
+              "branch": first, "n_used": int(adaptive.n_used[b]),
+              "terminated": int(adaptive.terminated[b]), "adaptive": args.adaptive,
+              "saving": adaptive.bill.to_dict()}
+    return result, list(adaptive.answers[b])
+
+
+def _vote(gen, reducer: config_lib.ReducerConfig):
+    from jaxsample import reduce as reducers
+
+    return reducers.self_consistency(gen, extract=reducer.extract, weights=reducer.weights)
+
+
+def _reduce(gen, reducer: config_lib.ReducerConfig, b: int = 0, sc=None):
+    """The result ({"answer", "share", "branch"}) of prompt b and each branch's extracted
+    answer; `sc` is the batch's `self_consistency` (computed here if None)."""
+    import numpy as np
+
+    from jaxsample.reduce import answers as answers_lib
+    from jaxsample import reduce as reducers
+
+    texts = gen.texts[b]
+    if reducer.kind == "vote":
+        sc = _vote(gen, reducer) if sc is None else sc
+        branch = int(sc.first_branch[b])
+        result = {"answer": sc.winner[b], "share": finite(sc.share[b]),
+                  "support": finite(sc.support[b]), "branch": branch if branch >= 0 else None}
+        return result, list(sc.answers[b])
+
+    def one(text):
+        a = answers_lib.extract(text, reducer.extract)
+        return (answers_lib.normalize(a) or None) if a is not None else None
+
+    answers = [one(t) for t in texts]
+    if reducer.kind == "best":
+        scores = reducers.branch_scores(gen, reducer.score)
+        # Prefer complete branches (ended by a stop): a branch cut at max_new_tokens
+        # may carry a truncated answer. Without any complete branch, take them all.
+        lengths = np.asarray(gen.lengths)[b:b + 1]
+        complete = np.array([[r == "stop" for r in gen.finish_reason[b]]]) & (lengths > 0)
+        valid = complete if complete.any() else lengths > 0
+        idx = int(reducers.best_of_n(np.asarray(scores)[b:b + 1], valid)[0])
+        if idx < 0:
+            return {"answer": None, "share": None, "branch": None}, answers
+        return {"answer": answers[idx], "share": None, "branch": idx,
+                "score": finite(scores[b, idx])}, answers
+    return {"answer": None, "share": None, "branch": None}, answers
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _cache_command(args) -> int:
+    info = cache_lib.cache_info()
+    if args.cache_command == "clear":
+        parts = ([p for p in cache_lib.CLEAR_PARTS if getattr(args, p)]
+                 or list(cache_lib.CLEAR_PARTS))
+        freed = cache_lib.clear(parts)
+        if args.json:
+            print(dumps({"dir": info["dir"], "cleared": parts, "freed_bytes": freed}))
+        else:
+            print(f"cleared {', '.join(parts)} in {info['dir']}: {cost.format_bytes(freed)} freed")
+        return EXIT_OK
+    if args.json:
+        print(dumps(info))
+        return EXIT_OK
+    fb = cost.format_bytes
+    off = f" (off: {cache_lib.ENV_OFF} is set)" if info["disabled"] else ""
+    print(f"cache directory: {info['dir']}{off}" + ("" if info["exists"] else " (empty)"))
+    print(f"weights: {len(info['weights'])} entries, {fb(info['weights_bytes'])}")
+    for w in info["weights"]:
+        print(f"  {Path(w['file']).name}  {fb(w['bytes'])}  written {_age(w['age_s'])} ago  "
+              f"from {w['source'] or '(unreadable entry)'}")
+    print(f"compiled programs: {info['compiled_programs']}, {fb(info['compiled_bytes'])}")
+    print(f"assembled checkpoints: {len(info['models'])}, {fb(info['models_bytes'])}")
+    for m in info["models"]:
+        print(f"  {Path(m['file']).name}  {fb(m['bytes'])}  written {_age(m['age_s'])} ago")
+    print(f"total: {fb(info['total_bytes'])}")
+    return EXIT_OK

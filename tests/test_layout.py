@@ -1,0 +1,196 @@
+"""The library's layout: the import graph of `jaxsample/` and `models/`, read with `ast`.
+
+Nothing is imported or run: each test parses the source files. What holds:
+
+* no import cycle (function-local imports count: they cycle at run time);
+* no import from a lower stage into a higher one, `STAGES` being the one
+  definition of the order;
+* no module over `MAX_LINES` lines;
+* no module reaches another module's private (`_x`) names, by
+  `from m import _x` or by `m._x` on an imported module;
+* no test imports `benchmarks`, no benchmark imports the tests.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# The stages in import order: a module may import its own stage and the stages
+# before it, never a later one. The data flow of a request reads load ->
+# engine -> Generation -> reduce -> cli; the Bill (cost) and the Generation
+# type sit below the engine because the engine builds them, and the Bridge
+# block below it because the decode step calls it. Each entry is a module and
+# its submodules ("jaxsample" itself: the package face only, which imports
+# nothing statically); the longest match decides.
+STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("jaxsample", "jaxsample.errors", "jaxsample.sharding", "jaxsample.sampling_params",
+              "jaxsample.progress")),
+    ("load", ("jaxsample.models", "jaxsample.lm", "jaxsample.loading", "jaxsample.disk_cache",
+              "jaxsample.weight_cache")),
+    ("cost", ("jaxsample.cost",)),
+    ("generation", ("jaxsample.generation",)),
+    ("bridge", ("jaxsample.bridge",)),
+    ("engine", ("jaxsample.engine",)),
+    ("reduce", ("jaxsample.reduce",)),
+    ("bridge_training", ("jaxsample.bridge_training",)),
+    ("cli", ("jaxsample.cli", "jaxsample.__main__")),
+)
+MAX_LINES = 530  # "about 500": no module of the library longer than this
+
+
+def _module_files() -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for jaxsample/ and models/ (installed as jaxsample.models)."""
+    out = {}
+    for top, prefix in (("jaxsample", ("jaxsample",)), ("models", ("jaxsample", "models"))):
+        for p in sorted((ROOT / top).rglob("*.py")):
+            parts = list(prefix) + list(p.relative_to(ROOT / top).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = p
+    return out
+
+
+MODULES = _module_files()
+
+
+def _resolve(importer: str, node: ast.ImportFrom) -> str | None:
+    """The absolute module of `from X import ...` (relative imports resolved)."""
+    if node.level == 0:
+        return node.module
+    base = importer.split(".")
+    if not MODULES[importer].name == "__init__.py":
+        base = base[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(name: str) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import in module `name`,
+    function-local ones included; `from pkg import sub` names the submodule."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mod = _resolve(name, node)
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                out.append((sub, None, node.lineno) if sub in MODULES else (mod, a.name, node.lineno))
+    return [(m, n, line) for m, n, line in out if m in MODULES]
+
+
+def _stage(module: str) -> int:
+    best, stage = -1, None
+    for i, (_, prefixes) in enumerate(STAGES):
+        for p in prefixes:
+            inside = module == p or (p != "jaxsample" and module.startswith(p + "."))
+            if inside and len(p) > best:
+                best, stage = len(p), i
+    assert stage is not None, f"{module} is in no stage of STAGES"
+    return stage
+
+
+GRAPH = {m: sorted({dep for dep, _, _ in _imports(m)} - {m}) for m in MODULES}
+
+
+def test_every_module_has_a_stage():
+    for m in MODULES:
+        _stage(m)
+
+
+def test_no_import_cycle():
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in GRAPH[m]:
+            if state.get(d) == 1:
+                cycle = stack[stack.index(d):] + [d]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(MODULES):
+        if m not in state:
+            visit(m)
+
+
+def test_no_import_from_a_later_stage():
+    bad = [f"{m} ({STAGES[_stage(m)][0]}) imports {d} ({STAGES[_stage(d)][0]}), line {line}"
+           for m in MODULES for d, _, line in _imports(m) if _stage(d) > _stage(m)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_over_the_line_bound():
+    long = {m: n for m, p in MODULES.items()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_private_name_crosses_a_module():
+    bad = []
+    for m, p in MODULES.items():
+        for d, name, line in _imports(m):
+            if name and name.startswith("_") and not name.startswith("__") and d != m:
+                bad.append(f"{m}:{line} imports {d}.{name}")
+        # `mod._x` on a module bound by an import
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                mod = _resolve(m, node)
+                for a in node.names:
+                    if f"{mod}.{a.name}" in MODULES:
+                        aliases[a.asname or a.name] = f"{mod}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in MODULES:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and aliases[node.value.id] != m):
+                bad.append(f"{m}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+def _top_imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+TEST_MODULES = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"tests"}
+
+
+def test_no_test_imports_benchmarks():
+    bad = [p.name for p in sorted((ROOT / "tests").glob("*.py")) if "benchmarks" in _top_imports(p)]
+    assert not bad, f"tests importing benchmarks/: {bad}"
+
+
+def test_no_benchmark_imports_the_tests():
+    bad = [f"{p.name}: {sorted(_top_imports(p) & TEST_MODULES)}"
+           for p in sorted((ROOT / "benchmarks").rglob("*.py")) if _top_imports(p) & TEST_MODULES]
+    assert not bad, f"benchmarks importing tests/: {bad}"
+
+
+def test_the_checks_see_what_they_check():
+    """The graph is not empty and the checks would see a cycle and a late import."""
+    assert len(MODULES) > 50 and sum(map(len, GRAPH.values())) > 100
+    assert "jaxsample.engine.api" in GRAPH["jaxsample.reduce.adaptive"]
+    assert _stage("jaxsample.cli.app") > _stage("jaxsample.engine.api") > _stage("jaxsample.models.llama")
