@@ -16,9 +16,9 @@ and, as a cross-check, maj@N computed directly with
 Uncertainty: standard error across problems and a 95% bootstrap interval
 (problems resampled).
 
-    python benchmarks/accuracy.py                        # run the model, write results
-    python benchmarks/accuracy.py --from-json benchmarks/results/accuracy.json  # recompute only
-    python benchmarks/accuracy.py --probe add1,add2,...  # quick family probe (10 x 8)
+    python -m benchmarks.accuracy                        # run the model, write results
+    python -m benchmarks.accuracy --from-json benchmarks/results/accuracy.json  # recompute only
+    python -m benchmarks.accuracy --probe add1,add2,...  # quick family probe (10 x 8)
 
 Outputs (benchmarks/results/): accuracy.json (config + raw pool: per branch
 text, answer, correctness, mean logprob, length, finish reason; metrics),
@@ -41,7 +41,6 @@ import time
 import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 RESULTS = HERE / "results"
 
 METRICS = ("pass@1", "maj@k", "best@k", "pass@k")  # pass@1 is flat in k (reference line)
@@ -91,7 +90,7 @@ def _sample(lm, tasks, n, args, seed):
 
 def probe(lm, args):
     """~10 problems x 8 samples per family: pass@1 and the mean of truncated branches."""
-    from tasks import make_tasks
+    from benchmarks.tasks import make_tasks
 
     out = {}
     for fam in args.probe.split(","):
@@ -278,7 +277,7 @@ def main(argv=None):
 
     import jax
     import jaxsample
-    from tasks import make_tasks
+    from benchmarks.tasks import make_tasks
 
     RESULTS.mkdir(exist_ok=True)
     t_all = time.perf_counter()
@@ -302,8 +301,8 @@ def main(argv=None):
                    "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
                    "seed": args.seed, "extract": args.extract, "chat": True,
                    "model": lm.name, "dtype": "float32"},
-        "command": "python " + " ".join([os.path.relpath(__file__, HERE.parent)] +
-                                        (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join(["python -m benchmarks.accuracy"] +
+                            (argv if argv is not None else sys.argv[1:])),
         "date": datetime.date.today().isoformat(),
         "platform": {"jax": jax.__version__, "backend": jax.default_backend(),
                      "python": platform.python_version(), "cpus": os.cpu_count()},
