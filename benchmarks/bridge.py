@@ -31,8 +31,8 @@ import pathlib
 import sys
 import time
 
-import jax
-import numpy as np
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from benchmarks.bridge_tasks import make_problems  # noqa: E402
 from jaxsample import answers, bridge as bridge_lib, bridge_train, engine  # noqa: E402

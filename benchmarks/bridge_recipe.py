@@ -44,8 +44,8 @@ import pathlib
 import sys
 import time
 
-import jax
-import numpy as np
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from benchmarks import bridge_coord_tasks, bridge_tasks  # noqa: E402
 from benchmarks.bridge import load_model  # noqa: E402  (the same model for both scripts)
