@@ -4,7 +4,7 @@ Draws a pool of N branches per problem with `jaxsample.generate` (chat
 template, one shared prefix per problem), grades every branch by exact match
 of the extracted number, then reports for k = 1, 2, 4, ..., N the exact
 expected accuracy over random k-subsets of each problem's pool
-(`jaxsample.estimators`):
+(`jaxsample.reduce.estimators`):
 
   pass@k   some branch of the k is correct (an oracle verifier; upper bound)
   maj@k    the majority answer of the k is correct (self-consistency,
@@ -16,9 +16,9 @@ and, as a cross-check, maj@N computed directly with
 Uncertainty: standard error across problems and a 95% bootstrap interval
 (problems resampled).
 
-    python benchmarks/accuracy.py                        # run the model, write results
-    python benchmarks/accuracy.py --from-json benchmarks/results/accuracy.json  # recompute only
-    python benchmarks/accuracy.py --probe add1,add2,...  # quick family probe (10 x 8)
+    python -m benchmarks.accuracy                        # run the model, write results
+    python -m benchmarks.accuracy --from-json benchmarks/results/accuracy.json  # recompute only
+    python -m benchmarks.accuracy --probe add1,add2,...  # quick family probe (10 x 8)
 
 Outputs (benchmarks/results/): accuracy.json (config + raw pool: per branch
 text, answer, correctness, mean logprob, length, finish reason; metrics),
@@ -41,7 +41,6 @@ import time
 import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 RESULTS = HERE / "results"
 
 METRICS = ("pass@1", "maj@k", "best@k", "pass@k")  # pass@1 is flat in k (reference line)
@@ -92,7 +91,7 @@ def _sample(lm, tasks, n, args, seed):
 
 def probe(lm, args):
     """~10 problems x 8 samples per family: pass@1 and the mean of truncated branches."""
-    from tasks import make_tasks
+    from benchmarks.tasks import make_tasks
 
     out = {}
     for fam in args.probe.split(","):
@@ -279,7 +278,7 @@ def main(argv=None):
 
     import jax
     import jaxsample
-    from tasks import make_tasks
+    from benchmarks.tasks import make_tasks
 
     RESULTS.mkdir(exist_ok=True)
     t_all = time.perf_counter()
@@ -303,8 +302,8 @@ def main(argv=None):
                    "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
                    "seed": args.seed, "extract": args.extract, "chat": True,
                    "model": lm.name, "dtype": "float32"},
-        "command": "python " + " ".join([os.path.relpath(__file__, HERE.parent)] +
-                                        (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join(["python -m benchmarks.accuracy"] +
+                            (argv if argv is not None else sys.argv[1:])),
         "date": datetime.date.today().isoformat(),
         "platform": {"jax": jax.__version__, "backend": jax.default_backend(),
                      "python": platform.python_version(), "cpus": os.cpu_count()},

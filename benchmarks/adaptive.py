@@ -17,8 +17,8 @@ by exact match of the extracted number):
 Branch keys depend on (seed, prompt index, branch index) only, so every run
 of a problem shares the pool's branches. Standard errors are across problems.
 
-    python benchmarks/adaptive.py                       # run, write results
-    python benchmarks/adaptive.py --from-json benchmarks/results/adaptive.json   # report only
+    python -m benchmarks.adaptive                       # run, write results
+    python -m benchmarks.adaptive --from-json benchmarks/results/adaptive.json   # report only
 
 Outputs: benchmarks/results/adaptive.json, adaptive.md, adaptive.png.
 """
@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import pathlib
 import platform
-import sys
 import time
 
 import numpy as np
 
+from benchmarks.common import se
+
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 RESULTS = HERE / "results"
 
 ONLINE = [("esc", "esc", None), ("beta", "beta", None),
@@ -46,9 +46,7 @@ ONLINE = [("esc", "esc", None), ("beta", "beta", None),
 OFFLINE_ONLY = [("dirichlet", "dirichlet", None)]
 
 
-def _se(x) -> float:
-    x = np.asarray(x, np.float64)
-    return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else 0.0
+_se = functools.partial(se, fewer=0.0)  # 0 for a single problem
 
 
 def _pool(lm, tasks, args, family_index, first=0):
@@ -304,7 +302,7 @@ def main(argv=None):
         import jax
 
         import jaxsample
-        from tasks import make_tasks
+        from benchmarks.tasks import make_tasks
 
         lm = jaxsample.load()
         data = {"config": {k: v for k, v in vars(args).items() if k not in ("from_json", "out")},

@@ -14,10 +14,10 @@ branch correct), with binomial standard errors over problems, and the paired
 difference against the base model.
 
 CPU (about 30 minutes on 2 loaded cores, SmolLM2-135M embedded):
-    python benchmarks/bridge.py
-The first (failed) CPU run: python benchmarks/bridge.py --preset cpu-v1
+    python -m benchmarks.bridge
+The first (failed) CPU run: python -m benchmarks.bridge --preset cpu-v1
 GPU, longer: see benchmarks/bridge_gpu.sh (`--preset gpu`).
-Smoke test on the tiny random model: python benchmarks/bridge.py --tiny --steps 2
+Smoke test on the tiny random model: python -m benchmarks.bridge --tiny --steps 2
 """
 
 from __future__ import annotations
@@ -26,13 +26,10 @@ import argparse
 import collections
 import hashlib
 import json
-import math
 import os
 import pathlib
 import sys
 import time
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -43,6 +40,8 @@ from jaxsample.reduce import answers  # noqa: E402
 from jaxsample.bridge_training import common as bridge_train  # noqa: E402
 from jaxsample.bridge_training import grpo as bridge_grpo  # noqa: E402
 from jaxsample import SamplingParams  # noqa: E402
+
+from benchmarks.common import se
 
 # cpu: the settings of the reported CPU run (benchmarks/RESULTS.md, Bridge).
 # cpu-v1: the first CPU run, which collapsed both trained models to ~0 accuracy
@@ -130,12 +129,6 @@ def score(lm, bridge, problems, n, seed, args, stop_ids):
 def truncated(gen):
     """Fraction of branches cut by max_new_tokens (no stop token reached)."""
     return float(np.mean([[r == "length" for r in row] for row in gen.finish_reason]))
-
-
-def se(x):
-    """Standard error of the mean over problems (binomial SE for 0/1 data)."""
-    x = np.asarray(x, np.float64)
-    return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
 
 
 def main(argv=None):

@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-python benchmarks/bridge.py --preset gpu \
+python -m benchmarks.bridge --preset gpu \
   --out benchmarks/results/bridge_gpu.json "$@"

@@ -26,11 +26,11 @@ Tasks:
 Intervals: standard errors over problems; paired differences (bridge minus each
 control on the same problems, same eval seed) with 95 % t intervals.
 
-CPU:  python benchmarks/bridge_recipe.py --task coord        (--preset cpu)
-      python benchmarks/bridge_recipe.py --task accuracy
+CPU:  python -m benchmarks.bridge_recipe --task coord        (--preset cpu)
+      python -m benchmarks.bridge_recipe --task accuracy
 GPU:  benchmarks/bridge_recipe_gpu.sh (--preset gpu, < 10 min on one H200)
-Smoke test: python benchmarks/bridge_recipe.py --tiny --preset smoke
-Tables of a finished run: python benchmarks/bridge_recipe.py --from-json <report.json>
+Smoke test: python -m benchmarks.bridge_recipe --tiny --preset smoke
+Tables of a finished run: python -m benchmarks.bridge_recipe --from-json <report.json>
 """
 
 from __future__ import annotations
@@ -39,13 +39,10 @@ import argparse
 import collections
 import hashlib
 import json
-import math
 import os
 import pathlib
 import sys
 import time
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -60,6 +57,8 @@ from jaxsample.bridge_training import grpo as bridge_grpo  # noqa: E402
 from jaxsample import engine  # noqa: E402
 from jaxsample.bridge_training import sft as bridge_sft  # noqa: E402
 from jaxsample import SamplingParams  # noqa: E402
+
+from benchmarks.common import se
 
 TRAINED = ("bridge", "mlp", "nocross", "center")
 ATTENTION = ("bridge", "center")  # conditions with cross-branch attention (paired against the rest)
@@ -175,12 +174,6 @@ class Accuracy:
 
 # ---------------------------------------------------------------------------
 # Statistics
-
-
-def se(x):
-    """Standard error of the mean over problems."""
-    x = np.asarray(x, np.float64)
-    return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan")
 
 
 def t975(dof: int) -> float:

@@ -16,4 +16,4 @@ py="${PYTHON:-python}"
 [ -x .venv/bin/python ] && py="${PYTHON:-.venv/bin/python}"
 if [ "$task" = coord ]; then out=benchmarks/results/bridge_coordination_gpu.json
 else out=benchmarks/results/bridge_accuracy_recipe_gpu.json; fi
-exec "$py" benchmarks/bridge_recipe.py --task "$task" --preset gpu --out "$out" "$@"
+exec "$py" -m benchmarks.bridge_recipe --task "$task" --preset gpu --out "$out" "$@"

@@ -10,7 +10,7 @@ rows of logits). Runs on any CPU in seconds per cell.
 
 Usage:
 
-    PYTHONPATH=. python benchmarks/cost_analysis.py --prompt-lengths 2048 --branches 16 \
+    python -m benchmarks.cost_analysis --prompt-lengths 2048 --branches 16 \
         --new-tokens 64 [--json out.jsonl]
 
 `benchmarks/decode.py --cost-analysis` runs it on the grid of its own run and

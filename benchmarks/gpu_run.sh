@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_run.sh            # from the repository root
 #
 # Needs jax (with its CUDA plugin), torch and transformers on the machine; the
-# repo is used through PYTHONPATH (no install needed). Every part records its
+# scripts run as `python -m benchmarks.<name>` from the repository root, which
+# finds the repo's jaxsample too (no install needed). Every part records its
 # error in the JSONL instead of stopping the run: a missing torch only loses
 # the hf rows, a naive out-of-memory at N=64 is a row with the error.
 #
@@ -19,7 +20,6 @@
 # each worker is killed after 150 s (its finished cells are kept).
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # jax and torch share the GPU, one after the other
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 python - <<'EOF' || true
 import jax; print("jax", jax.__version__, jax.devices())
 EOF
-timeout 330 python benchmarks/decode.py --config llama-1b \
+timeout 330 python -m benchmarks.decode --config llama-1b \
     --prompt-lengths 4096 --branches 1,16,64 --new-tokens 128 \
     --engines jaxsample,hf,naive --isolate engine --warmup full \
     --cell-timeout 150 --deadline 240 --hf-skip-above 0 \
@@ -40,7 +40,7 @@ echo "exit ${PIPESTATUS[0]}; results in $OUT/gpu_llama1b.jsonl"
 # shrunk for a CPU smoke run: PREFILL_LENGTHS=64 PREFILL_MODEL=smollm2 bash ...
 # The float32 exactness checks are the CPU run's (--layer-check 0 here); the
 # bfloat16 logits/KV comparison is reported against a bfloat16-sized 5e-2.
-timeout 300 python benchmarks/prefill.py --model "${PREFILL_MODEL:-llama-1b}" --dtype bfloat16 \
+timeout 300 python -m benchmarks.prefill --model "${PREFILL_MODEL:-llama-1b}" --dtype bfloat16 \
     --prompt-lengths "${PREFILL_LENGTHS:-4096,16384}" --kernels dense,blockwise --repeats 3 \
     --cell-timeout 120 --layer-check 0 --check-rtol 5e-2 \
     --out "$OUT/gpu_prefill.json" 2>&1 | tee "$OUT/gpu_prefill.log"

@@ -7,7 +7,7 @@ k expert matrices gathered) and "sorted" (assignments sorted by expert,
 `lax.ragged_dot`). Each jitted, warmed up, then timed interleaved (round
 robin, median of `--reps`), so machine load hits all three alike.
 
-    python benchmarks/moe_paths.py [--dim 512 --ffn 1792 --experts 8 --k 2 --reps 30]
+    python -m benchmarks.moe_paths [--dim 512 --ffn 1792 --experts 8 --k 2 --reps 30]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plot benchmarks/decode.py results: decode tokens/s and peak memory against N, one line per
 (engine, P).
 
-    python benchmarks/plot.py benchmarks/results/cpu_smollm2.jsonl [more.jsonl ...] \
+    python -m benchmarks.plot benchmarks/results/cpu_smollm2.jsonl [more.jsonl ...] \
         --out benchmarks/results/cpu_smollm2.png
 """
 

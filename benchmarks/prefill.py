@@ -2,14 +2,15 @@
 
 Usage (CPU, the embedded SmolLM2-135M-Instruct in float32):
 
-    PYTHONPATH=. python benchmarks/prefill.py                     # P = 1024, 4096, 8192
-    PYTHONPATH=. python benchmarks/prefill.py --prompt-lengths 256 --repeats 3 --out /tmp/p.json
+    python -m benchmarks.prefill                     # P = 1024, 4096, 8192
+    python -m benchmarks.prefill --prompt-lengths 256 --repeats 3 --out /tmp/p.json
 
 What it measures (letters as in models/llama.py: P prompt tokens, L layers):
 
-* Every (kernel, P) cell runs in a fresh subprocess, so its peak resident set
-  size is its own (polled every 5 ms during the timed calls, as
-  benchmarks/decode.py does; on an accelerator `peak_bytes_in_use`). The
+* Every (kernel, P) cell runs in a fresh subprocess (the worker protocol of
+  benchmarks/common.py), so its peak resident set size is its own (polled
+  every 5 ms during the timed calls, `common.PeakRSS`; on an accelerator
+  `peak_bytes_in_use`). The
   kernel is forced through `models.flash.BLOCKWISE_MIN_LEN` (dense: never
   blockwise) before anything is traced.
 * The program is the engine's prefill (`jaxsample.engine.prefill.prefill`,
@@ -45,17 +46,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
+from benchmarks.common import (PeakRSS, cpu_model, device_mem, load_jax_model, md_table, now,
+                               prompt_ids, ru_maxrss_bytes, spawn, versions)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import decode as dec  # noqa: E402  (PeakRSS, load_jax_model, versions: no jax import)
 
 KERNELS = ("dense", "blockwise", "noattn")
 
@@ -82,7 +82,7 @@ def worker(spec):
     import jax
     import jax.numpy as jnp
 
-    from jaxsample.models import common, flash
+    from jaxsample.models import flash
 
     if spec["kernel"] == "dense":
         flash.BLOCKWISE_MIN_LEN = 2**31
@@ -97,10 +97,10 @@ def worker(spec):
     spec = dict(spec, block=flash.BLOCK)
     from jaxsample.engine.prefill import prefill
 
-    lm, load_s = dec.load_jax_model(spec["model"], spec["dtype"])
+    lm, load_s = load_jax_model(spec["model"], spec["dtype"])
     cfg, params = lm.config, lm.params
     P = spec["P"]
-    ids = np.asarray(dec._prompt_ids(0, P, cfg.vocab_size), np.int32)
+    ids = np.asarray(prompt_ids(0, P, cfg.vocab_size), np.int32)
     tokens, lengths = jnp.asarray(ids[None]), jnp.asarray([P], jnp.int32)
     fn = jax.jit(lambda p, t, n: prefill(cfg, p, t, n))
     t0 = time.perf_counter()
@@ -114,7 +114,7 @@ def worker(spec):
         cost = {"error": repr(e)}
     plat = jax.devices()[0].platform
     runs = []
-    with dec.PeakRSS() as rss:
+    with PeakRSS() as rss:
         for _ in range(spec["repeats"]):
             t0 = time.perf_counter()
             out = jax.block_until_ready(prog(params, tokens, lengths))
@@ -123,10 +123,10 @@ def worker(spec):
     res = dict(spec, load_s=load_s, compile_s=compile_s, prefill_s=statistics.median(runs),
                prefill_runs_s=runs, tokens_per_s=P / statistics.median(runs), platform=plat,
                peak_rss_bytes=rss.peak, run_rss_delta_bytes=rss.peak - rss.start,
-               ru_maxrss_bytes=dec._ru_maxrss_bytes(), xla_cost=cost,
+               ru_maxrss_bytes=ru_maxrss_bytes(), xla_cost=cost,
                analytic=_analytic(cfg, P, spec["kernel"], spec["block"]))
     if plat != "cpu":
-        res["device_peak_bytes"] = dec._device_mem().get("peak_bytes_in_use")
+        res["device_peak_bytes"] = device_mem().get("peak_bytes_in_use")
     if spec.get("save"):
         np.savez(spec["save"], logits=np.asarray(last, np.float32),
                  k=np.asarray(prefix.k[-1], np.float32), v=np.asarray(prefix.v[-1], np.float32))
@@ -171,18 +171,18 @@ def layer_check(spec):
     return res
 
 
+def cell(spec):
+    """The worker target (benchmarks.common.spawn): a kernel cell or the one-layer check."""
+    return layer_check(spec) if spec.get("layer_check") else worker(spec)
+
+
 def _spawn(spec, timeout):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
+    ran = spawn("benchmarks.prefill:cell", spec, timeout)
+    if ran.rows:
+        return ran.rows[-1]
+    if ran.returncode == "timeout":
         return dict(spec, error=f"timeout after {timeout} s")
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return dict(spec, error=(p.stderr or p.stdout)[-2000:], returncode=p.returncode)
+    return dict(spec, error=(ran.stderr or ran.stdout)[-2000:], returncode=ran.returncode)
 
 
 def _check(a_path, b_path):
@@ -197,8 +197,8 @@ def _check(a_path, b_path):
 
 
 def _table(cells):
-    rows = ["| P | kernel | prefill s (median) | tok/s | runs s | "
-            "peak RSS GB | RSS delta GB | compile s |", "|---|---|---|---|---|---|---|---|"]
+    rows = md_table(("P", "kernel", "prefill s (median)", "tok/s", "runs s", "peak RSS GB",
+                     "RSS delta GB", "compile s"), [])
     for c in cells:
         if "error" in c:
             rows.append(f"| {c['P']} | {c['kernel']} | error: {c['error'][-120:]!r} |||||")
@@ -224,13 +224,7 @@ def main(argv=None):
     ap.add_argument("--layer-check", type=int, default=8192, help="S of the one-layer float64 "
                     "check at SmolLM2's H=9, K=3, D=64 (0: off)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "prefill.json"))
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        spec = json.loads(args.worker)
-        print(json.dumps(layer_check(spec) if spec.get("layer_check") else worker(spec)),
-              flush=True)
-        return 0
     kernels = args.kernels.split(",")
     tmp = tempfile.mkdtemp(prefix="prefill_bench_")
     cells, checks = [], []
@@ -238,8 +232,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     def write():  # after every cell: a run killed from outside keeps what it measured
-        result = {"benchmark": "prefill", "date": dec._now(), "cpu": dec._cpu_model(),
-                  "versions": dec._versions(), "model": args.model, "dtype": args.dtype,
+        result = {"benchmark": "prefill", "date": now(), "cpu": cpu_model(),
+                  "versions": versions(), "model": args.model, "dtype": args.dtype,
                   "block": args.block, "repeats": args.repeats, "check_rtol": args.check_rtol,
                   "wall_s": time.time() - t_start, "cells": cells, "checks": checks}
         with open(args.out + ".tmp", "w") as f:

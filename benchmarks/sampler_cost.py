@@ -16,7 +16,7 @@ With `--step`, one whole decode step of the engine (`generate` decode time /
 steps, top-p 0.95) is measured for the embedded SmolLM2 (V = 49,152) and
 Gemma 3 270M (V = 262,144, when installed), to give each figure's share.
 
-    python benchmarks/sampler_cost.py [--n 16] [--repeats 15] [--vocab 49152,262144]
+    python -m benchmarks.sampler_cost [--n 16] [--repeats 15] [--vocab 49152,262144]
         [--candidates 256+1024,1024] [--step]
 """
 

@@ -20,9 +20,9 @@ step-time cost of the signals.
    and with `logprobs=20`, interleaved in one process (median of `--repeats`
    runs each), at the model's V (SmolLM2: 49,152; Gemma 3 270M: 262,144).
 
-    python benchmarks/selection.py --families add1,add2,mul21 --problems 48
-    python benchmarks/selection.py --overhead --model gemma3-270m
-    python benchmarks/selection.py --from-json benchmarks/results/selection.json
+    python -m benchmarks.selection --families add1,add2,mul21 --problems 48
+    python -m benchmarks.selection --overhead --model gemma3-270m
+    python -m benchmarks.selection --from-json benchmarks/results/selection.json
 
 Outputs: benchmarks/results/selection[-MODEL].json and .md.
 """
@@ -31,18 +31,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import pathlib
 import platform
-import sys
 import time
 
 import numpy as np
 
+from benchmarks.common import se
+
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
 RESULTS = HERE / "results"
 KS = (4, 16, 64)
 SCORE_RULES = [("mean logprob", "mean_logprob")] + [
@@ -60,9 +60,7 @@ VOTE_RULES = [("DeepConf weighted vote (lowest group, sig)", "lowest:sig", None)
               ("Borda by self-certainty rank (p = 0.5)", "mean:sig", "borda")]
 
 
-def _se(x) -> float:
-    x = np.asarray(x, np.float64)
-    return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else 0.0
+_se = functools.partial(se, fewer=0.0)  # 0 for a single problem
 
 
 def _pool(lm, tasks, args, family_index):
@@ -231,7 +229,7 @@ def main(argv=None):
         import jax
 
         import jaxsample
-        from tasks import make_tasks
+        from benchmarks.tasks import make_tasks
 
         lm = jaxsample.load(args.model) if args.model else jaxsample.load()
         data = {"config": {k: str(v) if isinstance(v, pathlib.Path) else v

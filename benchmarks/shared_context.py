@@ -2,7 +2,7 @@
 
 Usage (from the repository root; CPU, the embedded SmolLM2-135M-Instruct, float32):
 
-    PYTHONPATH=. python benchmarks/shared_context.py --repeats 3 \
+    python -m benchmarks.shared_context --repeats 3 \
         --out benchmarks/results/shared_context.json
 
 One request, two ways, side by side in one process:
@@ -158,5 +158,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     raise SystemExit(main())

@@ -2,7 +2,7 @@
 
 Usage (from the repository root; CPU, the embedded SmolLM2-135M-Instruct):
 
-    PYTHONPATH=. python benchmarks/startup.py --repeats 3 \
+    python -m benchmarks.startup --repeats 3 \
         --out benchmarks/results/startup.json
 
 Every measured call is a fresh process running
@@ -62,8 +62,7 @@ def command(args, no_cache: bool) -> list[str]:
 
 
 def call(args, cache_dir: pathlib.Path, no_cache: bool) -> dict:
-    env = {**os.environ, "JAXSAMPLE_CACHE_DIR": str(cache_dir),
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "JAXSAMPLE_CACHE_DIR": str(cache_dir)}  # cwd=ROOT: `-m` finds jaxsample
     env.pop("JAXSAMPLE_NO_CACHE", None)
     t0 = time.perf_counter()
     out = subprocess.run(command(args, no_cache), env=env, cwd=ROOT, capture_output=True,
@@ -92,7 +91,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     # Warm the page cache with the GGUF and the code (not what is measured).
-    sys.path.insert(0, str(ROOT))
     from jaxsample.models import registry
 
     gguf = pathlib.Path(args.model) if args.model else registry.embedded_path()

@@ -11,7 +11,7 @@ compiled; "now" is the code as it is.
 
 Usage:
 
-    PYTHONPATH=. python benchmarks/step_ablation.py --variants now,old_prefix_attention \
+    python -m benchmarks.step_ablation --variants now,old_prefix_attention \
         --prompt-length 1024 --branches 1,16 --new-tokens 16 --reps 7
 
 Prints a markdown table (median, min, max step ms per variant and N) and,
@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import sys
 
 @contextlib.contextmanager
 def _old_prefix_attention():
@@ -67,8 +65,7 @@ def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0):
     from jaxsample.loading import load
     from jaxsample import SamplingParams
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from decode import NoEosTokenizer, _prompt_ids
+    from benchmarks.common import NoEosTokenizer, prompt_ids as _prompt_ids
 
     lm = load(None, dtype="float32")
     lm = dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer))

@@ -103,7 +103,7 @@ class BridgeConfig:
         adds the per-token path `W_V RMSNorm(h)`: `y = W_O (W_V RMSNorm(h) +
         Attn(centred))`. The attention then compares what the branches did
         differently, not their shared prompt/position state (which made the
-        uncentred attention exactly uniform, benchmarks/notes_bridge.md).
+        uncentred attention exactly uniform, benchmarks/notes/notes_bridge.md).
         A branch alone (N = 1, prefill, all others finished) has deviation 0,
         RMSNorm(0) = 0 (`norm_eps` > 0), so the block is the per-token path,
         i.e. `cross_branch=False` with the same params (`self_only`).

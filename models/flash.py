@@ -46,7 +46,7 @@ import numpy as np
 # Query / key block size (positions). Measured on the 2-core AVX2 CPU with the
 # SmolLM2-135M shapes (H=9, K=3, D=64): 128-256 fastest from S = 512 to 4096
 # (a [K, G*256, 256] float32 score block is 2.4 MB), 512 within 10-30 %, one block
-# of S (the dense kernel's shape) 3-4x slower; see benchmarks/notes_prefill.md.
+# of S (the dense kernel's shape) 3-4x slower; see benchmarks/notes/notes_prefill.md.
 BLOCK = 256
 # `causal_attend` uses the blockwise kernel from this many positions on. Below
 # it the dense square is small (at most 38 MB per layer at H = 9) and the time

