@@ -222,17 +222,21 @@ def test_teacher_forced_group_forward_equals_decode(tiny_lm, cfg, bridge, couple
         np.testing.assert_allclose(lp, g.logprobs[b], atol=1e-4, rtol=0)
 
 
+def supervised_batch(lm, g, width=32):
+    """A training Batch of Generation g's branches, every advantage 1 (the SFT loss);
+    prompts right-padded to `width`."""
+    prompt = np.zeros((len(g.prompt_tokens), width), np.int32)
+    for i, t in enumerate(g.prompt_tokens):
+        prompt[i, :len(t)] = t
+    return bridge_train.Batch(jnp.asarray(prompt), jnp.asarray([len(t) for t in g.prompt_tokens]),
+                              jnp.asarray(g.tokens), jnp.asarray(g.lengths),
+                              jnp.ones(g.lengths.shape, jnp.float32), stop_array(lm))
+
+
 def test_gradients_reach_only_trainable_bridge_params_and_sft_loss_decreases(tiny_lm):
     cfg = bridge_lib.BridgeConfig(dim=8, n_heads=2, layers=(1,))
     b = bridge_lib.init(tiny_lm, cfg)
-    gen = engine.generate(tiny_lm, PROMPTS, sp(4))
-    P = 32
-    prompt = np.zeros((2, P), np.int32)
-    for i, t in enumerate(gen.prompt_tokens):
-        prompt[i, :len(t)] = t
-    batch = bridge_train.Batch(jnp.asarray(prompt), jnp.asarray([len(t) for t in gen.prompt_tokens]),
-                               jnp.asarray(gen.tokens), jnp.asarray(gen.lengths),
-                               jnp.ones((2, 4), jnp.float32), stop_array(tiny_lm))
+    batch = supervised_batch(tiny_lm, engine.generate(tiny_lm, PROMPTS, sp(4)))
     grads = jax.grad(lambda p: bridge_train.pg_loss(p, tiny_lm.config, tiny_lm.params, cfg, batch,
                                                     tiny_lm.vocab_limit)[0])(b.params)
     assert float(jnp.abs(grads["wo"][1]).max()) > 0  # flows into the selected layer
@@ -371,14 +375,7 @@ def test_attention_ignores_a_shared_component(tiny_lm, cfg, bridge):
 def test_gradients_only_into_bridge_params_and_checkpoint(tiny_lm, cfg, coupled, tmp_path):
     one = dataclasses.replace(cfg, layers=(1,))  # the centred Bridge on layer 1 only
     b = nonzero(tiny_lm, one, scale=0.05)
-    g = coupled
-    P = 32
-    prompt = np.zeros((2, P), np.int32)
-    for i, t in enumerate(g.prompt_tokens):
-        prompt[i, :len(t)] = t
-    batch = bridge_train.Batch(jnp.asarray(prompt), jnp.asarray([len(t) for t in g.prompt_tokens]),
-                               jnp.asarray(g.tokens), jnp.asarray(g.lengths),
-                               jnp.ones((2, 4), jnp.float32), stop_array(tiny_lm))
+    batch = supervised_batch(tiny_lm, coupled)
     grads = jax.grad(lambda p: bridge_train.pg_loss(p, tiny_lm.config, tiny_lm.params, one,
                                                     batch, tiny_lm.vocab_limit)[0])(b.params)
     for name in ("wq", "wk", "wv", "wo", "norm"):
