@@ -29,8 +29,6 @@ TINY_RUN = ["run", "--model", TINY_GGUF, "--n", "3", "--max-new-tokens", "7", "-
 pytestmark = pytest.mark.usefixtures("compilation_cache_calls")
 
 
-
-
 def _strict_loads(text):
     """json.loads that refuses NaN, Infinity and -Infinity (Python's json accepts them)."""
     def refuse(name):

@@ -13,16 +13,15 @@ import time
 import pytest
 
 import jaxsample
-from jaxsample import SamplingParams, cli
+from jaxsample import SamplingParams
 from jaxsample.progress import PREFIX, Progress
+from helpers import main_captured as _main
 
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
 
 
 # In-process runs never change this process's JAX config (conftest.py).
 pytestmark = pytest.mark.usefixtures("compilation_cache_calls")
-
-
 
 
 def test_a_long_phase_prints_a_line_every_interval():
@@ -55,7 +54,6 @@ def test_a_program_from_the_cache_is_not_called_compiled():
 _TWICE = r"""
 import sys
 from jaxsample import cache, load, generate, SamplingParams
-from helpers import main_captured as _main
 from jaxsample.progress import Progress
 cache.enable_compilation_cache(sys.argv[1])
 lm = load(sys.argv[2], cache=False)
