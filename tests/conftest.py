@@ -51,6 +51,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 import gc  # noqa: E402
 
+from jaxsample import disk_cache as _cache_lib
+
+# JAX's persistent compilation cache, in the session's temporary directory: the
+# place `jaxsample run` uses too (cache_dir() / "xla"), so a command-line
+# subprocess finds the programs this process compiled, and a test module reuses
+# those an earlier module compiled (each module's in-memory programs are freed
+# when it ends, below). Programs that compile in under half a second are not
+# written. Served programs are the same XLA executables, so no result changes.
+COMPILATION_CACHE_DIR = _cache_lib.enable_compilation_cache(min_compile_time_s=0.5)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
@@ -65,6 +75,20 @@ def _free_compiled_programs():
     engine.PROGRAMS.clear()
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def compilation_cache_calls(monkeypatch):
+    """`jaxsample run` turns on JAX's persistent compilation cache for its process;
+    in-process command-line tests record the calls instead of changing this test
+    process's JAX config (tests/test_cache.py runs the real thing in subprocesses).
+    Returns the list of recorded (args, kwargs)."""
+    from jaxsample import cli
+
+    calls = []
+    monkeypatch.setattr(cli.app.cache_lib, "enable_compilation_cache",
+                        lambda *a, **k: calls.append((a, k)))
+    return calls
 
 
 from jaxsample.lm import LanguageModel  # noqa: E402
@@ -82,3 +106,14 @@ def lm():
     from jaxsample.loading import load
 
     return load()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line on what the session compiled (where the suite's time goes)."""
+    import sys
+
+    engine = sys.modules.get("jaxsample.engine")
+    if engine is not None:
+        p = engine.PROGRAMS
+        terminalreporter.write_line(f"jaxsample: {p.compilations} engine programs built, "
+                                    f"{p.from_cache} of them from the persistent compilation cache")

@@ -17,6 +17,7 @@ from jaxsample import engine
 from jaxsample.reduce import adaptive_rules as stopping
 from jaxsample.errors import InputError
 from jaxsample import SamplingParams
+from helpers import replay_offline
 
 # ---------------------------------------------------------------------------
 # Posterior probabilities against independent oracles
@@ -147,23 +148,9 @@ def first_char(text):
     return text[:1] or None
 
 
-def _offline(pool, b, extract, *, max_n, window, rule, threshold=0.95, confidence=None,
-             warmup=0, group_size=16):
+def _offline(pool, b, extract, **kw):
     """stopping.replay on row b of a fixed pool, DeepConf quantities from its top logprobs."""
-    from jaxsample.reduce import answers
-
-    ans = [None if (a := extract(t)) is None else (answers.normalize(a) or None)
-           for t in pool.texts[b]]
-    weights = term = None
-    if confidence:
-        conf = [stopping.token_confidence(pool.top_logprobs[b, n, :pool.lengths[b, n]])
-                for n in range(max_n)]
-        weights = [stopping.lowest_group_confidence(c, group_size) for c in conf]
-        thr = stopping.threshold_from_warmup(weights[:warmup], confidence)
-        term = [n >= warmup and stopping.first_low_group(c, group_size, thr) is not None
-                for n, c in enumerate(conf)]
-    return stopping.replay(ans, max_n=max_n, window=window, rule=rule, threshold=threshold,
-                           weights=weights, terminated=term, warmup=warmup if confidence else 0)
+    return replay_offline(pool, b, extract, source="top_logprobs", **kw)
 
 
 def _assert_online_equals_offline(res, pool, extract, **kw):

@@ -8,8 +8,6 @@ for a resumed one, hand-counted rewards, and the self-only block for attention m
 
 from __future__ import annotations
 
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,26 +22,19 @@ from jaxsample.bridge_training import sft as bridge_sft
 from jaxsample.bridge_training import common as bridge_train
 from jaxsample.models import llama
 from jaxsample import SamplingParams
+import helpers
+from helpers import BRIDGE_PROMPTS, STOPS, nonzero
 from ties import assert_same_tokens_up_to_ties
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from jaxsample.bridge_training import coord_tasks as bridge_coord_tasks  # noqa: E402
+from jaxsample.bridge_training import coord_tasks as bridge_coord_tasks
 
 ATT = bridge_lib.BridgeConfig(dim=8, n_heads=2)
 MLP = bridge_lib.BridgeConfig(dim=8, n_heads=2, kind="mlp")
-PROMPTS = ["Hello there, branch!", "ab"]
-STOPS = tuple(range(0, 256, 20))
-
-
-def nonzero(lm, cfg, seed=1, scale=0.5):
-    b = bridge_lib.init(lm, cfg, jax.random.key(seed))
-    name = cfg.out_name
-    out = scale * jax.random.normal(jax.random.key(seed + 100), b.params[name].shape)
-    return b.replace_params(dict(b.params, **{name: out}))
+PROMPTS = BRIDGE_PROMPTS
 
 
 def sp(n):
-    return SamplingParams(n=n, temperature=1.0, max_new_tokens=10, seed=3, stop_token_ids=STOPS)
+    return helpers.sp(n, max_new_tokens=10)
 
 
 def sampled_batch(lm, bridge, n=4):

@@ -153,7 +153,7 @@ def test_corrupt_entry_is_ignored_and_rewritten(gguf, corrupt, caplog):
         lm = _load(path, base)
     assert loading.load_info(lm)["weights"] == "checkpoint"
     assert all(np.array_equal(a, b) for a, b in zip(want, _leaves(lm)))
-    (record,) = [r for r in caplog.records if r.name == "jaxsample.cache"]
+    (record,) = [r for r in caplog.records if r.name == "jaxsample.disk_cache"]
     assert record.levelname == "WARNING" and str(entry) in record.getMessage()
     assert "\n" not in record.getMessage()
     assert loading.load_info(_load(path, base))["weights"] == "cache"  # rewritten whole
@@ -301,12 +301,12 @@ def test_poisoned_tensor_bytes_are_caught_warned_and_rewritten(gguf, caplog):
     assert info["weights"] == "checkpoint" and info["cache_entry"] == str(entry)
     assert all(np.isfinite(a).all() for a in _leaves(lm))
     assert all(np.array_equal(a, b) for a, b in zip(want, _leaves(lm)))
-    (msg,) = [r.getMessage() for r in caplog.records if r.name == "jaxsample.cache"]
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "jaxsample.disk_cache"]
     assert "weight cache" in msg and str(entry) in msg and "CRC-32" in msg
     again = _load(path, base)  # rewritten: read from the cache, finite, no new warning
     assert loading.load_info(again)["weights"] == "cache"
     assert all(np.array_equal(a, b) for a, b in zip(want, _leaves(again)))
-    assert len([r for r in caplog.records if r.name == "jaxsample.cache"]) == 1
+    assert len([r for r in caplog.records if r.name == "jaxsample.disk_cache"]) == 1
     assert b"\xff" * 4096 not in entry.read_bytes()
 
 

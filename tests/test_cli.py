@@ -1,29 +1,21 @@
 """Tests of the command line (jaxsample/cli.py), in-process through `main(argv)`."""
 
-import contextlib
 import io
 import json
 import os
 
 import pytest
 
-from jaxsample import cost
-from jaxsample import cli
+from jaxsample import cli, cost
 from jaxsample.cli.config import DEFAULT_SAMPLING
+from helpers import main_captured as _main_captured
 
 QUESTION = "What is 3 + 4? Answer with a number."
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
 
 
-@pytest.fixture(autouse=True)
-def _no_global_compilation_cache(monkeypatch):
-    """`run` turns on JAX's persistent compilation cache for its process; in-process tests
-    record the call instead of changing this test process's JAX config (tests/test_cache.py
-    runs the real thing in subprocesses)."""
-    calls = []
-    monkeypatch.setattr(cli.app.cache_lib, "enable_compilation_cache",
-                        lambda *a, **k: calls.append((a, k)))
-    return calls
+# In-process runs never change this process's JAX config (conftest.py).
+pytestmark = pytest.mark.usefixtures("compilation_cache_calls")
 
 
 def _one_line_error(capsys, argv):
@@ -317,11 +309,6 @@ def test_price_bfloat16_and_plot(capsys, tmp_path):
 RUN = ["run", "--prompt", QUESTION, "--n", "4", "--max-new-tokens", "8", "--seed", "0"]
 
 
-def _main_captured(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -472,7 +459,7 @@ TINY_RUN = ["run", "--model", TINY_GGUF, "--prompt", "hi", "--n", "3", "--max-ne
             "--seed", "0"]
 
 
-def test_progress_goes_to_stderr_and_json_stays_clean(_no_global_compilation_cache):
+def test_progress_goes_to_stderr_and_json_stays_clean(compilation_cache_calls):
     code, out, err = _main_captured(TINY_RUN + ["--json"])
     assert code == 0, err
     json.loads(out)  # stdout is exactly one JSON object
@@ -482,10 +469,10 @@ def test_progress_goes_to_stderr_and_json_stays_clean(_no_global_compilation_cac
     assert any(line.startswith("jaxsample: loading ") for line in lines)
     assert any("loaded tiny_llama in" in line for line in lines)
     assert "decoded" in lines[-1]
-    assert len(_no_global_compilation_cache) == 1  # the compile cache is turned on
+    assert len(compilation_cache_calls) == 1  # the compile cache is turned on
     code, out, err = _main_captured(TINY_RUN + ["--json", "--quiet", "--no-cache"])
     assert code == 0 and err == "" and json.loads(out)["params"]["n"] == 3
-    assert len(_no_global_compilation_cache) == 1  # --no-cache: not again
+    assert len(compilation_cache_calls) == 1  # --no-cache: not again
 
 
 # ---------------------------------------------------------------------------

@@ -5,8 +5,6 @@ precision, `--max-tokens` and `--logprobs K`, logit_bias keys on a request line,
 a reader that leaves early (`| head -1`).
 """
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -20,23 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxsample import cli
+from helpers import main_captured as _main
 
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
 TINY_RUN = ["run", "--model", TINY_GGUF, "--n", "3", "--max-new-tokens", "7", "--seed", "0",
             "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def _no_global_compilation_cache(monkeypatch):
-    """As in tests/test_cli.py: in-process runs never change this process's JAX config."""
-    monkeypatch.setattr(cli.app.cache_lib, "enable_compilation_cache", lambda *a, **k: None)
-
-
-def _main(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(argv)
-    return code, out.getvalue(), err.getvalue()
+# In-process runs never change this process's JAX config (conftest.py).
+pytestmark = pytest.mark.usefixtures("compilation_cache_calls")
 
 
 def _strict_loads(text):

@@ -12,9 +12,19 @@ from jaxsample import SamplingParams
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
 
-def test_configs_dir_has_the_named_files():
-    names = {p.stem for p in CONFIGS}
-    assert {"vote", "best_of_n", "sample", "gpu_1b"} <= names
+NAMED = ("vote", "best_of_n", "sample", "gpu_1b")  # the names the README's commands use
+
+
+def test_configs_dir_has_the_named_files(monkeypatch, tmp_path):
+    """Each named config is a file in configs/, and a bare name (with or without
+    `.yaml`), from any working directory, resolves to that file and loads as it does."""
+    assert set(NAMED) <= {p.stem for p in CONFIGS}
+    monkeypatch.chdir(tmp_path)  # no configs/ here: the names must come from the repository's
+    for name in NAMED:
+        path = config.CONFIG_DIR / f"{name}.yaml"
+        assert path in CONFIGS
+        assert config.resolve_path(name) == path == config.resolve_path(f"{name}.yaml")
+        assert config.load_config(name) == config.load_config(path)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

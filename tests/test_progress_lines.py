@@ -2,7 +2,6 @@
 compiled, one load figure, a line every interval while a phase runs, and the rounds
 of adaptive self-consistency."""
 
-import contextlib
 import io
 import json
 import os
@@ -15,23 +14,14 @@ import pytest
 
 import jaxsample
 from jaxsample import SamplingParams
-from jaxsample import cli
 from jaxsample.progress import PREFIX, Progress
+from helpers import main_captured as _main
 
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
 
 
-@pytest.fixture(autouse=True)
-def _no_global_compilation_cache(monkeypatch):
-    """As in tests/test_cli.py: in-process runs never change this process's JAX config."""
-    monkeypatch.setattr(cli.app.cache_lib, "enable_compilation_cache", lambda *a, **k: None)
-
-
-def _main(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(argv)
-    return code, out.getvalue(), err.getvalue()
+# In-process runs never change this process's JAX config (conftest.py).
+pytestmark = pytest.mark.usefixtures("compilation_cache_calls")
 
 
 def test_a_long_phase_prints_a_line_every_interval():

@@ -1,4 +1,4 @@
-"""Tests of jaxsample.sampling: SamplingParams, keep_mask, choose_token, is_stop.
+"""Tests of jaxsample.engine.sampling: SamplingParams, keep_mask, choose_token, is_stop.
 
 The handed cases live in shared/cases/sampling.json; a literal copy below
 keeps them running without shared/. Property tests compare `keep_mask` with

@@ -28,6 +28,7 @@ from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties, first_difference
 
 from conftest import byte_tokenizer
+from helpers import replay_offline
 
 PROMPTS = ["signals of the raw distribution", "hi", "a third prompt, longer than that"]
 
@@ -218,7 +219,16 @@ def test_stream_and_stop_strings(tiny_lm):
     check_against_forward(tiny_lm, g, min_tokens=9)
 
 
-def test_off_changes_nothing(tiny_lm):
+OFF = SamplingParams(n=3, max_new_tokens=16, seed=7, temperature=0.9)
+
+
+@pytest.fixture(scope="module")
+def off(tiny_lm):
+    """A Generation without signals (and without top logprobs)."""
+    return engine.generate(tiny_lm, PROMPTS, OFF)
+
+
+def test_off_changes_nothing(tiny_lm, off):
     """Off: no signals, and the step carries no extra leaf (the program is the
     one from before the option; benchmarks/selection.py --hlo-check compares
     its HLO with main's). On: the step does more work, the tokens stay."""
@@ -226,9 +236,7 @@ def test_off_changes_nothing(tiny_lm):
     from jaxsample.engine.state import Static
     from jaxsample.engine.step_cost import decode_step_cost
 
-    params = SamplingParams(n=3, max_new_tokens=16, seed=7, temperature=0.9)
-    off = engine.generate(tiny_lm, PROMPTS, params)
-    on = engine.generate(tiny_lm, PROMPTS, params.replace(signals=True))
+    on = engine.generate(tiny_lm, PROMPTS, OFF.replace(signals=True))
     assert off.token_entropy is None and off.self_certainty is None and off.top2_margin is None
     assert_same_tokens_up_to_ties(tiny_lm, off, on, max_ties=0)
     st = Static(cfg=tiny_lm.config, n=2, t_cap=8, vocab_limit=258, pad_id=257)
@@ -294,10 +302,16 @@ def test_confidence_scores_match_deepconf_reference():
                            equal_nan=True)
 
 
-def test_branch_scores_by_name(tiny_lm):
+@pytest.fixture(scope="module")
+def scored(tiny_lm):
+    """4 branches of 2 prompts with the signals and the top-20 logprobs."""
     params = SamplingParams(n=4, max_new_tokens=12, seed=11, temperature=1.0, signals=True,
                             logprobs=20)
-    g = engine.generate(tiny_lm, PROMPTS[:2], params)
+    return engine.generate(tiny_lm, PROMPTS[:2], params)
+
+
+def test_branch_scores_by_name(scored, off):
+    g = scored
     L = g.lengths
     sc = reducers.branch_scores(g, "self-certainty")
     ref = np.array([[g.self_certainty[b, n, :L[b, n]].astype(np.float64).mean() for n in range(4)]
@@ -318,11 +332,10 @@ def test_branch_scores_by_name(tiny_lm):
         reducers.best_of_n(g, score="entropy")
     with pytest.raises(ValueError, match="need a Generation"):
         reducers.best_of_n(np.zeros((1, 2)), score="self_certainty")
-    plain = engine.generate(tiny_lm, PROMPTS[:1], params.replace(signals=False, logprobs=None))
     with pytest.raises(ValueError, match="SamplingParams\\(signals=True\\)"):
-        reducers.branch_scores(plain, "self_certainty")
+        reducers.branch_scores(off, "self_certainty")
     with pytest.raises(ValueError, match="logprobs=20"):
-        reducers.branch_scores(plain, "tail_confidence", source="top_logprobs")
+        reducers.branch_scores(off, "tail_confidence", source="top_logprobs")
 
 
 # ---------------------------------------------------------------------------
@@ -473,7 +486,7 @@ def test_votes_jit_over_rows():
 # The command line: --select NAME
 
 
-def test_cli_select(tiny_lm, capsys):
+def test_cli_select(scored, capsys):
     from jaxsample import cli
     from jaxsample.cli import config as config_lib
 
@@ -492,51 +505,46 @@ def test_cli_select(tiny_lm, capsys):
                      "vote"]) == 2
     assert "--select picks the best branch" in capsys.readouterr().err
     # the reducer the command line runs: best-of-N by the named score
-    g = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=4, max_new_tokens=8, seed=1,
-                                                             signals=True))
+    g = scored
     red = config_lib.ReducerConfig(kind="best", score="self_certainty")
-    result, _ = cli.app._reduce(g, red, 0)
-    assert result["branch"] == int(np.asarray(reducers.best_of_n(g, score="self_certainty"))[0])
-    np.testing.assert_allclose(result["score"],
-                               reducers.branch_scores(g, "self_certainty")[0, result["branch"]])
+    best = np.asarray(reducers.best_of_n(g, score="self_certainty"))
+    for row in range(2):
+        result, _ = cli.app._reduce(g, red, row)
+        assert result["branch"] == int(best[row])
+        np.testing.assert_allclose(result["score"],
+                                   reducers.branch_scores(g, "self_certainty")[row, result["branch"]])
 
 
 # ---------------------------------------------------------------------------
 # DeepConf online on the signals
 
 
-def _replay_on_signals(pool, b, *, max_n, window, rule, threshold, confidence, warmup,
-                       group_size):
-    from jaxsample.reduce import answers
-    from jaxsample.reduce import adaptive_rules as stopping
+def _first_char(t):
+    return t[:1] or None
 
-    # adaptive_self_consistency normalises what a callable extractor returns
-    ans = [None if not t[:1] else (answers.normalize(t[:1]) or None) for t in pool.texts[b]]
-    conf = [stopping.token_confidence_from_signals(pool.self_certainty[b, n, :pool.lengths[b, n]])
-            for n in range(max_n)]
-    weights = [stopping.lowest_group_confidence(c, group_size) for c in conf]
-    thr = stopping.threshold_from_warmup(weights[:warmup], confidence)
-    term = [n >= warmup and stopping.first_low_group(c, group_size, thr) is not None
-            for n, c in enumerate(conf)]
-    return stopping.replay(ans, max_n=max_n, window=window, rule=rule, threshold=threshold,
-                           weights=weights, terminated=term, warmup=warmup)
+
+@pytest.fixture(scope="module")
+def pool16(tiny_lm):
+    """The fixed pool of 16 branches with signals that adaptive rounds replay."""
+    return engine.generate(tiny_lm, PROMPTS, SamplingParams(max_new_tokens=12, seed=7,
+                                                            temperature=0.8, n=16, signals=True))
 
 
 @pytest.mark.parametrize("confidence", ["deepconf-low", "deepconf-high"])
-def test_adaptive_deepconf_on_signals_equals_offline(tiny_lm, confidence):
+def test_adaptive_deepconf_on_signals_equals_offline(tiny_lm, pool16, confidence):
     import jaxsample
 
     params = SamplingParams(max_new_tokens=12, seed=7, temperature=0.8)
     kw = dict(max_n=16, window=4, rule="beta", threshold=0.6, confidence=confidence, warmup=8,
               group_size=4)
-    res = jaxsample.adaptive_self_consistency(tiny_lm, PROMPTS, params, extract=lambda t: t[:1] or None,
+    res = jaxsample.adaptive_self_consistency(tiny_lm, PROMPTS, params, extract=_first_char,
                                               confidence_source="signals", **kw)
     g = res.generation
     assert g.top_logprobs is None  # no top-k was computed or copied
     assert g.self_certainty is not None
-    pool = engine.generate(tiny_lm, PROMPTS, params.replace(n=16, signals=True))
+    pool = pool16
     for b in range(len(PROMPTS)):
-        rep = _replay_on_signals(pool, b, **kw)
+        rep = replay_offline(pool, b, _first_char, source="signals", **kw)
         assert (rep.n_used, rep.winner, sum(rep.terminated)) == (
             res.n_used[b], res.winner[b], res.terminated[b]), b
         assert res.share[b] == pytest.approx(rep.share, abs=1e-5)

@@ -1,6 +1,6 @@
 """"Read once" from the compiled program, and the batched prefix attention it relies on.
 
-`jaxsample.step_cost` compiles one decode step with abstract inputs and reads
+`jaxsample.engine.step_cost` compiles one decode step with abstract inputs and reads
 XLA's cost analysis. On a tiny config whose prefix (P = 2048) is ~5x the
 weights, a step that silently broadcast the prefix to its N = 8 branches would
 access at least N - 1 more prefix copies than the ideal; the bounds below

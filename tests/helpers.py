@@ -1,0 +1,105 @@
+"""Helpers shared by several test modules (issue 20, part 5): the Bridge builders,
+stop-id padding, the in-process command-line runner and the offline replay of
+adaptive self-consistency on a fixed pool.
+
+Imported as `helpers` (tests/ is on sys.path, as for `ties` and `conftest`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+
+from jaxsample import bridge as bridge_lib
+from jaxsample import engine
+from jaxsample.engine import sampling
+from jaxsample import SamplingParams
+
+# ---------------------------------------------------------------------------
+# The Bridge (tests/test_bridge*.py)
+
+BRIDGE_PROMPTS = ["Hello there, branch!", "ab"]
+STOPS = tuple(range(0, 256, 20))  # frequent stops, so some branches finish early
+
+
+def nonzero(lm, cfg, seed=1, scale=0.5):
+    """A Bridge with a random nonzero output projection (a trained-looking Bridge):
+    `wo` for the attention block, its own output matrix for the MLP block."""
+    b = bridge_lib.init(lm, cfg, jax.random.key(seed))
+    name = cfg.out_name
+    out = scale * jax.random.normal(jax.random.key(seed + 100), b.params[name].shape)
+    return b.replace_params(dict(b.params, **{name: out}))
+
+
+def sp(n, max_new_tokens=12, **kw):
+    """The Bridge tests' sampling: temperature 1, seed 3, the frequent STOPS."""
+    return SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new_tokens, seed=3,
+                          stop_token_ids=STOPS, **kw)
+
+
+def layer_params(b, l=0):
+    """Layer l's slice of a Bridge's stacked params."""
+    return jax.tree_util.tree_map(lambda a: a[l], b.params)
+
+
+def block_fn(cfg, p_l, stats=False):
+    """The Bridge block (or its attention statistics) over a leading branch axis,
+    jitted: `f(x [N, S, E], alive [N] or [N, S])`."""
+    fn = bridge_lib.block_stats if stats else bridge_lib.apply_block
+    return jax.jit(jax.vmap(lambda x, a: fn(cfg, p_l, x, a, ("branch",)), axis_name="branch"))
+
+
+def stop_array(lm, stops=STOPS):
+    """The model's end-of-text ids and `stops`, padded as the engine holds them
+    (`[MAX_STOP_IDS]` int32, -1 padding), by the library's own `pad_stop_ids`."""
+    ids = sorted(set(lm.tokenizer.eos_token_ids) | set(stops))
+    return jnp.asarray(sampling.pad_stop_ids(ids, size=engine.MAX_STOP_IDS))
+
+
+# ---------------------------------------------------------------------------
+# The command line, in process
+
+
+def main_captured(argv):
+    """`cli.main(argv)` with stdout and stderr captured: (exit code, stdout, stderr)."""
+    from jaxsample import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+# ---------------------------------------------------------------------------
+# Adaptive self-consistency replayed offline on a fixed pool
+
+
+def replay_offline(pool, b, extract, *, max_n, window, rule, threshold=0.95, confidence=None,
+                   warmup=0, group_size=16, source="top_logprobs"):
+    """`stopping.replay` on row b of a fixed pool (a Generation of max_n branches), the
+    DeepConf quantities computed on the host from the pool's top logprobs
+    (`source="top_logprobs"`) or its self-certainty signals (`source="signals"`).
+    `extract(text)` -> answer or None; answers are normalised as
+    `adaptive_self_consistency` normalises what a callable extractor returns."""
+    from jaxsample.reduce import answers
+    from jaxsample.reduce import adaptive_rules as stopping
+
+    ans = [None if (a := extract(t)) is None else (answers.normalize(a) or None)
+           for t in pool.texts[b]]
+    weights = term = None
+    if confidence:
+        if source == "signals":
+            conf = [stopping.token_confidence_from_signals(
+                pool.self_certainty[b, n, :pool.lengths[b, n]]) for n in range(max_n)]
+        else:
+            conf = [stopping.token_confidence(pool.top_logprobs[b, n, :pool.lengths[b, n]])
+                    for n in range(max_n)]
+        weights = [stopping.lowest_group_confidence(c, group_size) for c in conf]
+        thr = stopping.threshold_from_warmup(weights[:warmup], confidence)
+        term = [n >= warmup and stopping.first_low_group(c, group_size, thr) is not None
+                for n, c in enumerate(conf)]
+    return stopping.replay(ans, max_n=max_n, window=window, rule=rule, threshold=threshold,
+                           weights=weights, terminated=term, warmup=warmup if confidence else 0)
