@@ -38,6 +38,7 @@ _EXPORTS = {
     "JaxsampleError": "jaxsample.errors",
     "adaptive_self_consistency": "jaxsample.adaptive",
     "AdaptiveResult": "jaxsample.adaptive",
+    "LLM": "jaxsample.llm",
 }
 _SUBMODULES = {"adaptive", "answers", "bridge", "cache", "cost", "engine", "errors", "estimators",
                "reducers", "sampling", "config", "loading", "lm", "generation", "sharding",

@@ -21,7 +21,12 @@ Data flow of one request, one file per stage:
                 shardings and shard_map wrappers
     session.py  the host loop: prefill once, rounds of branches over the same
                 prefix cache, chunks, host-side done marks, compaction, outputs
-                copied to host arrays at (prompt, branch)
+                copied to host arrays at (prompt, branch); a round with fewer
+                rows x slots than it has prompts x branches is a pool that
+                refills slots and rows between chunks (continuous batching)
+    pool.py     the pool's size from a KV budget (max_kv_bytes), requests that
+                can never run, and run_requests: many requests in, each result
+                out as soon as its prompt settles
     stops.py    stop strings seen on the way (incremental detokenisation),
                 cut exactly at the end
     api.py      generate() -> Generation (tokens/logprobs [B, N, T], texts, bill),
@@ -40,6 +45,7 @@ of benchmarks and the oracle of tests.
 """
 
 from jaxsample.engine.api import STOP_CHUNK, finish, generate
+from jaxsample.engine.pool import Request, RequestResult, run_requests
 from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
 from jaxsample.engine.prefill import prefill
 from jaxsample.engine.session import Round, Session, serving_params
@@ -48,8 +54,10 @@ from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, ContextCache, De
                                     PrefixCache, Static, bucket, slot_bucket)
 from jaxsample.engine.step import branch_step
 
-__all__ = ["generate", "stream", "StreamEvent", "TextDelta", "finish", "Session", "Round", "prefill", "decode_chunk", "init_state",
-           "compact", "branch_step", "serving_params", "PROGRAMS", "PrefixCache", "ContextCache",
-           "DecodeState",
-           "Knobs", "Static", "bucket", "slot_bucket", "MAX_STOP_IDS", "MAX_LOGPROBS",
-           "STOP_CHUNK"]
+# What users call. The other names imported above (prefill, decode_chunk,
+# init_state, compact, branch_step, serving_params, PROGRAMS, bucket,
+# slot_bucket, MAX_STOP_IDS, MAX_LOGPROBS, STOP_CHUNK) stay importable for the
+# library's own modules, benchmarks and tests, but are not the public API.
+__all__ = ["generate", "stream", "StreamEvent", "TextDelta", "finish", "Session", "Round",
+           "PrefixCache", "ContextCache", "DecodeState", "Knobs", "Static", "Request",
+           "RequestResult", "run_requests"]

@@ -22,9 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample.engine import inputs
+from jaxsample.engine import pool as pool_lib
 from jaxsample.engine.context import prefill_context, prefill_suffix
-from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
-from jaxsample.engine.placement import (_host, _kv_bytes, _Mesh, _params_on_mesh, _put,
+from jaxsample.engine.loop import (PROGRAMS, compact, decode_chunk, init_state, insert_rows,
+                                  refill)
+from jaxsample.engine.placement import (to_host, kv_bytes, MeshLayout, params_on_mesh, place,
                                         serving_params)
 from jaxsample.engine.prefill import prefill, take_rows
 from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PromptLogprobs, Static,
@@ -48,15 +50,20 @@ class Session:
       observer: optional `jaxsample.progress.Progress` (anything with a
         `compiling(name)` context manager): told around every program lookup,
         so a long compile can be shown.
+      max_kv_bytes: the byte budget of the prefix caches and the decode pool
+        (`engine.pool.plan`; default `pool.default_kv_budget()`); sets
+        `pool_shape`, the (rows, slots) a pool of this request may use.
 
     Raises:
-      InputError: as `jaxsample.generate`, before any compute.
+      InputError: as `jaxsample.generate`, before any compute; also a budget
+        that cannot hold one row and one slot, or results larger than host
+        memory allows (`engine.pool`).
     """
 
     def __init__(self, lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
                  chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
                  naive: bool = False, top_logprobs: int | None = None, observer=None,
-                 shared_prefix=None):
+                 shared_prefix=None, max_kv_bytes: int | None = None):
         self.t_start = time.perf_counter()
         self.observer = observer
         params = SamplingParams() if params is None else params
@@ -109,12 +116,12 @@ class Session:
         k = params.logprobs if top_logprobs is None else top_logprobs
         k = inputs.check_int("top_logprobs", k or 0, 0, MAX_LOGPROBS)
         self.mesh, self.naive, self.offset = mesh, naive, int(prompt_index_offset)
-        self.m = None if mesh is None else _Mesh(mesh, data_axis)
+        self.m = None if mesh is None else MeshLayout(mesh, data_axis)
         self.bridge_cfg = None if bridge is None else bridge.config
         self.bridge_params = None if bridge is None else bridge.params
-        self.model_params = serving_params(lm) if mesh is None else _params_on_mesh(lm, mesh)
+        self.model_params = serving_params(lm) if mesh is None else params_on_mesh(lm, mesh)
         self.bridge_dev = (self.bridge_params if mesh is None or bridge is None
-                           else _put(self.bridge_params, self.m.rep))
+                           else place(self.bridge_params, self.m.rep))
         self.timings = {"compile": 0.0, "prefill": 0.0, "decode": 0.0, "host": 0.0}
         if C:
             self.timings["prefill_context"] = 0.0  # part of "prefill"
@@ -144,7 +151,32 @@ class Session:
         self.row_prompt = [r for r in range(B) for _ in range(N)] if naive else list(range(B))
         self.decode_steps = 0
         self.branch_steps = 0
+        self._plan(max_kv_bytes)
         self._prefill()
+
+    def _plan(self, max_kv_bytes):
+        """Refuse requests that can never run, and size the pool (before any compute)."""
+        st = self.st
+        flags = dict(top_logprobs=st.top_logprobs, token_ranks=st.token_ranks,
+                     signals=st.signals)
+        pool_lib.check_results_fit(self.B, self.N, self.T, **flags)
+        if max_kv_bytes is not None:
+            max_kv_bytes = inputs.check_int("max_kv_bytes", max_kv_bytes, 1, 2**62)
+        budget = pool_lib.default_kv_budget() if max_kv_bytes is None else max_kv_bytes
+        self.kv_budget = budget
+        if self.naive:
+            self.pool_shape = (len(self.row_prompt), 1)
+            return
+        C = len(self.context_ids)
+        p_cap = bucket(max(len(x) for x in self.ids))
+        rows, slots = pool_lib.plan(
+            self.cfg, B=self.B, n=self.N, p_cap=p_cap, t_cap=st.t_cap, budget=budget,
+            context_bytes=pool_lib._kv(self.cfg, bucket(C)) if C else 0, nd=self.nd,
+            nb=self.nb, penalties=st.penalties, **flags)
+        if self.bridge_cfg is not None and slots < self.N:
+            raise InputError(f"max_kv_bytes={budget:,} holds {slots} branch(es) per row; a "
+                             f"Bridge needs all n={self.N} of a prompt at once")
+        self.pool_shape = (rows, slots)
 
     # -- prefill ------------------------------------------------------------
 
@@ -184,7 +216,7 @@ class Session:
             extra = (PromptLogprobs(*([m.Ps(m.d)] * 4)),) if pk >= 0 else ()
             fn = m.shard_map(fn, (m.Ps(), m.Ps(m.d), m.Ps(m.d), m.Ps()) + tuple(extra_specs),
                              (m.prefix_spec, m.Ps(m.d)) + extra)
-            args = (self.model_params, _put(tokens, m.rows), _put(lengths, m.rows),
+            args = (self.model_params, place(tokens, m.rows), place(lengths, m.rows),
                     self.bridge_dev) + extra_args
         prog = self.program((name, cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
         t0 = time.perf_counter()
@@ -193,7 +225,7 @@ class Session:
         self.timings["prefill"] += time.perf_counter() - t0
         self.prompt_logprobs = None
         if pk >= 0:  # host arrays per prompt: entry j is about prompt token j + 1
-            lp = PromptLogprobs(*map(_host, out[2]))
+            lp = PromptLogprobs(*map(to_host, out[2]))
             first = {}  # the first row of each prompt (naive rows are copies)
             for j, r in enumerate(rows):
                 first.setdefault(r, j)
@@ -208,7 +240,7 @@ class Session:
                                      for c, a in zip(ctx_lp, lp)))
                     for b in range(self.B)]
         self.rows_alloc = R_pad
-        self.prefix_bytes = _kv_bytes(self.prefix.k + self.prefix.v, R, R_pad)
+        self.prefix_bytes = kv_bytes(self.prefix.k + self.prefix.v, R, R_pad)
 
     def _prefill_context(self):
         """Prefill the common context once (replicated on a mesh); returns its
@@ -228,7 +260,7 @@ class Session:
             m = self.m
             extra = (PromptLogprobs(*([m.Ps()] * 4)),) if pk >= 0 else ()
             fn = m.shard_map(fn, (m.Ps(),) * 4, (m.context_spec, m.Ps()) + extra)
-            args = (self.model_params, _put(tokens, m.rep), _put(length, m.rep),
+            args = (self.model_params, place(tokens, m.rep), place(length, m.rep),
                     self.bridge_dev)
         prog = self.program(("prefill_context", cfg, self.bridge_cfg, self.mesh, pk, vl), fn,
                             args)
@@ -238,12 +270,13 @@ class Session:
         self.timings["prefill"] += dt
         self.timings["prefill_context"] += dt
         self.context, self.context_last = out[:2]
-        self.context_bytes = _kv_bytes(self.context.k + self.context.v, 1, 1)
-        return PromptLogprobs(*map(_host, out[2])) if pk >= 0 else None
+        self.context_bytes = kv_bytes(self.context.k + self.context.v, 1, 1)
+        return PromptLogprobs(*map(to_host, out[2])) if pk >= 0 else None
 
     # -- rounds ---------------------------------------------------------------
 
-    def round(self, rows, branch_ids) -> "Round":
+    def round(self, rows, branch_ids, max_rows: int | None = None,
+              max_slots: int | None = None, lockstep: bool = False) -> "Round":
         """A fresh decode state over some prefilled rows.
 
         Args:
@@ -251,8 +284,13 @@ class Session:
             when naive).
           branch_ids: `[R', N']` global branch index of each slot (-1: a
             padding slot that starts done).
+          max_rows, max_slots: the device state's rows and slots per row
+            (default: R' x N', all admitted at once); fewer make the round a
+            pool that refills slots and rows as branches finish (`Round`).
+          lockstep: never refill a slot inside a row (Bridge).
         """
-        return Round(self, list(rows), np.asarray(branch_ids, np.int32))
+        return Round(self, list(rows), np.asarray(branch_ids, np.int32), max_rows, max_slots,
+                     lockstep)
 
     def program(self, key, fn, args, **kwargs):
         """`PROGRAMS.get(key, fn, args, **kwargs)`: the compiled program; the
@@ -279,13 +317,13 @@ class Session:
 
     def knob_args(self, t_stop: int):
         knobs = self.knobs._replace(t_stop=np.int32(t_stop))
-        return knobs if self.m is None else _put(knobs, self.m.rep)
+        return knobs if self.m is None else place(knobs, self.m.rep)
 
     def put(self, x, kind: str):
         """A host array placed as the engine's programs expect ("rows", "slots", "rep")."""
         if self.m is None:
             return jnp.asarray(x)
-        return _put(x, getattr(self.m, kind))
+        return place(x, getattr(self.m, kind))
 
     def gather(self, name: str, fn, args, out_specs):
         """Run a row/slot gather (`take_rows`, `compact`) and place its outputs.
@@ -308,6 +346,21 @@ class Session:
 class Round:
     """One decode state: rows x slots, decoded in chunks (see the module docstring).
 
+    The device state holds `R_dev` rows x `N_dev` slots; by default every
+    round row and every branch column has its own (`generate`: all admitted
+    at once). Given fewer (`rows=`, `slots=`), the round is a pool
+    (continuous batching, vLLM; JetStream's prefill / insert / generate, with
+    the prefix shared by the row's slots instead of copied into each): before
+    each chunk the host gives every finished slot the next waiting branch of
+    its row's prompt (`loop.refill`), frees a row whose prompt has no branch
+    left to run, and inserts the next waiting prompt into it
+    (`loop.insert_rows`, from the session's prefill). Slots run at their own
+    token index, keys come from (prompt index, branch id), so a branch's
+    tokens depend neither on the pool's size, its slot, nor its neighbours.
+    With `lockstep=True` (Bridge: a prompt's branches attend to each other at
+    the same position) slots are never refilled inside a row: a prompt enters
+    with all its branches, rows are refilled only.
+
     Host-side outputs (indexed by the round's own rows and branch columns):
       tokens `[R, N, T]` int32, logprobs `[R, N, T]` float32, top_logprobs and
       top_ids `[R, N, T, k]`, token_ranks `[R, N, T]` int32 (`[R, N, 0]`
@@ -315,9 +368,15 @@ class Round:
       (ended by a stop token), done `[R, N]` bool, signals `[R, N, T, 3]`
       float32 (entropy, self-certainty, top-2 margin) with
       `SamplingParams.signals`, else None.
+
+    Raises:
+      ValueError: `slots` smaller than a prompt's branches with `lockstep`, or
+        `branch_ids` not `[R, N]`.
     """
 
-    def __init__(self, session: Session, rows: list[int], branch_ids: np.ndarray):
+    def __init__(self, session: Session, rows: list[int], branch_ids: np.ndarray,
+                 max_rows: int | None = None, max_slots: int | None = None,
+                 lockstep: bool = False):
         s = session
         self.s = s
         R, N = len(rows), branch_ids.shape[1]
@@ -333,30 +392,47 @@ class Round:
         self.token_ranks = np.zeros((R, N, T if s.st.token_ranks else 0), np.int32)
         self.signals = np.zeros((R, N, T, 3), np.float32) if s.st.signals else None
         self.lengths = np.zeros((R, N), np.int32)
+        self.prev = self.lengths.copy()  # lengths before the last chunk
         self.stopped = np.zeros((R, N), bool)
         self.done = branch_ids < 0
-        self.t = 0
+        self.t = 0  # the clock: steps this round has run
+        self.lockstep = bool(lockstep)
         # Device slots: a bucket of rows (a multiple of the data axis) x slots
         # (a multiple of the branch axis); slot (i, j) holds round row
-        # row_of[i], column col_of[i, j] (-1: filler).
-        R_dev = -(-R // s.nd) * s.nd
-        N_dev = -(-N // s.nb) * s.nb
-        self.row_of = np.array(list(range(R)) + [0] * (R_dev - R), np.int64)
+        # row_of[i], column col_of[i, j] (-1: empty).
+        R_dev = -(-min(R, max_rows or R) // s.nd) * s.nd
+        N_dev = -(-min(N, max_slots or N) // s.nb) * s.nb
+        valid = branch_ids >= 0
+        if self.lockstep and int(valid.sum(axis=1).max(initial=0)) > N_dev:
+            raise ValueError(f"lockstep (Bridge) rows need every branch of a prompt at once: "
+                             f"{int(valid.sum(axis=1).max())} branches > {N_dev} slots")
+        placed = min(R, R_dev)
+        self.row_of = np.array(list(range(placed)) + [0] * (R_dev - placed), np.int64)
+        self.row_placed = np.arange(R_dev) < placed
         self.col_of = np.full((R_dev, N_dev), -1, np.int64)
-        self.col_of[:R, :N] = np.where(branch_ids >= 0, np.arange(N)[None], -1)
-        prefix_rows = np.array([rows[i] for i in self.row_of[:R]], np.int32)
+        self.waiting: dict[int, list[int]] = {}  # round row -> its branch columns not yet run
+        for i in range(placed):
+            cols = np.nonzero(valid[i])[0]
+            if N_dev >= N:  # every column in its own slot (the layout of a plain round)
+                self.col_of[i, :N] = np.where(valid[i], np.arange(N), -1)
+            else:
+                self.col_of[i, :min(cols.size, N_dev)] = cols[:N_dev]
+                self.waiting[i] = [int(c) for c in cols[N_dev:]]
+        self.queue = list(range(placed, R))  # round rows not yet in the pool
+        prefix_rows = np.array([rows[i] for i in self.row_of[:placed]], np.int32)
         # Padding rows: the session's own padding rows when the round takes every
         # prompt (no gather), else repeats of the first row.
         fill = (np.arange(R, R_dev) if list(rows) == list(range(R)) and R_dev == s.rows_alloc
-                else np.full(R_dev - R, prefix_rows[0]))
+                else np.full(R_dev - placed, prefix_rows[0]))
         prefix_rows = np.concatenate([prefix_rows, fill]).astype(np.int32)
         self.live_rows_alloc = R_dev
-        ids = np.where(self.col_of >= 0, np.pad(branch_ids, ((0, R_dev - R), (0, N_dev - N)),
-                                                constant_values=0), 0).astype(np.int32)
+        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
+        ids = np.where(self.col_of >= 0, branch_ids[rr, np.maximum(self.col_of, 0)],
+                       0).astype(np.int32)
         pidx = np.array([s.offset + s.row_prompt[r] if r < len(s.row_prompt) else 0
                          for r in prefix_rows], np.int32)
         live = self.col_of >= 0
-        live[R:] = False
+        live[~self.row_placed] = False
         self.rows = rows
         self._start(prefix_rows, pidx, ids, live)
 
@@ -366,6 +442,18 @@ class Round:
         import dataclasses
 
         return dataclasses.replace(self.s.st, n=n_dev // self.s.nb)
+
+    def _mask(self, session_rows) -> np.ndarray:
+        """`[M, V]` bool the prompt tokens of some session rows (repetition penalty;
+        `[M, 0]` without penalties)."""
+        s = self.s
+        V = s.cfg.vocab_size if s.st.penalties else 0
+        mask = np.zeros((len(session_rows), V), bool)
+        if s.st.penalties:
+            for j, r in enumerate(session_rows):
+                if 0 <= r < len(s.row_prompt):
+                    mask[j, s.prompt_ids[s.row_prompt[r]]] = True
+        return mask
 
     def _start(self, prefix_rows, pidx, ids, live):
         s = self.s
@@ -377,12 +465,7 @@ class Round:
                                                              jnp.asarray(prefix_rows)), out_specs)
         st = self._static(ids.shape[1])
         # The prompts' tokens as a [R, V] mask (repetition penalty), built on the host.
-        V = s.cfg.vocab_size if st.penalties else 0
-        mask = np.zeros((len(prefix_rows), V), bool)
-        if st.penalties:
-            for j, r in enumerate(prefix_rows):
-                if r < len(s.row_prompt):
-                    mask[j, s.prompt_ids[s.row_prompt[r]]] = True
+        mask = self._mask(prefix_rows)
         fn = lambda l, p, b, v, pm: init_state(st, l, p, b, v, pm)
         args = (last, s.put(pidx, "rows"), s.put(ids, "slots"), s.put(live, "slots"),
                 s.put(mask, "rows"))
@@ -391,20 +474,118 @@ class Round:
             fn = m.shard_map(fn, (m.Ps(m.d), m.Ps(m.d), m.Ps(m.d, BRANCH_AXIS),
                                   m.Ps(m.d, BRANCH_AXIS), m.Ps(m.d)), s.state_spec)
         prog = s.program(("init", st, s.mesh), fn, args)
-        self.prefix, self.state = prefix, prog(*args)
+        self.prefix, self.last, self.state = prefix, last, prog(*args)
         # The tails as first allocated (the largest they get: compaction shrinks them).
-        self.tail_bytes = _kv_bytes(self.state.tail_k + self.state.tail_v, self.R,
+        self.tail_bytes = kv_bytes(self.state.tail_k + self.state.tail_v, self.R,
                                     ids.shape[0])
 
+    @property
+    def waiting_branches(self) -> int:
+        """Branches not yet given a slot (in rows in the pool, and in waiting rows)."""
+        queued = sum(int((self.branch_ids[r] >= 0).sum() - self.done[r].sum())
+                     for r in self.queue)
+        return sum(len(w) for w in self.waiting.values()) + queued
+
+    def _schedule(self):
+        """Before a chunk: refill finished slots with their row's waiting branches,
+        free settled rows, and insert waiting prompts into free rows."""
+        if not self.queue and not any(self.waiting.values()):
+            return
+        s = self.s
+        R_dev, N_dev = self.col_of.shape
+        reset = np.zeros((R_dev, N_dev), bool)
+        new_ids = np.zeros((R_dev, N_dev), np.int32)
+        live = np.zeros((R_dev, N_dev), bool)
+        free_rows = []
+        for i in range(R_dev):
+            if not self.row_placed[i]:
+                free_rows.append(i)
+                continue
+            r = int(self.row_of[i])
+            cols = self.col_of[i]
+            free = (cols < 0) | self.done[r, np.maximum(cols, 0)]
+            w = [c for c in self.waiting.get(r, []) if not self.done[r, c]]
+            if not self.lockstep:
+                for j in np.nonzero(free)[0]:
+                    if not w:
+                        break
+                    c = w.pop(0)
+                    self.col_of[i, j] = c
+                    reset[i, j] = live[i, j] = True
+                    new_ids[i, j] = self.branch_ids[r, c]
+                    free[j] = False
+            self.waiting[r] = w
+            if free.all() and not w:  # the prompt is settled: the row is free
+                self.waiting.pop(r, None)
+                self.row_placed[i] = False
+                self.col_of[i] = -1
+                free_rows.append(i)
+        inserted = []
+        for i in free_rows:
+            if not self.queue:
+                break
+            r = self.queue.pop(0)
+            cols = np.nonzero((self.branch_ids[r] >= 0) & ~self.done[r])[0]
+            if cols.size == 0:
+                continue
+            self.row_of[i], self.row_placed[i] = r, True
+            self.col_of[i] = -1
+            self.col_of[i, :min(cols.size, N_dev)] = cols[:N_dev]
+            self.waiting[r] = [int(c) for c in cols[N_dev:]]
+            reset[i] = True
+            live[i, :min(cols.size, N_dev)] = True
+            new_ids[i, :min(cols.size, N_dev)] = self.branch_ids[r, cols[:N_dev]]
+            inserted.append((i, r))
+        if inserted:
+            self._insert(inserted)
+        if reset.any():
+            self._refill(reset, new_ids, live)
+
+    def _insert(self, inserted):
+        s = self.s
+        R_dev = self.col_of.shape[0]
+        M = slot_bucket(len(inserted))
+        dest = np.full((M,), R_dev, np.int32)  # R_dev: dropped (padding)
+        src = np.zeros((M,), np.int32)
+        for j, (i, r) in enumerate(inserted):
+            dest[j], src[j] = i, self.rows[r]
+        pidx = np.array([s.offset + s.row_prompt[r] for r in src], np.int32)
+        mask = self._mask(src)
+        args = (self.prefix, self.last, self.state.prompt_index, self.state.prompt_mask,
+                s.prefix, s.last, jnp.asarray(src), jnp.asarray(dest), jnp.asarray(pidx),
+                jnp.asarray(mask))
+        out_specs = (None if s.m is None
+                     else (s.m.prefix_spec, s.m.Ps(s.m.d), s.m.Ps(s.m.d), s.m.Ps(s.m.d)))
+        t0, c0 = time.perf_counter(), s.timings["compile"]
+        self.prefix, self.last, pi, pm = jax.block_until_ready(
+            s.gather("insert_rows", insert_rows, args, out_specs))
+        self.state = self.state._replace(prompt_index=pi, prompt_mask=pm)
+        s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
+
+    def _refill(self, reset, new_ids, live):
+        s = self.s
+        fn = refill
+        args = (self.state, self.last, s.put(reset, "slots"), s.put(new_ids, "slots"),
+                s.put(live, "slots"))
+        if s.m is not None:
+            m = s.m
+            sl = m.Ps(m.d, BRANCH_AXIS)
+            fn = m.shard_map(fn, (s.state_spec, m.Ps(m.d), sl, sl, sl), s.state_spec)
+        prog = s.program(("refill", self._static(self.col_of.shape[1]), s.mesh), fn, args,
+                         donate=(0,))
+        self.state = prog(*args)
+
     def run(self, steps: int) -> bool:
-        """Decode up to `steps` more tokens; copy them to the host arrays.
+        """Refill the pool (`_schedule`), decode up to `steps` more steps, and copy
+        the new tokens to the host arrays.
 
         Returns:
-          True while some branch is live and the budget is not spent.
+          True while some branch is live or waiting.
         """
         s = self.s
+        self._schedule()
         t0 = self.t
-        t_stop = min(t0 + max(int(steps), 1), s.T)
+        t_stop = t0 + max(int(steps), 1)
         st = self._static(self.col_of.shape[1])
         fn = lambda p, pre, state, kn, bp, c: decode_chunk(st, p, pre, state, kn, bp, c)
         args = (s.model_params, self.prefix, self.state, s.knob_args(t_stop), s.bridge_dev,
@@ -418,51 +599,63 @@ class Round:
         self.state = jax.block_until_ready(prog(*args))
         s.timings["decode"] += time.perf_counter() - t_run
         t_host = time.perf_counter()
-        t1 = int(_host(self.state.t))
+        t1 = int(to_host(self.state.t))
         ran = t1 - t0
         s.decode_steps += ran
         s.branch_steps += ran * self.col_of.size
         self.t = t1
-        self._collect(t0, t1)
+        self._collect()
         s.timings["host"] += time.perf_counter() - t_host
-        return bool((~self.done).any()) and t1 < s.T
+        return bool((~self.done).any())
 
-    def _collect(self, t0: int, t1: int):
-        """Copy tokens [t0, t1) and the per-slot flags of every slot to the host arrays."""
+    def _collect(self):
+        """Copy each slot's new tokens (its columns from the host's length to the
+        device's) and every slot's flags to the host arrays."""
         st = self.state
-        done = _host(st.done)
-        lengths = _host(st.lengths)
-        stopped = _host(st.stopped)
+        done = to_host(st.done)
+        lengths = to_host(st.lengths)
+        stopped = to_host(st.stopped)
         real = self.col_of >= 0
         ri = np.broadcast_to(self.row_of[:, None], self.col_of.shape)[real]
         ci = self.col_of[real]
-        if t1 > t0:
-            sl = (slice(None), slice(None), slice(t0, t1))
-            self.tokens[ri, ci, t0:t1] = _host(st.tokens[sl])[real]
-            self.logprobs[ri, ci, t0:t1] = _host(st.logprobs[sl])[real]
+        self.prev = self.lengths.copy()
+        l0, l1 = self.lengths[ri, ci], lengths[real]
+        grew = l1 > l0
+        if grew.any():
+            a, b = int(l0[grew].min()), int(l1[grew].max())
+            j = np.arange(a, b)
+            si, wi = np.nonzero((j[None] >= l0[:, None]) & (j[None] < l1[:, None]))
+            dst = (ri[si], ci[si], a + wi)
+            sl = (slice(None), slice(None), slice(a, b))
+            take = lambda x: to_host(x[sl])[real][si, wi]
+            self.tokens[dst] = take(st.tokens)
+            self.logprobs[dst] = take(st.logprobs)
             if self.s.st.top_logprobs:
-                self.top_logprobs[ri, ci, t0:t1] = _host(st.top_logprobs[sl])[real]
-                self.top_ids[ri, ci, t0:t1] = _host(st.top_ids[sl])[real]
+                self.top_logprobs[dst] = take(st.top_logprobs)
+                self.top_ids[dst] = take(st.top_ids)
             if self.s.st.token_ranks:
-                self.token_ranks[ri, ci, t0:t1] = _host(st.token_ranks[sl])[real]
+                self.token_ranks[dst] = take(st.token_ranks)
             if self.s.st.signals:
-                self.signals[ri, ci, t0:t1] = _host(st.signals[sl])[real]
-        self.lengths[ri, ci] = lengths[real]
+                self.signals[dst] = take(st.signals)
+        self.lengths[ri, ci] = l1
         self.stopped[ri, ci] = stopped[real]
         self.done[ri, ci] = done[real] | self.done[ri, ci]
 
-    def new_tokens(self, t0: int):
-        """(row, column, tokens since t0 excluding a final stop token) of every branch
-        that decoded something since token t0."""
+    def new_tokens(self, t0=None):
+        """(row, column, new tokens excluding a final stop token) of every branch
+        that decoded something in the last chunk (`t0`, the old global start
+        token, is ignored: slots of a pool run at their own positions)."""
         out = []
-        for r, c in zip(*np.nonzero(self.lengths > t0)):
+        for r, c in zip(*np.nonzero(self.lengths > self.prev)):
             L = int(self.lengths[r, c])
+            p = int(self.prev[r, c])
             end = L - 1 if self.stopped[r, c] else L
-            out.append((int(r), int(c), self.tokens[r, c, t0:max(end, t0)]))
+            out.append((int(r), int(c), self.tokens[r, c, p:max(end, p)]))
         return out
 
     def finish_slots(self, mask: np.ndarray):
-        """Mark branches done from the host (`mask [R, N]` bool, round rows x columns)."""
+        """Mark branches done from the host (`mask [R, N]` bool, round rows x
+        columns); a branch not yet in a slot is then never run."""
         mask = np.asarray(mask, bool) & ~self.done
         if not mask.any():
             return
@@ -471,16 +664,20 @@ class Round:
         dev = np.zeros(self.col_of.shape, bool)
         rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
         dev[real] = mask[rr[real], self.col_of[real]]
-        done = _host(self.state.done) | dev
-        self.state = self.state._replace(done=self.s.put(done, "slots"))
+        if dev.any():
+            done = to_host(self.state.done) | dev
+            self.state = self.state._replace(done=self.s.put(done, "slots"))
 
     def compact(self) -> bool:
-        """Gather the live branches into smaller buckets when that halves a dimension.
+        """Gather the live branches into smaller buckets when that halves a dimension
+        (only once nothing waits for a slot: a pool refills instead).
 
         Returns:
           True if the state was compacted.
         """
         s = self.s
+        if self.waiting_branches:
+            return False
         real = self.col_of >= 0
         rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
         live = np.zeros(self.col_of.shape, bool)
@@ -515,6 +712,7 @@ class Round:
                                                                  out_specs))
         s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
         self.row_of = self.row_of[src_rows]
+        self.row_placed = np.arange(R_new) < rows_live.size
+        self.last = None  # no refill after a compaction (nothing waits)
         self.col_of = col_of
         return True
-
