@@ -419,6 +419,9 @@ class Round:
                 self.col_of[i, :min(cols.size, N_dev)] = cols[:N_dev]
                 self.waiting[i] = [int(c) for c in cols[N_dev:]]
         self.queue = list(range(placed, R))  # round rows not yet in the pool
+        # Per round row: only branch columns < admit[r] may take a slot (the host
+        # raises it: DeepConf's warm-up must finish before later branches start).
+        self.admit = np.full(R, N, np.int64)
         prefix_rows = np.array([rows[i] for i in self.row_of[:placed]], np.int32)
         # Padding rows: the session's own padding rows when the round takes every
         # prompt (no gather), else repeats of the first row.
@@ -482,7 +485,7 @@ class Round:
     @property
     def waiting_branches(self) -> int:
         """Branches not yet given a slot (in rows in the pool, and in waiting rows)."""
-        queued = sum(int((self.branch_ids[r] >= 0).sum() - self.done[r].sum())
+        queued = sum(int(((self.branch_ids[r] >= 0) & ~self.done[r]).sum())
                      for r in self.queue)
         return sum(len(w) for w in self.waiting.values()) + queued
 
@@ -507,7 +510,7 @@ class Round:
             w = [c for c in self.waiting.get(r, []) if not self.done[r, c]]
             if not self.lockstep:
                 for j in np.nonzero(free)[0]:
-                    if not w:
+                    if not w or w[0] >= self.admit[r]:
                         break
                     c = w.pop(0)
                     self.col_of[i, j] = c
@@ -528,13 +531,17 @@ class Round:
             cols = np.nonzero((self.branch_ids[r] >= 0) & ~self.done[r])[0]
             if cols.size == 0:
                 continue
+            first = cols[cols < self.admit[r]][:N_dev]
+            rest = [int(c) for c in cols if c not in set(first.tolist())]
+            cols = np.concatenate([first, np.array(rest, np.int64)]).astype(np.int64)
             self.row_of[i], self.row_placed[i] = r, True
             self.col_of[i] = -1
-            self.col_of[i, :min(cols.size, N_dev)] = cols[:N_dev]
-            self.waiting[r] = [int(c) for c in cols[N_dev:]]
+            m = first.size
+            self.col_of[i, :m] = first
+            self.waiting[r] = rest
             reset[i] = True
-            live[i, :min(cols.size, N_dev)] = True
-            new_ids[i, :min(cols.size, N_dev)] = self.branch_ids[r, cols[:N_dev]]
+            live[i, :m] = True
+            new_ids[i, :m] = self.branch_ids[r, first]
             inserted.append((i, r))
         if inserted:
             self._insert(inserted)
@@ -584,6 +591,9 @@ class Round:
         """
         s = self.s
         self._schedule()
+        if self.waiting_branches and not self._live_slots().any():
+            raise RuntimeError("the pool has waiting branches but no live slot: a row's "
+                               "admit limit was never raised")
         t0 = self.t
         t_stop = t0 + max(int(steps), 1)
         st = self._static(self.col_of.shape[1])
@@ -607,6 +617,14 @@ class Round:
         self._collect()
         s.timings["host"] += time.perf_counter() - t_host
         return bool((~self.done).any())
+
+    def _live_slots(self) -> np.ndarray:
+        """`[R_dev, N_dev]` bool: slots holding a branch the host has not seen finish."""
+        real = self.col_of >= 0
+        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
+        live = np.zeros(self.col_of.shape, bool)
+        live[real] = ~self.done[rr[real], self.col_of[real]]
+        return live
 
     def _collect(self):
         """Copy each slot's new tokens (its columns from the host's length to the
