@@ -210,10 +210,21 @@ def test_run_requests_yields_each_request_tagged_with_its_id(tiny_lm, refs):
 
     reqs = [Request(id=f"q{b}", prompt=p, params=_params()) for b, p in enumerate(PROMPTS)]
     seen = {}
-    for res in run_requests(tiny_lm, reqs, max_kv_bytes=None, chunk_size=2):
+    run = run_requests(tiny_lm, reqs, max_kv_bytes=None, chunk_size=2)
+    for res in run:
         assert res.output.request_id == res.id == f"q{res.index}"
         seen[res.id] = res
     assert sorted(seen) == ["q0", "q1", "q2"]
+    # The run's bill: what each request's own bill says it decoded, summed; the
+    # slots x steps of one pool of 3 x 5 (everything fits the default budget).
+    bill = run.bill
+    assert bill.requests == 3
+    assert bill.decoded_tokens == sum(r.generation.bill.decoded_tokens_total
+                                      for r in seen.values())
+    assert bill.branch_steps == seen["q0"].generation.bill.decode_steps * 3 * 5
+    assert 0 < bill.slot_utilisation <= 1
+    assert bill.prefill_tokens == sum(len(r.output.prompt_token_ids) for r in seen.values())
+    assert bill.requests_per_second > 0
     for b, ref in enumerate(refs):
         got = seen[f"q{b}"].generation
         assert_same_tokens_up_to_ties(tiny_lm, ref, got, prompt_index_offset=b)
@@ -252,3 +263,13 @@ def test_llm_generate_and_chat_are_the_pool_in_input_order(tiny_lm):
         llm.generate(PROMPTS, params, lora_request=object())
     with pytest.raises(InputError, match="sampling_params"):
         llm.generate(PROMPTS, [params, params])
+
+
+def test_batch_branch_steps_by_hand():
+    from jaxsample.engine.pool import batch_branch_steps
+
+    lengths = [[1, 5, 2], [3, 3, 3]]
+    # one row, rounds of two slots: (max 5, max 2) x 2 for prompt 0, (3, 3) x 2 for prompt 1
+    assert batch_branch_steps(lengths, 1, 2) == (5 + 2) * 2 + (3 + 3) * 2
+    # both prompts in one batch of 2 x 3 slots: the longest branch, 5 steps
+    assert batch_branch_steps(lengths, 2, 3) == 5 * 6

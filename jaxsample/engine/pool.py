@@ -225,8 +225,80 @@ def _check_requests(requests) -> list[Request]:
     return out
 
 
+@dataclasses.dataclass
+class RunBill:
+    """What a `run_requests` run computed (updated as each group of requests ends).
+
+    Attributes:
+      requests: requests completed.
+      decoded_tokens: tokens the device decoded (every branch, stop tokens
+        included, text cut by stop strings afterwards not subtracted).
+      branch_steps: slots x decode steps computed (what the pool paid for).
+      prefill_tokens: tokens prefilled (a common context once, each prompt once).
+      seconds: wall time of the run so far.
+      batch_branch_steps: slots x steps the same requests would have cost batch
+        by batch at the pool's shape (`batch_branch_steps`): the baseline.
+    """
+
+    requests: int = 0
+    decoded_tokens: int = 0
+    branch_steps: int = 0
+    prefill_tokens: int = 0
+    seconds: float = 0.0
+    batch_branch_steps: int = 0
+
+    @property
+    def slot_utilisation(self) -> float:
+        """decoded_tokens / branch_steps (1.0: no slot ever idle)."""
+        return self.decoded_tokens / self.branch_steps if self.branch_steps else 0.0
+
+    @property
+    def requests_per_second(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+    @property
+    def batch_slot_utilisation(self) -> float:
+        """decoded_tokens / batch_branch_steps: the batch-by-batch loop's utilisation."""
+        return self.decoded_tokens / self.batch_branch_steps if self.batch_branch_steps else 0.0
+
+
+def batch_branch_steps(lengths, rows: int, slots: int) -> int:
+    """Slots x steps of the batch-by-batch loop at the pool's shape.
+
+    Prompts in input order are cut into batches of `rows`, each prompt's
+    branches into rounds of `slots`; every (batch, round) decodes until its
+    longest branch ends and pays rows x slots per step (today's `generate` on
+    consecutive batches, whose finished slots idle until the slowest ends).
+
+    Args:
+      lengths: `[B, n]` tokens each branch decoded.
+      rows, slots: the pool's rows and slots per row (>= 1).
+    """
+    lengths = np.asarray(lengths)
+    B, n = lengths.shape
+    total = 0
+    for b0 in range(0, B, rows):
+        for c0 in range(0, n, slots):
+            block = lengths[b0:b0 + rows, c0:c0 + slots]
+            total += int(block.max(initial=0)) * rows * slots
+    return total
+
+
+class RequestRun:
+    """The iterator `run_requests` returns; `bill` is the `RunBill` so far."""
+
+    def __init__(self, it, bill: RunBill):
+        self._it, self.bill = it, bill
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> "RequestResult":
+        return next(self._it)
+
+
 def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: int | None = None,
-                 mesh=None) -> Iterator[RequestResult]:
+                 mesh=None) -> RequestRun:
     """Run many requests through the decode pool; yield each result as it completes.
 
     Consecutive requests with the same SamplingParams and kind (prompt or
@@ -242,13 +314,15 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
       requests: an iterable of `Request`s (or dicts with its fields; `id`
         defaults to the position).
       max_kv_bytes, chunk_size, mesh: as `jaxsample.generate`.
-    Yields:
-      `RequestResult`s in completion order.
+    Returns:
+      A `RequestRun`: iterate it for `RequestResult`s in completion order;
+      its `bill` (a `RunBill`) grows as groups end.
     Raises:
-      InputError: a malformed request (naming its position and id), before any
-        compute; then as `generate` for each group, before that group's compute.
+      InputError: a malformed request (naming its position and id), here,
+        before any compute; then as `generate` for each group, before that
+        group's compute.
     """
-    from jaxsample.engine import api
+    from jaxsample.engine import inputs
     from jaxsample.sampling import SamplingParams
 
     reqs = _check_requests(requests)
@@ -259,18 +333,26 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
             groups[-1][1].append(i)
         else:
             groups.append((key, [i]))
-    # Every group's inputs checked (encoded) before the first compute.
-    for (params, chat), idx in groups:
-        from jaxsample.engine import inputs
-
+    for (params, chat), idx in groups:  # every prompt encoded before the first compute
         inputs.encode_prompts(lm, [reqs[i].messages if chat else reqs[i].prompt for i in idx],
                               chat)
+    bill = RunBill()
+    return RequestRun(_run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh), bill)
+
+
+def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh):
+    import time
+
+    from jaxsample.engine import api
+
+    t0 = time.perf_counter()
     for (params, chat), idx in groups:
         prompts = [reqs[i].messages if chat else reqs[i].prompt for i in idx]
         session, rnd, chunk, observer = api.start(
             lm, prompts, params, chat=chat, mesh=mesh, bridge=None, prompt_index_offset=idx[0],
             naive=False, chunk_size=chunk_size if chunk_size is not None else api.STOP_CHUNK,
             progress=False, max_kv_bytes=max_kv_bytes)
+        shape = rnd.col_of.shape
         sent = np.zeros(len(idx), bool)
         for _, more in api.chunks(session, rnd, chunk, False, observer):
             settled = ~sent & rnd.done.all(axis=1)
@@ -278,8 +360,15 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
                 sent[j] = True
                 gen = finish_one(session, rnd, int(j))
                 out = dataclasses.replace(gen.outputs()[0], request_id=reqs[idx[j]].id)
+                bill.requests += 1
+                bill.seconds = time.perf_counter() - t0
                 yield RequestResult(id=reqs[idx[j]].id, output=out, generation=gen,
                                     index=idx[j])
+        bill.decoded_tokens += int(rnd.lengths.sum())
+        bill.branch_steps += int(session.branch_steps)
+        bill.prefill_tokens += len(session.context_ids) + sum(len(x) for x in session.ids)
+        bill.batch_branch_steps += batch_branch_steps(rnd.lengths, *shape)
+        bill.seconds = time.perf_counter() - t0
 
 
 def finish_one(session, rnd, row: int):
