@@ -221,7 +221,8 @@ def test_run_requests_yields_each_request_tagged_with_its_id(tiny_lm, refs):
     assert bill.requests == 3
     assert bill.decoded_tokens == sum(r.generation.bill.decoded_tokens_total
                                       for r in seen.values())
-    assert bill.branch_steps == seen["q0"].generation.bill.decode_steps * 3 * 5
+    # (each request's bill counts the pool's steps up to its completion; the last, all)
+    assert bill.branch_steps == max(r.generation.bill.decode_steps for r in seen.values()) * 15
     assert 0 < bill.slot_utilisation <= 1
     assert bill.prefill_tokens == sum(len(r.output.prompt_token_ids) for r in seen.values())
     assert bill.requests_per_second > 0

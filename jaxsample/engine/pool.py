@@ -187,8 +187,8 @@ class RequestResult:
       id: the request's id.
       output: its `RequestOutput` (`request_id` = id).
       generation: a one-prompt `Generation` (tokens `[1, n, T]`, texts, bill:
-        the prefill and decode counts in its bill are those of the pool run
-        it was part of, `decode_steps` and `branch_steps` included).
+        its decoded tokens are its own; `decode_steps`, `branch_steps` and the
+        KV bytes are the pool's, up to the chunk it completed in).
       index: the request's position in the input.
     """
 
