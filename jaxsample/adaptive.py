@@ -148,11 +148,15 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                               confidence_source: str = "top_logprobs") -> AdaptiveResult:
     """Self-consistency that stops spending on branches that cannot change the answer.
 
-    The prompts are prefilled once. Branches are drawn in rounds of `window`
-    (global branch indices `r*window .. r*window + window - 1`), each round
-    decoded in chunks of `chunk_size` steps; after each round `rule` decides,
-    per prompt, whether to stop (prompts that stopped leave the batch). With
-    `confidence`, the first `warmup` branches set DeepConf's threshold and any
+    The prompts are prefilled once. Each prompt's branches (global indices
+    0 .. max_n - 1) run in a pool of `window` slots (`engine.session.Round`,
+    decoded in chunks of `chunk_size` steps): a finished branch's slot takes
+    the prompt's next branch at once, with no rounds. `rule` decides, per
+    prompt, at n = window, 2 window, ... (as `stopping.replay`), as soon as the
+    first n branches are done; a prompt that stops gives up its later
+    branches (those drawn ahead are reported "not_drawn"). With
+    `confidence`, the first `warmup` branches set DeepConf's threshold (later
+    branches start only once it is set) and any
     later branch whose group confidence falls below it is terminated at the
     next chunk boundary; votes are then weighted by each branch's lowest group
     confidence (terminated branches excluded). References: ESC (Li et al.
