@@ -237,7 +237,7 @@ def test_run_requests_yields_each_request_tagged_with_its_id(tiny_lm, refs):
     ([{"id": "a", "prompt": "x", "messages": "y"}], "exactly one"),
     ([{"id": "a", "prompt": "x", "n": 3}], "unknown fields"),
     ([{"id": "a", "prompt": "x", "params": {"n": 2}}], "SamplingParams"),
-    ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": ""}], "")])
+    ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": ""}], r"request 1 \('b'\): prompt 0 is empty")])
 def test_requests_are_validated_before_any_compute(tiny_lm, bad, match):
     from jaxsample.engine.pool import run_requests
 

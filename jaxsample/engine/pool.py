@@ -333,9 +333,12 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
             groups[-1][1].append(i)
         else:
             groups.append((key, [i]))
-    for (params, chat), idx in groups:  # every prompt encoded before the first compute
-        inputs.encode_prompts(lm, [reqs[i].messages if chat else reqs[i].prompt for i in idx],
-                              chat)
+    for i, r in enumerate(reqs):  # every prompt encoded before the first compute
+        chat = r.messages is not None
+        try:
+            inputs.encode_prompts(lm, [r.messages if chat else r.prompt], chat)
+        except InputError as e:
+            raise InputError(f"request {i} ({r.id!r}): {e}") from None
     bill = RunBill()
     return RequestRun(_run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh), bill)
 
