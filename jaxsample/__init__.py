@@ -41,6 +41,7 @@ _EXPORTS = {
     "AdaptiveResult": "jaxsample.reduce.adaptive",
     "AdaptiveBill": "jaxsample.reduce.adaptive",
     "Bill": "jaxsample.cost",
+    "LLM": "jaxsample.llm",
 }
 _SUBMODULES = {"bridge", "bridge_training", "cli", "cost", "disk_cache", "engine", "errors", "weight_cache",
                "generation", "lm", "loading", "progress", "reduce", "sampling_params", "sharding"}

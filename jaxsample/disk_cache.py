@@ -152,7 +152,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
     return path
 
 
-log = logging.getLogger("jaxsample.cache")
+log = logging.getLogger("jaxsample.disk_cache")
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -3,7 +3,7 @@
 `read_config` answers the model's `LlamaConfig` without dequantising any
 weight (the command line checks a request against the context before the
 load). A GGUF file's dequantised weights, config and tokenizer are kept in
-the weight cache (`jaxsample.cache`), so a second process loads them in a
+the weight cache (`jaxsample.disk_cache`), so a second process loads them in a
 fraction of a second instead of parsing and dequantising the file again.
 """
 
@@ -13,6 +13,7 @@ import os
 import pathlib
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,9 @@ from jaxsample import weight_cache
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import LanguageModel
 from jaxsample.models import families, registry
+
+if TYPE_CHECKING:
+    from jaxsample.models import llama
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -44,7 +48,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
       dtype: "float32" (default) or "bfloat16" for weights and activations.
       cache: the weight cache for GGUF files of at least 16 MiB (smaller ones
         dequantise fast): None or True for the default directory
-        (`jaxsample.cache.cache_dir()`: `$JAXSAMPLE_CACHE_DIR`, else
+        (`jaxsample.disk_cache.cache_dir()`: `$JAXSAMPLE_CACHE_DIR`, else
         `$XDG_CACHE_HOME/jaxsample`; off when `JAXSAMPLE_NO_CACHE` is set),
         False for none, or a directory. The first load writes the dequantised
         float32 weights (4 bytes per parameter: 0.5 GB for SmolLM2-135M) with

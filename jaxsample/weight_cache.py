@@ -8,7 +8,7 @@ the CRC-32 of every tensor's bytes, checked when it loads. An entry that cannot
 be read, is truncated, has a malformed header, belongs to another file or
 another format version, fails its CRC-32 check or does not match the shapes
 the config implies is ignored (one warning line on stderr, logger
-`jaxsample.cache`) and rewritten, never an error. The file is only ever
+`jaxsample.disk_cache`) and rewritten, never an error. The file is only ever
 written whole under a temporary name and renamed into place, so a crash or a
 concurrent writer leaves either the old entry or the new one; one path keeps
 one entry (writing a new content's entry removes the older one of the same

@@ -112,7 +112,7 @@ def pytest_terminal_summary(terminalreporter):
     """One line on what the session compiled (where the suite's time goes)."""
     import sys
 
-    engine = sys.modules.get("jaxsample.engine")
+    engine = sys.modules.get("jaxsample.engine.loop")
     if engine is not None:
         p = engine.PROGRAMS
         terminalreporter.write_line(f"jaxsample: {p.compilations} engine programs built, "

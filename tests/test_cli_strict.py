@@ -100,9 +100,12 @@ def test_f32_examples():
 def test_dumps_is_strict_json():
     assert cli.dumps({"a": float("nan"), "b": [float("inf"), 1.5], "c": "é"}) == (
         '{"a": null, "b": [null, 1.5], "c": "é"}')
-    # The one JSON writer: no other json.dumps in the command line.
-    source = open(cli.console.__file__, encoding="utf-8").read()
-    assert source.count("json.dumps(") == 1
+    # The one JSON writer: no other json.dumps in the command line's package.
+    import pathlib
+
+    counts = {f.name: f.read_text(encoding="utf-8").count("json.dumps(")
+              for f in pathlib.Path(cli.__file__).parent.glob("*.py")}
+    assert counts.pop("console.py") == 1 and not any(counts.values()), counts
 
 
 # ---------------------------------------------------------------------------

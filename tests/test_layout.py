@@ -37,6 +37,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bridge", ("jaxsample.bridge",)),
     ("engine", ("jaxsample.engine",)),
     ("reduce", ("jaxsample.reduce",)),
+    ("offline", ("jaxsample.llm",)),
     ("bridge_training", ("jaxsample.bridge_training",)),
     ("cli", ("jaxsample.cli", "jaxsample.__main__")),
 )
@@ -71,10 +72,16 @@ def _resolve(importer: str, node: ast.ImportFrom) -> str | None:
 
 def _imports(name: str) -> list[tuple[str, str | None, int]]:
     """(imported module, imported name or None, line) for every import in module `name`,
-    function-local ones included; `from pkg import sub` names the submodule."""
+    function-local ones included; `from pkg import sub` names the submodule.
+    Imports under `if TYPE_CHECKING:` (annotations only, never run) are left out."""
     tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+                   for stmt in node.body for n in ast.walk(stmt)}
     out = []
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out += [(a.name, None, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):

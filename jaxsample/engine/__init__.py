@@ -19,15 +19,25 @@ Data flow of one request, one file per stage:
                 compaction (gather the live slots into smaller buckets)
     placement.py  serving params, host <-> device copies, KV bytes, mesh
                 shardings and shard_map wrappers
-    session.py  the host loop: prefill once, rounds of branches over the same
-                prefix cache, chunks, host-side done marks, compaction, outputs
-                copied to host arrays at (prompt, branch)
+    budget.py   the pool's size from a KV budget (max_kv_bytes): what one row
+                (prefix) and one slot (tail + decode buffers) hold, and the
+                requests that can never run, refused before any compute
+    session.py  a Session: the prompts validated, encoded and prefilled once
+    round.py    a Round: one decode state [R, N, ...] over a session's rows,
+                run in chunks; host-side done marks, compaction, outputs
+                copied to host arrays at (prompt, branch); with fewer rows x
+                slots than prompts x branches, a pool that refills slots and
+                rows between chunks (continuous batching)
     stops.py    stop strings seen on the way (incremental detokenisation),
                 cut exactly at the end
     api.py      generate() -> Generation (tokens/logprobs [B, N, T], texts, bill),
                 and the host loop it shares with stream.py
     stream.py   stream(): the same loop, yielding text deltas per (prompt,
                 branch) after each chunk, then the Generation
+    requests.py run_requests: many requests in, each result out as soon as it
+                completes, with the bill of the run (RunBill)
+    sampling/   token choice: logits processors, top-k / top-p / min-p, the draw
+    step_cost.py  XLA's cost analysis of one compiled decode step
 
 Letters: see `models/llama.py` and `state.py`. Keys: branch key =
 fold_in(fold_in(key(seed), prompt_index), branch_index), folded with the
@@ -40,16 +50,20 @@ of benchmarks and the oracle of tests.
 """
 
 from jaxsample.engine.api import STOP_CHUNK, finish, generate
+from jaxsample.engine.requests import Request, RequestResult, RunBill, run_requests
 from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
 from jaxsample.engine.prefill import prefill
-from jaxsample.engine.session import Round, Session, serving_params
+from jaxsample.engine.round import Round
+from jaxsample.engine.session import Session, serving_params
 from jaxsample.engine.stream import StreamEvent, TextDelta, stream
 from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, ContextCache, DecodeState, Knobs,
                                     PrefixCache, Static, bucket, slot_bucket)
 from jaxsample.engine.step import branch_step
 
-__all__ = ["generate", "stream", "StreamEvent", "TextDelta", "finish", "Session", "Round", "prefill", "decode_chunk", "init_state",
-           "compact", "branch_step", "serving_params", "PROGRAMS", "PrefixCache", "ContextCache",
-           "DecodeState",
-           "Knobs", "Static", "bucket", "slot_bucket", "MAX_STOP_IDS", "MAX_LOGPROBS",
-           "STOP_CHUNK"]
+# What users call. The other names imported above (prefill, decode_chunk,
+# init_state, compact, branch_step, serving_params, PROGRAMS, bucket,
+# slot_bucket, MAX_STOP_IDS, MAX_LOGPROBS, STOP_CHUNK) stay importable for the
+# library's own modules, benchmarks and tests, but are not the public API.
+__all__ = ["generate", "stream", "StreamEvent", "TextDelta", "finish", "Session", "Round",
+           "PrefixCache", "ContextCache", "DecodeState", "Knobs", "Static", "Request",
+           "RequestResult", "RunBill", "run_requests"]

@@ -11,7 +11,9 @@ from jaxsample import cost
 from jaxsample import progress as progress_lib
 from jaxsample.engine import stops as stops_lib
 from jaxsample.engine.inputs import check_int
-from jaxsample.engine.session import Round, Session
+from jaxsample.errors import InputError
+from jaxsample.engine.round import Round
+from jaxsample.engine.session import Session
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.engine import sampling
@@ -25,7 +27,9 @@ STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are 
 def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
              chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
              naive: bool = False, chunk_size: int | None = None,
-             compact: bool = False, progress=False, shared_prefix=None) -> Generation:
+             compact: bool = False, progress=False, shared_prefix=None,
+             max_rows: int | None = None, max_slots: int | None = None,
+             max_kv_bytes: int | None = None) -> Generation:
     """Sample `params.n` continuations of each prompt, sharing each prompt's KV cache.
 
     The prompts are prefilled once; the N branches are decoded together, in
@@ -79,6 +83,23 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         is tokenised alone, without a BOS: the BOS, if any, starts the
         context); `Generation.prompt_tokens` and the prompt logprobs cover
         both. Not with `naive=True`.
+      max_rows, max_slots: the decode pool's rows (prompts held at once) and
+        slots per row (branches decoded at once), ints >= 1; default every
+        prompt and branch at once. Fewer make the decode a pool
+        (`engine.round.Round`, continuous batching: vLLM's scheduler,
+        JetStream's prefill / insert / generate with the prefix shared by a
+        row's slots): at every chunk boundary each finished slot takes its
+        prompt's next branch and a settled row the next prompt. The tokens
+        are those of the full call, branch by branch (keys by prompt and
+        branch index; up to float ties, `tests/ties.py`). Default chunk then
+        `STOP_CHUNK`. With a Bridge, rows are refilled only (a prompt's
+        branches run in lockstep): max_slots must hold n.
+      max_kv_bytes: byte budget (int >= 1) of the prefix caches and the
+        decode pool (KV and decode buffers, per device; `engine.budget`);
+        default `engine.budget.DEFAULT_KV_FRACTION` of the device's memory
+        (host RAM on CPU). When the whole request does not fit, the pool
+        (rows x slots, unless max_rows / max_slots are given) is the largest
+        the budget holds.
     Returns:
       `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
       `[B, N]`, finish reasons, texts, the bill, with `params.logprobs = k`
@@ -92,7 +113,10 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         beyond the context (shared_prefix included), an empty or malformed
         shared_prefix, bad token ids, `logit_bias` ids outside the
         vocabulary, a bad chunk_size or progress, or a mesh that does not fit
-        the request.
+        the request; bad max_rows / max_slots / max_kv_bytes, a budget that
+        cannot hold the prompts' prefixes plus one branch's tail, or results
+        (n x max_new_tokens tokens and logprobs) too large for host memory,
+        each in one line with the numbers.
         Raised before any compute.
       NumericalError: a sampled token's logits were all NaN or -inf (no distribution;
         see `sampling.check_logprobs`). Raised after decoding, before returning.
@@ -100,14 +124,17 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     session, rnd, chunk_size, observer = start(
         lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
         prompt_index_offset=prompt_index_offset, naive=naive, chunk_size=chunk_size,
-        progress=progress, shared_prefix=shared_prefix)
+        progress=progress, shared_prefix=shared_prefix, max_rows=max_rows, max_slots=max_slots,
+        max_kv_bytes=max_kv_bytes)
     for _ in chunks(session, rnd, chunk_size, compact, observer):
         pass
     return finish(session, [rnd])
 
 
 def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive, chunk_size,
-          progress, default_chunk: int | None = None, shared_prefix=None):
+          progress, default_chunk: int | None = None, shared_prefix=None,
+          max_rows: int | None = None, max_slots: int | None = None,
+          max_kv_bytes: int | None = None):
     """Validate, prefill and open the one round of `generate` / `stream`.
 
     Returns:
@@ -116,20 +143,35 @@ def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive
       InputError: as `generate`, before any compute.
     """
     observer = progress_lib.resolve(progress)
+    for name, v in (("max_rows", max_rows), ("max_slots", max_slots)):
+        if v is not None:
+            check_int(name, v, 1, 2**31 - 1)
+    if naive and (max_rows is not None or max_slots is not None):
+        raise InputError("naive=True is the baseline of one state per copy; pass "
+                         "max_rows=None and max_slots=None")
+    n_req = getattr(params if params is not None else SamplingParams(), "n", 1)
+    if bridge is not None and max_slots is not None and max_slots < n_req:
+        raise InputError(f"a Bridge runs a prompt's branches in lockstep: max_slots must be "
+                         f">= n = {n_req}, got {max_slots}")
     session = Session(lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
                       prompt_index_offset=prompt_index_offset, naive=naive, observer=observer,
-                      shared_prefix=shared_prefix)
+                      shared_prefix=shared_prefix, max_kv_bytes=max_kv_bytes)
     params = session.params
+    if not naive:
+        max_rows = session.pool_shape[0] if max_rows is None else max_rows
+        max_slots = session.pool_shape[1] if max_slots is None else max_slots
+    B, N = session.B, session.N
+    pooled = (max_rows is not None and max_rows < B) or (max_slots is not None and max_slots < N)
     if chunk_size is None:
         chunk_size = (default_chunk if default_chunk is not None
-                      else STOP_CHUNK if params.stop or observer is not None
+                      else STOP_CHUNK if params.stop or observer is not None or pooled
                       else params.max_new_tokens)
     chunk_size = check_int("chunk_size", chunk_size, 1, 2**31 - 1)
-    B, N = session.B, session.N
     if naive:  # rows are (prompt, branch) copies, one branch each
         rnd = session.round(range(B * N), np.arange(B * N, dtype=np.int32)[:, None] % N)
     else:
-        rnd = session.round(range(B), np.broadcast_to(np.arange(N, dtype=np.int32), (B, N)))
+        rnd = session.round(range(B), np.broadcast_to(np.arange(N, dtype=np.int32), (B, N)),
+                            max_rows=max_rows, max_slots=max_slots, lockstep=bridge is not None)
     return session, rnd, chunk_size, observer
 
 

@@ -26,7 +26,13 @@ from jaxsample.engine.step import all_done, branch_keys, make_step
 
 def decode_chunk(st: Static, params, prefix: PrefixCache, state: DecodeState, knobs: Knobs,
                  bridge_params=None, context=None) -> DecodeState:
-    """Advance every slot until token `knobs.t_stop`, the budget, or all are done.
+    """Advance every live slot until the clock `state.t` reaches `knobs.t_stop`, or
+    every slot is done.
+
+    Each slot decodes at its own token index (`state.lengths`), so slots that
+    were refilled between chunks (`refill`) run beside slots that started
+    earlier; `state.t` counts the steps this state has run (for a state whose
+    slots all started together it equals every live slot's token index).
 
     Args:
       params: model parameters in the list layout (`llama.unstack_layers`).
@@ -37,10 +43,9 @@ def decode_chunk(st: Static, params, prefix: PrefixCache, state: DecodeState, kn
     """
     keys = branch_keys(knobs, state.prompt_index, state.branch_ids)
     step = make_step(st, params, prefix, knobs, keys, bridge_params, context)
-    end = jnp.minimum(knobs.t_stop, knobs.max_new_tokens)
 
     def cond(s: DecodeState):
-        return (s.t < end) & ~all_done(st, s.done)
+        return (s.t < knobs.t_stop) & ~all_done(st, s.done)
 
     return jax.lax.while_loop(cond, step, state)
 
@@ -124,6 +129,65 @@ def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slots: jax
         prompt_mask=take_rows(s.prompt_mask),
         signals=None if s.signals is None else take_slots(s.signals))
     return new_prefix, new
+
+
+def refill(state: DecodeState, last_logits: jax.Array, reset: jax.Array,
+           branch_ids: jax.Array, live: jax.Array) -> DecodeState:
+    """Give some slots a new branch between chunks (the pool's insert), in place.
+
+    Same shapes, traced values: refilling never recompiles. A reset slot
+    starts at token 0 with its row's last prefix logits and empty penalty
+    counts; its old tokens, logprobs and tail entries stay in the buffers but
+    are never read (columns `>= lengths` are masked, and each step writes
+    slot `lengths` before a later step reads it).
+
+    Args:
+      state: the DecodeState `[R, N, ...]` (donated).
+      last_logits: `[R, V]` float32 each row's distribution for token 0.
+      reset: `[R, N]` bool, the slots to restart.
+      branch_ids: `[R, N]` int32 the new global branch id of each reset slot
+        (ignored elsewhere).
+      live: `[R, N]` bool: False for a reset slot left empty (it starts done).
+    """
+    s = state
+    r3 = reset[..., None]
+    return s._replace(
+        logits=jnp.where(r3, last_logits[:, None], s.logits),
+        lengths=jnp.where(reset, 0, s.lengths),
+        done=jnp.where(reset, ~live, s.done),
+        stopped=jnp.where(reset, False, s.stopped),
+        branch_ids=jnp.where(reset, branch_ids, s.branch_ids),
+        counts=jnp.where(r3, 0, s.counts) if s.counts.shape[-1] else s.counts)
+
+
+def insert_rows(prefix: PrefixCache, last: jax.Array, prompt_index: jax.Array,
+                prompt_mask: jax.Array, src: PrefixCache, src_last: jax.Array,
+                src_rows: jax.Array, rows: jax.Array, src_index: jax.Array,
+                src_mask: jax.Array):
+    """Copy prefilled prompts into rows of the pool (JetStream's insert).
+
+    Args:
+      prefix, last, prompt_index, prompt_mask: the pool's PrefixCache (L x
+        `[R, K, P, D]`), last logits `[R, V]`, prompt indices `[R]` and
+        prompt mask `[R, V']` (`V' = 0` without penalties).
+      src, src_last: the prefilled prompts (L x `[M0, K, P, D]`, the pool's P;
+        `[M0, V]`).
+      src_rows: `[M]` int32 the prefilled row to copy into each of `rows`.
+      rows: `[M]` int32 the pool row to fill; R (out of range) drops the entry.
+      src_index: `[M]` int32 the global prompt index of each (the keys).
+      src_mask: `[M, V']` bool the prompt mask of each.
+    Returns:
+      (prefix, last, prompt_index, prompt_mask) with those rows replaced; the
+      rows' slots are left to `refill`.
+    """
+    take = lambda a: jnp.take(a, src_rows, axis=0)
+    put = lambda a, b: a.at[rows].set(take(b).astype(a.dtype), mode="drop")
+    new_prefix = PrefixCache(tuple(map(put, prefix.k, src.k)), tuple(map(put, prefix.v, src.v)),
+                             put(prefix.lengths, src.lengths))
+    pm = (prompt_mask.at[rows].set(src_mask, mode="drop") if prompt_mask.shape[-1]
+          else prompt_mask)
+    return (new_prefix, put(last, src_last), prompt_index.at[rows].set(src_index, mode="drop"),
+            pm)
 
 
 _PERSISTENT_HITS = threading.local()  # per thread: programs JAX's persistent cache served

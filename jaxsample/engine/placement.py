@@ -36,21 +36,21 @@ def serving_params(lm: LanguageModel):
 _ON_MESH: "weakref.WeakKeyDictionary[LanguageModel, dict]" = weakref.WeakKeyDictionary()
 
 
-def _params_on_mesh(lm: LanguageModel, mesh):
+def params_on_mesh(lm: LanguageModel, mesh):
     """The serving params replicated over `mesh`, placed once per (model, mesh).
 
-    Placing them goes through host memory (`_put`), so doing it on every
+    Placing them goes through host memory (`place`), so doing it on every
     `generate` call would copy all the weights each time.
     """
     per_mesh = _ON_MESH.setdefault(lm, {})
     if mesh not in per_mesh:
         from jax.sharding import NamedSharding, PartitionSpec as Ps
 
-        per_mesh[mesh] = _put(serving_params(lm), NamedSharding(mesh, Ps()))
+        per_mesh[mesh] = place(serving_params(lm), NamedSharding(mesh, Ps()))
     return per_mesh[mesh]
 
 
-def _put(tree, sharding):
+def place(tree, sharding):
     """Host values -> global arrays on a mesh (works across processes: each
     process passes the same values and provides its own devices' shards)."""
 
@@ -61,7 +61,7 @@ def _put(tree, sharding):
     return jax.tree_util.tree_map(one, tree)
 
 
-def _host(x) -> np.ndarray:
+def to_host(x) -> np.ndarray:
     """A (possibly multi-process) global array as one numpy array on every process."""
     if jax.process_count() > 1 and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
@@ -70,7 +70,7 @@ def _host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def _kv_bytes(arrays, rows: int, rows_alloc: int) -> tuple[int, int, int]:
+def kv_bytes(arrays, rows: int, rows_alloc: int) -> tuple[int, int, int]:
     """(bytes of the request's rows, bytes on one device, bytes on all devices).
 
     The first counts one copy of each array's real rows (axis 0), without the
@@ -85,7 +85,7 @@ def _kv_bytes(arrays, rows: int, rows_alloc: int) -> tuple[int, int, int]:
     return logical, int(per_device), int(total)
 
 
-class _Mesh:
+class MeshLayout:
     """Shardings and shard_map wrappers of the engine's programs on a mesh."""
 
     def __init__(self, mesh, data_axis):

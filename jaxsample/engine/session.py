@@ -1,14 +1,10 @@
-"""The host side of one request: prefill once, then rounds of branches decoded in chunks.
+"""The host side of one request: validate, encode and prefill the prompts once.
 
 A `Session` validates and encodes the prompts, prefills them once and keeps
-their prefix cache on the device. Each `Round` is one decode state over some
-of the session's rows and a set of global branch indices: it runs in chunks
-of steps (`Round.run`), between which the host may mark branches done
-(`Round.finish_slots`: a stop string, a low confidence) and gather the live
-branches into smaller buckets (`Round.compact`). `generate` is one round with
-all branches; adaptive self-consistency runs several rounds over the same
-prefix cache. The outputs are copied to host arrays indexed by (prompt row,
-branch) as each chunk ends, so compaction never loses or moves them.
+their prefix cache on the device (sized by `budget.py`); `Session.round`
+starts a `Round` (round.py), one decode state over some of its rows, run in
+chunks: `generate` is one round with every branch admitted, adaptive
+self-consistency one pool of `window` slots per prompt.
 """
 
 from __future__ import annotations
@@ -22,13 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample.engine import inputs
+from jaxsample.engine import budget as budget_lib
 from jaxsample.engine.context import prefill_context, prefill_suffix
-from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
-from jaxsample.engine.placement import (_host, _kv_bytes, _Mesh, _params_on_mesh, _put,
+from jaxsample.engine.loop import PROGRAMS
+from jaxsample.engine.placement import (to_host, kv_bytes, MeshLayout, params_on_mesh, place,
                                         serving_params)
-from jaxsample.engine.prefill import prefill, take_rows
+from jaxsample.engine.prefill import prefill
+from jaxsample.engine.round import Round
 from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PromptLogprobs, Static,
-                                    bucket, slot_bucket)
+                                    bucket)
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling_params import SamplingParams
@@ -48,15 +46,20 @@ class Session:
       observer: optional `jaxsample.progress.Progress` (anything with a
         `compiling(name)` context manager): told around every program lookup,
         so a long compile can be shown.
+      max_kv_bytes: the byte budget of the prefix caches and the decode pool
+        (`engine.budget.plan`; default `budget.default_kv_budget()`); sets
+        `pool_shape`, the (rows, slots) a pool of this request may use.
 
     Raises:
-      InputError: as `jaxsample.generate`, before any compute.
+      InputError: as `jaxsample.generate`, before any compute; also a budget
+        that cannot hold one row and one slot, or results larger than host
+        memory allows (`engine.budget`).
     """
 
     def __init__(self, lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
                  chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
                  naive: bool = False, top_logprobs: int | None = None, observer=None,
-                 shared_prefix=None):
+                 shared_prefix=None, max_kv_bytes: int | None = None):
         self.t_start = time.perf_counter()
         self.observer = observer
         params = SamplingParams() if params is None else params
@@ -109,12 +112,12 @@ class Session:
         k = params.logprobs if top_logprobs is None else top_logprobs
         k = inputs.check_int("top_logprobs", k or 0, 0, MAX_LOGPROBS)
         self.mesh, self.naive, self.offset = mesh, naive, int(prompt_index_offset)
-        self.m = None if mesh is None else _Mesh(mesh, data_axis)
+        self.m = None if mesh is None else MeshLayout(mesh, data_axis)
         self.bridge_cfg = None if bridge is None else bridge.config
         self.bridge_params = None if bridge is None else bridge.params
-        self.model_params = serving_params(lm) if mesh is None else _params_on_mesh(lm, mesh)
+        self.model_params = serving_params(lm) if mesh is None else params_on_mesh(lm, mesh)
         self.bridge_dev = (self.bridge_params if mesh is None or bridge is None
-                           else _put(self.bridge_params, self.m.rep))
+                           else place(self.bridge_params, self.m.rep))
         self.timings = {"compile": 0.0, "prefill": 0.0, "decode": 0.0, "host": 0.0}
         if C:
             self.timings["prefill_context"] = 0.0  # part of "prefill"
@@ -144,7 +147,32 @@ class Session:
         self.row_prompt = [r for r in range(B) for _ in range(N)] if naive else list(range(B))
         self.decode_steps = 0
         self.branch_steps = 0
+        self._plan(max_kv_bytes)
         self._prefill()
+
+    def _plan(self, max_kv_bytes):
+        """Refuse requests that can never run, and size the pool (before any compute)."""
+        st = self.st
+        flags = dict(top_logprobs=st.top_logprobs, token_ranks=st.token_ranks,
+                     signals=st.signals)
+        budget_lib.check_results_fit(self.B, self.N, self.T, **flags)
+        if max_kv_bytes is not None:
+            max_kv_bytes = inputs.check_int("max_kv_bytes", max_kv_bytes, 1, 2**62)
+        budget = budget_lib.default_kv_budget() if max_kv_bytes is None else max_kv_bytes
+        self.kv_budget = budget
+        if self.naive:
+            self.pool_shape = (len(self.row_prompt), 1)
+            return
+        C = len(self.context_ids)
+        p_cap = bucket(max(len(x) for x in self.ids))
+        rows, slots = budget_lib.plan(
+            self.cfg, B=self.B, n=self.N, p_cap=p_cap, t_cap=st.t_cap, budget=budget,
+            context_bytes=budget_lib.kv_size(self.cfg, bucket(C)) if C else 0, nd=self.nd,
+            nb=self.nb, penalties=st.penalties, **flags)
+        if self.bridge_cfg is not None and slots < self.N:
+            raise InputError(f"max_kv_bytes={budget:,} holds {slots} branch(es) per row; a "
+                             f"Bridge needs all n={self.N} of a prompt at once")
+        self.pool_shape = (rows, slots)
 
     # -- prefill ------------------------------------------------------------
 
@@ -184,7 +212,7 @@ class Session:
             extra = (PromptLogprobs(*([m.Ps(m.d)] * 4)),) if pk >= 0 else ()
             fn = m.shard_map(fn, (m.Ps(), m.Ps(m.d), m.Ps(m.d), m.Ps()) + tuple(extra_specs),
                              (m.prefix_spec, m.Ps(m.d)) + extra)
-            args = (self.model_params, _put(tokens, m.rows), _put(lengths, m.rows),
+            args = (self.model_params, place(tokens, m.rows), place(lengths, m.rows),
                     self.bridge_dev) + extra_args
         prog = self.program((name, cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
         t0 = time.perf_counter()
@@ -193,7 +221,7 @@ class Session:
         self.timings["prefill"] += time.perf_counter() - t0
         self.prompt_logprobs = None
         if pk >= 0:  # host arrays per prompt: entry j is about prompt token j + 1
-            lp = PromptLogprobs(*map(_host, out[2]))
+            lp = PromptLogprobs(*map(to_host, out[2]))
             first = {}  # the first row of each prompt (naive rows are copies)
             for j, r in enumerate(rows):
                 first.setdefault(r, j)
@@ -208,7 +236,7 @@ class Session:
                                      for c, a in zip(ctx_lp, lp)))
                     for b in range(self.B)]
         self.rows_alloc = R_pad
-        self.prefix_bytes = _kv_bytes(self.prefix.k + self.prefix.v, R, R_pad)
+        self.prefix_bytes = kv_bytes(self.prefix.k + self.prefix.v, R, R_pad)
 
     def _prefill_context(self):
         """Prefill the common context once (replicated on a mesh); returns its
@@ -228,7 +256,7 @@ class Session:
             m = self.m
             extra = (PromptLogprobs(*([m.Ps()] * 4)),) if pk >= 0 else ()
             fn = m.shard_map(fn, (m.Ps(),) * 4, (m.context_spec, m.Ps()) + extra)
-            args = (self.model_params, _put(tokens, m.rep), _put(length, m.rep),
+            args = (self.model_params, place(tokens, m.rep), place(length, m.rep),
                     self.bridge_dev)
         prog = self.program(("prefill_context", cfg, self.bridge_cfg, self.mesh, pk, vl), fn,
                             args)
@@ -238,12 +266,13 @@ class Session:
         self.timings["prefill"] += dt
         self.timings["prefill_context"] += dt
         self.context, self.context_last = out[:2]
-        self.context_bytes = _kv_bytes(self.context.k + self.context.v, 1, 1)
-        return PromptLogprobs(*map(_host, out[2])) if pk >= 0 else None
+        self.context_bytes = kv_bytes(self.context.k + self.context.v, 1, 1)
+        return PromptLogprobs(*map(to_host, out[2])) if pk >= 0 else None
 
     # -- rounds ---------------------------------------------------------------
 
-    def round(self, rows, branch_ids) -> "Round":
+    def round(self, rows, branch_ids, max_rows: int | None = None,
+              max_slots: int | None = None, lockstep: bool = False) -> "Round":
         """A fresh decode state over some prefilled rows.
 
         Args:
@@ -251,8 +280,13 @@ class Session:
             when naive).
           branch_ids: `[R', N']` global branch index of each slot (-1: a
             padding slot that starts done).
+          max_rows, max_slots: the device state's rows and slots per row
+            (default: R' x N', all admitted at once); fewer make the round a
+            pool that refills slots and rows as branches finish (`Round`).
+          lockstep: never refill a slot inside a row (Bridge).
         """
-        return Round(self, list(rows), np.asarray(branch_ids, np.int32))
+        return Round(self, list(rows), np.asarray(branch_ids, np.int32), max_rows, max_slots,
+                     lockstep)
 
     def program(self, key, fn, args, **kwargs):
         """`PROGRAMS.get(key, fn, args, **kwargs)`: the compiled program; the
@@ -279,13 +313,13 @@ class Session:
 
     def knob_args(self, t_stop: int):
         knobs = self.knobs._replace(t_stop=np.int32(t_stop))
-        return knobs if self.m is None else _put(knobs, self.m.rep)
+        return knobs if self.m is None else place(knobs, self.m.rep)
 
     def put(self, x, kind: str):
         """A host array placed as the engine's programs expect ("rows", "slots", "rep")."""
         if self.m is None:
             return jnp.asarray(x)
-        return _put(x, getattr(self.m, kind))
+        return place(x, getattr(self.m, kind))
 
     def gather(self, name: str, fn, args, out_specs):
         """Run a row/slot gather (`take_rows`, `compact`) and place its outputs.
@@ -303,218 +337,3 @@ class Session:
             lambda spec, sub: jax.tree_util.tree_map(
                 lambda a: jax.device_put(a, self.m.NamedSharding(self.mesh, spec)), sub),
             out_specs, out, is_leaf=lambda x: isinstance(x, self.m.Ps))
-
-
-class Round:
-    """One decode state: rows x slots, decoded in chunks (see the module docstring).
-
-    Host-side outputs (indexed by the round's own rows and branch columns):
-      tokens `[R, N, T]` int32, logprobs `[R, N, T]` float32, top_logprobs and
-      top_ids `[R, N, T, k]`, token_ranks `[R, N, T]` int32 (`[R, N, 0]`
-      without `SamplingParams.logprobs`), lengths `[R, N]` int32, stopped `[R, N]` bool
-      (ended by a stop token), done `[R, N]` bool, signals `[R, N, T, 3]`
-      float32 (entropy, self-certainty, top-2 margin) with
-      `SamplingParams.signals`, else None.
-    """
-
-    def __init__(self, session: Session, rows: list[int], branch_ids: np.ndarray):
-        s = session
-        self.s = s
-        R, N = len(rows), branch_ids.shape[1]
-        if branch_ids.shape[0] != R:
-            raise ValueError(f"branch_ids must be [{R}, N], got {branch_ids.shape}")
-        T, k = s.T, s.st.top_logprobs
-        self.R, self.N = R, N
-        self.branch_ids = branch_ids
-        self.tokens = np.full((R, N, T), s.st.pad_id, np.int32)
-        self.logprobs = np.zeros((R, N, T), np.float32)
-        self.top_logprobs = np.zeros((R, N, T, k), np.float32)
-        self.top_ids = np.full((R, N, T, k), s.st.pad_id, np.int32)
-        self.token_ranks = np.zeros((R, N, T if s.st.token_ranks else 0), np.int32)
-        self.signals = np.zeros((R, N, T, 3), np.float32) if s.st.signals else None
-        self.lengths = np.zeros((R, N), np.int32)
-        self.stopped = np.zeros((R, N), bool)
-        self.done = branch_ids < 0
-        self.t = 0
-        # Device slots: a bucket of rows (a multiple of the data axis) x slots
-        # (a multiple of the branch axis); slot (i, j) holds round row
-        # row_of[i], column col_of[i, j] (-1: filler).
-        R_dev = -(-R // s.nd) * s.nd
-        N_dev = -(-N // s.nb) * s.nb
-        self.row_of = np.array(list(range(R)) + [0] * (R_dev - R), np.int64)
-        self.col_of = np.full((R_dev, N_dev), -1, np.int64)
-        self.col_of[:R, :N] = np.where(branch_ids >= 0, np.arange(N)[None], -1)
-        prefix_rows = np.array([rows[i] for i in self.row_of[:R]], np.int32)
-        # Padding rows: the session's own padding rows when the round takes every
-        # prompt (no gather), else repeats of the first row.
-        fill = (np.arange(R, R_dev) if list(rows) == list(range(R)) and R_dev == s.rows_alloc
-                else np.full(R_dev - R, prefix_rows[0]))
-        prefix_rows = np.concatenate([prefix_rows, fill]).astype(np.int32)
-        self.live_rows_alloc = R_dev
-        ids = np.where(self.col_of >= 0, np.pad(branch_ids, ((0, R_dev - R), (0, N_dev - N)),
-                                                constant_values=0), 0).astype(np.int32)
-        pidx = np.array([s.offset + s.row_prompt[r] if r < len(s.row_prompt) else 0
-                         for r in prefix_rows], np.int32)
-        live = self.col_of >= 0
-        live[R:] = False
-        self.rows = rows
-        self._start(prefix_rows, pidx, ids, live)
-
-    # -- device programs ------------------------------------------------------
-
-    def _static(self, n_dev: int) -> Static:
-        import dataclasses
-
-        return dataclasses.replace(self.s.st, n=n_dev // self.s.nb)
-
-    def _start(self, prefix_rows, pidx, ids, live):
-        s = self.s
-        if np.array_equal(prefix_rows, np.arange(s.rows_alloc)):
-            prefix, last = s.prefix, s.last
-        else:
-            out_specs = None if s.m is None else (s.m.prefix_spec, s.m.Ps(s.m.d))
-            prefix, last = s.gather("take_rows", take_rows, (s.prefix, s.last,
-                                                             jnp.asarray(prefix_rows)), out_specs)
-        st = self._static(ids.shape[1])
-        # The prompts' tokens as a [R, V] mask (repetition penalty), built on the host.
-        V = s.cfg.vocab_size if st.penalties else 0
-        mask = np.zeros((len(prefix_rows), V), bool)
-        if st.penalties:
-            for j, r in enumerate(prefix_rows):
-                if r < len(s.row_prompt):
-                    mask[j, s.prompt_ids[s.row_prompt[r]]] = True
-        fn = lambda l, p, b, v, pm: init_state(st, l, p, b, v, pm)
-        args = (last, s.put(pidx, "rows"), s.put(ids, "slots"), s.put(live, "slots"),
-                s.put(mask, "rows"))
-        if s.m is not None:
-            m = s.m
-            fn = m.shard_map(fn, (m.Ps(m.d), m.Ps(m.d), m.Ps(m.d, BRANCH_AXIS),
-                                  m.Ps(m.d, BRANCH_AXIS), m.Ps(m.d)), s.state_spec)
-        prog = s.program(("init", st, s.mesh), fn, args)
-        self.prefix, self.state = prefix, prog(*args)
-        # The tails as first allocated (the largest they get: compaction shrinks them).
-        self.tail_bytes = _kv_bytes(self.state.tail_k + self.state.tail_v, self.R,
-                                    ids.shape[0])
-
-    def run(self, steps: int) -> bool:
-        """Decode up to `steps` more tokens; copy them to the host arrays.
-
-        Returns:
-          True while some branch is live and the budget is not spent.
-        """
-        s = self.s
-        t0 = self.t
-        t_stop = min(t0 + max(int(steps), 1), s.T)
-        st = self._static(self.col_of.shape[1])
-        fn = lambda p, pre, state, kn, bp, c: decode_chunk(st, p, pre, state, kn, bp, c)
-        args = (s.model_params, self.prefix, self.state, s.knob_args(t_stop), s.bridge_dev,
-                s.context)
-        if s.m is not None:
-            m = s.m
-            fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, s.state_spec, m.knob_spec, m.Ps(),
-                                  m.context_spec), s.state_spec)
-        prog = s.program(("decode", st, s.mesh), fn, args, donate=(2,))
-        t_run = time.perf_counter()
-        self.state = jax.block_until_ready(prog(*args))
-        s.timings["decode"] += time.perf_counter() - t_run
-        t_host = time.perf_counter()
-        t1 = int(_host(self.state.t))
-        ran = t1 - t0
-        s.decode_steps += ran
-        s.branch_steps += ran * self.col_of.size
-        self.t = t1
-        self._collect(t0, t1)
-        s.timings["host"] += time.perf_counter() - t_host
-        return bool((~self.done).any()) and t1 < s.T
-
-    def _collect(self, t0: int, t1: int):
-        """Copy tokens [t0, t1) and the per-slot flags of every slot to the host arrays."""
-        st = self.state
-        done = _host(st.done)
-        lengths = _host(st.lengths)
-        stopped = _host(st.stopped)
-        real = self.col_of >= 0
-        ri = np.broadcast_to(self.row_of[:, None], self.col_of.shape)[real]
-        ci = self.col_of[real]
-        if t1 > t0:
-            sl = (slice(None), slice(None), slice(t0, t1))
-            self.tokens[ri, ci, t0:t1] = _host(st.tokens[sl])[real]
-            self.logprobs[ri, ci, t0:t1] = _host(st.logprobs[sl])[real]
-            if self.s.st.top_logprobs:
-                self.top_logprobs[ri, ci, t0:t1] = _host(st.top_logprobs[sl])[real]
-                self.top_ids[ri, ci, t0:t1] = _host(st.top_ids[sl])[real]
-            if self.s.st.token_ranks:
-                self.token_ranks[ri, ci, t0:t1] = _host(st.token_ranks[sl])[real]
-            if self.s.st.signals:
-                self.signals[ri, ci, t0:t1] = _host(st.signals[sl])[real]
-        self.lengths[ri, ci] = lengths[real]
-        self.stopped[ri, ci] = stopped[real]
-        self.done[ri, ci] = done[real] | self.done[ri, ci]
-
-    def new_tokens(self, t0: int):
-        """(row, column, tokens since t0 excluding a final stop token) of every branch
-        that decoded something since token t0."""
-        out = []
-        for r, c in zip(*np.nonzero(self.lengths > t0)):
-            L = int(self.lengths[r, c])
-            end = L - 1 if self.stopped[r, c] else L
-            out.append((int(r), int(c), self.tokens[r, c, t0:max(end, t0)]))
-        return out
-
-    def finish_slots(self, mask: np.ndarray):
-        """Mark branches done from the host (`mask [R, N]` bool, round rows x columns)."""
-        mask = np.asarray(mask, bool) & ~self.done
-        if not mask.any():
-            return
-        self.done |= mask
-        real = self.col_of >= 0
-        dev = np.zeros(self.col_of.shape, bool)
-        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
-        dev[real] = mask[rr[real], self.col_of[real]]
-        done = _host(self.state.done) | dev
-        self.state = self.state._replace(done=self.s.put(done, "slots"))
-
-    def compact(self) -> bool:
-        """Gather the live branches into smaller buckets when that halves a dimension.
-
-        Returns:
-          True if the state was compacted.
-        """
-        s = self.s
-        real = self.col_of >= 0
-        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
-        live = np.zeros(self.col_of.shape, bool)
-        live[real] = ~self.done[rr[real], self.col_of[real]]
-        per_row = live.sum(axis=1)
-        rows_live = np.nonzero(per_row)[0]
-        if rows_live.size == 0:
-            return False
-        R_dev, N_dev = self.col_of.shape
-        N_new = min(slot_bucket(int(per_row.max()), s.nb), N_dev)
-        R_new = min(slot_bucket(rows_live.size, s.nd), R_dev)
-        if N_new * 2 > N_dev and R_new * 2 > R_dev:
-            return False
-        src_rows = np.concatenate([rows_live, np.repeat(rows_live[:1], R_new - rows_live.size)])
-        slots = np.zeros((R_new, N_new), np.int32)
-        new_live = np.zeros((R_new, N_new), bool)
-        col_of = np.full((R_new, N_new), -1, np.int64)
-        for i, r in enumerate(src_rows):
-            if i >= rows_live.size:
-                slots[i] = 0
-                continue
-            cols = np.nonzero(live[r])[0]
-            slots[i, :cols.size] = cols
-            slots[i, cols.size:] = cols[0]
-            new_live[i, :cols.size] = True
-            col_of[i, :cols.size] = self.col_of[r, cols]
-        t0, c0 = time.perf_counter(), s.timings["compile"]
-        args = (self.prefix, self.state, jnp.asarray(src_rows, jnp.int32), jnp.asarray(slots),
-                jnp.asarray(new_live))
-        out_specs = None if s.m is None else (s.m.prefix_spec, s.state_spec)
-        self.prefix, self.state = jax.block_until_ready(s.gather("compact", compact, args,
-                                                                 out_specs))
-        s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
-        self.row_of = self.row_of[src_rows]
-        self.col_of = col_of
-        return True
-

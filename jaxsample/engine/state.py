@@ -72,24 +72,31 @@ class PromptLogprobs(NamedTuple):
 class DecodeState(NamedTuple):
     """The resumable decode state: it lives across device calls (chunks).
 
-    Every slot of one state started at token 0 together, so one counter `t`
-    serves them all. The host may mark slots done between chunks, gather the
-    live slots into a smaller state (compaction) or start a new state over the
-    same prefix cache (another round of branches).
+    Each slot runs at its own token index, `lengths[r, n]` (per-slot
+    positions: the pool refills a finished slot with a new branch between
+    chunks, `loop.refill`, while the others continue; same shapes, so no
+    recompilation). Its tail KV, its output columns, its penalty counts and
+    min-tokens all follow that index, and its key folds it in. The host may
+    mark slots done between chunks, refill them, gather the live slots into
+    a smaller state (compaction) or start a new state over the same prefix
+    cache (another round of branches).
 
-    t: `[]` int32, index of the next token to sample.
-    logits: `[R, N, V]` float32, each slot's distribution for token t.
+    t: `[]` int32, the clock: steps this state has run (`knobs.t_stop` ends a
+      chunk). When every slot started together, it is every live slot's
+      token index.
+    logits: `[R, N, V]` float32, each slot's distribution for its next token.
     tokens: `[R, N, T]` int32; logprobs: `[R, N, T]` float32.
     top_logprobs: `[R, N, T, k]` float32 and top_ids `[R, N, T, k]` int32: the
       k most likely tokens of the raw distribution at each step (k = 0: empty).
-    lengths: `[R, N]` int32 tokens generated so far (stop token included).
+    lengths: `[R, N]` int32 tokens generated so far (stop token included): a
+      live slot's next token index.
     done: `[R, N]` bool; stopped: `[R, N]` bool (ended by a stop token).
     prompt_index: `[R]` int32 global prompt index of each row (for the keys).
     branch_ids: `[R, N]` int32 global branch index of each slot (for the keys):
       compaction moves a branch to another slot but keeps its key.
     tail_k, tail_v: tuples of L arrays `[R, N, K, T_l, D]`, the branches' own KV:
       T_l = T on global layers; on a local layer of window w a ring of
-      min(T, w - 1) slots written at t mod T_l (`prefill.window_extent`).
+      min(T, w - 1) slots written at lengths mod T_l (`prefill.window_extent`).
     token_ranks: `[R, N, T]` int32 rank of each sampled token under the raw
       distribution (vLLM's `Logprob.rank`), with `Static.token_ranks`; else
       `[R, N, 0]`.
@@ -142,7 +149,7 @@ class Knobs(NamedTuple):
     seed: jax.Array  # [] uint32
     max_new_tokens: jax.Array  # [] int32
     stop_ids: jax.Array  # [MAX_STOP_IDS] int32, -1 padded
-    t_stop: jax.Array  # [] int32: this chunk ends before token t_stop
+    t_stop: jax.Array  # [] int32: this chunk ends when the clock DecodeState.t reaches it
     logit_bias: jax.Array  # [V] float32 (0 where none), or [0] without processors
     min_tokens: jax.Array  # [] int32
     min_stop_ids: jax.Array  # [MAX_STOP_IDS] int32, -1 padded: masked until min_tokens

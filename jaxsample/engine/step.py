@@ -155,22 +155,26 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
         return branch_step(cfg, params, tok, pos, t, pk, pv, plen, tk, tv,
                            st.post_layer(alive, st.branch_axes), bridge_params, context)
 
-    step_branches = jax.vmap(one_branch, in_axes=(0, None, None, None, None, None, 0, 0, 0),
+    step_branches = jax.vmap(one_branch, in_axes=(0, 0, 0, None, None, None, 0, 0, 0),
                              axis_name=st.branch_axis)
-    step_rows = jax.vmap(step_branches, in_axes=(0, 0, None, 0, 0, 0, 0, 0, 0))
+    step_rows = jax.vmap(step_branches, in_axes=(0, 0, 0, 0, 0, 0, 0, 0, 0))
     vv = lambda f: jax.vmap(jax.vmap(f))
 
     def step(s: DecodeState) -> DecodeState:
-        step_keys = vv(lambda k: jax.random.fold_in(k, s.t))(keys)
+        # Per-slot positions: a live slot's next token index is its length (tokens
+        # generated so far), so slots started at different chunks (the pool's
+        # refills) each run at their own index; `s.t` is only the chunk's clock.
+        pos = s.lengths  # [R, N]
+        step_keys = vv(lambda k, t: jax.random.fold_in(k, t))(keys, pos)
         if not st.processors:
             tok, lp = vv(choose)(s.logits, step_keys)
         elif st.penalties:
             # counts per slot; the prompt mask per row, unbatched over the slots.
-            proc = jax.vmap(jax.vmap(process, (0, None, 0, None)), (0, None, 0, 0))(
-                s.logits, s.t, s.counts, s.prompt_mask)
+            proc = jax.vmap(jax.vmap(process, (0, 0, 0, None)), (0, 0, 0, 0))(
+                s.logits, pos, s.counts, s.prompt_mask)
             tok, lp = vv(choose)(s.logits, step_keys, proc)
         else:
-            proc = vv(lambda x: process(x, s.t))(s.logits)
+            proc = vv(process)(s.logits, pos)
             tok, lp = vv(choose)(s.logits, step_keys, proc)
         live = ~s.done
         tok = jnp.where(live, tok, st.pad_id)
@@ -178,39 +182,42 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
         hit_stop = live & jax.vmap(jax.vmap(sampling.is_stop, (0, None)), (0, None))(
             tok, knobs.stop_ids)
         lengths = s.lengths + live.astype(jnp.int32)
-        done = s.done | hit_stop | (s.t + 1 >= knobs.max_new_tokens)
-        tokens = jax.lax.dynamic_update_index_in_dim(s.tokens, tok, s.t, axis=2)
-        logprobs = jax.lax.dynamic_update_index_in_dim(s.logprobs, lp, s.t, axis=2)
+        done = s.done | hit_stop | (pos + 1 >= knobs.max_new_tokens)
+        R, N = tok.shape
+        ri, ni = jnp.arange(R)[:, None], jnp.arange(N)[None, :]
+        # Each live slot writes its own column (a scatter); done slots write nothing
+        # (index T: dropped), so a finished branch's buffers stay as it left them.
+        col = jnp.where(live, pos, s.tokens.shape[2])
+
+        def put(buf, val):  # buf [R, N, T, ...] <- val [R, N, ...] at column col[r, n]
+            return buf.at[ri, ni, col].set(val, mode="drop")
+
+        tokens = put(s.tokens, tok)
+        logprobs = put(s.logprobs, lp)
         top_lp, top_ids = s.top_logprobs, s.top_ids
         if st.top_logprobs:
             vals, ids = vv(lambda x: sampling.top_logprobs(x, st.top_logprobs,
                                                            st.vocab_limit))(s.logits)
-            vals = jnp.where(live[..., None], vals, 0.0)
-            ids = jnp.where(live[..., None], ids, st.pad_id)
-            top_lp = jax.lax.dynamic_update_index_in_dim(top_lp, vals, s.t, axis=2)
-            top_ids = jax.lax.dynamic_update_index_in_dim(top_ids, ids, s.t, axis=2)
+            top_lp = put(top_lp, vals)
+            top_ids = put(top_ids, ids)
         ranks = s.token_ranks
         if st.token_ranks:
             rank = vv(lambda x, k: sampling.token_rank(x, k, st.vocab_limit))(s.logits, tok)
-            ranks = jax.lax.dynamic_update_index_in_dim(ranks, jnp.where(live, rank, 0), s.t,
-                                                        axis=2)
+            ranks = put(ranks, rank)
         sig = s.signals
         if st.signals:  # on the raw logits, like the logprobs: [R, N, 3]
             vals = vv(lambda x: sampling.token_signals(x, st.vocab_limit))(s.logits)
-            vals = jnp.where(live[..., None], vals, 0.0)
-            sig = jax.lax.dynamic_update_index_in_dim(sig, vals, s.t, axis=2)
+            sig = put(sig, vals)
         counts = s.counts
         if st.penalties:  # one scatter of R x N ones (zeros for done slots)
-            R, N = tok.shape
-            counts = counts.at[jnp.arange(R)[:, None], jnp.arange(N)[None, :], tok].add(
-                live.astype(jnp.int32), mode="drop")
+            counts = counts.at[ri, ni, tok].add(live.astype(jnp.int32), mode="drop")
 
         def forward(_):
-            positions = prefix.lengths + s.t  # [R]
+            positions = prefix.lengths[:, None] + pos  # [R, N]
             if context is not None:
                 positions = positions + context.length
             # A branch that just stopped no longer influences the others (Bridge).
-            return step_rows(tok, positions, s.t, prefix.k, prefix.v, prefix.lengths,
+            return step_rows(tok, positions, pos, prefix.k, prefix.v, prefix.lengths,
                              s.tail_k, s.tail_v, ~done)
 
         def skip(_):
@@ -219,13 +226,14 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
 
         # The cond returns only the new K/V: tails updated inside a cond branch
         # would be copied whole every step (a branch cannot update its operand
-        # in place). Slot t is written unconditionally; a skipped step's slot is
-        # never read. k, v: L x [R, N, K, D]; t < t_cap is guaranteed by the host.
+        # in place). k, v: L x [R, N, K, D]. Each slot writes tail slot pos (pos mod
+        # T_l: a local layer's ring), a scatter into the loop carry; a done slot's
+        # write is never read (a refilled slot rewrites slot j before reading it at
+        # j + 1), and pos < t_cap holds (a slot is done at max_new_tokens <= t_cap).
         logits, k, v = jax.lax.cond(all_done(st, done), skip, forward, None)
-        # Slot t (t mod T_l: a local layer's ring).
-        tail_k = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t % c.shape[3], axis=3)
+        tail_k = tuple(c.at[ri, ni, :, pos % c.shape[3]].set(a)
                        for c, a in zip(s.tail_k, k))
-        tail_v = tuple(jax.lax.dynamic_update_index_in_dim(c, a, s.t % c.shape[3], axis=3)
+        tail_v = tuple(c.at[ri, ni, :, pos % c.shape[3]].set(a)
                        for c, a in zip(s.tail_v, v))
         return s._replace(t=s.t + 1, logits=logits, tokens=tokens, logprobs=logprobs,
                           top_logprobs=top_lp, top_ids=top_ids, lengths=lengths, done=done,

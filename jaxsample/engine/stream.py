@@ -79,7 +79,9 @@ class StreamEvent:
 def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
            chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
            chunk_size: int = api.STOP_CHUNK, compact: bool = False,
-           progress=False, shared_prefix=None) -> Iterator[StreamEvent]:
+           progress=False, shared_prefix=None, max_rows: int | None = None,
+           max_slots: int | None = None, max_kv_bytes: int | None = None
+           ) -> Iterator[StreamEvent]:
     """Sample like `generate`, yielding the new text of every branch after each chunk.
 
         for ev in jaxsample.stream(lm, ["Tell me a story."], SamplingParams(n=4), chat=True):
@@ -90,8 +92,9 @@ def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
 
     Args:
       lm, prompts, params, chat, mesh, bridge, prompt_index_offset, compact,
-        progress, shared_prefix: as `jaxsample.generate` (the tokens are the
-        same: the same loop, and the chunk size never changes tokens).
+        progress, shared_prefix, max_rows, max_slots, max_kv_bytes: as `jaxsample.generate`
+        (the tokens are the same: the same loop, and neither the chunk size nor
+        the pool's shape changes tokens).
       chunk_size: decode steps between two events, in [1, 2**31 - 1] (default 8).
     Returns:
       An iterator of `StreamEvent`s: one per chunk, the last with `final` True
@@ -106,7 +109,8 @@ def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
     session, rnd, chunk_size, observer = api.start(
         lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
         prompt_index_offset=prompt_index_offset, naive=False, chunk_size=chunk_size,
-        progress=progress, shared_prefix=shared_prefix)
+        progress=progress, shared_prefix=shared_prefix, max_rows=max_rows, max_slots=max_slots,
+        max_kv_bytes=max_kv_bytes)
     return _events(session, rnd, chunk_size, compact, observer)
 
 

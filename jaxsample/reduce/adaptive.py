@@ -148,11 +148,15 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
                               confidence_source: str = "top_logprobs") -> AdaptiveResult:
     """Self-consistency that stops spending on branches that cannot change the answer.
 
-    The prompts are prefilled once. Branches are drawn in rounds of `window`
-    (global branch indices `r*window .. r*window + window - 1`), each round
-    decoded in chunks of `chunk_size` steps; after each round `rule` decides,
-    per prompt, whether to stop (prompts that stopped leave the batch). With
-    `confidence`, the first `warmup` branches set DeepConf's threshold and any
+    The prompts are prefilled once. Each prompt's branches (global indices
+    0 .. max_n - 1) run in a pool of `window` slots (`engine.round.Round`,
+    decoded in chunks of `chunk_size` steps): a finished branch's slot takes
+    the prompt's next branch at once, with no rounds. `rule` decides, per
+    prompt, at n = window, 2 window, ... (as `rules.replay`), as soon as the
+    first n branches are done; a prompt that stops gives up its later
+    branches (those drawn ahead are reported "not_drawn"). With
+    `confidence`, the first `warmup` branches set DeepConf's threshold (later
+    branches start only once it is set) and any
     later branch whose group confidence falls below it is terminated at the
     next chunk boundary; votes are then weighted by each branch's lowest group
     confidence (terminated branches excluded). References: ESC (Li et al.
@@ -240,66 +244,83 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
     lowest = [[] for _ in range(B)]
     term = [[] for _ in range(B)]
     thresholds = np.full(B, np.nan)
-    active = list(range(B))
-    rounds, reasons = [], {}
-    r = 0
-    while active:
-        first = r * window
-        width = min(window, max_n - first)
-        ids = np.full((len(active), window), -1, np.int32)
-        ids[:, :width] = first + np.arange(width)
-        rnd = session.round(active, ids)
-        watch = (stops_lib.StopWatch(text_tokenizer(session), sp.stop, sp.min_tokens)
-                 if sp.stop else None)
-        t0 = 0
-        while True:
-            more = rnd.run(chunk_size)
-            end = np.zeros(rnd.done.shape, bool)
-            for i, c, new in rnd.new_tokens(t0):
-                b, n = active[i], first + c
-                if watch is not None and watch.feed((i, c), new):
-                    end[i, c] = True
-                if confidence and n >= warmup:
-                    L = int(rnd.lengths[i, c])
-                    conf = token_conf(rnd, i, c, L)
-                    if rules.first_low_group(conf, group_size, thresholds[b]) is not None:
-                        end[i, c] = True
-                        reasons[(b, n)] = "terminated"
-            rnd.finish_slots(end)
-            t0 = rnd.t
-            if observer is not None:  # the round so far: drawn includes its branches
-                observer.adaptive_update(r + 1, sum(map(len, answers)) + len(active) * width,
-                                         B - len(active), B)
-            if not more:
-                break
-            if compact:
-                rnd.compact()
-        rounds.append(rnd)
-        still = []
-        for i, b in enumerate(active):
-            for c in range(width):
-                n = first + c
-                # Exactly the text `finish` puts in Generation.texts (min_tokens included).
-                text, _, _ = final_text(session, rnd.tokens[i, c], rnd.lengths[i, c],
-                                        rnd.stopped[i, c])
-                answers[b].append(get_answer(text))
-                term[b].append(reasons.get((b, n)) == "terminated")
-                if confidence:
-                    L = int(rnd.lengths[i, c])
-                    lowest[b].append(rules.lowest_group_confidence(
-                        token_conf(rnd, i, c, L), group_size))
-            n_b = len(answers[b])
-            if confidence and n_b == warmup:
-                thresholds[b] = rules.threshold_from_warmup(lowest[b][:warmup], confidence)
-            votes = [a if not t else None for a, t in zip(answers[b], term[b])]
-            if n_b < max_n and not (n_b >= warmup and rules.should_stop(rule, votes, window,
-                                                                            threshold)):
-                still.append(b)
-        active = still
-        r += 1
+    # One pool over every prompt's max_n branches, `window` slots per row: a
+    # prompt's next branch takes a slot as soon as one of its slots frees (no
+    # rounds). The rule reads the answers in global branch order at the
+    # checkpoints replay uses (n = window, 2 window, ...: `rules.replay`),
+    # each as soon as that many leading branches are done; a prompt that stops
+    # gives up its running and waiting branches beyond n (drawn ahead,
+    # reported "not_drawn"; their slot-steps stay in the bill's branch_steps).
+    ids = np.broadcast_to(np.arange(max_n, dtype=np.int32), (B, max_n))
+    rnd = session.round(range(B), ids, max_slots=window)
+    if confidence:  # later branches start once the warm-up has set the threshold
+        rnd.admit[:] = warmup
+    checkpoint = np.full(B, min(window, max_n), np.int64)
+    n_used = np.zeros(B, np.int64)
+    settled = np.zeros(B, bool)
+    reasons = {}
+    watch = (stops_lib.StopWatch(text_tokenizer(session), sp.stop, sp.min_tokens)
+             if sp.stop else None)
+    checks = 0
+
+    def record(b, n):  # answer, termination and confidence of branch (b, n), once done
+        text, _, _ = final_text(session, rnd.tokens[b, n], rnd.lengths[b, n], rnd.stopped[b, n])
+        answers[b].append(get_answer(text))
+        term[b].append(reasons.get((b, n)) == "terminated")
+        if confidence:
+            lowest[b].append(rules.lowest_group_confidence(
+                token_conf(rnd, b, n, int(rnd.lengths[b, n])), group_size))
+
+    while True:
+        more = rnd.run(chunk_size)
+        end = np.zeros(rnd.done.shape, bool)
+        for b, n, new in rnd.new_tokens():
+            if watch is not None and watch.feed((b, n), new):
+                end[b, n] = True
+            if confidence and n >= warmup and not np.isnan(thresholds[b]):
+                conf = token_conf(rnd, b, n, int(rnd.lengths[b, n]))
+                if rules.first_low_group(conf, group_size, thresholds[b]) is not None:
+                    end[b, n] = True
+                    reasons[(b, n)] = "terminated"
+        rnd.finish_slots(end)
+        for b in np.nonzero(~settled)[0]:
+            while not settled[b] and rnd.done[b, :checkpoint[b]].all():
+                n = int(checkpoint[b])
+                for c in range(len(answers[b]), n):
+                    record(b, c)
+                checks = max(checks, n // window + (n % window > 0))
+                if confidence and n == warmup:
+                    thresholds[b] = rules.threshold_from_warmup(lowest[b][:warmup],
+                                                                   confidence)
+                    rnd.admit[b] = max_n
+                votes = [x if not t else None for x, t in zip(answers[b], term[b])]
+                if n >= max_n or (n >= warmup and rules.should_stop(rule, votes, window,
+                                                                      threshold)):
+                    settled[b], n_used[b] = True, n
+                    rest = np.zeros(rnd.done.shape, bool)
+                    rest[b, n:] = True
+                    rnd.finish_slots(rest)  # drawn ahead: never counted
+                else:
+                    checkpoint[b] = min(n + window, max_n)
         if observer is not None:
-            observer.adaptive_update(r, sum(map(len, answers)), B - len(active), B,
-                                     final=not active)
+            drawn = int((rnd.lengths > 0).sum())
+            observer.adaptive_update(checks, drawn, int(settled.sum()), B,
+                                     final=bool(settled.all()))
+        if settled.all() or not more:
+            break
+        if compact:
+            rnd.compact()
+    rounds = [rnd]
+    for b in range(B):  # branches beyond n_used: not drawn, as the offline rule has it
+        for n in range(int(n_used[b]), max_n):
+            reasons[(b, n)] = "not_drawn"
+            rnd.tokens[b, n], rnd.logprobs[b, n] = session.st.pad_id, 0.0
+            rnd.top_logprobs[b, n], rnd.top_ids[b, n] = 0.0, session.st.pad_id
+            rnd.token_ranks[b, n] = 0
+            if rnd.signals is not None:
+                rnd.signals[b, n] = 0.0
+            rnd.lengths[b, n], rnd.stopped[b, n] = 0, False
+        del answers[b][int(n_used[b]):], term[b][int(n_used[b]):], lowest[b][int(n_used[b]):]
 
     gen = finish(session, rounds, reasons)
     gen = dataclasses.replace(gen, params=params.replace(n=max_n, seed=sp.seed))
@@ -313,7 +334,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         supports.append(support)
         shares.append(share)
         counted.append([v is not None for v in votes])
-    bill = _bill(session, gen, n_used, term, max_n, len(rounds))
+    bill = _bill(session, gen, n_used, term, max_n, checks)
     return AdaptiveResult(winner=winners, share=np.array(shares, np.float32),
                           support=np.array(supports, np.float32), answers=answers,
                           counted=counted, n_used=n_used,

@@ -1,0 +1,106 @@
+"""The output file of a many-request run: one strict JSON line per completed request.
+
+Written for `jaxsample run --prompt-file in.jsonl --out out.jsonl [--resume]`
+(issue 21, part 5; the command line itself is not wired to it yet):
+
+- each completed request is one line of strict JSON (RFC 8259: no NaN or
+  Infinity, a non-finite float becomes null), written whole, then flushed and
+  fsynced, so a crash or Ctrl-C leaves every completed line intact;
+- `--resume` reads the ids already complete; a last line without its newline
+  or that does not parse (the write a crash interrupted) is torn: it is cut
+  off the file and its request is redone. Any other bad line is an error
+  naming the line (the file is not ours, or was edited).
+
+Lines are `{"id": str, ...}`; ids are unique in a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from jaxsample.cli.console import dumps
+from jaxsample.errors import InputError
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+class ResultsFile:
+    """An append-only JSON-lines file of completed requests.
+
+    Args:
+      path: the output file.
+      resume: keep the lines already there (their ids are `done`), cutting a
+        torn last line; False: start the file empty.
+    Raises:
+      InputError: with `resume`, a line other than the last that is not a
+        JSON object with a string "id", or an id twice (naming the line).
+    """
+
+    def __init__(self, path, resume: bool = False):
+        self.path = os.fspath(path)
+        self.done: set[str] = set()
+        self.torn: str | None = None  # the torn last line's text, if one was cut
+        if resume and os.path.exists(self.path):
+            self._read()
+            self._f = open(self.path, "a", encoding="utf-8")
+        else:
+            self._f = open(self.path, "w", encoding="utf-8")
+
+    def _read(self):
+        with open(self.path, "rb") as f:
+            data = f.read()
+        good = 0  # bytes of complete, valid lines
+        lines = data.split(b"\n")
+        for i, raw in enumerate(lines):
+            last = i == len(lines) - 1
+            if last and raw == b"":
+                break  # the file ends with a newline
+            try:
+                if last:
+                    raise ValueError("no newline: the write was interrupted")
+                obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+                if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+                    raise ValueError('not an object with a string "id"')
+            except (ValueError, UnicodeDecodeError) as e:
+                if last:
+                    self.torn = raw.decode("utf-8", "replace")
+                    break
+                raise InputError(f"{self.path} line {i + 1}: {e}; not a results file "
+                                 f"written by jaxsample (or edited): refusing to resume") from None
+            if obj["id"] in self.done:
+                raise InputError(f"{self.path} line {i + 1}: id {obj['id']!r} appears twice")
+            self.done.add(obj["id"])
+            good += len(raw) + 1
+        if good < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def write(self, obj: dict) -> None:
+        """Append one completed request (a dict with a string "id"), flushed and fsynced.
+
+        Raises:
+          ValueError: no string "id", or an id already in the file.
+        """
+        rid = obj.get("id") if isinstance(obj, dict) else None
+        if not isinstance(rid, str):
+            raise ValueError('a result line needs a string "id"')
+        if rid in self.done:
+            raise ValueError(f"id {rid!r} is already in {self.path}")
+        self._f.write(dumps(obj) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self.done.add(rid)
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

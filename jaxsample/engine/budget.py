@@ -1,0 +1,155 @@
+"""The decode pool's size: a KV budget, what one row and one slot cost, and the
+requests that can never run.
+
+The decode state is R rows (one prompt's prefix cache each) x S slots (one
+branch's tail each; `round.Round` refills them as branches finish). Its
+size comes from a byte budget (`generate(max_kv_bytes=...)`):
+
+    held = B x row + [R < B] R x row + R x S x slot  (+ the common context once)
+
+`row` is one prompt's prefix KV (k and v over every layer, a local layer's
+last `window - 1` positions only) plus its last logits and prompt mask; `slot`
+is one branch's tail KV plus its decode buffers (logits `[V]`, tokens and
+logprobs `[T]`, top logprobs, ranks, penalty counts, signals). Every prompt is
+prefilled when the request starts (its prefix cache is held until the end:
+the B x row term); the pool's rows are a copy of some of them when R < B.
+The shape picked is every branch of a prompt in one row (S = n, full sharing)
+with as many rows as fit, else one row with as many slots as fit.
+
+Default budget: `DEFAULT_KV_FRACTION` of the device's memory
+(`memory_stats()["bytes_limit"]`), or of the host's RAM on CPU (where the
+device has no memory statistics).
+
+Refused before any compute (InputError, a ValueError, one line with the
+numbers): a budget that cannot hold the prompts' prefixes plus one branch's
+tail, and results too large for host memory (`n` x T tokens with their
+logprobs are returned, not streamed: `n = 2147483647` asks for terabytes).
+
+Sources: vLLM's scheduler sizes its KV blocks from `gpu_memory_utilization`
+(a fraction of device memory, 0.9 by default there); JetStream's fixed number
+of decode slots.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from jaxsample.engine.prefill import window_extent
+from jaxsample.errors import InputError
+
+DEFAULT_KV_FRACTION = 0.5  # of device memory (host RAM on CPU) for the KV cache and decode state
+HOST_RESULTS_FRACTION = 0.5  # of host RAM the returned results may take
+
+
+def host_memory_bytes() -> int:
+    """Physical RAM of this host in bytes."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume 8 GiB
+        return 8 << 30
+
+
+def device_memory_bytes(device=None) -> int:
+    """The device's memory in bytes (`memory_stats()["bytes_limit"]`), or host RAM
+    where the device reports none (CPU)."""
+    device = jax.devices()[0] if device is None else device
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001  (backends without statistics)
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return host_memory_bytes()
+
+
+def default_kv_budget() -> int:
+    """`DEFAULT_KV_FRACTION` of the first device's memory, in bytes."""
+    return int(DEFAULT_KV_FRACTION * device_memory_bytes())
+
+
+def kv_size(cfg, size: int) -> int:
+    """Bytes of k and v over every layer for `size` positions (local layers: their window)."""
+    item = np.dtype(cfg.jnp_dtype).itemsize
+    return sum(2 * cfg.n_kv_heads * window_extent(size, w) * cfg.head_dim * item
+               for w in cfg.layer_windows)
+
+
+def row_bytes(cfg, p_cap: int, penalties: bool = False) -> int:
+    """Bytes one pool row holds: the prefix KV for `p_cap` positions, its last
+    logits `[V]` float32 and (penalties) its prompt mask `[V]` bool."""
+    V = cfg.vocab_size
+    return kv_size(cfg, p_cap) + 4 * V + (V if penalties else 0)
+
+
+def slot_bytes(cfg, t_cap: int, top_logprobs: int = 0, token_ranks: bool = False,
+               penalties: bool = False, signals: bool = False) -> int:
+    """Bytes one pool slot holds: the tail KV for `t_cap` positions and the decode
+    buffers of `DecodeState` (logits, tokens, logprobs, top-k, ranks, counts, signals)."""
+    V, T, k = cfg.vocab_size, t_cap, top_logprobs
+    buffers = 4 * V + 8 * T + 8 * T * k + (4 * T if token_ranks else 0)
+    buffers += (4 * V if penalties else 0) + (12 * T if signals else 0)
+    return kv_size(cfg, t_cap) + buffers
+
+
+def result_bytes(B: int, n: int, T: int, top_logprobs: int = 0, token_ranks: bool = False,
+                 signals: bool = False) -> int:
+    """Host bytes of the results of B x n branches of T tokens (the round's host
+    arrays and the Generation's copy: twice the per-token arrays)."""
+    per_token = 8 + 8 * top_logprobs + (4 if token_ranks else 0) + (12 if signals else 0)
+    return 2 * B * n * T * per_token
+
+
+def check_results_fit(B: int, n: int, T: int, top_logprobs: int = 0, token_ranks: bool = False,
+                      signals: bool = False, host_bytes: int | None = None) -> None:
+    """InputError naming `n` when the returned results cannot fit in
+    `HOST_RESULTS_FRACTION` of host memory."""
+    need = result_bytes(B, n, T, top_logprobs, token_ranks, signals)
+    have = int(HOST_RESULTS_FRACTION * (host_memory_bytes() if host_bytes is None
+                                        else host_bytes))
+    if need > have:
+        raise InputError(
+            f"n={n} x max_new_tokens={T} x {B} prompt(s) returns {need:,} bytes of tokens and "
+            f"logprobs, more than {have:,} bytes ({HOST_RESULTS_FRACTION:.0%} of host memory); "
+            f"lower n or max_new_tokens")
+
+
+def plan(cfg, *, B: int, n: int, p_cap: int, t_cap: int, budget: int, context_bytes: int = 0,
+         nd: int = 1, nb: int = 1, **buffers) -> tuple[int, int]:
+    """(rows, slots) of the largest pool the budget holds (see the module docstring).
+
+    Args:
+      B, n: prompts and branches per prompt of the request.
+      p_cap, t_cap: prefix and tail buckets.
+      budget: bytes for every prefix, the pool and the context (`max_kv_bytes`).
+      nd, nb: the mesh's data and branch axis sizes (rows and slots are split
+        over them: bytes are per device, so the budget is per device too).
+      buffers: `slot_bytes`'s flags (top_logprobs, token_ranks, penalties, signals).
+    Raises:
+      InputError: naming `max_kv_bytes`, with the numbers, when not even one
+        row with one slot fits.
+    """
+    penalties = bool(buffers.get("penalties", False))
+    row = row_bytes(cfg, p_cap, penalties)
+    slot = slot_bytes(cfg, t_cap, **buffers)
+    held = -(-B // nd) * row + context_bytes  # every prompt's prefix, per device
+    if B * n <= 0:
+        return max(B, 1), max(n, 1)
+    full = held + -(-B // nd) * -(-n // nb) * slot
+    if full <= budget:  # everything at once (the plain call)
+        return B, n
+    room = budget - held
+    per_row_full = row + -(-n // nb) * slot
+    if room >= per_row_full:
+        rows = min(B, max(1, (room // per_row_full)) * nd)
+        return int(rows), n
+    if room < row + slot:
+        raise InputError(
+            f"max_kv_bytes={budget:,} cannot hold the prompts' prefixes ({held:,} bytes: "
+            f"{B} x {row:,}, all prefilled at the start) plus one row ({row:,}) and one "
+            f"branch's tail and buffers ({slot:,} bytes at max_new_tokens bucket {t_cap}); "
+            f"raise max_kv_bytes or lower max_new_tokens")
+    slots = min(n, int((room - row) // slot) * nb)
+    return nd, max(slots, nb)

@@ -1,0 +1,417 @@
+"""`Round`: one decode state over some of a `Session`'s prefilled rows, run in
+chunks, and the decode pool (slots and rows refilled between chunks).
+
+The outputs are copied to host arrays indexed by (prompt row, branch) as each
+chunk ends, so refills and compaction never lose or move them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsample.engine.loop import compact, decode_chunk, init_state, insert_rows, refill
+from jaxsample.engine.placement import kv_bytes, to_host
+from jaxsample.engine.prefill import take_rows
+from jaxsample.engine.state import Static, slot_bucket
+from jaxsample.sharding import BRANCH_AXIS
+
+if TYPE_CHECKING:
+    from jaxsample.engine.session import Session
+
+
+class Round:
+    """One decode state: rows x slots, decoded in chunks (see the module docstring).
+
+    The device state holds `R_dev` rows x `N_dev` slots; by default every
+    round row and every branch column has its own (`generate`: all admitted
+    at once). Given fewer (`rows=`, `slots=`), the round is a pool
+    (continuous batching, vLLM; JetStream's prefill / insert / generate, with
+    the prefix shared by the row's slots instead of copied into each): before
+    each chunk the host gives every finished slot the next waiting branch of
+    its row's prompt (`loop.refill`), frees a row whose prompt has no branch
+    left to run, and inserts the next waiting prompt into it
+    (`loop.insert_rows`, from the session's prefill). Slots run at their own
+    token index, keys come from (prompt index, branch id), so a branch's
+    tokens depend neither on the pool's size, its slot, nor its neighbours.
+    With `lockstep=True` (Bridge: a prompt's branches attend to each other at
+    the same position) slots are never refilled inside a row: a prompt enters
+    with all its branches, rows are refilled only.
+
+    Host-side outputs (indexed by the round's own rows and branch columns):
+      tokens `[R, N, T]` int32, logprobs `[R, N, T]` float32, top_logprobs and
+      top_ids `[R, N, T, k]`, token_ranks `[R, N, T]` int32 (`[R, N, 0]`
+      without `SamplingParams.logprobs`), lengths `[R, N]` int32, stopped `[R, N]` bool
+      (ended by a stop token), done `[R, N]` bool, signals `[R, N, T, 3]`
+      float32 (entropy, self-certainty, top-2 margin) with
+      `SamplingParams.signals`, else None.
+
+    Raises:
+      ValueError: `slots` smaller than a prompt's branches with `lockstep`, or
+        `branch_ids` not `[R, N]`.
+    """
+
+    def __init__(self, session: Session, rows: list[int], branch_ids: np.ndarray,
+                 max_rows: int | None = None, max_slots: int | None = None,
+                 lockstep: bool = False):
+        s = session
+        self.s = s
+        R, N = len(rows), branch_ids.shape[1]
+        if branch_ids.shape[0] != R:
+            raise ValueError(f"branch_ids must be [{R}, N], got {branch_ids.shape}")
+        T, k = s.T, s.st.top_logprobs
+        self.R, self.N = R, N
+        self.branch_ids = branch_ids
+        self.tokens = np.full((R, N, T), s.st.pad_id, np.int32)
+        self.logprobs = np.zeros((R, N, T), np.float32)
+        self.top_logprobs = np.zeros((R, N, T, k), np.float32)
+        self.top_ids = np.full((R, N, T, k), s.st.pad_id, np.int32)
+        self.token_ranks = np.zeros((R, N, T if s.st.token_ranks else 0), np.int32)
+        self.signals = np.zeros((R, N, T, 3), np.float32) if s.st.signals else None
+        self.lengths = np.zeros((R, N), np.int32)
+        self.prev = self.lengths.copy()  # lengths before the last chunk
+        self.stopped = np.zeros((R, N), bool)
+        self.done = branch_ids < 0
+        self.t = 0  # the clock: steps this round has run
+        self.lockstep = bool(lockstep)
+        # Device slots: a bucket of rows (a multiple of the data axis) x slots
+        # (a multiple of the branch axis); slot (i, j) holds round row
+        # row_of[i], column col_of[i, j] (-1: empty).
+        R_dev = -(-min(R, max_rows or R) // s.nd) * s.nd
+        N_dev = -(-min(N, max_slots or N) // s.nb) * s.nb
+        valid = branch_ids >= 0
+        if self.lockstep and int(valid.sum(axis=1).max(initial=0)) > N_dev:
+            raise ValueError(f"lockstep (Bridge) rows need every branch of a prompt at once: "
+                             f"{int(valid.sum(axis=1).max())} branches > {N_dev} slots")
+        placed = min(R, R_dev)
+        self.row_of = np.array(list(range(placed)) + [0] * (R_dev - placed), np.int64)
+        self.row_placed = np.arange(R_dev) < placed
+        self.col_of = np.full((R_dev, N_dev), -1, np.int64)
+        self.waiting: dict[int, list[int]] = {}  # round row -> its branch columns not yet run
+        for i in range(placed):
+            cols = np.nonzero(valid[i])[0]
+            if N_dev >= N:  # every column in its own slot (the layout of a plain round)
+                self.col_of[i, :N] = np.where(valid[i], np.arange(N), -1)
+            else:
+                self.col_of[i, :min(cols.size, N_dev)] = cols[:N_dev]
+                self.waiting[i] = [int(c) for c in cols[N_dev:]]
+        self.queue = list(range(placed, R))  # round rows not yet in the pool
+        # Per round row: only branch columns < admit[r] may take a slot (the host
+        # raises it: DeepConf's warm-up must finish before later branches start).
+        self.admit = np.full(R, N, np.int64)
+        prefix_rows = np.array([rows[i] for i in self.row_of[:placed]], np.int32)
+        # Padding rows: the session's own padding rows when the round takes every
+        # prompt (no gather), else repeats of the first row.
+        fill = (np.arange(R, R_dev) if list(rows) == list(range(R)) and R_dev == s.rows_alloc
+                else np.full(R_dev - placed, prefix_rows[0]))
+        prefix_rows = np.concatenate([prefix_rows, fill]).astype(np.int32)
+        self.live_rows_alloc = R_dev
+        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
+        ids = np.where(self.col_of >= 0, branch_ids[rr, np.maximum(self.col_of, 0)],
+                       0).astype(np.int32)
+        pidx = np.array([s.offset + s.row_prompt[r] if r < len(s.row_prompt) else 0
+                         for r in prefix_rows], np.int32)
+        live = self.col_of >= 0
+        live[~self.row_placed] = False
+        self.rows = rows
+        self._start(prefix_rows, pidx, ids, live)
+
+    # -- device programs ------------------------------------------------------
+
+    def _static(self, n_dev: int) -> Static:
+        import dataclasses
+
+        return dataclasses.replace(self.s.st, n=n_dev // self.s.nb)
+
+    def _mask(self, session_rows) -> np.ndarray:
+        """`[M, V]` bool the prompt tokens of some session rows (repetition penalty;
+        `[M, 0]` without penalties)."""
+        s = self.s
+        V = s.cfg.vocab_size if s.st.penalties else 0
+        mask = np.zeros((len(session_rows), V), bool)
+        if s.st.penalties:
+            for j, r in enumerate(session_rows):
+                if 0 <= r < len(s.row_prompt):
+                    mask[j, s.prompt_ids[s.row_prompt[r]]] = True
+        return mask
+
+    def _start(self, prefix_rows, pidx, ids, live):
+        s = self.s
+        if np.array_equal(prefix_rows, np.arange(s.rows_alloc)):
+            prefix, last = s.prefix, s.last
+        else:
+            out_specs = None if s.m is None else (s.m.prefix_spec, s.m.Ps(s.m.d))
+            prefix, last = s.gather("take_rows", take_rows, (s.prefix, s.last,
+                                                             jnp.asarray(prefix_rows)), out_specs)
+        st = self._static(ids.shape[1])
+        # The prompts' tokens as a [R, V] mask (repetition penalty), built on the host.
+        mask = self._mask(prefix_rows)
+        fn = lambda l, p, b, v, pm: init_state(st, l, p, b, v, pm)
+        args = (last, s.put(pidx, "rows"), s.put(ids, "slots"), s.put(live, "slots"),
+                s.put(mask, "rows"))
+        if s.m is not None:
+            m = s.m
+            fn = m.shard_map(fn, (m.Ps(m.d), m.Ps(m.d), m.Ps(m.d, BRANCH_AXIS),
+                                  m.Ps(m.d, BRANCH_AXIS), m.Ps(m.d)), s.state_spec)
+        prog = s.program(("init", st, s.mesh), fn, args)
+        self.prefix, self.last, self.state = prefix, last, prog(*args)
+        # The tails as first allocated (the largest they get: compaction shrinks them).
+        self.tail_bytes = kv_bytes(self.state.tail_k + self.state.tail_v, self.R,
+                                    ids.shape[0])
+
+    @property
+    def waiting_branches(self) -> int:
+        """Branches not yet given a slot (in rows in the pool, and in waiting rows)."""
+        queued = sum(int(((self.branch_ids[r] >= 0) & ~self.done[r]).sum())
+                     for r in self.queue)
+        return sum(len(w) for w in self.waiting.values()) + queued
+
+    def _schedule(self):
+        """Before a chunk: refill finished slots with their row's waiting branches,
+        free settled rows, and insert waiting prompts into free rows."""
+        if not self.queue and not any(self.waiting.values()):
+            return
+        s = self.s
+        R_dev, N_dev = self.col_of.shape
+        reset = np.zeros((R_dev, N_dev), bool)
+        new_ids = np.zeros((R_dev, N_dev), np.int32)
+        live = np.zeros((R_dev, N_dev), bool)
+        free_rows = []
+        for i in range(R_dev):
+            if not self.row_placed[i]:
+                free_rows.append(i)
+                continue
+            r = int(self.row_of[i])
+            cols = self.col_of[i]
+            free = (cols < 0) | self.done[r, np.maximum(cols, 0)]
+            w = [c for c in self.waiting.get(r, []) if not self.done[r, c]]
+            if not self.lockstep:
+                for j in np.nonzero(free)[0]:
+                    if not w or w[0] >= self.admit[r]:
+                        break
+                    c = w.pop(0)
+                    self.col_of[i, j] = c
+                    reset[i, j] = live[i, j] = True
+                    new_ids[i, j] = self.branch_ids[r, c]
+                    free[j] = False
+            self.waiting[r] = w
+            if free.all() and not w:  # the prompt is settled: the row is free
+                self.waiting.pop(r, None)
+                self.row_placed[i] = False
+                self.col_of[i] = -1
+                free_rows.append(i)
+        inserted = []
+        for i in free_rows:
+            if not self.queue:
+                break
+            r = self.queue.pop(0)
+            cols = np.nonzero((self.branch_ids[r] >= 0) & ~self.done[r])[0]
+            if cols.size == 0:
+                continue
+            first = cols[cols < self.admit[r]][:N_dev]
+            rest = [int(c) for c in cols if c not in set(first.tolist())]
+            cols = np.concatenate([first, np.array(rest, np.int64)]).astype(np.int64)
+            self.row_of[i], self.row_placed[i] = r, True
+            self.col_of[i] = -1
+            m = first.size
+            self.col_of[i, :m] = first
+            self.waiting[r] = rest
+            reset[i] = True
+            live[i, :m] = True
+            new_ids[i, :m] = self.branch_ids[r, first]
+            inserted.append((i, r))
+        if inserted:
+            self._insert(inserted)
+        if reset.any():
+            self._refill(reset, new_ids, live)
+
+    def _insert(self, inserted):
+        s = self.s
+        R_dev = self.col_of.shape[0]
+        M = slot_bucket(len(inserted))
+        dest = np.full((M,), R_dev, np.int32)  # R_dev: dropped (padding)
+        src = np.zeros((M,), np.int32)
+        for j, (i, r) in enumerate(inserted):
+            dest[j], src[j] = i, self.rows[r]
+        pidx = np.array([s.offset + s.row_prompt[r] for r in src], np.int32)
+        mask = self._mask(src)
+        args = (self.prefix, self.last, self.state.prompt_index, self.state.prompt_mask,
+                s.prefix, s.last, jnp.asarray(src), jnp.asarray(dest), jnp.asarray(pidx),
+                jnp.asarray(mask))
+        out_specs = (None if s.m is None
+                     else (s.m.prefix_spec, s.m.Ps(s.m.d), s.m.Ps(s.m.d), s.m.Ps(s.m.d)))
+        t0, c0 = time.perf_counter(), s.timings["compile"]
+        self.prefix, self.last, pi, pm = jax.block_until_ready(
+            s.gather("insert_rows", insert_rows, args, out_specs))
+        self.state = self.state._replace(prompt_index=pi, prompt_mask=pm)
+        s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
+
+    def _refill(self, reset, new_ids, live):
+        s = self.s
+        fn = refill
+        args = (self.state, self.last, s.put(reset, "slots"), s.put(new_ids, "slots"),
+                s.put(live, "slots"))
+        if s.m is not None:
+            m = s.m
+            sl = m.Ps(m.d, BRANCH_AXIS)
+            fn = m.shard_map(fn, (s.state_spec, m.Ps(m.d), sl, sl, sl), s.state_spec)
+        prog = s.program(("refill", self._static(self.col_of.shape[1]), s.mesh), fn, args,
+                         donate=(0,))
+        self.state = prog(*args)
+
+    def run(self, steps: int) -> bool:
+        """Refill the pool (`_schedule`), decode up to `steps` more steps, and copy
+        the new tokens to the host arrays.
+
+        Returns:
+          True while some branch is live or waiting.
+        """
+        s = self.s
+        self._schedule()
+        if self.waiting_branches and not self._live_slots().any():
+            raise RuntimeError("the pool has waiting branches but no live slot: a row's "
+                               "admit limit was never raised")
+        t0 = self.t
+        t_stop = t0 + max(int(steps), 1)
+        st = self._static(self.col_of.shape[1])
+        fn = lambda p, pre, state, kn, bp, c: decode_chunk(st, p, pre, state, kn, bp, c)
+        args = (s.model_params, self.prefix, self.state, s.knob_args(t_stop), s.bridge_dev,
+                s.context)
+        if s.m is not None:
+            m = s.m
+            fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, s.state_spec, m.knob_spec, m.Ps(),
+                                  m.context_spec), s.state_spec)
+        prog = s.program(("decode", st, s.mesh), fn, args, donate=(2,))
+        t_run = time.perf_counter()
+        self.state = jax.block_until_ready(prog(*args))
+        s.timings["decode"] += time.perf_counter() - t_run
+        t_host = time.perf_counter()
+        t1 = int(to_host(self.state.t))
+        ran = t1 - t0
+        s.decode_steps += ran
+        s.branch_steps += ran * self.col_of.size
+        self.t = t1
+        self._collect()
+        s.timings["host"] += time.perf_counter() - t_host
+        return bool((~self.done).any())
+
+    def _live_slots(self) -> np.ndarray:
+        """`[R_dev, N_dev]` bool: slots holding a branch the host has not seen finish."""
+        real = self.col_of >= 0
+        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
+        live = np.zeros(self.col_of.shape, bool)
+        live[real] = ~self.done[rr[real], self.col_of[real]]
+        return live
+
+    def _collect(self):
+        """Copy each slot's new tokens (its columns from the host's length to the
+        device's) and every slot's flags to the host arrays."""
+        st = self.state
+        done = to_host(st.done)
+        lengths = to_host(st.lengths)
+        stopped = to_host(st.stopped)
+        real = self.col_of >= 0
+        ri = np.broadcast_to(self.row_of[:, None], self.col_of.shape)[real]
+        ci = self.col_of[real]
+        self.prev = self.lengths.copy()
+        l0, l1 = self.lengths[ri, ci], lengths[real]
+        grew = l1 > l0
+        if grew.any():
+            a, b = int(l0[grew].min()), int(l1[grew].max())
+            j = np.arange(a, b)
+            si, wi = np.nonzero((j[None] >= l0[:, None]) & (j[None] < l1[:, None]))
+            dst = (ri[si], ci[si], a + wi)
+            sl = (slice(None), slice(None), slice(a, b))
+            take = lambda x: to_host(x[sl])[real][si, wi]
+            self.tokens[dst] = take(st.tokens)
+            self.logprobs[dst] = take(st.logprobs)
+            if self.s.st.top_logprobs:
+                self.top_logprobs[dst] = take(st.top_logprobs)
+                self.top_ids[dst] = take(st.top_ids)
+            if self.s.st.token_ranks:
+                self.token_ranks[dst] = take(st.token_ranks)
+            if self.s.st.signals:
+                self.signals[dst] = take(st.signals)
+        self.lengths[ri, ci] = l1
+        self.stopped[ri, ci] = stopped[real]
+        self.done[ri, ci] = done[real] | self.done[ri, ci]
+
+    def new_tokens(self, t0=None):
+        """(row, column, new tokens excluding a final stop token) of every branch
+        that decoded something in the last chunk (`t0`, the old global start
+        token, is ignored: slots of a pool run at their own positions)."""
+        out = []
+        for r, c in zip(*np.nonzero(self.lengths > self.prev)):
+            L = int(self.lengths[r, c])
+            p = int(self.prev[r, c])
+            end = L - 1 if self.stopped[r, c] else L
+            out.append((int(r), int(c), self.tokens[r, c, p:max(end, p)]))
+        return out
+
+    def finish_slots(self, mask: np.ndarray):
+        """Mark branches done from the host (`mask [R, N]` bool, round rows x
+        columns); a branch not yet in a slot is then never run."""
+        mask = np.asarray(mask, bool) & ~self.done
+        if not mask.any():
+            return
+        self.done |= mask
+        real = self.col_of >= 0
+        dev = np.zeros(self.col_of.shape, bool)
+        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
+        dev[real] = mask[rr[real], self.col_of[real]]
+        if dev.any():
+            done = to_host(self.state.done) | dev
+            self.state = self.state._replace(done=self.s.put(done, "slots"))
+
+    def compact(self) -> bool:
+        """Gather the live branches into smaller buckets when that halves a dimension
+        (only once nothing waits for a slot: a pool refills instead).
+
+        Returns:
+          True if the state was compacted.
+        """
+        s = self.s
+        if self.waiting_branches:
+            return False
+        real = self.col_of >= 0
+        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
+        live = np.zeros(self.col_of.shape, bool)
+        live[real] = ~self.done[rr[real], self.col_of[real]]
+        per_row = live.sum(axis=1)
+        rows_live = np.nonzero(per_row)[0]
+        if rows_live.size == 0:
+            return False
+        R_dev, N_dev = self.col_of.shape
+        N_new = min(slot_bucket(int(per_row.max()), s.nb), N_dev)
+        R_new = min(slot_bucket(rows_live.size, s.nd), R_dev)
+        if N_new * 2 > N_dev and R_new * 2 > R_dev:
+            return False
+        src_rows = np.concatenate([rows_live, np.repeat(rows_live[:1], R_new - rows_live.size)])
+        slots = np.zeros((R_new, N_new), np.int32)
+        new_live = np.zeros((R_new, N_new), bool)
+        col_of = np.full((R_new, N_new), -1, np.int64)
+        for i, r in enumerate(src_rows):
+            if i >= rows_live.size:
+                slots[i] = 0
+                continue
+            cols = np.nonzero(live[r])[0]
+            slots[i, :cols.size] = cols
+            slots[i, cols.size:] = cols[0]
+            new_live[i, :cols.size] = True
+            col_of[i, :cols.size] = self.col_of[r, cols]
+        t0, c0 = time.perf_counter(), s.timings["compile"]
+        args = (self.prefix, self.state, jnp.asarray(src_rows, jnp.int32), jnp.asarray(slots),
+                jnp.asarray(new_live))
+        out_specs = None if s.m is None else (s.m.prefix_spec, s.state_spec)
+        self.prefix, self.state = jax.block_until_ready(s.gather("compact", compact, args,
+                                                                 out_specs))
+        s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
+        self.row_of = self.row_of[src_rows]
+        self.row_placed = np.arange(R_new) < rows_live.size
+        self.last = None  # no refill after a compaction (nothing waits)
+        self.col_of = col_of
+        return True
