@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 
 import numpy as np
@@ -125,8 +124,7 @@ def row(name, rep, gens, wall, rss, shape):
 def compare_tokens(lm, pool_gen, batch_gens, params, tol=1e-4):
     """Per (prompt, branch): equal / diverged at a float tie / mismatch (the test of
     tests/ties.py, counted rather than asserted)."""
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from ties import _gumbel, branch_key, first_difference  # the tie oracle's own helpers
+    from tests.ties import _gumbel, branch_key, first_difference  # the tie oracle's helpers
 
     tok = np.concatenate([g.tokens for g in batch_gens])
     lp = np.concatenate([g.logprobs for g in batch_gens])
