@@ -221,7 +221,7 @@ def main(argv=None):
     ap.add_argument("--long-every", type=int, default=4,
                     help="one long-answer prompt every this many (0: none)")
     ap.add_argument("--n", type=int, default=8, help="branches per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rows", type=int, default=4, help="prompts held at once (both methods)")
     ap.add_argument("--pool-shapes", default="",
                     help="extra pool shapes RxS besides rows x n, e.g. 8x4 (same slot count)")
