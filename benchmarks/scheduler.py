@@ -123,8 +123,17 @@ def row(name, rep, gens, wall, rss, shape):
 
 def compare_tokens(lm, pool_gen, batch_gens, params, tol=1e-4):
     """Per (prompt, branch): equal / diverged at a float tie / mismatch (the test of
-    tests/ties.py, counted rather than asserted)."""
-    from tests.ties import _gumbel, branch_key, first_difference  # the tie oracle's helpers
+    tests/ties.py, written out here because benchmarks never import the tests;
+    counted rather than asserted)."""
+    import jax
+    import jax.numpy as jnp
+
+    def branch_key(seed, b, n, t):  # the engine's key for token t of branch (b, n)
+        key = jax.random.fold_in(jax.random.key(np.uint32(seed)), b)
+        return jax.random.fold_in(jax.random.fold_in(key, n), t)
+
+    def gumbel(key):  # [V] the noise the draw adds at that key
+        return np.asarray(jax.random.gumbel(key, (lm.config.vocab_size,), jnp.float32), np.float64)
 
     tok = np.concatenate([g.tokens for g in batch_gens])
     lp = np.concatenate([g.logprobs for g in batch_gens])
@@ -135,7 +144,8 @@ def compare_tokens(lm, pool_gen, batch_gens, params, tol=1e-4):
     for b in range(B):
         for n in range(N):
             ta, tb = tok[b, n], pool_gen.tokens[b, n]
-            t = first_difference(ta, tb)
+            diff = np.nonzero(ta != tb)[0]
+            t = int(diff[0]) if diff.size else None
             if t is None:
                 if ln[b, n] == pool_gen.lengths[b, n]:
                     equal += 1
@@ -145,7 +155,7 @@ def compare_tokens(lm, pool_gen, batch_gens, params, tol=1e-4):
                 continue
             a, c = int(ta[t]), int(tb[t])
             dz = float(lp[b, n, t]) - float(pool_gen.logprobs[b, n, t])
-            g = _gumbel(lm, branch_key(params.seed, b, n, t))
+            g = gumbel(branch_key(params.seed, b, n, t))
             gap = abs(dz / params.temperature + g[a] - g[c])
             if gap <= tol / params.temperature:
                 ties += 1
