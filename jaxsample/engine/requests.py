@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxsample.engine import api
+from jaxsample.engine import api, inputs
 from jaxsample.errors import InputError
+from jaxsample.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------------------
 # Many requests in, each result out as soon as its prompt settles
@@ -60,8 +61,6 @@ class RequestResult:
 
 
 def _check_requests(requests) -> list[Request]:
-    from jaxsample import SamplingParams
-
     out, seen = [], set()
     for i, r in enumerate(requests):
         if isinstance(r, dict):
@@ -183,9 +182,6 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
         before any compute; then as `generate` for each group, before that
         group's compute.
     """
-    from jaxsample.engine import inputs
-    from jaxsample import SamplingParams
-
     reqs = _check_requests(requests)
     groups: list = []  # ((params, chat), [request positions])
     for i, r in enumerate(reqs):
@@ -205,8 +201,6 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
 
 
 def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh):
-
-
     t0 = time.perf_counter()
     for (params, chat), idx in groups:
         prompts = [reqs[i].messages if chat else reqs[i].prompt for i in idx]
@@ -235,8 +229,6 @@ def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh):
 
 def finish_one(session, rnd, row: int):
     """The one-prompt Generation of round row `row` (`api.finish` on a view)."""
-
-
     s = session
     b = s.row_prompt[rnd.rows[row]]
     sub = copy.copy(s)
