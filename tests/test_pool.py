@@ -120,6 +120,12 @@ def test_pool_with_sliding_windows():
     assert ref.lengths.max() > 8
     got = engine.generate(glm, PROMPTS, params, max_rows=2, max_slots=3, chunk_size=3)
     assert_same_tokens_up_to_ties(glm, ref, got)
+    # The longest prompt first: the later ones are prefilled at their own, shorter
+    # bucket and padded into the pool's (global and local layers).
+    rev = PROMPTS[::-1]
+    got = engine.generate(glm, rev, params, max_rows=1, max_slots=4, chunk_size=3)
+    ref = engine.generate(glm, rev, params)
+    assert_same_tokens_up_to_ties(glm, ref, got)
 
 
 @pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
@@ -170,9 +176,57 @@ def test_a_budget_below_one_row_and_one_slot_is_refused(tiny_lm):
     cfg = tiny_lm.config
     row = pool.row_bytes(cfg, engine.bucket(40))
     with pytest.raises(InputError, match=r"max_kv_bytes=\d.*one branch"):
-        engine.generate(tiny_lm, PROMPTS, _params(), max_kv_bytes=3 * row)
+        engine.generate(tiny_lm, PROMPTS, _params(), max_kv_bytes=2 * row)
     with pytest.raises(InputError, match="max_kv_bytes"):
         engine.generate(tiny_lm, PROMPTS, _params(), max_kv_bytes=0)
+
+
+def test_a_prompt_runs_in_several_rows_at_once(tiny_lm):
+    """A free pool row takes the waiting branches of a prompt already in the
+    pool (its own copy of the prefix): one prompt's 8 branches run in 4 rows
+    of 2 slots in one pass, not in 4 passes of one row."""
+    T = 12
+    params = _params(n=8, max_new_tokens=T, min_tokens=T, stop_token_ids=())
+    ref = engine.generate(tiny_lm, PROMPTS[:1], params)
+    got = engine.generate(tiny_lm, PROMPTS[:1], params, max_rows=4, max_slots=2, chunk_size=2)
+    assert (got.lengths == T).all()  # min_tokens = max_new_tokens: every branch runs T
+    assert got.bill.decode_steps == T  # one pass (one row alone would take 4 T)
+    assert got.bill.branch_steps == T * 4 * 2
+    assert_same_tokens_up_to_ties(tiny_lm, ref, got)
+
+
+def test_rows_shared_between_prompts_and_copies(tiny_lm, refs):
+    """Prompts of different lengths in a pool of more rows than prompts: every
+    free row takes a resident prompt's next branches; tokens as per prompt."""
+    got = engine.generate(tiny_lm, PROMPTS, _params(), max_rows=5, max_slots=2, chunk_size=2)
+    _assert_equal_per_prompt(tiny_lm, refs, got)
+    assert got.bill.branch_steps == got.bill.decode_steps * 5 * 2
+
+
+def test_pool_slots_keep_the_prefix_copies_small(tiny_lm):
+    from jaxsample.engine import budget as pool
+
+    cfg = tiny_lm.config
+    for p_cap, t_cap in [(16, 256), (64, 64), (1024, 16), (4096, 16)]:
+        row, slot = pool.row_bytes(cfg, p_cap), pool.slot_bytes(cfg, t_cap)
+        S = pool.pool_slots(64, row, slot)
+        assert S & (S - 1) == 0 and 1 <= S <= 64  # a power of two, at most n
+        # The fewest slots whose tails hold SHARING_RATIO x the prefix copy (or n).
+        assert S == 64 or S * slot >= pool.SHARING_RATIO * row
+        assert S == 1 or (S // 2) * slot < pool.SHARING_RATIO * row
+    # Short prompts, long answers: small rows; a long prompt: all n branches share it.
+    short = pool.pool_slots(64, pool.row_bytes(cfg, 16), pool.slot_bytes(cfg, 256))
+    long = pool.pool_slots(64, pool.row_bytes(cfg, 4096), pool.slot_bytes(cfg, 16))
+    assert short < 8 and long == 64
+    assert pool.pool_slots(5, pool.row_bytes(cfg, 4096), pool.slot_bytes(cfg, 16), nb=2) == 6
+    # A budget short of everything at once: rows of pool_slots slots, as many as fit.
+    B, n, row, slot = 3, 16, pool.row_bytes(cfg, 16), pool.slot_bytes(cfg, 256)
+    S = pool.pool_slots(n, row, slot)
+    budget = B * row + 3 * (row + S * slot)
+    assert pool.plan(cfg, B=B, n=n, p_cap=16, t_cap=256, budget=budget) == (3, S)
+    # Lockstep (Bridge): n slots per row, whatever the sizes.
+    budget = B * row + 2 * (row + n * slot)
+    assert pool.plan(cfg, B=B, n=n, p_cap=16, t_cap=256, budget=budget, lockstep=True) == (2, n)
 
 
 def test_plan_sizes_the_pool_from_the_budget(tiny_lm):
@@ -180,16 +234,47 @@ def test_plan_sizes_the_pool_from_the_budget(tiny_lm):
 
     cfg = tiny_lm.config
     row, slot = pool.row_bytes(cfg, 64), pool.slot_bytes(cfg, 16)
-    held = 3 * row
-    assert pool.plan(cfg, B=3, n=5, p_cap=64, t_cap=16, budget=held + 15 * slot) == (3, 5)
-    # Two rows of 16 slots (plus their copy of the prefix) fit, not three.
-    budget = held + 2 * (row + 16 * slot) + slot
-    assert held + 3 * 16 * slot > budget
+    # Everything at once: every prefix and every branch's slot.
+    full = 3 * row + 15 * slot
+    assert pool.plan(cfg, B=3, n=5, p_cap=64, t_cap=16, budget=full) == (3, 5)
+    # A pool: rows of pool_slots slots (16 here: a 64-token prefix outweighs a
+    # 16-token tail), each row 2 x row (the prefill beside its copy) + 16 slots.
+    assert pool.pool_slots(16, row, slot) == 16
+    per_row = 2 * row + 16 * slot
+    budget = 2 * per_row + slot
+    assert 3 * (row + 16 * slot) > budget  # not everything at once
     assert pool.plan(cfg, B=3, n=16, p_cap=64, t_cap=16, budget=budget) == (2, 16)
     # Not one full row: one row with as many slots as fit.
-    assert pool.plan(cfg, B=3, n=16, p_cap=64, t_cap=16, budget=held + row + 3 * slot) == (1, 3)
+    assert pool.plan(cfg, B=3, n=16, p_cap=64, t_cap=16, budget=2 * row + 3 * slot) == (1, 3)
+    with pytest.raises(InputError, match="max_kv_bytes"):
+        pool.plan(cfg, B=3, n=16, p_cap=64, t_cap=16, budget=2 * row + slot - 1)
     # KV bytes: k and v, every layer, K x D per position in float32.
     assert pool.kv_size(cfg, 10) == cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4 * 10
+
+
+def test_a_pool_prefills_each_prompt_when_a_row_takes_it(tiny_lm, refs):
+    """Lazy prefill: a pool's session prefills nothing up front; the round
+    prefills its first rows, then each prompt as a row takes it, once (a
+    prompt in several rows is copied, not prefilled again)."""
+    params = _params(prompt_logprobs=2)
+    s = engine.Session(tiny_lm, PROMPTS, params, lazy_prefill=True)
+    assert s.prefix is None and s.prefilled_rows == 0
+    ids = np.broadcast_to(np.arange(5, dtype=np.int32), (3, 5))
+    # The longest prompt first: "ab" comes last, prefilled at its own bucket.
+    assert engine.bucket(len(s.ids[1])) < s.p_cap
+    rnd = s.round([2, 0, 1], ids, max_rows=2, max_slots=2)
+    assert s.prefilled_rows == 2  # the two rows the pool starts with
+    while rnd.run(2):
+        pass
+    assert s.prefilled_rows == 3  # prompt 1 when a row freed up; copies are not prefills
+    got = api.finish(s, [rnd])
+    _assert_equal_per_prompt(tiny_lm, refs, got)
+    eager = engine.generate(tiny_lm, PROMPTS, params)
+    for b in range(3):
+        np.testing.assert_allclose(got.prompt_token_logprobs[b], eager.prompt_token_logprobs[b],
+                                   atol=1e-5)
+    # The bill counts the prefix caches the pool held (its 2 rows), not all 3 prompts'.
+    assert got.bill.kv_bytes_shared_prefix * 3 == eager.bill.kv_bytes_shared_prefix * 2
 
 
 def test_a_budget_makes_the_request_a_pool_with_the_same_tokens(tiny_lm, refs):
@@ -199,7 +284,8 @@ def test_a_budget_makes_the_request_a_pool_with_the_same_tokens(tiny_lm, refs):
     s = engine.Session(tiny_lm, PROMPTS, _params())
     p_cap, t_cap = engine.bucket(max(len(x) for x in s.ids)), engine.bucket(12)
     row, slot = pool.row_bytes(cfg, p_cap), pool.slot_bytes(cfg, t_cap)
-    budget = 3 * row + row + 3 * slot
+    budget = 2 * row + 3 * slot
+    assert pool.plan(cfg, B=3, n=5, p_cap=p_cap, t_cap=t_cap, budget=budget) == (1, 3)
     got = engine.generate(tiny_lm, PROMPTS, _params(), max_kv_bytes=budget)
     assert got.bill.branch_steps == got.bill.decode_steps * 1 * 3  # one row of three slots
     _assert_equal_per_prompt(tiny_lm, refs, got)

@@ -155,7 +155,8 @@ def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive
                          f">= n = {n_req}, got {max_slots}")
     session = Session(lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
                       prompt_index_offset=prompt_index_offset, naive=naive, observer=observer,
-                      shared_prefix=shared_prefix, max_kv_bytes=max_kv_bytes)
+                      shared_prefix=shared_prefix, max_kv_bytes=max_kv_bytes,
+                      lazy_prefill=max_rows is not None or max_slots is not None)
     params = session.params
     if not naive:
         max_rows = session.pool_shape[0] if max_rows is None else max_rows

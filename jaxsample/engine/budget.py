@@ -5,16 +5,28 @@ The decode state is R rows (one prompt's prefix cache each) x S slots (one
 branch's tail each; `round.Round` refills them as branches finish). Its
 size comes from a byte budget (`generate(max_kv_bytes=...)`):
 
-    held = B x row + [R < B] R x row + R x S x slot  (+ the common context once)
+    at once:  held = B x row + B x n x slot            (+ the common context once)
+    a pool:   held = R x 2 row + R x S x slot          (+ the common context once)
 
 `row` is one prompt's prefix KV (k and v over every layer, a local layer's
 last `window - 1` positions only) plus its last logits and prompt mask; `slot`
 is one branch's tail KV plus its decode buffers (logits `[V]`, tokens and
-logprobs `[T]`, top logprobs, ranks, penalty counts, signals). Every prompt is
-prefilled when the request starts (its prefix cache is held until the end:
-the B x row term); the pool's rows are a copy of some of them when R < B.
-The shape picked is every branch of a prompt in one row (S = n, full sharing)
-with as many rows as fit, else one row with as many slots as fit.
+logprobs `[T]`, top logprobs, ranks, penalty counts, signals). At once, every
+prompt is prefilled when the request starts. In a pool, a prompt is prefilled
+when a row takes it (`Session(lazy_prefill=...)`, `Session.prefill_rows`):
+only the pool's rows hold prefix caches, and a row's fresh prefill is held
+beside the pool while it is copied in (the 2 x row).
+
+The shape: when everything fits, every prompt in one row of n slots (the
+plain call). Otherwise a pool of R rows x S slots, with S from `pool_slots`:
+the fewest slots per row whose tails outweigh the row's copy of the prefix
+`SHARING_RATIO` times (powers of two, at most n), and as many rows as fit. A
+prompt may occupy several rows at once (`round.Round`: a row that frees up
+takes the next branches of a prompt already in the pool before a new
+prompt), so small rows cost prefix copies, not parallelism: short prompts get
+small rows (a finished branch's slot is refilled sooner, and a row waits for
+fewer slow branches before it frees), long prompts get n slots (one prefix
+read for all of them). With `lockstep` (Bridge) S = n always.
 
 Default budget: `DEFAULT_KV_FRACTION` of the device's memory
 (`memory_stats()["bytes_limit"]`), or of the host's RAM on CPU (where the
@@ -41,6 +53,7 @@ from jaxsample.engine.prefill import window_extent
 from jaxsample.errors import InputError
 
 DEFAULT_KV_FRACTION = 0.5  # of device memory (host RAM on CPU) for the KV cache and decode state
+SHARING_RATIO = 4  # a pool row's slots hold at least this many times its prefix copy's bytes
 HOST_RESULTS_FRACTION = 0.5  # of host RAM the returned results may take
 
 
@@ -116,8 +129,24 @@ def check_results_fit(B: int, n: int, T: int, top_logprobs: int = 0, token_ranks
             f"lower n or max_new_tokens")
 
 
+def pool_slots(n: int, row: int, slot: int, nb: int = 1) -> int:
+    """Slots per pool row: the smallest `nb * 2^j` with `slots * slot >=
+    SHARING_RATIO * row` (the prefix copy at most 1/SHARING_RATIO of the
+    tails it serves), capped at n rounded up to a multiple of nb.
+
+    Args:
+      n: branches per prompt; row, slot: bytes (`row_bytes`, `slot_bytes`),
+        per device; nb: the mesh's branch axis size.
+    """
+    cap = -(-n // nb) * nb
+    size = nb
+    while size < cap and (size // nb) * slot < SHARING_RATIO * row:
+        size *= 2
+    return min(size, cap)
+
+
 def plan(cfg, *, B: int, n: int, p_cap: int, t_cap: int, budget: int, context_bytes: int = 0,
-         nd: int = 1, nb: int = 1, **buffers) -> tuple[int, int]:
+         nd: int = 1, nb: int = 1, lockstep: bool = False, **buffers) -> tuple[int, int]:
     """(rows, slots) of the largest pool the budget holds (see the module docstring).
 
     Args:
@@ -126,6 +155,7 @@ def plan(cfg, *, B: int, n: int, p_cap: int, t_cap: int, budget: int, context_by
       budget: bytes for every prefix, the pool and the context (`max_kv_bytes`).
       nd, nb: the mesh's data and branch axis sizes (rows and slots are split
         over them: bytes are per device, so the budget is per device too).
+      lockstep: every branch of a prompt in one row (Bridge): slots = n.
       buffers: `slot_bytes`'s flags (top_logprobs, token_ranks, penalties, signals).
     Raises:
       InputError: naming `max_kv_bytes`, with the numbers, when not even one
@@ -134,22 +164,24 @@ def plan(cfg, *, B: int, n: int, p_cap: int, t_cap: int, budget: int, context_by
     penalties = bool(buffers.get("penalties", False))
     row = row_bytes(cfg, p_cap, penalties)
     slot = slot_bytes(cfg, t_cap, **buffers)
-    held = -(-B // nd) * row + context_bytes  # every prompt's prefix, per device
     if B * n <= 0:
         return max(B, 1), max(n, 1)
-    full = held + -(-B // nd) * -(-n // nb) * slot
+    full = context_bytes + -(-B // nd) * (row + -(-n // nb) * slot)  # per device
     if full <= budget:  # everything at once (the plain call)
         return B, n
-    room = budget - held
-    per_row_full = row + -(-n // nb) * slot
-    if room >= per_row_full:
-        rows = min(B, max(1, (room // per_row_full)) * nd)
-        return int(rows), n
-    if room < row + slot:
+    room = budget - context_bytes
+    S = n if lockstep else pool_slots(n, row, slot, nb)
+    per_row = 2 * row + -(-S // nb) * slot
+    if room >= per_row:
+        # At most every branch at once: B prompts x ceil(n / S) rows each.
+        rows = min(B * -(-n // S), max(1, room // per_row) * nd)
+        return int(rows), S
+    if room < 2 * row + slot:
         raise InputError(
-            f"max_kv_bytes={budget:,} cannot hold the prompts' prefixes ({held:,} bytes: "
-            f"{B} x {row:,}, all prefilled at the start) plus one row ({row:,}) and one "
-            f"branch's tail and buffers ({slot:,} bytes at max_new_tokens bucket {t_cap}); "
-            f"raise max_kv_bytes or lower max_new_tokens")
-    slots = min(n, int((room - row) // slot) * nb)
+            f"max_kv_bytes={budget:,} cannot hold one pool row (a prompt's prefix, "
+            f"{row:,} bytes, held twice while it is prefilled and copied in"
+            + (f", beside the common context's {context_bytes:,}" if context_bytes else "")
+            + f") and one branch's tail and buffers ({slot:,} bytes at max_new_tokens "
+            f"bucket {t_cap}); raise max_kv_bytes or lower max_new_tokens")
+    slots = min(n, int((room - 2 * row) // slot) * nb)
     return nd, max(slots, nb)

@@ -170,7 +170,10 @@ def insert_rows(prefix: PrefixCache, last: jax.Array, prompt_index: jax.Array,
       prefix, last, prompt_index, prompt_mask: the pool's PrefixCache (L x
         `[R, K, P, D]`), last logits `[R, V]`, prompt indices `[R]` and
         prompt mask `[R, V']` (`V' = 0` without penalties).
-      src, src_last: the prefilled prompts (L x `[M0, K, P, D]`, the pool's P;
+      src, src_last: the prefilled prompts (L x `[M0, K, P', D]`, P' <= the
+        pool's P: a shorter bucket is padded at the end, which is where a
+        prefix's padding lies on every layer: a local layer's P_l' < P_l only
+        when the prompt is shorter than both extents, so both start at 0;
         `[M0, V]`).
       src_rows: `[M]` int32 the prefilled row to copy into each of `rows`.
       rows: `[M]` int32 the pool row to fill; R (out of range) drops the entry.
@@ -180,8 +183,14 @@ def insert_rows(prefix: PrefixCache, last: jax.Array, prompt_index: jax.Array,
       (prefix, last, prompt_index, prompt_mask) with those rows replaced; the
       rows' slots are left to `refill`.
     """
-    take = lambda a: jnp.take(a, src_rows, axis=0)
-    put = lambda a, b: a.at[rows].set(take(b).astype(a.dtype), mode="drop")
+    def take(a, like=None):
+        a = jnp.take(a, src_rows, axis=0)
+        if like is not None and a.shape[2] < like.shape[2]:  # [M, K, P', D] -> P
+            a = jnp.pad(a, ((0, 0), (0, 0), (0, like.shape[2] - a.shape[2]), (0, 0)))
+        return a
+
+    put = lambda a, b: a.at[rows].set(take(b, a if a.ndim == 4 else None).astype(a.dtype),
+                                      mode="drop")
     new_prefix = PrefixCache(tuple(map(put, prefix.k, src.k)), tuple(map(put, prefix.v, src.v)),
                              put(prefix.lengths, src.lengths))
     pm = (prompt_mask.at[rows].set(src_mask, mode="drop") if prompt_mask.shape[-1]

@@ -17,7 +17,7 @@ import numpy as np
 from jaxsample.engine.loop import compact, decode_chunk, init_state, insert_rows, refill
 from jaxsample.engine.placement import kv_bytes, to_host
 from jaxsample.engine.prefill import take_rows
-from jaxsample.engine.state import Static, slot_bucket
+from jaxsample.engine.state import Static, bucket, slot_bucket
 from jaxsample.sharding import BRANCH_AXIS
 
 if TYPE_CHECKING:
@@ -81,8 +81,11 @@ class Round:
         # Device slots: a bucket of rows (a multiple of the data axis) x slots
         # (a multiple of the branch axis); slot (i, j) holds round row
         # row_of[i], column col_of[i, j] (-1: empty).
-        R_dev = -(-min(R, max_rows or R) // s.nd) * s.nd
         N_dev = -(-min(N, max_slots or N) // s.nb) * s.nb
+        # Rows: at most enough for every branch at once (a prompt's branches may
+        # run in several rows, `_next_prompt`), at most max_rows.
+        R_all = R if lockstep else R * -(-N // N_dev)
+        R_dev = -(-min(R_all, max_rows or R) // s.nd) * s.nd
         valid = branch_ids >= 0
         if self.lockstep and int(valid.sum(axis=1).max(initial=0)) > N_dev:
             raise ValueError(f"lockstep (Bridge) rows need every branch of a prompt at once: "
@@ -141,7 +144,17 @@ class Round:
 
     def _start(self, prefix_rows, pidx, ids, live):
         s = self.s
-        if np.array_equal(prefix_rows, np.arange(s.rows_alloc)):
+        if s.lazy:  # the pool's rows are prefilled here, and are the only prefix caches held
+            placed = int(self.row_placed.sum())
+            prefix, last = s.prefill_rows(prefix_rows[:placed])
+            if prefix.lengths.shape[0] != len(prefix_rows):  # padding rows: copies of row 0
+                idx = np.minimum(np.arange(len(prefix_rows)), placed - 1)
+                idx[placed:] = 0
+                out_specs = None if s.m is None else (s.m.prefix_spec, s.m.Ps(s.m.d))
+                prefix, last = s.gather("take_rows", take_rows,
+                                        (prefix, last, jnp.asarray(idx, jnp.int32)), out_specs)
+            s.prefix_bytes = kv_bytes(prefix.k + prefix.v, len(prefix_rows), len(prefix_rows))
+        elif np.array_equal(prefix_rows, np.arange(s.rows_alloc)):
             prefix, last = s.prefix, s.last
         else:
             out_specs = None if s.m is None else (s.m.prefix_spec, s.m.Ps(s.m.d))
@@ -171,11 +184,11 @@ class Round:
         return sum(len(w) for w in self.waiting.values()) + queued
 
     def _schedule(self):
-        """Before a chunk: refill finished slots with their row's waiting branches,
-        free settled rows, and insert waiting prompts into free rows."""
+        """Before a chunk: refill finished slots with their row's prompt's waiting
+        branches, free settled rows, and give each free row the next branches
+        of a prompt (`_next_prompt`)."""
         if not self.queue and not any(self.waiting.values()):
             return
-        s = self.s
         R_dev, N_dev = self.col_of.shape
         reset = np.zeros((R_dev, N_dev), bool)
         new_ids = np.zeros((R_dev, N_dev), np.int32)
@@ -199,56 +212,127 @@ class Round:
                     new_ids[i, j] = self.branch_ids[r, c]
                     free[j] = False
             self.waiting[r] = w
-            if free.all() and not w:  # the prompt is settled: the row is free
-                self.waiting.pop(r, None)
+            if free.all() and not w:  # nothing left of this prompt for this row: free it
                 self.row_placed[i] = False
                 self.col_of[i] = -1
                 free_rows.append(i)
         inserted = []
         for i in free_rows:
-            if not self.queue:
+            r = self._next_prompt(N_dev)
+            if r is None:
                 break
-            r = self.queue.pop(0)
-            cols = np.nonzero((self.branch_ids[r] >= 0) & ~self.done[r])[0]
-            if cols.size == 0:
-                continue
-            first = cols[cols < self.admit[r]][:N_dev]
-            rest = [int(c) for c in cols if c not in set(first.tolist())]
-            cols = np.concatenate([first, np.array(rest, np.int64)]).astype(np.int64)
+            w = self.waiting[r]
+            first = [c for c in w if c < self.admit[r]][:N_dev]
+            self.waiting[r] = [c for c in w if c not in set(first)]
             self.row_of[i], self.row_placed[i] = r, True
             self.col_of[i] = -1
-            m = first.size
+            m = len(first)
             self.col_of[i, :m] = first
-            self.waiting[r] = rest
             reset[i] = True
             live[i, :m] = True
             new_ids[i, :m] = self.branch_ids[r, first]
             inserted.append((i, r))
+        for r in [r for r, w in self.waiting.items() if not w]:
+            if not (self.row_placed & (self.row_of == r)).any():
+                del self.waiting[r]  # settled: no row holds it, nothing waits
         if inserted:
             self._insert(inserted)
         if reset.any():
             self._refill(reset, new_ids, live)
 
+    def _next_prompt(self, n_dev: int) -> int | None:
+        """The round row whose branches a free pool row takes next (None: none).
+
+        First a prompt already in the pool with at least a row's worth of
+        admitted branches waiting (its branches then run in several rows, each
+        with its own copy of the prefix: the pool never idles while a prompt
+        has work), then the next waiting prompt (taken off the queue, its
+        branches then wait in `waiting`), then a prompt in the pool with
+        fewer waiting branches (better a part-filled row than an idle one).
+        Lockstep (Bridge) rows take whole prompts off the queue only.
+        """
+        def ready(r):
+            return sum(1 for c in self.waiting[r] if c < self.admit[r] and not self.done[r, c])
+
+        resident = [] if self.lockstep else [(r, ready(r)) for r in sorted(self.waiting)]
+        for r, k in resident:
+            if k >= n_dev:
+                return r
+        while self.queue:
+            r = self.queue.pop(0)
+            cols = np.nonzero((self.branch_ids[r] >= 0) & ~self.done[r])[0]
+            if cols.size:
+                self.waiting[r] = [int(c) for c in cols]
+                return r
+        resident = [(k, -r) for r, k in resident if k > 0]
+        return -max(resident)[1] if resident else None
+
     def _insert(self, inserted):
+        """Copy the prefixes of `inserted` ((pool row, round row) pairs) into the pool.
+
+        Eager sessions copy from the session's prefill. Lazy ones prefill each
+        prompt not already in a pool row (one `prefill_rows` call per length
+        bucket, at that bucket, its rows a power-of-two count), then copy a
+        prompt already in the pool from its row (a prompt running in several
+        rows is prefilled once).
+        """
+        s = self.s
+        t0, c0, p0 = time.perf_counter(), s.timings["compile"], s.timings["prefill"]
+        if not s.lazy:
+            self._insert_from(s.prefix, s.last, [(i, self.rows[r]) for i, r in inserted])
+        else:
+            dest = {i for i, _ in inserted}
+            held = {}  # round row -> a pool row (not being replaced) holding its prefix
+            for i in np.nonzero(self.row_placed)[0]:
+                if int(i) not in dest:
+                    held.setdefault(int(self.row_of[i]), int(i))
+            fresh, copies = [], []
+            for i, r in inserted:
+                if r in held:
+                    copies.append((i, held[r]))
+                else:
+                    held[r] = i
+                    fresh.append((i, r))
+            by_bucket = {}  # one prefill per length bucket of the prompts taken now
+            for i, r in fresh:
+                n_tok = len(s.ids[s.row_prompt[self.rows[r]]])
+                by_bucket.setdefault(bucket(n_tok), []).append((i, r))
+            for group in by_bucket.values():
+                M = slot_bucket(len(group), s.nd)
+                src_rows = [self.rows[r] for _, r in group]
+                src_rows += src_rows[:1] * (M - len(src_rows))
+                prefix, last = s.prefill_rows(src_rows, own_bucket=True)
+                self._insert_from(prefix, last, [(i, j) for j, (i, _) in enumerate(group)],
+                                  [self.rows[r] for _, r in group])
+            if copies:
+                self._insert_from(self.prefix, self.last, copies,
+                                  [self.rows[int(self.row_of[j])] for _, j in copies])
+        dt = time.perf_counter() - t0
+        s.timings["decode"] += dt - (s.timings["compile"] - c0) - (s.timings["prefill"] - p0)
+
+    def _insert_from(self, prefix, last, pairs, session_rows=None):
+        """`loop.insert_rows`: pool row i <- row j of (prefix, last) for (i, j) in
+        `pairs`; `session_rows` (default: the j) are the session rows they hold
+        (their prompt indices and masks)."""
         s = self.s
         R_dev = self.col_of.shape[0]
-        M = slot_bucket(len(inserted))
+        M = slot_bucket(len(pairs))
         dest = np.full((M,), R_dev, np.int32)  # R_dev: dropped (padding)
         src = np.zeros((M,), np.int32)
-        for j, (i, r) in enumerate(inserted):
-            dest[j], src[j] = i, self.rows[r]
-        pidx = np.array([s.offset + s.row_prompt[r] for r in src], np.int32)
-        mask = self._mask(src)
+        rows = np.zeros((M,), np.int32)
+        session_rows = [j for _, j in pairs] if session_rows is None else session_rows
+        for k, ((i, j), r) in enumerate(zip(pairs, session_rows)):
+            dest[k], src[k], rows[k] = i, j, r
+        pidx = np.array([s.offset + s.row_prompt[r] for r in rows], np.int32)
+        mask = self._mask(rows)
         args = (self.prefix, self.last, self.state.prompt_index, self.state.prompt_mask,
-                s.prefix, s.last, jnp.asarray(src), jnp.asarray(dest), jnp.asarray(pidx),
+                prefix, last, jnp.asarray(src), jnp.asarray(dest), jnp.asarray(pidx),
                 jnp.asarray(mask))
         out_specs = (None if s.m is None
                      else (s.m.prefix_spec, s.m.Ps(s.m.d), s.m.Ps(s.m.d), s.m.Ps(s.m.d)))
-        t0, c0 = time.perf_counter(), s.timings["compile"]
         self.prefix, self.last, pi, pm = jax.block_until_ready(
             s.gather("insert_rows", insert_rows, args, out_specs))
         self.state = self.state._replace(prompt_index=pi, prompt_mask=pm)
-        s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
 
     def _refill(self, reset, new_ids, live):
         s = self.s

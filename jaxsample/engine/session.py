@@ -25,7 +25,8 @@ from jaxsample.engine.placement import (to_host, kv_bytes, MeshLayout, params_on
                                         serving_params)
 from jaxsample.engine.prefill import prefill
 from jaxsample.engine.round import Round
-from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PromptLogprobs, Static,
+from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PrefixCache,
+                                    PromptLogprobs, Static,
                                     bucket)
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
@@ -49,6 +50,10 @@ class Session:
       max_kv_bytes: the byte budget of the prefix caches and the decode pool
         (`engine.budget.plan`; default `budget.default_kv_budget()`); sets
         `pool_shape`, the (rows, slots) a pool of this request may use.
+      lazy_prefill: prefill each prompt when a pool row takes it
+        (`prefill_rows`, called by `round.Round`) instead of every prompt
+        here; also when the budget's plan is a pool (then only the pool's
+        rows hold prefix caches). Never with `naive`.
 
     Raises:
       InputError: as `jaxsample.generate`, before any compute; also a budget
@@ -59,7 +64,8 @@ class Session:
     def __init__(self, lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
                  chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
                  naive: bool = False, top_logprobs: int | None = None, observer=None,
-                 shared_prefix=None, max_kv_bytes: int | None = None):
+                 shared_prefix=None, max_kv_bytes: int | None = None,
+                 lazy_prefill: bool = False):
         self.t_start = time.perf_counter()
         self.observer = observer
         params = SamplingParams() if params is None else params
@@ -148,6 +154,7 @@ class Session:
         self.decode_steps = 0
         self.branch_steps = 0
         self._plan(max_kv_bytes)
+        self.lazy = not naive and (bool(lazy_prefill) or self.pool_shape != (B, N))
         self._prefill()
 
     def _plan(self, max_kv_bytes):
@@ -168,7 +175,7 @@ class Session:
         rows, slots = budget_lib.plan(
             self.cfg, B=self.B, n=self.N, p_cap=p_cap, t_cap=st.t_cap, budget=budget,
             context_bytes=budget_lib.kv_size(self.cfg, bucket(C)) if C else 0, nd=self.nd,
-            nb=self.nb, penalties=st.penalties, **flags)
+            nb=self.nb, lockstep=self.bridge_cfg is not None, penalties=st.penalties, **flags)
         if self.bridge_cfg is not None and slots < self.N:
             raise InputError(f"max_kv_bytes={budget:,} holds {slots} branch(es) per row; a "
                              f"Bridge needs all n={self.N} of a prompt at once")
@@ -177,20 +184,50 @@ class Session:
     # -- prefill ------------------------------------------------------------
 
     def _prefill(self):
+        """The common context (if any), then every prompt's prefix, unless lazy."""
         self.context = None
         self.context_bytes = (0, 0, 0)
-        ctx_lp = None
+        self.ctx_lp = None
         if self.context_ids:
-            ctx_lp = self._prefill_context()
+            self.ctx_lp = self._prefill_context()
+        # The prefix bucket of every prompt: rows prefilled lazily must fit the pool's P.
+        self.p_cap = bucket(max(len(x) for x in self.ids))
+        self.prompt_logprobs = None if self.prompt_k < 0 else [None] * self.B
+        self.prefilled_rows = 0  # session rows prefilled (a lazy pool may redo none)
+        if self.lazy:  # the pool prefills its rows (`prefill_rows`) and holds them
+            self.prefix = self.last = None
+            self.rows_alloc = 0
+            self.prefix_bytes = (0, 0, 0)
+            return
         rows = self.row_prompt
+        self.prefix, self.last = self.prefill_rows(rows)
+        self.rows_alloc = -(-len(rows) // self.nd) * self.nd
+        self.prefix_bytes = kv_bytes(self.prefix.k + self.prefix.v, len(rows), self.rows_alloc)
+
+    def prefill_rows(self, rows, own_bucket: bool = False) -> tuple[PrefixCache, jax.Array]:
+        """Prefill some session rows (one forward pass over all of them).
+
+        Args:
+          rows: M session row indices (repeats allowed).
+          own_bucket: P is the bucket of these rows' longest prompt, not the
+            session's (`loop.insert_rows` pads it to the pool's).
+        Returns:
+          (PrefixCache L x `[M', K, P, D]`, last logits `[M', V]` float32), M'
+          = M rounded up to the data axis (padding rows: one-token dummies), P
+          the bucket of the longest prompt of the session (`self.p_cap`).
+          With prompt logprobs, each prompt's are kept on the host.
+        """
+        rows = [int(r) for r in rows]
         R = len(rows)
         R_pad = -(-R // self.nd) * self.nd  # a data axis must divide the rows
-        p_cap = bucket(max(len(self.ids[r]) for r in rows))
-        tokens = np.zeros((R_pad, p_cap), np.int32)
+        P = (bucket(max(len(self.ids[self.row_prompt[r]]) for r in rows)) if own_bucket
+             else self.p_cap)
+        tokens = np.zeros((R_pad, P), np.int32)
         lengths = np.ones((R_pad,), np.int32)
         for j, r in enumerate(rows):
-            tokens[j, :len(self.ids[r])] = self.ids[r]
-            lengths[j] = len(self.ids[r])
+            ids = self.ids[self.row_prompt[r]]
+            tokens[j, :len(ids)] = ids
+            lengths[j] = len(ids)
         cfg, st, pk, vl = self.cfg, self.st, self.prompt_k, self.st.vocab_limit
         if self.context is None:
             fn = lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b,
@@ -217,26 +254,21 @@ class Session:
         prog = self.program((name, cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
         t0 = time.perf_counter()
         out = jax.block_until_ready(prog(*args))
-        self.prefix, self.last = out[:2]
         self.timings["prefill"] += time.perf_counter() - t0
-        self.prompt_logprobs = None
+        self.prefilled_rows += R
         if pk >= 0:  # host arrays per prompt: entry j is about prompt token j + 1
             lp = PromptLogprobs(*map(to_host, out[2]))
-            first = {}  # the first row of each prompt (naive rows are copies)
+            C = len(self.context_ids)
             for j, r in enumerate(rows):
-                first.setdefault(r, j)
-            if ctx_lp is None:
-                self.prompt_logprobs = [
-                    PromptLogprobs(*(a[first[b], :len(self.ids[b]) - 1] for a in lp))
-                    for b in range(self.B)]
-            else:  # the context's C - 1 entries, then the row's: entry 0 is about its token 0
-                C = len(self.context_ids)
-                self.prompt_logprobs = [
-                    PromptLogprobs(*(np.concatenate([c[:C - 1], a[first[b], :len(self.ids[b])]])
-                                     for c, a in zip(ctx_lp, lp)))
-                    for b in range(self.B)]
-        self.rows_alloc = R_pad
-        self.prefix_bytes = kv_bytes(self.prefix.k + self.prefix.v, R, R_pad)
+                b = self.row_prompt[r]
+                if self.prompt_logprobs[b] is not None:
+                    continue  # naive rows are copies; a lazy pool may prefill a prompt twice
+                n_own = len(self.ids[b]) - (1 if self.ctx_lp is None else 0)
+                own = [a[j, :n_own] for a in lp]
+                if self.ctx_lp is not None:  # the context's C - 1 entries, then the row's
+                    own = [np.concatenate([c[:C - 1], a]) for c, a in zip(self.ctx_lp, own)]
+                self.prompt_logprobs[b] = PromptLogprobs(*own)
+        return out[0], out[1]
 
     def _prefill_context(self):
         """Prefill the common context once (replicated on a mesh); returns its
