@@ -84,13 +84,38 @@ def _counts(gens):
     return decoded, steps, t
 
 
-def run_pool(lm, prompts, params, rows, slots, chunk):
+def batch_kv_bytes(lm, prompts, params, rows) -> int:
+    """KV bytes of the batch loop's largest batch: `rows` prompts' prefixes and
+    rows x n branch slots (`engine.budget`'s row and slot sizes, at the
+    buckets the engine picks for the whole workload)."""
+    from jaxsample.engine import budget, inputs
+    from jaxsample.engine.state import bucket
+
+    ids, _ = inputs.encode_prompts(lm, prompts, chat=True)
+    cfg = lm.config
+    row = budget.row_bytes(cfg, bucket(max(len(x) for x in ids)))
+    slot = budget.slot_bytes(cfg, bucket(params.max_new_tokens))
+    return rows * row + rows * params.n * slot
+
+
+def pool_plan(lm, prompts, params, kv_bytes) -> tuple[int, int]:
+    """The (rows, slots) `generate(max_kv_bytes=kv_bytes)` picks for the workload."""
+    from jaxsample.engine import budget, inputs
+    from jaxsample.engine.state import bucket
+
+    ids, _ = inputs.encode_prompts(lm, prompts, chat=True)
+    return budget.plan(lm.config, B=len(prompts), n=params.n,
+                       p_cap=bucket(max(len(x) for x in ids)),
+                       t_cap=bucket(params.max_new_tokens), budget=kv_bytes)
+
+
+def run_pool(lm, prompts, params, rows, slots, chunk, kv_bytes=None):
     from jaxsample import generate
 
     with PeakRSS() as rss:
         t0 = time.perf_counter()
         g = generate(lm, prompts, params, chat=True, max_rows=rows, max_slots=slots,
-                     chunk_size=chunk)
+                     chunk_size=chunk, max_kv_bytes=kv_bytes)
         wall = time.perf_counter() - t0
     return [g], wall, rss
 
@@ -182,9 +207,9 @@ def bounds(lengths, rows, slots):
             "median_length": float(np.median(lengths))}
 
 
-def summarise(rows_, shapes):
+def summarise(rows_, names):
     out = {}
-    for m in ["batch"] + [f"pool {r}x{s}" for r, s in shapes]:
+    for m in ["batch"] + names:
         rs = [r for r in rows_ if r["method"] == m and r["repeat"] > 0]
         if not rs:
             continue
@@ -235,6 +260,10 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=4, help="prompts held at once (both methods)")
     ap.add_argument("--pool-shapes", default="",
                     help="extra pool shapes RxS besides rows x n, e.g. 8x4 (same slot count)")
+    ap.add_argument("--budget-pool", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the pool sized by the engine from a KV budget equal to "
+                         "the batch loop's (its largest batch's prefixes + rows x n slots); "
+                         "the budget also holds every prompt's prefix, prefilled at the start")
     ap.add_argument("--chunk-size", type=int, default=4,
                     help="pool: decode steps between refills (the batch loop runs each batch "
                          "in one call, stopping when all its branches have ended)")
@@ -261,6 +290,17 @@ def main(argv=None):
                                       for s in args.pool_shapes.split(",") if s]
     cfg = {k: v for k, v in vars(args).items() if k != "out"}
     cfg["out"] = str(args.out)
+    kv_bytes = None
+    if args.budget_pool:
+        kv_bytes = batch_kv_bytes(lm, prompts, params, args.rows)
+        shapes.append(pool_plan(lm, prompts, params, kv_bytes))
+        cfg["kv_budget_bytes"] = kv_bytes
+        cfg["budget_pool_shape"] = list(shapes[-1])
+        print(f"KV budget of the batch loop: {kv_bytes:,} bytes -> pool "
+              f"{shapes[-1][0]}x{shapes[-1][1]}", flush=True)
+    names = [f"pool {r}x{s}" for r, s in shapes]
+    if args.budget_pool:
+        names[-1] += " (budget)"
     data = {"env": env, "config": cfg, "workload": work, "rows": []}
 
     def save():
@@ -269,7 +309,7 @@ def main(argv=None):
 
     last = {}
     for rep in range(args.repeats + 1):  # pass 0: the warm-up (compiles)
-        order = [("batch", None)] + [(f"pool {r}x{s}", (r, s)) for r, s in shapes]
+        order = [("batch", None)] + [(m, (r, s)) for m, (r, s) in zip(names, shapes)]
         if rep % 2 == 0:
             order = order[::-1]
         for name, shape in order:
@@ -277,8 +317,10 @@ def main(argv=None):
                 gens, wall, rss = run_batches(lm, prompts, params, args.rows, None)
                 shape = (args.rows, args.n)
             else:
-                gens, wall, rss = run_pool(lm, prompts, params, shape[0], shape[1],
-                                           args.chunk_size)
+                budgeted = name.endswith("(budget)")
+                gens, wall, rss = run_pool(lm, prompts, params, None if budgeted else shape[0],
+                                           None if budgeted else shape[1], args.chunk_size,
+                                           kv_bytes if budgeted else None)
             r = row(name, rep, gens, wall, rss, shape)
             data["rows"].append(r)
             last[name] = gens
@@ -290,7 +332,7 @@ def main(argv=None):
     data["bounds"] = bounds(lengths, args.rows, args.n)
     data["token_checks"] = {m: compare_tokens(lm, g[0], last["batch"], params)
                             for m, g in last.items() if m != "batch"}
-    data["summary"] = summarise(data["rows"], shapes)
+    data["summary"] = summarise(data["rows"], names)
     data["ru_maxrss_bytes"] = ru_maxrss_bytes()
     save()
     print(markdown(data["summary"], data["token_checks"], data["bounds"],
