@@ -61,7 +61,9 @@ class RequestResult:
     index: int
 
 
-def _check_requests(requests) -> list[Request]:
+def check_requests(requests) -> list[Request]:
+    """`run_requests`' checks of a request list (dicts converted, `id` defaulting to
+    the position; ids unique), before any compute. Raises InputError naming the position."""
     out, seen = [], set()
     for i, r in enumerate(requests):
         if isinstance(r, dict):
@@ -190,7 +192,7 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
     """
     if isinstance(index_offset, bool) or not isinstance(index_offset, int) or index_offset < 0:
         raise InputError(f"index_offset must be an int >= 0, got {index_offset!r}")
-    reqs = _check_requests(requests)
+    reqs = check_requests(requests)
     groups: list = []  # ((params, chat), [request positions])
     for i, r in enumerate(reqs):
         key = (r.params or SamplingParams(), r.messages is not None)
