@@ -88,7 +88,7 @@ def process_share(requests, process_index: int | None = None,
     _check_int("process_index", index, 0)
     if index >= count:
         raise InputError(f"process_index must be below process_count ({count}), got {index}")
-    reqs = requests_lib._check_requests(list(requests))  # the whole list, on every process
+    reqs = requests_lib.check_requests(list(requests))  # the whole list, on every process
     start, stop = share_bounds(len(reqs), index, count)
     return Share(requests=reqs[start:stop], start=start, stop=stop, process_index=index,
                  process_count=count, total=len(reqs))
