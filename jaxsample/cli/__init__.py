@@ -9,6 +9,7 @@
                  the exit statuses
     price.py     `price`: the analytic cost table from a config alone, its plot
     config.py    YAML run configs mapped onto frozen dataclasses (`load_config`)
+    merge.py     `merge`: the parts of a multi-host run joined in request order
 
 JAX is imported only when a model is needed, so `--help`, `--version` and
 `price` with a named config answer immediately.

@@ -55,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args)
         if args.command == "cache":
             return _cache_command(args)
+        if args.command == "merge":
+            from jaxsample.cli.merge import merge_command
+
+            return merge_command(args)
         return price_command(args)
     except BrokenPipeError:  # `jaxsample run ... | head -1`: the reader left
         return _broken_pipe()

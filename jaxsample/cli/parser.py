@@ -213,7 +213,23 @@ def build_parser() -> argparse.ArgumentParser:
                             "matplotlib: pip install 'jaxsample[plot]'")
     price.add_argument("--json", action="store_true", help="print one JSON object")
     _add_cache_parser(sub)
+    _add_merge_parser(sub)
     return parser
+
+
+def _add_merge_parser(sub) -> None:
+    """`jaxsample merge --out OUT [PART ...]`: join a multi-host run's parts (cli/merge.py)."""
+    merge = sub.add_parser("merge", help="join the parts a multi-host run wrote, in request order",
+                           description="Join the results files the processes of a multi-host "
+                                       "run wrote (OUT.part-KKKKK-of-NNNNN) into OUT, ordered "
+                                       "by each line's request index; every part must be "
+                                       "present and finished.")
+    merge.add_argument("--out", required=True, metavar="OUT", type=_non_empty,
+                       help="the merged file to write")
+    merge.add_argument("parts", nargs="*", metavar="PART", type=_non_empty,
+                       help="the part files (default: OUT.part-*-of-* beside OUT)")
+    merge.add_argument("--expect", type=_non_negative_int, metavar="R", default=None,
+                       help="the run's number of requests (fewer lines is an error)")
 
 
 def score_name(text: str) -> str:

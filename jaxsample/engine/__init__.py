@@ -36,6 +36,8 @@ Data flow of one request, one file per stage:
                 branch) after each chunk, then the Generation
     requests.py run_requests: many requests in, each result out as soon as it
                 completes, with the bill of the run (RunBill)
+    shard_requests.py  one process's contiguous share of the requests under
+                jax.distributed, its global positions (keys) kept
     sampling/   token choice: logits processors, top-k / top-p / min-p, the draw
     step_cost.py  XLA's cost analysis of one compiled decode step
 

@@ -51,7 +51,8 @@ class RequestResult:
       generation: a one-prompt `Generation` (tokens `[1, n, T]`, texts, bill:
         its decoded tokens are its own; `decode_steps`, `branch_steps` and the
         KV bytes are the pool's, up to the chunk it completed in).
-      index: the request's position in the input.
+      index: the request's position in the input (plus `run_requests`'s
+        `index_offset`: its global position).
     """
 
     id: str
@@ -60,7 +61,9 @@ class RequestResult:
     index: int
 
 
-def _check_requests(requests) -> list[Request]:
+def check_requests(requests) -> list[Request]:
+    """`run_requests`' checks of a request list (dicts converted, `id` defaulting to
+    the position; ids unique), before any compute. Raises InputError naming the position."""
     out, seen = [], set()
     for i, r in enumerate(requests):
         if isinstance(r, dict):
@@ -158,7 +161,7 @@ class RequestRun:
 
 
 def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: int | None = None,
-                 mesh=None) -> RequestRun:
+                 mesh=None, index_offset: int = 0) -> RequestRun:
     """Run many requests through the decode pool; yield each result as it completes.
 
     Consecutive requests with the same SamplingParams and kind (prompt or
@@ -167,13 +170,18 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
     branches are done (continuous batching: vLLM's LLMEngine.step outputs,
     JetStream's generate loop). Request i's keys are those of prompt index i
     (`prompt_index_offset`), so its tokens equal `generate` on it alone with
-    `prompt_index_offset=i` and the same seed (up to float ties).
+    `prompt_index_offset=i` and the same seed (up to float ties). With
+    `index_offset=k`, request i is at global position k + i (its keys and
+    `RequestResult.index`): one process's contiguous share of a larger list
+    (`engine.shard_requests.process_share`) then draws what a single run of
+    the whole list draws.
 
     Args:
       lm: a loaded `LanguageModel`.
       requests: an iterable of `Request`s (or dicts with its fields; `id`
         defaults to the position).
       max_kv_bytes, chunk_size, mesh: as `jaxsample.generate`.
+      index_offset: the global position of the first request (an int >= 0).
     Returns:
       A `RequestRun`: iterate it for `RequestResult`s in completion order;
       its `bill` (a `RunBill`) grows as groups end.
@@ -182,7 +190,9 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
         before any compute; then as `generate` for each group, before that
         group's compute.
     """
-    reqs = _check_requests(requests)
+    if isinstance(index_offset, bool) or not isinstance(index_offset, int) or index_offset < 0:
+        raise InputError(f"index_offset must be an int >= 0, got {index_offset!r}")
+    reqs = check_requests(requests)
     groups: list = []  # ((params, chat), [request positions])
     for i, r in enumerate(reqs):
         key = (r.params or SamplingParams(), r.messages is not None)
@@ -197,15 +207,17 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
         except InputError as e:
             raise InputError(f"request {i} ({r.id!r}): {e}") from None
     bill = RunBill()
-    return RequestRun(_run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh), bill)
+    return RequestRun(_run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh,
+                                  index_offset), bill)
 
 
-def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh):
+def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh, index_offset):
     t0 = time.perf_counter()
     for (params, chat), idx in groups:
         prompts = [reqs[i].messages if chat else reqs[i].prompt for i in idx]
         session, rnd, chunk, observer = api.start(
-            lm, prompts, params, chat=chat, mesh=mesh, bridge=None, prompt_index_offset=idx[0],
+            lm, prompts, params, chat=chat, mesh=mesh, bridge=None,
+            prompt_index_offset=index_offset + idx[0],
             naive=False, chunk_size=chunk_size if chunk_size is not None else api.STOP_CHUNK,
             progress=False, max_kv_bytes=max_kv_bytes)
         shape = rnd.col_of.shape
@@ -219,7 +231,7 @@ def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh):
                 bill.requests += 1
                 bill.seconds = time.perf_counter() - t0
                 yield RequestResult(id=reqs[idx[j]].id, output=out, generation=gen,
-                                    index=idx[j])
+                                    index=index_offset + idx[j])
         bill.decoded_tokens += int(rnd.lengths.sum())
         bill.branch_steps += int(session.branch_steps)
         bill.prefill_tokens += len(session.context_ids) + sum(len(x) for x in session.ids)
