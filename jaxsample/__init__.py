@@ -42,6 +42,10 @@ _EXPORTS = {
     "AdaptiveBill": "jaxsample.reduce.adaptive",
     "Bill": "jaxsample.cost",
     "LLM": "jaxsample.llm",
+    "run_requests": "jaxsample.reduce.requests",
+    "RequestVote": "jaxsample.reduce.requests",
+    "Request": "jaxsample.engine.requests",
+    "RequestResult": "jaxsample.engine.requests",
 }
 _SUBMODULES = {"bridge", "bridge_training", "cli", "cost", "disk_cache", "engine", "errors", "weight_cache",
                "generation", "lm", "loading", "progress", "reduce", "sampling_params", "sharding"}

@@ -33,12 +33,21 @@ class Request:
       messages: a chat conversation (a list of `{"role", "content"}` dicts, or
         a string: one user turn), rendered with the model's chat template.
       params: its `SamplingParams` (default `SamplingParams()`).
+      adaptive: None, or a dict of `adaptive_self_consistency`'s rule options
+        (`jaxsample.reduce.adaptive.OPTIONS`: max_n, window, rule, ...): the
+        request is then adaptive self-consistency, run by
+        `jaxsample.run_requests` (`reduce.requests`); `engine.run_requests`
+        refuses it.
+      extract: how `jaxsample.run_requests` maps a branch's text to the answer
+        it votes for (an `answers.extract` kind or a callable).
     """
 
     id: str
     prompt: Any = None
     messages: Any = None
     params: Any = None
+    adaptive: Any = None
+    extract: Any = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +62,19 @@ class RequestResult:
         KV bytes are the pool's, up to the chunk it completed in).
       index: the request's position in the input (plus `run_requests`'s
         `index_offset`: its global position).
+      vote: None from `engine.run_requests`; from `jaxsample.run_requests` a
+        `reduce.requests.RequestVote` (the self-consistency vote).
+      adaptive: None, or (an adaptive request of `jaxsample.run_requests`) the
+        `AdaptiveResult` of its group (consecutive adaptive requests with equal
+        settings run as one call; `generation` is then that group's).
     """
 
     id: str
     output: Any
     generation: Any
     index: int
+    vote: Any = None
+    adaptive: Any = None
 
 
 def check_requests(requests) -> list[Request]:
@@ -67,10 +83,10 @@ def check_requests(requests) -> list[Request]:
     out, seen = [], set()
     for i, r in enumerate(requests):
         if isinstance(r, dict):
-            unknown = set(r) - {"id", "prompt", "messages", "params"}
+            unknown = set(r) - {"id", "prompt", "messages", "params", "adaptive", "extract"}
             if unknown:
                 raise InputError(f"request {i}: unknown fields {sorted(unknown)} (allowed: id, "
-                                 f"prompt, messages, params)")
+                                 f"prompt, messages, params, adaptive, extract)")
             r = Request(**{"id": str(i), **r})
         if not isinstance(r, Request):
             raise InputError(f"request {i} must be a Request or a dict, got {type(r).__name__}")
@@ -193,6 +209,11 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
     if isinstance(index_offset, bool) or not isinstance(index_offset, int) or index_offset < 0:
         raise InputError(f"index_offset must be an int >= 0, got {index_offset!r}")
     reqs = check_requests(requests)
+    for i, r in enumerate(reqs):
+        if r.adaptive is not None:
+            raise InputError(f"request {i} ({r.id!r}): an adaptive request runs in "
+                             f"jaxsample.run_requests (jaxsample.reduce.requests), not "
+                             f"engine.run_requests")
     groups: list = []  # ((params, chat), [request positions])
     for i, r in enumerate(reqs):
         key = (r.params or SamplingParams(), r.messages is not None)

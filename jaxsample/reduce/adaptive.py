@@ -124,7 +124,7 @@ class AdaptiveResult:
     bill: AdaptiveBill
 
 
-def _extractor(extract) -> Callable[[str], str | None]:
+def extractor(extract) -> Callable[[str], str | None]:
     if callable(extract):
         def fn(text):
             a = extract(text)
@@ -135,6 +135,47 @@ def _extractor(extract) -> Callable[[str], str | None]:
         raise InputError(f"extract must be one of {answers_lib.KINDS} or a callable, "
                          f"got {extract!r}")
     return lambda text: answers_lib.extract(text, extract)
+
+
+OPTIONS = ("max_n", "window", "rule", "threshold", "confidence", "warmup", "group_size",
+           "chunk_size", "confidence_source")  # adaptive_self_consistency's rule options
+
+
+def check_options(*, max_n: int = 64, window: int = 8, rule: str = "esc",
+                  threshold: float = 0.95, confidence: str | None = None, warmup: int = 16,
+                  group_size: int = 16, chunk_size: int = 8,
+                  confidence_source: str = "top_logprobs"):
+    """`adaptive_self_consistency`'s checks of its rule options (see there), before
+    any compute.
+
+    Returns:
+      (max_n, window, warmup, group_size, chunk_size) as ints (warmup 0
+      without `confidence`).
+    Raises:
+      InputError: an option outside its range, naming it.
+    """
+    max_n = check_int("max_n", max_n, 1, 2**20)
+    window = check_int("window", window, 1, max_n)
+    if rule not in rules.RULES:
+        raise InputError(f"rule must be one of {rules.RULES}, got {rule!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+            0.0 < float(threshold) < 1.0):
+        raise InputError(f"threshold must be a float in (0, 1), got {threshold!r}")
+    if confidence not in rules.CONFIDENCES:
+        raise InputError(f"confidence must be one of {rules.CONFIDENCES}, got {confidence!r}")
+    group_size = check_int("group_size", group_size, 1, 2**31 - 1)
+    chunk_size = check_int("chunk_size", chunk_size, 1, 2**31 - 1)
+    if confidence is not None:
+        warmup = check_int("warmup", warmup, window, max_n)
+        if warmup % window:
+            raise InputError(f"warmup ({warmup}) must be a multiple of window ({window}): "
+                             "the threshold is set between rounds")
+    else:
+        warmup = 0
+    if confidence_source not in rules.CONFIDENCE_SOURCES:
+        raise InputError(f"confidence_source must be one of {rules.CONFIDENCE_SOURCES}, "
+                         f"got {confidence_source!r}")
+    return max_n, window, warmup, group_size, chunk_size
 
 
 @refuse_foreign_keywords("jaxsample.adaptive_self_consistency")
@@ -204,30 +245,13 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
         raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
-    max_n = check_int("max_n", max_n, 1, 2**20)
-    window = check_int("window", window, 1, max_n)
-    if rule not in rules.RULES:
-        raise InputError(f"rule must be one of {rules.RULES}, got {rule!r}")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
-            0.0 < float(threshold) < 1.0):
-        raise InputError(f"threshold must be a float in (0, 1), got {threshold!r}")
-    if confidence not in rules.CONFIDENCES:
-        raise InputError(f"confidence must be one of {rules.CONFIDENCES}, got {confidence!r}")
-    group_size = check_int("group_size", group_size, 1, 2**31 - 1)
-    chunk_size = check_int("chunk_size", chunk_size, 1, 2**31 - 1)
-    if confidence is not None:
-        warmup = check_int("warmup", warmup, window, max_n)
-        if warmup % window:
-            raise InputError(f"warmup ({warmup}) must be a multiple of window ({window}): "
-                             "the threshold is set between rounds")
-    else:
-        warmup = 0
-    if confidence_source not in rules.CONFIDENCE_SOURCES:
-        raise InputError(f"confidence_source must be one of {rules.CONFIDENCE_SOURCES}, "
-                         f"got {confidence_source!r}")
+    max_n, window, warmup, group_size, chunk_size = check_options(
+        max_n=max_n, window=window, rule=rule, threshold=threshold, confidence=confidence,
+        warmup=warmup, group_size=group_size, chunk_size=chunk_size,
+        confidence_source=confidence_source)
     on_signals = bool(confidence) and confidence_source == "signals"
     k = (params.logprobs or MAX_LOGPROBS) if confidence and not on_signals else (params.logprobs or 0)
-    get_answer = _extractor(extract)
+    get_answer = extractor(extract)
     observer = progress_lib.resolve(progress)
     session = Session(lm, prompts, params.replace(n=window, signals=params.signals or on_signals),
                       chat=chat, mesh=mesh, prompt_index_offset=prompt_index_offset,

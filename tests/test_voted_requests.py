@@ -1,0 +1,95 @@
+"""`jaxsample.run_requests` (reduce/requests.py): many requests, each with its
+vote, plain requests through the pool and adaptive ones through
+`adaptive_self_consistency`.
+
+Oracles: the same request run alone at its global index (`engine.run_requests`
+for plain requests, `adaptive_self_consistency(prompt_index_offset=i)` for
+adaptive ones: the same programs, so the same draws), and `self_consistency`
+on the request's own Generation for the vote.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxsample
+from jaxsample import SamplingParams, engine
+from jaxsample.engine.requests import Request
+from jaxsample.errors import InputError
+from jaxsample.reduce import adaptive as adaptive_lib
+
+
+def first_char(text):  # a coarse answer, so the tiny model's branches agree often
+    return text[:1] or None
+
+
+PARAMS = SamplingParams(n=4, max_new_tokens=6, seed=3, temperature=1.0)
+ADAPTIVE = {"max_n": 8, "window": 2, "rule": "esc", "chunk_size": 2}
+
+
+def test_plain_requests_carry_the_vote_of_their_own_branches(tiny_lm):
+    reqs = [Request(id=f"p{i}", prompt=p, params=PARAMS, extract=first_char)
+            for i, p in enumerate(["one", "two two", "three"])]
+    got = {r.id: r for r in jaxsample.run_requests(tiny_lm, reqs, index_offset=5)}
+    assert sorted(got) == ["p0", "p1", "p2"]
+    alone = {r.id: r for r in engine.run_requests(tiny_lm, reqs, index_offset=5)}
+    for rid, res in got.items():
+        assert res.index == alone[rid].index == 5 + int(rid[1])
+        np.testing.assert_array_equal(res.generation.tokens, alone[rid].generation.tokens)
+        sc = jaxsample.self_consistency(res.generation, extract=first_char)
+        assert res.vote.answer == sc.winner[0]
+        assert res.vote.answers == sc.answers[0] and res.vote.n == 4
+        assert res.vote.share == pytest.approx(float(sc.share[0]))
+        assert res.adaptive is None
+
+
+def test_an_adaptive_request_is_adaptive_self_consistency_at_its_index(tiny_lm):
+    reqs = [Request(id="plain", prompt="hello", params=PARAMS),
+            Request(id="a1", prompt="count: 1 2 3", params=PARAMS, adaptive=ADAPTIVE,
+                    extract=first_char),
+            Request(id="a2", prompt="letters: a b c", params=PARAMS, adaptive=ADAPTIVE,
+                    extract=first_char)]
+    got = {r.id: r for r in jaxsample.run_requests(tiny_lm, reqs)}
+    assert sorted(got) == ["a1", "a2", "plain"]
+    ref = jaxsample.adaptive_self_consistency(tiny_lm, ["count: 1 2 3", "letters: a b c"],
+                                              PARAMS, extract=first_char,
+                                              prompt_index_offset=1, **ADAPTIVE)
+    for b, rid in enumerate(["a1", "a2"]):
+        res = got[rid]
+        assert res.index == b + 1
+        assert res.vote.answer == ref.winner[b]
+        assert res.vote.n == int(ref.n_used[b]) and res.vote.answers == ref.answers[b]
+        assert len(res.output.outputs) == res.vote.n
+        assert [o.text for o in res.output.outputs] == ref.generation.texts[b][:res.vote.n]
+        assert res.adaptive.winner == ref.winner
+    assert got["plain"].vote.n == 4
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"adaptive": {"max_n": 0}}, r"request 1 \('b'\): adaptive max_n"),
+    ({"adaptive": {"rule": "magic"}}, r"request 1 \('b'\): adaptive rule must be"),
+    ({"adaptive": {"windw": 2}}, r"request 1 \('b'\): adaptive has unknown options \['windw'\]"),
+    ({"adaptive": [2]}, r"request 1 \('b'\): adaptive must be a dict"),
+    ({"extract": "nonsense"}, r"request 1 \('b'\): extract must be one of"),
+    ({"prompt": ""}, r"request 1 \('b'\): prompt 0 is empty"),
+])
+def test_bad_requests_are_refused_before_any_compute(tiny_lm, bad, match):
+    reqs = [{"id": "a", "prompt": "fine", "params": PARAMS}, {"id": "b", "prompt": "x", **bad}]
+    before = engine.PROGRAMS.compilations
+    with pytest.raises(InputError, match=match) as e:
+        jaxsample.run_requests(tiny_lm, reqs)
+    assert "\n" not in str(e.value)
+    assert engine.PROGRAMS.compilations == before
+
+
+def test_the_engine_refuses_adaptive_requests(tiny_lm):
+    with pytest.raises(InputError, match="jaxsample.run_requests"):
+        engine.run_requests(tiny_lm, [Request(id="a", prompt="x", adaptive=ADAPTIVE)])
+
+
+def test_options_are_the_adaptive_functions_keywords():
+    import inspect
+
+    kw = inspect.signature(jaxsample.adaptive_self_consistency).parameters
+    assert set(adaptive_lib.OPTIONS) <= set(kw)
