@@ -260,6 +260,8 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=4, help="prompts held at once (both methods)")
     ap.add_argument("--pool-shapes", default="",
                     help="extra pool shapes RxS besides rows x n, e.g. 8x4 (same slot count)")
+    ap.add_argument("--same-shape-pool", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the pool at the batch loop's shape (rows x n)")
     ap.add_argument("--budget-pool", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the pool sized by the engine from a KV budget equal to "
                          "the batch loop's (its largest batch's prefixes + rows x n slots); "
@@ -286,7 +288,7 @@ def main(argv=None):
     prompts = [w["prompt"] for w in work]
     params = SamplingParams(n=args.n, temperature=args.temperature,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
-    shapes = [(args.rows, args.n)] + [tuple(int(x) for x in s.split("x"))
+    shapes = [(args.rows, args.n)] * args.same_shape_pool + [tuple(int(x) for x in s.split("x"))
                                       for s in args.pool_shapes.split(",") if s]
     cfg = {k: v for k, v in vars(args).items() if k != "out"}
     cfg["out"] = str(args.out)

@@ -199,10 +199,10 @@ class Session:
             self.rows_alloc = 0
             self.prefix_bytes = (0, 0, 0)
             return
-        rows = self.row_prompt
-        self.prefix, self.last = self.prefill_rows(rows)
-        self.rows_alloc = -(-len(rows) // self.nd) * self.nd
-        self.prefix_bytes = kv_bytes(self.prefix.k + self.prefix.v, len(rows), self.rows_alloc)
+        R = len(self.row_prompt)  # session rows: prompts, or (prompt, branch) copies if naive
+        self.prefix, self.last = self.prefill_rows(range(R))
+        self.rows_alloc = -(-R // self.nd) * self.nd
+        self.prefix_bytes = kv_bytes(self.prefix.k + self.prefix.v, R, self.rows_alloc)
 
     def prefill_rows(self, rows, own_bucket: bool = False) -> tuple[PrefixCache, jax.Array]:
         """Prefill some session rows (one forward pass over all of them).
