@@ -158,7 +158,7 @@ class RequestRun:
 
 
 def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: int | None = None,
-                 mesh=None) -> RequestRun:
+                 mesh=None, prompt_index_offset: int = 0, progress=False) -> RequestRun:
     """Run many requests through the decode pool; yield each result as it completes.
 
     Consecutive requests with the same SamplingParams and kind (prompt or
@@ -174,6 +174,10 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
       requests: an iterable of `Request`s (or dicts with its fields; `id`
         defaults to the position).
       max_kv_bytes, chunk_size, mesh: as `jaxsample.generate`.
+      prompt_index_offset: request i draws the keys of prompt index
+        `prompt_index_offset + i` (a resumed run passes a remaining request's
+        position in the whole run; as `generate`'s).
+      progress: as `generate`'s, reported for each group's pool.
     Returns:
       A `RequestRun`: iterate it for `RequestResult`s in completion order;
       its `bill` (a `RunBill`) grows as groups end.
@@ -197,17 +201,20 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
         except InputError as e:
             raise InputError(f"request {i} ({r.id!r}): {e}") from None
     bill = RunBill()
-    return RequestRun(_run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh), bill)
+    return RequestRun(_run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh,
+                                  prompt_index_offset, progress), bill)
 
 
-def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh):
+def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh, offset=0,
+                progress=False):
     t0 = time.perf_counter()
     for (params, chat), idx in groups:
         prompts = [reqs[i].messages if chat else reqs[i].prompt for i in idx]
         session, rnd, chunk, observer = api.start(
-            lm, prompts, params, chat=chat, mesh=mesh, bridge=None, prompt_index_offset=idx[0],
-            naive=False, chunk_size=chunk_size if chunk_size is not None else api.STOP_CHUNK,
-            progress=False, max_kv_bytes=max_kv_bytes)
+            lm, prompts, params, chat=chat, mesh=mesh, bridge=None,
+            prompt_index_offset=offset + idx[0], naive=False,
+            chunk_size=chunk_size if chunk_size is not None else api.STOP_CHUNK,
+            progress=progress, max_kv_bytes=max_kv_bytes)
         shape = rnd.col_of.shape
         sent = np.zeros(len(idx), bool)
         for _, more in api.chunks(session, rnd, chunk, False, observer):
