@@ -3,12 +3,14 @@
     jaxsample run --prompt "What is 3 + 4? Answer with a number." --n 16
     jaxsample run --prompt-file q.txt --config configs/best_of_n.yaml --json
     jaxsample run --prompt-file requests.jsonl --json        # one JSON line per request
+    jaxsample run --prompt-file requests.jsonl --out out.jsonl [--resume]  # each line as it completes
     jaxsample price --model smollm2-135m --prompt-tokens 4096 --new-tokens 256 --n 1,4,16,64
     jaxsample cache info          # where the cache is, what it holds; `cache clear` empties it
 
 `run` loads a model (`jaxsample.loading.load`), samples N branches that share
 the prompt's KV cache (`jaxsample.engine.generate`), reduces them (vote,
-best-of-N or none) and prints the branches, the result and the bill. Bad input
+best-of-N or none) and prints the branches, the result and the bill (with
+--out, writes each request's record as it completes: `jaxsample.cli.out_file`). Bad input
 of any kind (every `JaxsampleError`, `ValueError`, `OSError`, `OverflowError`)
 is one line on stderr (`jaxsample: error: ...`) and exit status 2; a reader of
 stdout that leaves (`| head -1`) ends it quietly with status 141. What the

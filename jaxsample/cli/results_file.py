@@ -1,7 +1,7 @@
 """The output file of a many-request run: one strict JSON line per completed request.
 
 Written for `jaxsample run --prompt-file in.jsonl --out out.jsonl [--resume]`
-(issue 21, part 5; the command line itself is not wired to it yet):
+(issue 21, part 5; `jaxsample.cli.out_file` drives it):
 
 - each completed request is one line of strict JSON (RFC 8259: no NaN or
   Infinity, a non-finite float becomes null), written whole, then flushed and
