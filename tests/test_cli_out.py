@@ -245,15 +245,17 @@ def test_sigint_keeps_finished_lines_and_resume_completes_the_run(tmp_path):
     assert sorted(_comparable(x) for x in final) == expected
 
 
+@pytest.mark.parametrize("mode", ["--json", "--out"])
 def test_a_logit_bias_id_outside_the_vocabulary_is_refused_naming_the_line(capsys, monkeypatch,
-                                                                           tmp_path):
+                                                                           tmp_path, mode):
     """Regression (issue 21): a bad `logit_bias` id on line 2 was refused by the engine
     after the weights had loaded (and line 1 had run), without naming the line."""
     _no_load(monkeypatch)
     reqs = _write_requests(tmp_path / "in.jsonl", [
         {"prompt": "a b", "id": "a"}, {"prompt": "c d", "logit_bias": {"99999": 1.0}}])
     out = tmp_path / "out.jsonl"
-    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out)] + FLAGS)
+    argv = ["--json"] if mode == "--json" else ["--out", str(out)]
+    code = cli.main(["run", "--prompt-file", str(reqs)] + argv + FLAGS)
     stdout, err = capsys.readouterr()
     assert code == 2 and stdout == "" and err.count("\n") == 1, err
     assert "line 2" in err and "logit_bias" in err and "99999" in err and "[0, 300)" in err
