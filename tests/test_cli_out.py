@@ -260,3 +260,13 @@ def test_a_logit_bias_id_outside_the_vocabulary_is_refused_naming_the_line(capsy
     assert code == 2 and stdout == "" and err.count("\n") == 1, err
     assert "line 2" in err and "logit_bias" in err and "99999" in err and "[0, 300)" in err
     assert not out.exists()
+
+
+def test_kv_budget_sizes():
+    from jaxsample.cli.parser import byte_size
+
+    assert byte_size("2GiB") == 2 * 2**30 and byte_size("512 MiB") == 512 * 2**20
+    assert byte_size("1e9") == 10**9 and byte_size("4GB") == 4 * 10**9 and byte_size("7") == 7
+    for bad in ("", "GiB", "2 XB", "-1", "0", "nan", "1e400", "0.1"):
+        with pytest.raises(Exception, match="byte"):
+            byte_size(bad)

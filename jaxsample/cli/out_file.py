@@ -187,7 +187,8 @@ def run_to_file(lm, cfg, args, requests, shared, results, progress, *, t_start, 
                     bills.append(_stream(lm, cfg, args, run, progress, batch_of, write,
                                          t_start, t_load, app_lib))
         except KeyboardInterrupt:
-            print(f"jaxsample: {counter.done} of {len(requests)} requests are in {args.out}; "
+            done = len(results.done & {out_id(r) for r in requests})
+            print(f"jaxsample: {done} of {len(requests)} requests are in {args.out}; "
                   "--resume runs the rest", file=sys.stderr, flush=True)
             raise
         if progress is not None:
