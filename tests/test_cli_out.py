@@ -183,6 +183,20 @@ def test_out_with_a_shared_prefix_writes_each_call_as_it_ends(tmp_path):
     assert [r["id"] for r in lines] == ["a", "1"] and all(len(r["branches"]) == 2 for r in lines)
 
 
+def test_out_with_adaptive_writes_each_call_as_it_ends(tmp_path):
+    """--adaptive has no place in run_requests: the call-by-call loop writes the lines,
+    the adaptive result ("n_used", "adaptive") in each."""
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE[:2])
+    out = tmp_path / "out.jsonl"
+    code, stdout, err = _main(["run", "--prompt-file", str(reqs), "--out", str(out),
+                               "--adaptive", "esc", "--max-n", "4", "--window", "2"] + FLAGS)
+    assert code == 0, err
+    lines = _strict_lines(out)
+    assert [r["id"] for r in lines] == ["a", "1"]
+    assert all(r["result"]["adaptive"] == "esc" and 2 <= r["result"]["n_used"] <= 4
+               for r in lines)
+
+
 # ---------------------------------------------------------------------------
 # Ctrl-C: a subprocess interrupted after its first line, then resumed
 
