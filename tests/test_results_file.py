@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 
 import pytest
 
@@ -68,3 +70,37 @@ def test_resume_refuses_a_corrupt_middle_line_and_duplicate_ids(tmp_path):
             out.write({"id": "a"})
         with pytest.raises(ValueError, match="id"):
             out.write({"x": 1})
+
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signal masks")
+def test_ctrl_c_during_a_write_lands_after_the_whole_line(tmp_path):
+    """SIGINT arriving while a line is being written (here: between its two halves) is
+    held until the line is whole and fsynced, then arrives as KeyboardInterrupt; the old
+    write let it cut the line in two."""
+    path = tmp_path / "out.jsonl"
+    f = ResultsFile(path)
+    f.write({"id": "a"})
+
+    class Halves:  # the file object, writing each text in two halves with Ctrl-C between
+        def __init__(self, inner):
+            self.inner = inner
+
+        def write(self, text):
+            self.inner.write(text[:len(text) // 2])
+            os.kill(os.getpid(), signal.SIGINT)
+            self.inner.write(text[len(text) // 2:])
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    f._f = Halves(f._f)
+    with pytest.raises(KeyboardInterrupt):
+        f.write({"id": "b", "text": "x" * 1000})
+        time.sleep(1)  # (not reached: the interrupt comes as the write returns)
+    assert f.done == {"a", "b"}
+    f.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == ["a", "b"] and path.read_text().endswith("\n")
+    with ResultsFile(path, resume=True) as again:
+        assert again.done == {"a", "b"} and again.torn is None

@@ -3,12 +3,14 @@
     jaxsample run --prompt "What is 3 + 4? Answer with a number." --n 16
     jaxsample run --prompt-file q.txt --config configs/best_of_n.yaml --json
     jaxsample run --prompt-file requests.jsonl --json        # one JSON line per request
+    jaxsample run --prompt-file requests.jsonl --out out.jsonl [--resume]  # each line as it completes
     jaxsample price --model smollm2-135m --prompt-tokens 4096 --new-tokens 256 --n 1,4,16,64
     jaxsample cache info          # where the cache is, what it holds; `cache clear` empties it
 
 `run` loads a model (`jaxsample.loading.load`), samples N branches that share
 the prompt's KV cache (`jaxsample.engine.generate`), reduces them (vote,
-best-of-N or none) and prints the branches, the result and the bill. Bad input
+best-of-N or none) and prints the branches, the result and the bill (with
+--out, writes each request's record as it completes: `jaxsample.cli.out_file`). Bad input
 of any kind (every `JaxsampleError`, `ValueError`, `OSError`, `OverflowError`)
 is one line on stderr (`jaxsample: error: ...`) and exit status 2; a reader of
 stdout that leaves (`| head -1`) ends it quietly with status 141. What the
@@ -176,6 +178,13 @@ def _run(args) -> int:
     use_cache = not args.no_cache and not cache_lib.cache_disabled()
     if shared is not None and args.adaptive:
         raise InputError("--shared-prefix cannot be combined with --adaptive")
+    if getattr(args, "out", None) is not None or args.resume:
+        from jaxsample.cli.out_file import check_out_args
+
+        check_out_args(args, requests)
+    if args.adaptive and args.kv_budget is not None:
+        raise InputError("--kv-budget sizes the decode pool; it cannot be combined with "
+                         "--adaptive (whose rounds size their own batches)")
     if args.adaptive:
         if cfg.reducer.kind != "vote":
             raise InputError(f"--adaptive votes; it cannot be combined with --reduce "
@@ -188,6 +197,13 @@ def _run(args) -> int:
     t0 = time.perf_counter()
     check_requests(*_model_header(cfg, use_cache), requests, cfg.chat, shared)
     t_meta = time.perf_counter() - t0  # reading the header counts as loading
+    results = None
+    if getattr(args, "out", None) is not None:  # opened (created) only now: input all valid
+        from jaxsample.cli.out_file import open_results
+
+        results = open_results(args, requests)
+        if results is None:  # --resume: every request is in the file already
+            return EXIT_OK
     from jaxsample import loading
     from jaxsample.progress import Progress
 
@@ -196,12 +212,17 @@ def _run(args) -> int:
         cache_lib.enable_compilation_cache()
     what = cfg.model.name or "the embedded model"
     t0 = time.perf_counter()
-    if progress is not None:
-        with progress.phase(f"loading {what}") as ph:
+    try:
+        if progress is not None:
+            with progress.phase(f"loading {what}") as ph:
+                lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
+                ph.cancel()
+        else:
             lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
-            ph.cancel()
-    else:
-        lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
+    except BaseException:
+        if results is not None:
+            results.close()
+        raise
     # One figure, said twice: the header and tokenizer read first, then the weights.
     t_load = t_meta + time.perf_counter() - t0
     if progress is not None:
@@ -210,42 +231,15 @@ def _run(args) -> int:
                else "dequantised; cached for the next run" if info.get("cache_entry")
                else "read from the checkpoint")
         progress.line(f"loaded {lm.name} in {t_load:.2f} s ({how})")
-    outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
-    batches = group_requests(requests)
-    for k, batch in enumerate(batches):
-        run_cfg = cfg.replace(sampling=batch[0].sampling)
-        mesh = _make_mesh(cfg.mesh, run_cfg.sampling.n)
-        texts = [render(lm.tokenizer, r, cfg.chat) for r in batch]
-        kwargs = {"chat": False, "prompt_index_offset": batch[0].index}
-        if mesh is not None:
-            kwargs["mesh"] = mesh
-        t_batch = time.perf_counter()
-        if args.adaptive:
-            adaptive = _run_adaptive(lm, texts, run_cfg, args, kwargs, progress)
-            gen = adaptive.generation
-            per = [_adaptive_result(adaptive, b, args) for b in range(len(batch))]
-        else:
-            from jaxsample import engine
+    if getattr(args, "out", None) is not None:
+        from jaxsample.cli.out_file import run_to_file
 
-            adaptive = None
-            if shared is not None:  # the prompts after the common context
-                # With chat, generate renders [system turn] + each conversation itself.
-                kwargs.update(chat=cfg.chat, shared_prefix=shared)
-                texts = [(r.messages if r.messages is not None else r.prompt) if cfg.chat
-                         else render(lm.tokenizer, r, False) for r in batch]
-            gen = engine.generate(lm, texts, run_cfg.sampling, progress=progress or False,
-                                  **kwargs)
-            sc = _vote(gen, cfg.reducer) if cfg.reducer.kind == "vote" else None
-            per = [_reduce(gen, cfg.reducer, b, sc) for b in range(len(batch))]
-        timings = {"load": t_load,
-                   "compile": float(gen.timings.get("compile", 0.0)),
-                   "prefill": float(gen.timings.get("prefill", 0.0)),
-                   "decode": float(gen.timings.get("decode", 0.0)),
-                   "total": time.perf_counter() - (t_start if k == 0 else t_batch)}
-        for b, (r, (result, answers)) in enumerate(zip(batch, per)):
-            outputs.append(dict(request=r, batch=k, gen=gen, b=b, result=result,
-                                answers=answers, adaptive=adaptive, timings=timings,
-                                cfg=run_cfg, requests=[x.index for x in batch]))
+        return run_to_file(lm, cfg, args, requests, shared, results, progress,
+                           t_start=t_start, t_load=t_load, run_batch=_run_batch)
+    outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
+    for k, batch in enumerate(group_requests(requests)):
+        outputs += _run_batch(lm, cfg, args, batch, shared, progress, k,
+                              t_start if k == 0 else None, t_load)
     if progress is not None:
         progress.close()
     single = not is_jsonl(args)  # one prompt: one JSON object / one table, as ever
@@ -259,6 +253,48 @@ def _run(args) -> int:
         print_run(console, lm, out, single, bill=last_of_batch,
                    batch_requests=None if single else out["requests"])
     return EXIT_OK
+
+
+def _run_batch(lm, cfg, args, batch, shared, progress, k, t_start, t_load, requests=None):
+    """Run one call of consecutive requests with equal settings (`group_requests`'s batch
+    k); the out dicts (`json_record`'s input) of its requests. `requests` are the indices
+    of the whole batch (default: those of `batch`); `t_start` the time "total" counts from
+    (default: this call's start)."""
+    run_cfg = cfg.replace(sampling=batch[0].sampling)
+    mesh = _make_mesh(cfg.mesh, run_cfg.sampling.n)
+    texts = [render(lm.tokenizer, r, cfg.chat) for r in batch]
+    kwargs = {"chat": False, "prompt_index_offset": batch[0].index}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    t_batch = time.perf_counter()
+    if args.adaptive:
+        adaptive = _run_adaptive(lm, texts, run_cfg, args, kwargs, progress)
+        gen = adaptive.generation
+        per = [_adaptive_result(adaptive, b, args) for b in range(len(batch))]
+    else:
+        from jaxsample import engine
+
+        adaptive = None
+        if getattr(args, "kv_budget", None) is not None:
+            kwargs["max_kv_bytes"] = args.kv_budget
+        if shared is not None:  # the prompts after the common context
+            # With chat, generate renders [system turn] + each conversation itself.
+            kwargs.update(chat=cfg.chat, shared_prefix=shared)
+            texts = [(r.messages if r.messages is not None else r.prompt) if cfg.chat
+                     else render(lm.tokenizer, r, False) for r in batch]
+        gen = engine.generate(lm, texts, run_cfg.sampling, progress=progress or False,
+                              **kwargs)
+        sc = _vote(gen, cfg.reducer) if cfg.reducer.kind == "vote" else None
+        per = [_reduce(gen, cfg.reducer, b, sc) for b in range(len(batch))]
+    timings = {"load": t_load,
+               "compile": float(gen.timings.get("compile", 0.0)),
+               "prefill": float(gen.timings.get("prefill", 0.0)),
+               "decode": float(gen.timings.get("decode", 0.0)),
+               "total": time.perf_counter() - (t_batch if t_start is None else t_start)}
+    requests = [x.index for x in batch] if requests is None else requests
+    return [dict(request=r, batch=k, gen=gen, b=b, result=result, answers=answers,
+                 adaptive=adaptive, timings=timings, cfg=run_cfg, requests=requests)
+            for b, (r, (result, answers)) in enumerate(zip(batch, per))]
 
 
 def _run_adaptive(lm, prompts, cfg, args, kwargs, progress=None):

@@ -84,6 +84,31 @@ def _non_empty(text: str) -> str:
     return text
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """--kv-budget: a byte count >= 1, a number with an optional unit: "2GiB",
+    "512 MiB", "1.5e9", "4GB" (B, kB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB of 1024)."""
+    import math
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    try:
+        value = float(m.group(1)) if m else float("nan")
+    except ValueError:
+        value = float("nan")
+    if unit not in _BYTE_UNITS or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(
+            f"expected a byte size like 2GiB, 512MiB or 1e9, got {text!r}")
+    size = int(value * _BYTE_UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 byte, got {text!r}")
+    return size
+
+
 # --adaptive NAME -> (stopping rule, DeepConf confidence filter)
 ADAPTIVE = {"esc": ("esc", None), "beta": ("beta", None), "dirichlet": ("dirichlet", None),
             "deepconf-low": ("beta", "deepconf-low"), "deepconf-high": ("beta", "deepconf-high")}
@@ -185,6 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "else $XDG_CACHE_HOME/jaxsample)")
     run.add_argument("-q", "--quiet", action="store_true",
                      help="no progress on stderr (loading, compiling, decoding)")
+    run.add_argument("--out", metavar="FILE.jsonl", type=_non_empty,
+                     help="with a .jsonl --prompt-file: write each request's --json record to "
+                          "FILE as one strict JSON line as soon as the request completes "
+                          "(flushed and fsynced; Ctrl-C or a crash keeps every finished line); "
+                          "\"id\" is then a string (a number id as its JSON text, a line without "
+                          "one its position); nothing goes to stdout")
+    run.add_argument("--resume", action="store_true",
+                     help="with --out: keep FILE's lines and run only the requests whose id is "
+                          "not in it (a torn last line is cut and redone)")
+    run.add_argument("--kv-budget", metavar="BYTES", type=byte_size,
+                     help="the decode pool's KV budget, e.g. 2GiB (generate(max_kv_bytes=...); "
+                          "default: a fraction of the device's memory); not with --adaptive")
 
     price = sub.add_parser("price", help="the analytic cost table: shared prefix vs N retries",
                            description="Price N branches over one shared prompt against N "

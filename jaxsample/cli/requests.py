@@ -242,13 +242,21 @@ def check_requests(model_cfg, tokenizer, requests: list[Request], chat: bool,
     before any weight is read: a budget `max_new_tokens` plus one prompt token, then
     each rendered prompt's tokens (after the shared prefix, if any) plus the budget.
 
+    Also refuses `logit_bias` token ids outside the vocabulary.
+
     Raises:
       InputError: naming the flag or the .jsonl line, the counts and the context.
     """
     ctx = model_cfg.max_seq_len
+    vocab = min(int(tokenizer.vocab_size), model_cfg.vocab_size)  # `LanguageModel.vocab_limit`
     for r in requests:
         T = r.sampling.max_new_tokens
         line = " line " in r.where
+        bad_bias = [i for i, _ in (r.sampling.logit_bias or ()) if i >= vocab]
+        if bad_bias:  # what the engine refuses after the load (engine/session.py)
+            what = r.where if line else "logit_bias"
+            raise InputError(f"{what}: logit_bias has token ids outside the vocabulary "
+                             f"[0, {vocab}): {bad_bias[:5]}")
         if T + 1 > ctx:
             what = r.where if line else "--max-new-tokens"
             raise InputError(f"{what}: max_new_tokens={T} plus at least one prompt token exceeds "

@@ -1,7 +1,7 @@
 """The output file of a many-request run: one strict JSON line per completed request.
 
 Written for `jaxsample run --prompt-file in.jsonl --out out.jsonl [--resume]`
-(issue 21, part 5; the command line itself is not wired to it yet):
+(issue 21, part 5; `jaxsample.cli.out_file` drives it):
 
 - each completed request is one line of strict JSON (RFC 8259: no NaN or
   Infinity, a non-finite float becomes null), written whole, then flushed and
@@ -16,11 +16,38 @@ Lines are `{"id": str, ...}`; ids are unique in a file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 
 from jaxsample.cli.console import dumps
 from jaxsample.errors import InputError
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM held while a line is written, so Ctrl-C lands after the line
+    is whole and fsynced, never inside it. Python runs signal handlers in the main
+    thread whichever thread the OS signal reached, so the handlers are swapped for one
+    that records the signal, and the signal is raised again, to its own handler, when
+    the block ends. A no-op off the main thread or when a handler was not set from
+    Python (`signal.getsignal` is None)."""
+    names = [getattr(signal, n) for n in ("SIGINT", "SIGTERM") if hasattr(signal, n)]
+    if threading.current_thread() is not threading.main_thread() or any(
+            signal.getsignal(n) is None for n in names):
+        yield
+        return
+    held = []
+    old = {n: signal.signal(n, lambda signum, frame: held.append(signum)) for n in names}
+    try:
+        yield
+    finally:
+        for n, handler in old.items():
+            signal.signal(n, handler)
+        if held:
+            signal.raise_signal(held[0])
 
 
 def _reject_constant(name):
@@ -81,7 +108,8 @@ class ResultsFile:
                 os.fsync(f.fileno())
 
     def write(self, obj: dict) -> None:
-        """Append one completed request (a dict with a string "id"), flushed and fsynced.
+        """Append one completed request (a dict with a string "id"), flushed and fsynced,
+        with SIGINT and SIGTERM held until the line is whole.
 
         Raises:
           ValueError: no string "id", or an id already in the file.
@@ -91,10 +119,12 @@ class ResultsFile:
             raise ValueError('a result line needs a string "id"')
         if rid in self.done:
             raise ValueError(f"id {rid!r} is already in {self.path}")
-        self._f.write(dumps(obj) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self.done.add(rid)
+        line = dumps(obj) + "\n"
+        with _signals_held():  # a Ctrl-C lands after the line, never inside it
+            self._f.write(line)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self.done.add(rid)
 
     def close(self) -> None:
         self._f.close()

@@ -177,7 +177,7 @@ class RequestRun:
 
 
 def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: int | None = None,
-                 mesh=None, index_offset: int = 0) -> RequestRun:
+                 mesh=None, index_offset: int = 0, progress=False) -> RequestRun:
     """Run many requests through the decode pool; yield each result as it completes.
 
     Consecutive requests with the same SamplingParams and kind (prompt or
@@ -197,7 +197,11 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
       requests: an iterable of `Request`s (or dicts with its fields; `id`
         defaults to the position).
       max_kv_bytes, chunk_size, mesh: as `jaxsample.generate`.
-      index_offset: the global position of the first request (an int >= 0).
+      index_offset: the global position of the first request (an int >= 0):
+        request i draws the keys of prompt index `index_offset + i` and is
+        `RequestResult.index` `index_offset + i` (one process's share; a
+        resumed run's remaining requests at their positions in the whole run).
+      progress: as `generate`'s, reported for each group's pool.
     Returns:
       A `RequestRun`: iterate it for `RequestResult`s in completion order;
       its `bill` (a `RunBill`) grows as groups end.
@@ -229,18 +233,19 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
             raise InputError(f"request {i} ({r.id!r}): {e}") from None
     bill = RunBill()
     return RequestRun(_run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh,
-                                  index_offset), bill)
+                                  index_offset, progress), bill)
 
 
-def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh, index_offset):
+def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh, index_offset,
+                progress=False):
     t0 = time.perf_counter()
     for (params, chat), idx in groups:
         prompts = [reqs[i].messages if chat else reqs[i].prompt for i in idx]
         session, rnd, chunk, observer = api.start(
             lm, prompts, params, chat=chat, mesh=mesh, bridge=None,
-            prompt_index_offset=index_offset + idx[0],
-            naive=False, chunk_size=chunk_size if chunk_size is not None else api.STOP_CHUNK,
-            progress=False, max_kv_bytes=max_kv_bytes)
+            prompt_index_offset=index_offset + idx[0], naive=False,
+            chunk_size=chunk_size if chunk_size is not None else api.STOP_CHUNK,
+            progress=progress, max_kv_bytes=max_kv_bytes)
         shape = rnd.col_of.shape
         sent = np.zeros(len(idx), bool)
         for _, more in api.chunks(session, rnd, chunk, False, observer):

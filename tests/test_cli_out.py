@@ -1,0 +1,286 @@
+"""`jaxsample run --prompt-file in.jsonl --out out.jsonl [--resume]` (issue 21, part 5):
+one strict JSON line per completed request, bad input refused before anything is
+opened or loaded, --resume skipping what is done and redoing a torn last line, and a
+SIGINT'd subprocess run that --resume completes to the lines of an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxsample import cli
+from helpers import main_captured as _main
+
+TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
+FLAGS = ["--model", TINY_GGUF, "--n", "2", "--max-new-tokens", "6", "--temperature", "0.8"]
+
+# In-process runs never change this process's JAX config (conftest.py).
+pytestmark = pytest.mark.usefixtures("compilation_cache_calls")
+
+
+def _strict_lines(path):
+    """The file's lines as JSON objects; refuses NaN / Infinity and a missing last newline."""
+    def refuse(name):
+        raise AssertionError(f"not JSON: {name}")
+
+    text = path.read_text(encoding="utf-8")
+    assert text.endswith("\n"), text[-200:]
+    return [json.loads(line, parse_constant=refuse) for line in text.splitlines()]
+
+
+def _write_requests(path, objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs), encoding="utf-8")
+    return path
+
+
+def _no_load(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(cli.app, "_load_model", boom)
+    from jaxsample import loading
+    monkeypatch.setattr(loading, "load", boom)
+
+
+THREE = [{"prompt": "one two", "id": "a"}, {"prompt": "three four"}, {"prompt": "five", "id": 7}]
+
+
+def test_out_writes_one_strict_json_line_per_request(tmp_path):
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    code, stdout, err = _main(["run", "--prompt-file", str(reqs), "--out", str(out)] + FLAGS)
+    assert code == 0, err
+    assert stdout == ""  # the records go to the file
+    # Progress and the run's bill went to stderr.
+    assert "requests: 3/3 done" in err and "slot utilisation" in err and "wrote 3 requests" in err
+    lines = _strict_lines(out)
+    # Ids as strings: the line's string id, a number's JSON text, else the position.
+    assert sorted(r["id"] for r in lines) == ["1", "7", "a"]
+    by_id = {r["id"]: r for r in lines}
+    for rid, index, req in (("a", 0, THREE[0]), ("1", 1, THREE[1]), ("7", 2, THREE[2])):
+        rec = by_id[rid]
+        assert rec["index"] == index and rec["prompt"] == req["prompt"]
+        assert len(rec["branches"]) == 2
+        assert rec["usage"]["kept_tokens"] == sum(b["tokens"] for b in rec["branches"])
+        assert rec["batch"] == {"index": 0, "requests": [0, 1, 2]}
+    # The same record `--json` prints for a .jsonl request, field for field.
+    code, stdout, err = _main(["run", "--prompt-file", str(reqs), "--json", "--quiet"] + FLAGS)
+    assert code == 0, err
+    printed = [json.loads(line) for line in stdout.splitlines()]
+    assert [set(r) for r in printed] == [set(by_id[k]) for k in ("a", "1", "7")]
+    for p, rid in zip(printed, ("a", "1", "7")):
+        assert p["params"] == by_id[rid]["params"] and p["usage"]["prompt_tokens"] == \
+            by_id[rid]["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_bad_line_3_is_one_error_and_the_out_file_is_untouched(capsys, monkeypatch,
+                                                                tmp_path, resume):
+    _no_load(monkeypatch)
+    reqs = tmp_path / "in.jsonl"
+    reqs.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c", "temprature": 1}\n')
+    out = tmp_path / "out.jsonl"
+    before = b'{"id": "0", "kept": true}\n{"id": "1", "to' if resume else None
+    if before is not None:
+        out.write_bytes(before)
+    argv = ["run", "--prompt-file", str(reqs), "--out", str(out), "--model", TINY_GGUF]
+    code = cli.main(argv + (["--resume"] if resume else []))
+    stdout, err = capsys.readouterr()
+    assert code == 2 and stdout == ""
+    assert err.count("\n") == 1 and "line 3" in err and "temprature" in err, err
+    if before is None:
+        assert not out.exists()
+    else:
+        assert out.read_bytes() == before  # not even the torn line was cut
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--resume"], "--resume continues an --out file"),
+    (["--out", "{out}", "--kv-budget", "2XB"], "--kv-budget: expected a byte size"),
+    (["--out", "{out}", "--kv-budget", "0"], "at least 1 byte"),
+    (["--out", "{out}", "--adaptive", "esc", "--kv-budget", "1GiB"], "--kv-budget sizes"),
+    (["--out", "{in}"], "is the --prompt-file"),
+])
+def test_out_flag_errors(capsys, monkeypatch, tmp_path, extra, needle):
+    _no_load(monkeypatch)
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    extra = [x.format(out=out, **{"in": reqs}) for x in extra]
+    code = cli.main(["run", "--prompt-file", str(reqs), "--model", TINY_GGUF] + extra)
+    stdout, err = capsys.readouterr()
+    assert code == 2 and stdout == "" and err.count("\n") == 1 and needle in err, err
+    assert not out.exists() and reqs.read_text().count("\n") == 3
+
+
+def test_out_refuses_a_text_prompt_duplicate_ids_and_an_existing_file(capsys, monkeypatch,
+                                                                      tmp_path):
+    _no_load(monkeypatch)
+    out = tmp_path / "out.jsonl"
+    code = cli.main(["run", "--prompt", "x", "--out", str(out), "--model", TINY_GGUF])
+    assert code == 2 and "a .jsonl --prompt-file" in capsys.readouterr().err
+    # Line 2 has no id (its position, "1"); line 3's id "1" repeats it.
+    reqs = _write_requests(tmp_path / "in.jsonl",
+                           [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c", "id": "1"}])
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--model", TINY_GGUF])
+    err = capsys.readouterr().err
+    assert code == 2 and "line 3" in err and "line 2" in err and "'1'" in err, err
+    assert not out.exists()
+    # A results file is never truncated by a run without --resume.
+    out.write_text('{"id": "0"}\n')
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--model", TINY_GGUF])
+    err = capsys.readouterr().err
+    assert code == 2 and "pass --resume" in err and out.read_text() == '{"id": "0"}\n'
+
+
+def test_resume_skips_the_done_ids_and_redoes_a_torn_last_line(tmp_path):
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    # "a" is done (a sentinel a recomputation would have to rewrite: ResultsFile refuses
+    # an id twice, so the run would fail); "7"'s line is torn (a crash mid-write).
+    sentinel = '{"id": "a", "sentinel": true}\n'
+    out.write_text(sentinel + '{"id": "7", "branches": [{"te')
+    code, stdout, err = _main(["run", "--prompt-file", str(reqs), "--out", str(out), "--resume"]
+                              + FLAGS)
+    assert code == 0, err
+    assert "1 of 3 requests are in" in err and "running the other 2" in err and "torn" in err
+    assert "wrote 2 requests" in err
+    text = out.read_text()
+    assert text.startswith(sentinel)
+    lines = _strict_lines(out)
+    assert [r["id"] for r in lines[:1]] == ["a"] and sorted(r["id"] for r in lines[1:]) == ["1", "7"]
+    assert all(len(r["branches"]) == 2 for r in lines[1:])
+    # The keys of a remaining request are those of its position in the whole run
+    # (prompt_index_offset): its record's index is that position.
+    assert {r["id"]: r["index"] for r in lines[1:]} == {"1": 1, "7": 2}
+
+
+def test_resume_with_every_request_done_loads_nothing(capsys, monkeypatch, tmp_path):
+    _no_load(monkeypatch)
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    done = '{"id": "a"}\n{"id": "1"}\n{"id": "7"}\n'
+    out.write_text(done)
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--resume",
+                     "--model", TINY_GGUF])
+    stdout, err = capsys.readouterr()
+    assert code == 0 and stdout == "" and "all 3 requests are in" in err, err
+    assert out.read_text() == done
+
+
+def test_out_with_a_shared_prefix_writes_each_call_as_it_ends(tmp_path):
+    """--shared-prefix has no place in run_requests: the call-by-call loop writes the lines."""
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE[:2])
+    out = tmp_path / "out.jsonl"
+    code, stdout, err = _main(["run", "--prompt-file", str(reqs), "--out", str(out),
+                               "--shared-prefix", "Context: x y z.", "--no-chat"] + FLAGS)
+    assert code == 0, err
+    lines = _strict_lines(out)
+    assert [r["id"] for r in lines] == ["a", "1"] and all(len(r["branches"]) == 2 for r in lines)
+
+
+def test_out_with_adaptive_writes_each_call_as_it_ends(tmp_path):
+    """--adaptive has no place in run_requests: the call-by-call loop writes the lines,
+    the adaptive result ("n_used", "adaptive") in each."""
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE[:2])
+    out = tmp_path / "out.jsonl"
+    code, stdout, err = _main(["run", "--prompt-file", str(reqs), "--out", str(out),
+                               "--adaptive", "esc", "--max-n", "4", "--window", "2"] + FLAGS)
+    assert code == 0, err
+    lines = _strict_lines(out)
+    assert [r["id"] for r in lines] == ["a", "1"]
+    assert all(r["result"]["adaptive"] == "esc" and 2 <= r["result"]["n_used"] <= 4
+               for r in lines)
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C: a subprocess interrupted after its first line, then resumed
+
+
+def _comparable(record):
+    """A record without what depends on when and in which pool it ran: the timings, and
+    the bill's pool figures (decode steps, branch steps, KV bytes); each branch's own
+    token counts stay."""
+    rec = dict(record)
+    rec.pop("timings")
+    bill = rec.pop("bill")
+    rec["tokens_per_branch"] = (bill["decoded_tokens_per_branch"], bill["kept_tokens_per_branch"])
+    return json.dumps(rec, sort_keys=True)
+
+
+def test_sigint_keeps_finished_lines_and_resume_completes_the_run(tmp_path):
+    # 48 requests, each with its own seed: each its own pool (run_requests groups equal
+    # settings), all of one shape (compiled once), so they complete one after another
+    # and the first line appears well before the last request ends.
+    reqs = _write_requests(tmp_path / "in.jsonl", [
+        {"prompt": f"question {i}: x", "id": f"q{i}", "seed": i} for i in range(48)])
+    argv = [sys.executable, "-m", "jaxsample", "run", "--prompt-file", str(reqs),
+            "--model", TINY_GGUF, "--n", "2", "--max-new-tokens", "24", "--temperature", "0.8"]
+    full = tmp_path / "full.jsonl"
+    r = subprocess.run(argv + ["--out", str(full), "-q"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    expected = sorted(_comparable(x) for x in _strict_lines(full))
+    assert len(expected) == 48
+
+    out = tmp_path / "out.jsonl"
+    p = subprocess.Popen(argv + ["--out", str(out)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out.exists() and b"\n" in out.read_bytes()):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        p.send_signal(signal.SIGINT)
+        stdout, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert "jaxsample: interrupted" in err and "--resume runs the rest" in err, err
+    assert "Traceback" not in err, err
+    text = out.read_text()
+    assert text.endswith("\n")  # every written line whole (none torn: fsync per line)
+    kept = _strict_lines(out)
+    assert 1 <= len(kept) < 48, len(kept)
+
+    r = subprocess.run(argv + ["--out", str(out), "--resume"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert f"{len(kept)} of 48 requests are in" in r.stderr, r.stderr
+    final = _strict_lines(out)
+    assert out.read_text().startswith(text)  # the interrupted run's lines as they were
+    assert sorted(x["id"] for x in final) == sorted(f"q{i}" for i in range(48))
+    assert sorted(_comparable(x) for x in final) == expected
+
+
+@pytest.mark.parametrize("mode", ["--json", "--out"])
+def test_a_logit_bias_id_outside_the_vocabulary_is_refused_naming_the_line(capsys, monkeypatch,
+                                                                           tmp_path, mode):
+    """Regression (issue 21): a bad `logit_bias` id on line 2 was refused by the engine
+    after the weights had loaded (and line 1 had run), without naming the line."""
+    _no_load(monkeypatch)
+    reqs = _write_requests(tmp_path / "in.jsonl", [
+        {"prompt": "a b", "id": "a"}, {"prompt": "c d", "logit_bias": {"99999": 1.0}}])
+    out = tmp_path / "out.jsonl"
+    argv = ["--json"] if mode == "--json" else ["--out", str(out)]
+    code = cli.main(["run", "--prompt-file", str(reqs)] + argv + FLAGS)
+    stdout, err = capsys.readouterr()
+    assert code == 2 and stdout == "" and err.count("\n") == 1, err
+    assert "line 2" in err and "logit_bias" in err and "99999" in err and "[0, 300)" in err
+    assert not out.exists()
+
+
+def test_kv_budget_sizes():
+    from jaxsample.cli.parser import byte_size
+
+    assert byte_size("2GiB") == 2 * 2**30 and byte_size("512 MiB") == 512 * 2**20
+    assert byte_size("1e9") == 10**9 and byte_size("4GB") == 4 * 10**9 and byte_size("7") == 7
+    for bad in ("", "GiB", "2 XB", "-1", "0", "nan", "1e400", "0.1"):
+        with pytest.raises(Exception, match="byte"):
+            byte_size(bad)
