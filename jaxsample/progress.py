@@ -244,14 +244,14 @@ class Progress:
             rate = tokens / run
             left = (d["steps"] - step) * run / max(step, 1) if live else 0.0
             info = (f"{live}/{d['total']} live  {rate:,.0f} tok/s  "
-                    f"{_seconds(left)} left")
+                    f"{format_seconds(left)} left")
             if self.terminal:
                 self._live.update(d["task"], completed=int(step), info=info)
             elif live and step < d["steps"] and now - d["last"] >= self.interval:
                 d["last"] = now
                 self.line(f"decode: step {step}/{d['steps']} "
                           f"({100 * step / max(d['steps'], 1):.0f}%), {live}/{d['total']} "
-                          f"branches live, {rate:,.0f} tokens/s, at most {_seconds(left)} left")
+                          f"branches live, {rate:,.0f} tokens/s, at most {format_seconds(left)} left")
 
     def decode_end(self, tokens: int, compile_s: float = 0.0) -> None:
         """The decode is over: `tokens` decoded over all branches."""
@@ -308,7 +308,8 @@ class Progress:
                 live.stop()
 
 
-def _seconds(s: float) -> str:
+def format_seconds(s: float) -> str:
+    """A duration for a progress line: "42 s", "3 min 05 s", "1 h 02 min"."""
     s = max(float(s), 0.0)
     if s < 60:
         return f"{s:.0f} s"

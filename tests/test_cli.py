@@ -439,9 +439,9 @@ def test_best_of_n_prefers_complete_branches():
             params=None, bill=None, timings={}, pad_id=0)
 
     reducer = ReducerConfig(kind="best", extract="number", score="mean_logprob")
-    result, _ = cli.app._reduce(gen(["length", "stop", "stop"]), reducer)
+    result, _ = cli.batches.reduce_one(gen(["length", "stop", "stop"]), reducer)
     assert result["branch"] == 2 and result["answer"] == "7"  # best complete branch
-    result, _ = cli.app._reduce(gen(["length", "length", "length"]), reducer)
+    result, _ = cli.batches.reduce_one(gen(["length", "length", "length"]), reducer)
     assert result["branch"] == 0  # no complete branch: all are candidates
 
 
@@ -684,6 +684,6 @@ def test_adaptive_result_support_is_the_winners_votes():
                                 support=np.array([support], np.float32), answers=[answers],
                                 counted=[counted], n_used=np.array([8]),
                                 terminated=np.array([0]), bill=bill)
-    result, got = cli.app._adaptive_result(res, 0, types.SimpleNamespace(adaptive="esc"))
+    result, got = cli.batches.adaptive_result(res, 0, types.SimpleNamespace(adaptive="esc"))
     assert result["answer"] == "7" and result["support"] == 4.0 and result["branch"] == 0
     assert result["share"] == pytest.approx(4 / 7) and got == answers

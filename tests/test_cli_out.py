@@ -104,6 +104,11 @@ def test_a_bad_line_3_is_one_error_and_the_out_file_is_untouched(capsys, monkeyp
     (["--out", "{out}", "--kv-budget", "0"], "at least 1 byte"),
     (["--out", "{out}", "--adaptive", "esc", "--kv-budget", "1GiB"], "--kv-budget sizes"),
     (["--out", "{in}"], "is the --prompt-file"),
+    (["--distributed"], "--distributed writes one part of --out"),
+    (["--out", "{out}", "--process-id", "0"], "--process-id sets up --distributed"),
+    (["--out", "{out}", "--distributed", "--process-id", "0"], "give all of --coordinator"),
+    (["--out", "{out}", "--distributed", "--coordinator", "h:1", "--num-processes", "2",
+      "--process-id", "2"], "--process-id must be in [0, 2)"),
 ])
 def test_out_flag_errors(capsys, monkeypatch, tmp_path, extra, needle):
     _no_load(monkeypatch)
@@ -213,11 +218,12 @@ def _comparable(record):
 
 
 def test_sigint_keeps_finished_lines_and_resume_completes_the_run(tmp_path):
-    # 48 requests, each with its own seed: each its own pool (run_requests groups equal
+    # 120 requests, each with its own seed: each its own pool (run_requests groups equal
     # settings), all of one shape (compiled once), so they complete one after another
     # and the first line appears well before the last request ends.
+    R = 120  # about 30 ms each on the tiny model: seconds between the first line and the last
     reqs = _write_requests(tmp_path / "in.jsonl", [
-        {"prompt": f"question {i}: x", "id": f"q{i}", "seed": i} for i in range(48)])
+        {"prompt": f"question {i}: x", "id": f"q{i}", "seed": i} for i in range(R)])
     argv = [sys.executable, "-m", "jaxsample", "run", "--prompt-file", str(reqs),
             "--model", TINY_GGUF, "--n", "2", "--max-new-tokens", "24", "--temperature", "0.8"]
     full = tmp_path / "full.jsonl"
@@ -225,7 +231,7 @@ def test_sigint_keeps_finished_lines_and_resume_completes_the_run(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr
     expected = sorted(_comparable(x) for x in _strict_lines(full))
-    assert len(expected) == 48
+    assert len(expected) == R
 
     out = tmp_path / "out.jsonl"
     p = subprocess.Popen(argv + ["--out", str(out)], stdout=subprocess.PIPE,
@@ -247,15 +253,15 @@ def test_sigint_keeps_finished_lines_and_resume_completes_the_run(tmp_path):
     text = out.read_text()
     assert text.endswith("\n")  # every written line whole (none torn: fsync per line)
     kept = _strict_lines(out)
-    assert 1 <= len(kept) < 48, len(kept)
+    assert 1 <= len(kept) < R, len(kept)
 
     r = subprocess.run(argv + ["--out", str(out), "--resume"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
-    assert f"{len(kept)} of 48 requests are in" in r.stderr, r.stderr
+    assert f"{len(kept)} of {R} requests are in" in r.stderr, r.stderr
     final = _strict_lines(out)
     assert out.read_text().startswith(text)  # the interrupted run's lines as they were
-    assert sorted(x["id"] for x in final) == sorted(f"q{i}" for i in range(48))
+    assert sorted(x["id"] for x in final) == sorted(f"q{i}" for i in range(R))
     assert sorted(_comparable(x) for x in final) == expected
 
 
@@ -284,3 +290,50 @@ def test_kv_budget_sizes():
     for bad in ("", "GiB", "2 XB", "-1", "0", "nan", "1e400", "0.1"):
         with pytest.raises(Exception, match="byte"):
             byte_size(bad)
+
+
+@pytest.mark.slow
+def test_distributed_parts_merged_equal_a_single_process_run(tmp_path):
+    """Two CLI processes under jax.distributed (--distributed on loopback) each write
+    their part; `jaxsample merge` joins them; the lines equal a one-process run's."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    R = 5  # blocks [0, 2) and [2, 5); each request its own seed: its own pool in both runs
+    reqs = _write_requests(tmp_path / "in.jsonl", [
+        {"prompt": f"question {i}: x", "id": f"q{i}", "seed": i} for i in range(R)])
+    argv = [sys.executable, "-m", "jaxsample", "run", "--prompt-file", str(reqs), "-q",
+            "--model", TINY_GGUF, "--n", "2", "--max-new-tokens", "8", "--temperature", "0.8"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    out = tmp_path / "out.jsonl"
+    procs = [subprocess.Popen(argv + ["--out", str(out), "--distributed", "--coordinator",
+                                      f"127.0.0.1:{port}", "--num-processes", "2",
+                                      "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(2)]
+    try:
+        single = tmp_path / "single.jsonl"
+        r = subprocess.run(argv + ["--out", str(single)], capture_output=True, text=True,
+                           timeout=600, env=env)
+        assert r.returncode == 0, r.stderr
+        for p in procs:
+            _, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    parts = [tmp_path / f"out.jsonl.part-{k:05d}-of-00002" for k in range(2)]
+    assert [sorted(x["index"] for x in _strict_lines(p)) for p in parts] == [[0, 1], [2, 3, 4]]
+    done = subprocess.run([sys.executable, "-m", "jaxsample", "merge", "--out", str(out),
+                           "--expect", str(R)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    merged = _strict_lines(out)
+    assert [x["id"] for x in merged] == [f"q{i}" for i in range(R)]  # request order
+    assert [_comparable(x) for x in merged] == sorted(
+        (_comparable(x) for x in _strict_lines(single)),
+        key=lambda t: json.loads(t)["index"])

@@ -55,7 +55,7 @@ def refs(tiny_lm):
 @pytest.mark.parametrize("max_rows,max_slots", [(1, 1), (2, 3), (3, 8), (1, 3)])
 def test_pool_equals_per_prompt_generate(tiny_lm, refs, max_rows, max_slots):
     got = engine.generate(tiny_lm, PROMPTS, _params(), max_rows=max_rows, max_slots=max_slots,
-                          chunk_size=2)
+                          chunk_size=2, compact=False)
     _assert_equal_per_prompt(tiny_lm, refs, got)
     # The pool ran with its own shape: every step paid for rows x slots, no more.
     R, S = min(max_rows, 3), min(max_slots, 5)
@@ -198,9 +198,15 @@ def test_a_prompt_runs_in_several_rows_at_once(tiny_lm):
 def test_rows_shared_between_prompts_and_copies(tiny_lm, refs):
     """Prompts of different lengths in a pool of more rows than prompts: every
     free row takes a resident prompt's next branches; tokens as per prompt."""
-    got = engine.generate(tiny_lm, PROMPTS, _params(), max_rows=5, max_slots=2, chunk_size=2)
+    got = engine.generate(tiny_lm, PROMPTS, _params(), max_rows=5, max_slots=2, chunk_size=2,
+                          compact=False)
     _assert_equal_per_prompt(tiny_lm, refs, got)
     assert got.bill.branch_steps == got.bill.decode_steps * 5 * 2
+    # By default a pool compacts its drain (once nothing waits): fewer slot-steps, same tokens.
+    auto = engine.generate(tiny_lm, PROMPTS, _params(), max_rows=5, max_slots=2, chunk_size=2)
+    _assert_equal_per_prompt(tiny_lm, refs, auto)
+    assert auto.bill.branch_steps < got.bill.branch_steps
+    assert auto.bill.decode_steps == got.bill.decode_steps
 
 
 def test_pool_slots_keep_the_prefix_copies_small(tiny_lm):
@@ -286,7 +292,7 @@ def test_a_budget_makes_the_request_a_pool_with_the_same_tokens(tiny_lm, refs):
     row, slot = pool.row_bytes(cfg, p_cap), pool.slot_bytes(cfg, t_cap)
     budget = 2 * row + 3 * slot
     assert pool.plan(cfg, B=3, n=5, p_cap=p_cap, t_cap=t_cap, budget=budget) == (1, 3)
-    got = engine.generate(tiny_lm, PROMPTS, _params(), max_kv_bytes=budget)
+    got = engine.generate(tiny_lm, PROMPTS, _params(), max_kv_bytes=budget, compact=False)
     assert got.bill.branch_steps == got.bill.decode_steps * 1 * 3  # one row of three slots
     _assert_equal_per_prompt(tiny_lm, refs, got)
 

@@ -509,7 +509,7 @@ def test_cli_select(scored, capsys):
     red = config_lib.ReducerConfig(kind="best", score="self_certainty")
     best = np.asarray(reducers.best_of_n(g, score="self_certainty"))
     for row in range(2):
-        result, _ = cli.app._reduce(g, red, row)
+        result, _ = cli.batches.reduce_one(g, red, row)
         assert result["branch"] == int(best[row])
         np.testing.assert_allclose(result["score"],
                                    reducers.branch_scores(g, "self_certainty")[row, result["branch"]])

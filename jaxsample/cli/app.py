@@ -21,7 +21,6 @@ docs/ARCHITECTURE.md, "The command line".
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import sys
 import time
@@ -31,10 +30,11 @@ from typing import Sequence
 from jaxsample import cost
 from jaxsample import disk_cache as cache_lib
 from jaxsample.cli import config as config_lib
-from jaxsample.cli.console import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, dumps, finite, json_record, print_run, stdout_console
-from jaxsample.cli.parser import ADAPTIVE, UsageError, build_parser
+from jaxsample.cli.console import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, dumps, json_record, print_run, stdout_console
+from jaxsample.cli.parser import UsageError, build_parser
 from jaxsample.cli.price import price_command
-from jaxsample.cli.requests import check_adaptive, check_requests, is_jsonl, read_requests, read_shared_prefix, render, group_requests
+from jaxsample.cli.batches import make_mesh, run_batch
+from jaxsample.cli.requests import check_adaptive, check_requests, is_jsonl, read_requests, read_shared_prefix, group_requests
 from jaxsample.errors import ConfigError, InputError, JaxsampleError
 
 
@@ -149,20 +149,6 @@ def _load_model(name: str | None, dtype: str, *, use_cache: bool = True):
     return loading.load(name, dtype=dtype, cache=None if use_cache else False)
 
 
-def _make_mesh(mesh_cfg: config_lib.MeshConfig, n: int):
-    """The ("data", "branch") mesh of the config, or None for one device."""
-    if mesh_cfg.devices == 1:
-        return None
-    if n % mesh_cfg.branch:
-        raise InputError(f"--n {n} must be a multiple of mesh.branch ({mesh_cfg.branch})")
-    from jaxsample import sharding
-
-    try:
-        return sharding.make_mesh(branch=mesh_cfg.branch, data=mesh_cfg.data)
-    except ValueError as e:
-        raise InputError(f"mesh: {e}") from None
-
-
 def _model_header(cfg: config_lib.RunConfig, use_cache: bool):
     """(config, tokenizer) of the run's model, without its weights."""
     from jaxsample import loading
@@ -190,13 +176,16 @@ def _run(args) -> int:
             raise InputError(f"--adaptive votes; it cannot be combined with --reduce "
                              f"{cfg.reducer.kind}")
         check_adaptive(args)
-    for r in requests:
-        _make_mesh(cfg.mesh, r.sampling.n)
+    check_distributed(args)
     # Every check that needs the model, made on its metadata and tokenizer alone, so bad
     # input is refused before the weights load (and before any progress line).
     t0 = time.perf_counter()
     check_requests(*_model_header(cfg, use_cache), requests, cfg.chat, shared)
     t_meta = time.perf_counter() - t0  # reading the header counts as loading
+    if args.distributed:  # before any JAX computation (the meshes below count)
+        requests = _take_share(args, requests)
+    for r in requests:
+        make_mesh(cfg.mesh, r.sampling.n)
     results = None
     if getattr(args, "out", None) is not None:  # opened (created) only now: input all valid
         from jaxsample.cli.out_file import open_results
@@ -235,10 +224,10 @@ def _run(args) -> int:
         from jaxsample.cli.out_file import run_to_file
 
         return run_to_file(lm, cfg, args, requests, shared, results, progress,
-                           t_start=t_start, t_load=t_load, run_batch=_run_batch)
+                           t_start=t_start, t_load=t_load, run_batch=run_batch)
     outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
     for k, batch in enumerate(group_requests(requests)):
-        outputs += _run_batch(lm, cfg, args, batch, shared, progress, k,
+        outputs += run_batch(lm, cfg, args, batch, shared, progress, k,
                               t_start if k == 0 else None, t_load)
     if progress is not None:
         progress.close()
@@ -255,116 +244,46 @@ def _run(args) -> int:
     return EXIT_OK
 
 
-def _run_batch(lm, cfg, args, batch, shared, progress, k, t_start, t_load, requests=None):
-    """Run one call of consecutive requests with equal settings (`group_requests`'s batch
-    k); the out dicts (`json_record`'s input) of its requests. `requests` are the indices
-    of the whole batch (default: those of `batch`); `t_start` the time "total" counts from
-    (default: this call's start)."""
-    run_cfg = cfg.replace(sampling=batch[0].sampling)
-    mesh = _make_mesh(cfg.mesh, run_cfg.sampling.n)
-    texts = [render(lm.tokenizer, r, cfg.chat) for r in batch]
-    kwargs = {"chat": False, "prompt_index_offset": batch[0].index}
-    if mesh is not None:
-        kwargs["mesh"] = mesh
-    t_batch = time.perf_counter()
-    if args.adaptive:
-        adaptive = _run_adaptive(lm, texts, run_cfg, args, kwargs, progress)
-        gen = adaptive.generation
-        per = [_adaptive_result(adaptive, b, args) for b in range(len(batch))]
-    else:
-        from jaxsample import engine
-
-        adaptive = None
-        if getattr(args, "kv_budget", None) is not None:
-            kwargs["max_kv_bytes"] = args.kv_budget
-        if shared is not None:  # the prompts after the common context
-            # With chat, generate renders [system turn] + each conversation itself.
-            kwargs.update(chat=cfg.chat, shared_prefix=shared)
-            texts = [(r.messages if r.messages is not None else r.prompt) if cfg.chat
-                     else render(lm.tokenizer, r, False) for r in batch]
-        gen = engine.generate(lm, texts, run_cfg.sampling, progress=progress or False,
-                              **kwargs)
-        sc = _vote(gen, cfg.reducer) if cfg.reducer.kind == "vote" else None
-        per = [_reduce(gen, cfg.reducer, b, sc) for b in range(len(batch))]
-    timings = {"load": t_load,
-               "compile": float(gen.timings.get("compile", 0.0)),
-               "prefill": float(gen.timings.get("prefill", 0.0)),
-               "decode": float(gen.timings.get("decode", 0.0)),
-               "total": time.perf_counter() - (t_batch if t_start is None else t_start)}
-    requests = [x.index for x in batch] if requests is None else requests
-    return [dict(request=r, batch=k, gen=gen, b=b, result=result, answers=answers,
-                 adaptive=adaptive, timings=timings, cfg=run_cfg, requests=requests)
-            for b, (r, (result, answers)) in enumerate(zip(batch, per))]
+def check_distributed(args) -> None:
+    """--distributed and its three flags, before anything runs (InputError naming them)."""
+    given = [f for f, v in (("--coordinator", args.coordinator),
+                            ("--num-processes", args.num_processes),
+                            ("--process-id", args.process_id)) if v is not None]
+    if not args.distributed:
+        if given:
+            raise InputError(f"{given[0]} sets up --distributed; pass --distributed too")
+        return
+    if getattr(args, "out", None) is None:
+        raise InputError("--distributed writes one part of --out per process; give --out "
+                         "FILE.jsonl")
+    if given and len(given) != 3:
+        raise InputError("--distributed: give all of --coordinator, --num-processes and "
+                         "--process-id, or none (JAX then detects the cluster)")
+    if given and args.num_processes < 1:
+        raise InputError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if given and args.process_id >= args.num_processes:
+        raise InputError(f"--process-id must be in [0, {args.num_processes}), got "
+                         f"{args.process_id}")
 
 
-def _run_adaptive(lm, prompts, cfg, args, kwargs, progress=None):
-    """`jaxsample.adaptive_self_consistency` for `run --adaptive`."""
-    from jaxsample.reduce import adaptive as adaptive_lib
+def _take_share(args, requests):
+    """Join the processes (`sharding.initialize_distributed`), keep this process's
+    contiguous block of the requests (their positions, hence keys, unchanged) and
+    point --out at its part (`merge.part_path`)."""
+    import jax
 
-    rule, confidence = ADAPTIVE[args.adaptive]
-    ctx = (progress.phase("adaptive self-consistency: rounds of "
-                          f"{args.window} branches, up to {args.max_n}")
-           if progress is not None else contextlib.nullcontext())
-    with ctx:
-        return adaptive_lib.adaptive_self_consistency(
-            lm, prompts, cfg.sampling, max_n=args.max_n, window=args.window, rule=rule,
-            threshold=args.threshold, confidence=confidence, extract=cfg.reducer.extract,
-            warmup=2 * args.window if confidence else 16, progress=progress or False,
-            **kwargs)
+    from jaxsample import sharding
+    from jaxsample.cli.merge import part_path
+    from jaxsample.engine.shard_requests import share_bounds
 
-
-def _adaptive_result(adaptive, b: int, args):
-    counted = adaptive.counted[b]
-    first = next((i for i, (a, c) in enumerate(zip(adaptive.answers[b], counted))
-                  if c and a == adaptive.winner[b]), None)
-    result = {"answer": adaptive.winner[b], "share": finite(adaptive.share[b]),
-              "support": finite(adaptive.support[b]),  # the winner's (weighted) votes
-              "branch": first, "n_used": int(adaptive.n_used[b]),
-              "terminated": int(adaptive.terminated[b]), "adaptive": args.adaptive,
-              "saving": adaptive.bill.to_dict()}
-    return result, list(adaptive.answers[b])
-
-
-def _vote(gen, reducer: config_lib.ReducerConfig):
-    from jaxsample import reduce as reducers
-
-    return reducers.self_consistency(gen, extract=reducer.extract, weights=reducer.weights)
-
-
-def _reduce(gen, reducer: config_lib.ReducerConfig, b: int = 0, sc=None):
-    """The result ({"answer", "share", "branch"}) of prompt b and each branch's extracted
-    answer; `sc` is the batch's `self_consistency` (computed here if None)."""
-    import numpy as np
-
-    from jaxsample.reduce import answers as answers_lib
-    from jaxsample import reduce as reducers
-
-    texts = gen.texts[b]
-    if reducer.kind == "vote":
-        sc = _vote(gen, reducer) if sc is None else sc
-        branch = int(sc.first_branch[b])
-        result = {"answer": sc.winner[b], "share": finite(sc.share[b]),
-                  "support": finite(sc.support[b]), "branch": branch if branch >= 0 else None}
-        return result, list(sc.answers[b])
-
-    def one(text):
-        a = answers_lib.extract(text, reducer.extract)
-        return (answers_lib.normalize(a) or None) if a is not None else None
-
-    answers = [one(t) for t in texts]
-    if reducer.kind == "best":
-        scores = reducers.branch_scores(gen, reducer.score)
-        # Prefer complete branches (ended by a stop): a branch cut at max_new_tokens
-        # may carry a truncated answer. Without any complete branch, take them all.
-        lengths = np.asarray(gen.lengths)[b:b + 1]
-        complete = np.array([[r == "stop" for r in gen.finish_reason[b]]]) & (lengths > 0)
-        valid = complete if complete.any() else lengths > 0
-        idx = int(reducers.best_of_n(np.asarray(scores)[b:b + 1], valid)[0])
-        if idx < 0:
-            return {"answer": None, "share": None, "branch": None}, answers
-        return {"answer": answers[idx], "share": None, "branch": idx,
-                "score": finite(scores[b, idx])}, answers
-    return {"answer": None, "share": None, "branch": None}, answers
+    sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    p, C = jax.process_index(), jax.process_count()
+    start, stop = share_bounds(len(requests), p, C)
+    args.out = part_path(args.out, p, C)
+    if not args.quiet:
+        print(f"jaxsample: process {p} of {C}: requests {start}..{stop - 1} of "
+              f"{len(requests)} -> {args.out}", file=sys.stderr, flush=True)
+    return requests[start:stop]
 
 
 def _age(seconds: float) -> str:

@@ -126,7 +126,7 @@ class _Counter:
         # so the first request's compile does not weigh on them
 
     def add(self, tokens: int) -> None:
-        from jaxsample.progress import _seconds
+        from jaxsample.progress import format_seconds
 
         self.done += 1
         self.tokens += int(tokens)
@@ -147,7 +147,7 @@ class _Counter:
             run, tokens = max(now - self.t0, 1e-9), self.tokens
         left = (self.total - self.done) * run / ran
         p.line(f"requests: {self.done}/{self.total} done, {tokens / run:,.0f} tokens/s, "
-               f"about {_seconds(left)} left")
+               f"about {format_seconds(left)} left")
 
 
 def run_to_file(lm, cfg, args, requests, shared, results, progress, *, t_start, t_load,
@@ -158,9 +158,9 @@ def run_to_file(lm, cfg, args, requests, shared, results, progress, *, t_start, 
       0 (EXIT_OK). KeyboardInterrupt and errors propagate after the file is closed
       (every line written before them stays).
     """
-    from jaxsample.cli import app as app_lib
+    from jaxsample.cli import batches as app_lib
 
-    run_batch = run_batch or app_lib._run_batch
+    run_batch = run_batch or app_lib.run_batch
     try:
         pending = [r for r in requests if out_id(r) not in results.done]
         groups = group_requests(requests)
@@ -208,13 +208,13 @@ def _stream(lm, cfg, args, run, progress, batch_of, write, t_start, t_load, app_
     reqs = [Request(id=out_id(r), prompt=render(lm.tokenizer, r, cfg.chat), params=r.sampling)
             for r in run]
     stream = run_requests(lm, reqs, max_kv_bytes=args.kv_budget,
-                          mesh=app_lib._make_mesh(cfg.mesh, run[0].sampling.n),
+                          mesh=app_lib.make_mesh(cfg.mesh, run[0].sampling.n),
                           index_offset=run[0].index, progress=progress or False)
     for res in stream:
         r, gen = by_id[res.id], res.generation
         k, members = batch_of[r.index]
-        sc = app_lib._vote(gen, cfg.reducer) if cfg.reducer.kind == "vote" else None
-        result, answers = app_lib._reduce(gen, cfg.reducer, 0, sc)
+        sc = app_lib.vote(gen, cfg.reducer) if cfg.reducer.kind == "vote" else None
+        result, answers = app_lib.reduce_one(gen, cfg.reducer, 0, sc)
         timings = {"load": t_load,
                    "compile": float(gen.timings.get("compile", 0.0)),
                    "prefill": float(gen.timings.get("prefill", 0.0)),

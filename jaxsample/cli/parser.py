@@ -219,6 +219,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true",
                      help="with --out: keep FILE's lines and run only the requests whose id is "
                           "not in it (a torn last line is cut and redone)")
+    run.add_argument("--distributed", action="store_true",
+                     help="several hosts (jax.distributed): with --out, each process runs its "
+                          "contiguous share of the .jsonl requests and writes "
+                          "OUT.part-KKKKK-of-NNNNN; join them with `jaxsample merge --out OUT`. "
+                          "Without the three flags below JAX detects the cluster (TPU pods, "
+                          "SLURM, ...)")
+    run.add_argument("--coordinator", metavar="HOST:PORT", type=_non_empty,
+                     help="with --distributed: process 0's address")
+    run.add_argument("--num-processes", metavar="N", type=_int,
+                     help="with --distributed: the number of processes")
+    run.add_argument("--process-id", metavar="I", type=_non_negative_int,
+                     help="with --distributed: this process's id in [0, N)")
     run.add_argument("--kv-budget", metavar="BYTES", type=byte_size,
                      help="the decode pool's KV budget, e.g. 2GiB (generate(max_kv_bytes=...); "
                           "default: a fraction of the device's memory); not with --adaptive")

@@ -27,7 +27,7 @@ STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are 
 def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
              chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
              naive: bool = False, chunk_size: int | None = None,
-             compact: bool = False, progress=False, shared_prefix=None,
+             compact: bool | None = None, progress=False, shared_prefix=None,
              max_rows: int | None = None, max_slots: int | None = None,
              max_kv_bytes: int | None = None) -> Generation:
     """Sample `params.n` continuations of each prompt, sharing each prompt's KV cache.
@@ -65,8 +65,11 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         (a stop string is then seen at most 7 tokens late, and decoding of that
         branch stops there) or progress is shown (the bar moves once per chunk).
       compact: gather live branches (and rows) into power-of-two buckets when
-        half the slots are idle, so later steps cost what the live branches
-        need. Each new bucket compiles once.
+        those hold at most 3/4 of the slots (`round.COMPACT_FRACTION`), so
+        later steps cost what the live branches need; each new bucket compiles
+        once. None (default): on for a pool (`max_rows` / `max_slots` /
+        `max_kv_bytes` smaller than the request: its last branches then run
+        in a smaller state once nothing waits), off otherwise.
       progress: True to report compiling and decoding on stderr (a rich bar on
         a terminal, a plain line every 5 s otherwise: steps done, live
         branches, tokens/s, time left; see `jaxsample.progress`), or a
@@ -176,14 +179,17 @@ def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive
     return session, rnd, chunk_size, observer
 
 
-def chunks(session: Session, rnd: Round, chunk_size: int, compact: bool, observer=None):
+def chunks(session: Session, rnd: Round, chunk_size: int, compact: bool | None,
+           observer=None):
     """The host loop of `generate` and `stream`: decode `rnd` chunk by chunk.
 
     After each chunk: branches whose new text holds a stop string are marked
     done, the observer is told the progress, then this yields `(t0, more)`
     (the chunk decoded tokens `[t0, rnd.t)`; `more` is False after the last
-    chunk), and, with `compact`, the live branches are gathered.
+    chunk), and, with `compact` (None: when `rnd` is a pool), the live
+    branches are gathered.
     """
+    compact = rnd.pooled if compact is None else compact
     params = session.params
     watch = (stops_lib.StopWatch(text_tokenizer(session), params.stop, params.min_tokens)
              if params.stop else None)

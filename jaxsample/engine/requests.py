@@ -248,7 +248,7 @@ def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh, index_of
             progress=progress, max_kv_bytes=max_kv_bytes)
         shape = rnd.col_of.shape
         sent = np.zeros(len(idx), bool)
-        for _, more in api.chunks(session, rnd, chunk, False, observer):
+        for _, more in api.chunks(session, rnd, chunk, None, observer):
             settled = ~sent & rnd.done.all(axis=1)
             for j in np.nonzero(settled)[0]:
                 sent[j] = True

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from jaxsample.engine.session import Session
 
 
+COMPACT_FRACTION = 0.75  # compact when the live slots fit in buckets this much smaller
+
+
 class Round:
     """One decode state: rows x slots, decoded in chunks (see the module docstring).
 
@@ -78,6 +81,7 @@ class Round:
         self.done = branch_ids < 0
         self.t = 0  # the clock: steps this round has run
         self.lockstep = bool(lockstep)
+        self.pooled = False  # set below: fewer device rows x slots than rows x branches
         # Device slots: a bucket of rows (a multiple of the data axis) x slots
         # (a multiple of the branch axis); slot (i, j) holds round row
         # row_of[i], column col_of[i, j] (-1: empty).
@@ -86,6 +90,7 @@ class Round:
         # run in several rows, `_next_prompt`), at most max_rows.
         R_all = R if lockstep else R * -(-N // N_dev)
         R_dev = -(-min(R_all, max_rows or R) // s.nd) * s.nd
+        self.pooled = R_dev < R or N_dev < N
         valid = branch_ids >= 0
         if self.lockstep and int(valid.sum(axis=1).max(initial=0)) > N_dev:
             raise ValueError(f"lockstep (Bridge) rows need every branch of a prompt at once: "
@@ -452,8 +457,9 @@ class Round:
             self.state = self.state._replace(done=self.s.put(done, "slots"))
 
     def compact(self) -> bool:
-        """Gather the live branches into smaller buckets when that halves a dimension
-        (only once nothing waits for a slot: a pool refills instead).
+        """Gather the live branches into smaller buckets (powers of two) when those
+        hold at most `COMPACT_FRACTION` of the slots (only once nothing waits for
+        a slot: a pool refills instead).
 
         Returns:
           True if the state was compacted.
@@ -472,7 +478,7 @@ class Round:
         R_dev, N_dev = self.col_of.shape
         N_new = min(slot_bucket(int(per_row.max()), s.nb), N_dev)
         R_new = min(slot_bucket(rows_live.size, s.nd), R_dev)
-        if N_new * 2 > N_dev and R_new * 2 > R_dev:
+        if R_new * N_new > COMPACT_FRACTION * R_dev * N_dev:
             return False
         src_rows = np.concatenate([rows_live, np.repeat(rows_live[:1], R_new - rows_live.size)])
         slots = np.zeros((R_new, N_new), np.int32)

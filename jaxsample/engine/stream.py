@@ -78,7 +78,7 @@ class StreamEvent:
 @refuse_foreign_keywords("jaxsample.stream")
 def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
            chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
-           chunk_size: int = api.STOP_CHUNK, compact: bool = False,
+           chunk_size: int = api.STOP_CHUNK, compact: bool | None = None,
            progress=False, shared_prefix=None, max_rows: int | None = None,
            max_slots: int | None = None, max_kv_bytes: int | None = None
            ) -> Iterator[StreamEvent]:
