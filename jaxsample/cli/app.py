@@ -182,6 +182,7 @@ def _run(args) -> int:
     t0 = time.perf_counter()
     check_requests(*_model_header(cfg, use_cache), requests, cfg.chat, shared)
     t_meta = time.perf_counter() - t0  # reading the header counts as loading
+    all_requests = requests
     if args.distributed:  # before any JAX computation (the meshes below count)
         requests = _take_share(args, requests)
     for r in requests:
@@ -224,7 +225,8 @@ def _run(args) -> int:
         from jaxsample.cli.out_file import run_to_file
 
         return run_to_file(lm, cfg, args, requests, shared, results, progress,
-                           t_start=t_start, t_load=t_load, run_batch=run_batch)
+                           t_start=t_start, t_load=t_load, run_batch=run_batch,
+                           all_requests=all_requests)
     outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
     for k, batch in enumerate(group_requests(requests)):
         outputs += run_batch(lm, cfg, args, batch, shared, progress, k,

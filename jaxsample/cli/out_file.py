@@ -151,8 +151,12 @@ class _Counter:
 
 
 def run_to_file(lm, cfg, args, requests, shared, results, progress, *, t_start, t_load,
-                run_batch=None) -> int:
+                run_batch=None, all_requests=None) -> int:
     """Run the requests not in `results` and write each one's line as it completes.
+
+    `all_requests` (default `requests`) is the whole prompt file when `requests` is
+    one process's share (--distributed): calls ("batch" in a record) are numbered
+    over it, so the merged parts read as a one-process run.
 
     Returns:
       0 (EXIT_OK). KeyboardInterrupt and errors propagate after the file is closed
@@ -163,7 +167,7 @@ def run_to_file(lm, cfg, args, requests, shared, results, progress, *, t_start, 
     run_batch = run_batch or app_lib.run_batch
     try:
         pending = [r for r in requests if out_id(r) not in results.done]
-        groups = group_requests(requests)
+        groups = group_requests(requests if all_requests is None else all_requests)
         batch_of = {r.index: (k, [x.index for x in g]) for k, g in enumerate(groups) for r in g}
         counter = _Counter(progress, len(requests), len(requests) - len(pending))
         bills = []

@@ -104,6 +104,17 @@ def check_requests(requests) -> list[Request]:
     return out
 
 
+def check_prompts(lm, reqs) -> None:
+    """Every request's prompt or messages encoded (the tokenizer's and the chat
+    template's checks), before the first compute. Raises InputError naming the request."""
+    for i, r in enumerate(reqs):
+        chat = r.messages is not None
+        try:
+            inputs.encode_prompts(lm, [r.messages if chat else r.prompt], chat)
+        except InputError as e:
+            raise InputError(f"request {i} ({r.id!r}): {e}") from None
+
+
 @dataclasses.dataclass
 class RunBill:
     """What a `run_requests` run computed (updated as each group of requests ends).
@@ -225,12 +236,7 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
             groups[-1][1].append(i)
         else:
             groups.append((key, [i]))
-    for i, r in enumerate(reqs):  # every prompt encoded before the first compute
-        chat = r.messages is not None
-        try:
-            inputs.encode_prompts(lm, [r.messages if chat else r.prompt], chat)
-        except InputError as e:
-            raise InputError(f"request {i} ({r.id!r}): {e}") from None
+    check_prompts(lm, reqs)
     bill = RunBill()
     return RequestRun(_run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh,
                                   index_offset, progress), bill)

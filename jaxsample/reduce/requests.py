@@ -15,8 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 
-from jaxsample.engine import inputs
-from jaxsample.engine.requests import RequestResult, check_requests
+from jaxsample.engine.requests import RequestResult, check_prompts, check_requests
 from jaxsample.engine.requests import run_requests as run_pool
 from jaxsample.errors import InputError
 from jaxsample.reduce import adaptive as adaptive_lib
@@ -125,12 +124,7 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None,
         raise InputError(f"index_offset must be an int >= 0, got {index_offset!r}")
     reqs = check_requests(requests)
     _check(reqs)
-    for i, r in enumerate(reqs):  # every prompt encoded before the first compute
-        chat = r.messages is not None
-        try:
-            inputs.encode_prompts(lm, [r.messages if chat else r.prompt], chat)
-        except InputError as e:
-            raise InputError(f"request {i} ({r.id!r}): {e}") from None
+    check_prompts(lm, reqs)  # every prompt encoded before the first compute
     return _run(lm, reqs, max_kv_bytes, chunk_size, mesh, index_offset)
 
 
