@@ -109,6 +109,10 @@ def test_a_bad_line_3_is_one_error_and_the_out_file_is_untouched(capsys, monkeyp
     (["--out", "{out}", "--distributed", "--process-id", "0"], "give all of --coordinator"),
     (["--out", "{out}", "--distributed", "--coordinator", "h:1", "--num-processes", "2",
       "--process-id", "2"], "--process-id must be in [0, 2)"),
+    (["--out", "{out}", "--distributed", "--coordinator", "nonsense", "--num-processes", "1",
+      "--process-id", "0"], "--coordinator must be HOST:PORT"),
+    (["--out", "{out}", "--distributed", "--coordinator", "127.0.0.1:abc", "--num-processes",
+      "1", "--process-id", "0"], "--coordinator must be HOST:PORT"),
 ])
 def test_out_flag_errors(capsys, monkeypatch, tmp_path, extra, needle):
     _no_load(monkeypatch)

@@ -73,6 +73,10 @@ def test_an_adaptive_request_is_adaptive_self_consistency_at_its_index(tiny_lm):
     ({"adaptive": [2]}, r"request 1 \('b'\): adaptive must be a dict"),
     ({"extract": "nonsense"}, r"request 1 \('b'\): extract must be one of"),
     ({"prompt": ""}, r"request 1 \('b'\): prompt 0 is empty"),
+    ({"prompt": 123}, r"request 1 \('b'\): prompt must be a string or a list of token ids"),
+    ({"params": SamplingParams(max_tokens=100000)},
+     r"request 1 \('b'\): .* max_tokens=100000 .* > the model's context"),
+    ({"params": SamplingParams(n=2147483647, max_tokens=2)}, r"request 1 \('b'\): n=2147483647"),
 ])
 def test_bad_requests_are_refused_before_any_compute(tiny_lm, bad, match):
     reqs = [{"id": "a", "prompt": "fine", "params": PARAMS}, {"id": "b", "prompt": "x", **bad}]
@@ -93,3 +97,13 @@ def test_options_are_the_adaptive_functions_keywords():
 
     kw = inspect.signature(jaxsample.adaptive_self_consistency).parameters
     assert set(adaptive_lib.OPTIONS) <= set(kw)
+
+
+@pytest.mark.parametrize("bad", ["no", 0, 1.0])
+def test_compact_is_a_bool_or_none(tiny_lm, bad):
+    before = engine.PROGRAMS.compilations
+    with pytest.raises(InputError, match="compact must be True, False or None"):
+        engine.generate(tiny_lm, ["x"], PARAMS, compact=bad)
+    with pytest.raises(InputError, match="compact must be True, False or None"):
+        engine.stream(tiny_lm, ["x"], PARAMS, compact=bad)
+    assert engine.PROGRAMS.compilations == before

@@ -261,6 +261,11 @@ def check_distributed(args) -> None:
     if given and len(given) != 3:
         raise InputError("--distributed: give all of --coordinator, --num-processes and "
                          "--process-id, or none (JAX then detects the cluster)")
+    if given:
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InputError(f"--coordinator must be HOST:PORT (a port in [1, 65535]), got "
+                             f"{args.coordinator!r}")
     if given and args.num_processes < 1:
         raise InputError(f"--num-processes must be >= 1, got {args.num_processes}")
     if given and args.process_id >= args.num_processes:

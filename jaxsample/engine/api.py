@@ -124,6 +124,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
       NumericalError: a sampled token's logits were all NaN or -inf (no distribution;
         see `sampling.check_logprobs`). Raised after decoding, before returning.
     """
+    check_compact(compact)
     session, rnd, chunk_size, observer = start(
         lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
         prompt_index_offset=prompt_index_offset, naive=naive, chunk_size=chunk_size,
@@ -132,6 +133,12 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
     for _ in chunks(session, rnd, chunk_size, compact, observer):
         pass
     return finish(session, [rnd])
+
+
+def check_compact(compact) -> None:
+    """`compact` is True, False or None (InputError otherwise: "no" is not False)."""
+    if compact is not None and not isinstance(compact, (bool, np.bool_)):
+        raise InputError(f"compact must be True, False or None (on for a pool), got {compact!r}")
 
 
 def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive, chunk_size,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxsample.engine import api, inputs
+from jaxsample.engine import api, budget, inputs
 from jaxsample.errors import InputError
 from jaxsample.sampling_params import SamplingParams
 
@@ -106,11 +106,26 @@ def check_requests(requests) -> list[Request]:
 
 def check_prompts(lm, reqs) -> None:
     """Every request's prompt or messages encoded (the tokenizer's and the chat
-    template's checks), before the first compute. Raises InputError naming the request."""
+    template's checks), its length with `max_tokens` against the model's context and
+    its results against host memory (`budget.check_results_fit`), before the first
+    compute. Raises InputError naming the request.
+
+    (The KV budget is checked per group of equal params, when its pool is sized.)
+    """
     for i, r in enumerate(reqs):
         chat = r.messages is not None
         try:
-            inputs.encode_prompts(lm, [r.messages if chat else r.prompt], chat)
+            if not chat and not isinstance(r.prompt, (str, list, tuple, np.ndarray)):
+                raise InputError(f"prompt must be a string or a list of token ids, got "
+                                 f"{type(r.prompt).__name__}")
+            ids, _ = inputs.encode_prompts(lm, [r.messages if chat else r.prompt], chat)
+            p = r.params or SamplingParams()
+            n_tok = len(ids[0]) + p.max_new_tokens
+            if n_tok > lm.config.max_seq_len:
+                raise InputError(f"{len(ids[0])} prompt tokens + max_tokens={p.max_new_tokens} "
+                                 f"= {n_tok} > the model's context of {lm.config.max_seq_len}")
+            budget.check_results_fit(1, p.n, p.max_new_tokens, p.logprobs or 0,
+                                     p.logprobs is not None, p.signals)
         except InputError as e:
             raise InputError(f"request {i} ({r.id!r}): {e}") from None
 

@@ -106,6 +106,7 @@ def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
         validated and prefilled before it returns), before any compute.
       NumericalError: as `generate`, from the last step of the iteration.
     """
+    api.check_compact(compact)
     session, rnd, chunk_size, observer = api.start(
         lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
         prompt_index_offset=prompt_index_offset, naive=False, chunk_size=chunk_size,
