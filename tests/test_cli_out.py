@@ -104,6 +104,7 @@ def test_a_bad_line_3_is_one_error_and_the_out_file_is_untouched(capsys, monkeyp
     (["--out", "{out}", "--kv-budget", "0"], "at least 1 byte"),
     (["--out", "{out}", "--adaptive", "esc", "--kv-budget", "1GiB"], "--kv-budget sizes"),
     (["--out", "{in}"], "is the --prompt-file"),
+    (["--out", "{out}", "--kv-budget", "100"], "--kv-budget 100 cannot hold one pool row"),
     (["--distributed"], "--distributed writes one part of --out"),
     (["--out", "{out}", "--process-id", "0"], "--process-id sets up --distributed"),
     (["--out", "{out}", "--distributed", "--process-id", "0"], "give all of --coordinator"),
@@ -341,3 +342,14 @@ def test_distributed_parts_merged_equal_a_single_process_run(tmp_path):
     assert [_comparable(x) for x in merged] == sorted(
         (_comparable(x) for x in _strict_lines(single)),
         key=lambda t: json.loads(t)["index"])
+
+
+def test_a_kv_budget_that_fits_runs(tmp_path, capsys):
+    """The up-front --kv-budget check (cli.requests.check_kv_budget) refuses only what
+    the engine would: a budget that holds the calls runs and writes every line."""
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--kv-budget",
+                     "64MiB", "-q"] + FLAGS)
+    assert code == 0, capsys.readouterr().err
+    assert len(_strict_lines(out)) == 3

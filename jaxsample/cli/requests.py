@@ -270,6 +270,31 @@ def check_requests(model_cfg, tokenizer, requests: list[Request], chat: bool,
                              f"is {n + T} > the model's context of {ctx} tokens")
 
 
+def check_kv_budget(model_cfg, tokenizer, requests: list[Request], chat: bool,
+                    kv_budget: int) -> None:
+    """--kv-budget against each call of consecutive equal-settings requests, from the
+    model's metadata (`engine.budget.plan`, as the engine sizes the pool), before the
+    out file is opened or a weight is read.
+
+    Raises:
+      InputError: naming --kv-budget, when one call cannot hold one pool row and slot.
+    """
+    from jaxsample.engine import budget
+    from jaxsample.engine.state import bucket
+
+    for group in group_requests(requests):
+        sp = group[0].sampling
+        p_cap = bucket(max(_prompt_tokens(tokenizer, r, chat, None) for r in group))
+        try:
+            budget.plan(model_cfg, B=len(group), n=sp.n, p_cap=p_cap,
+                        t_cap=bucket(sp.max_new_tokens), budget=kv_budget,
+                        top_logprobs=sp.logprobs or 0, token_ranks=sp.logprobs is not None,
+                        penalties=sp.penalties, signals=sp.signals)
+        except InputError as e:
+            where = group[0].where if " line " in group[0].where else "--kv-budget"
+            raise InputError(f"{where}: --kv-budget {str(e).replace('max_kv_bytes=', '')}") from None
+
+
 def check_adaptive(args) -> None:
     """The ranges `adaptive_self_consistency` checks, before the model loads.
 
