@@ -353,3 +353,23 @@ def test_a_kv_budget_that_fits_runs(tmp_path, capsys):
                      "64MiB", "-q"] + FLAGS)
     assert code == 0, capsys.readouterr().err
     assert len(_strict_lines(out)) == 3
+
+
+def test_without_out_each_call_is_printed_as_it_ends(tmp_path, capsys, monkeypatch):
+    """`--json` on a .jsonl file: a call's lines are on stdout before the next call runs,
+    so Ctrl-C during call 2 keeps call 1's (exit 130)."""
+    real = cli.app.run_batch
+
+    def second_call_interrupted(lm, cfg, args, batch, *a, **k):
+        if batch[0].index > 0:
+            raise KeyboardInterrupt
+        return real(lm, cfg, args, batch, *a, **k)
+
+    monkeypatch.setattr(cli.app, "run_batch", second_call_interrupted)
+    reqs = _write_requests(tmp_path / "in.jsonl", [{"prompt": "a", "id": "x", "seed": 1},
+                                                   {"prompt": "b", "id": "y", "seed": 2}])
+    code = cli.main(["run", "--prompt-file", str(reqs), "--json", "-q"] + FLAGS)
+    stdout = capsys.readouterr().out
+    assert code == 130
+    lines = [json.loads(x) for x in stdout.splitlines()]
+    assert [x["id"] for x in lines] == ["x"]

@@ -230,22 +230,24 @@ def _run(args) -> int:
         return run_to_file(lm, cfg, args, requests, shared, results, progress,
                            t_start=t_start, t_load=t_load, run_batch=run_batch,
                            all_requests=all_requests)
-    outputs = []  # one per request: (request, batch index, gen, b, result, answers, adaptive)
-    for k, batch in enumerate(group_requests(requests)):
-        outputs += run_batch(lm, cfg, args, batch, shared, progress, k,
-                              t_start if k == 0 else None, t_load)
-    if progress is not None:
-        progress.close()
     single = not is_jsonl(args)  # one prompt: one JSON object / one table, as ever
-    if args.json:
-        for out in outputs:
-            print(dumps(json_record(lm, cfg, out, single)))
-        return EXIT_OK
-    console = stdout_console()
-    for i, out in enumerate(outputs):
-        last_of_batch = i + 1 == len(outputs) or outputs[i + 1]["batch"] != out["batch"]
-        print_run(console, lm, out, single, bill=last_of_batch,
-                   batch_requests=None if single else out["requests"])
+    console = None if args.json else stdout_console()
+    try:
+        # Each call's requests are printed as soon as that call ends, so a later
+        # call's error or Ctrl-C keeps what is done (--out keeps each request).
+        for k, batch in enumerate(group_requests(requests)):
+            outputs = run_batch(lm, cfg, args, batch, shared, progress, k,
+                                t_start if k == 0 else None, t_load)
+            for i, out in enumerate(outputs):
+                if args.json:
+                    print(dumps(json_record(lm, cfg, out, single)))
+                else:
+                    print_run(console, lm, out, single, bill=i + 1 == len(outputs),
+                              batch_requests=None if single else out["requests"])
+            sys.stdout.flush()
+    finally:
+        if progress is not None:
+            progress.close()
     return EXIT_OK
 
 
