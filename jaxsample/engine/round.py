@@ -81,7 +81,6 @@ class Round:
         self.done = branch_ids < 0
         self.t = 0  # the clock: steps this round has run
         self.lockstep = bool(lockstep)
-        self.pooled = False  # set below: fewer device rows x slots than rows x branches
         # Device slots: a bucket of rows (a multiple of the data axis) x slots
         # (a multiple of the branch axis); slot (i, j) holds round row
         # row_of[i], column col_of[i, j] (-1: empty).
@@ -90,7 +89,7 @@ class Round:
         # run in several rows, `_next_prompt`), at most max_rows.
         R_all = R if lockstep else R * -(-N // N_dev)
         R_dev = -(-min(R_all, max_rows or R) // s.nd) * s.nd
-        self.pooled = R_dev < R or N_dev < N
+        self.pooled = R_dev < R or N_dev < N  # fewer device rows x slots than rows x branches
         valid = branch_ids >= 0
         if self.lockstep and int(valid.sum(axis=1).max(initial=0)) > N_dev:
             raise ValueError(f"lockstep (Bridge) rows need every branch of a prompt at once: "
@@ -153,7 +152,7 @@ class Round:
             placed = int(self.row_placed.sum())
             prefix, last = s.prefill_rows(prefix_rows[:placed])
             if prefix.lengths.shape[0] != len(prefix_rows):  # padding rows: copies of row 0
-                idx = np.minimum(np.arange(len(prefix_rows)), placed - 1)
+                idx = np.arange(len(prefix_rows))
                 idx[placed:] = 0
                 out_specs = None if s.m is None else (s.m.prefix_spec, s.m.Ps(s.m.d))
                 prefix, last = s.gather("take_rows", take_rows,

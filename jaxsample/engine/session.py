@@ -153,6 +153,9 @@ class Session:
         self.row_prompt = [r for r in range(B) for _ in range(N)] if naive else list(range(B))
         self.decode_steps = 0
         self.branch_steps = 0
+        # The prefix bucket of every prompt (the budget's row; rows prefilled lazily
+        # at a shorter bucket are padded to it in the pool).
+        self.p_cap = bucket(max(len(x) for x in self.ids))
         self._plan(max_kv_bytes)
         self.lazy = not naive and (bool(lazy_prefill) or self.pool_shape != (B, N))
         self._prefill()
@@ -171,9 +174,8 @@ class Session:
             self.pool_shape = (len(self.row_prompt), 1)
             return
         C = len(self.context_ids)
-        p_cap = bucket(max(len(x) for x in self.ids))
         rows, slots = budget_lib.plan(
-            self.cfg, B=self.B, n=self.N, p_cap=p_cap, t_cap=st.t_cap, budget=budget,
+            self.cfg, B=self.B, n=self.N, p_cap=self.p_cap, t_cap=st.t_cap, budget=budget,
             context_bytes=budget_lib.kv_size(self.cfg, bucket(C)) if C else 0, nd=self.nd,
             nb=self.nb, lockstep=self.bridge_cfg is not None, penalties=st.penalties, **flags)
         if self.bridge_cfg is not None and slots < self.N:
@@ -190,10 +192,8 @@ class Session:
         self.ctx_lp = None
         if self.context_ids:
             self.ctx_lp = self._prefill_context()
-        # The prefix bucket of every prompt: rows prefilled lazily must fit the pool's P.
-        self.p_cap = bucket(max(len(x) for x in self.ids))
         self.prompt_logprobs = None if self.prompt_k < 0 else [None] * self.B
-        self.prefilled_rows = 0  # session rows prefilled (a lazy pool may redo none)
+        self.prefilled_rows = 0  # session rows prefilled so far (`prefill_rows`)
         if self.lazy:  # the pool prefills its rows (`prefill_rows`) and holds them
             self.prefix = self.last = None
             self.rows_alloc = 0
@@ -214,7 +214,8 @@ class Session:
         Returns:
           (PrefixCache L x `[M', K, P, D]`, last logits `[M', V]` float32), M'
           = M rounded up to the data axis (padding rows: one-token dummies), P
-          the bucket of the longest prompt of the session (`self.p_cap`).
+          the session's prefix bucket (`self.p_cap`), or with `own_bucket` these
+          rows' own.
           With prompt logprobs, each prompt's are kept on the host.
         """
         rows = [int(r) for r in rows]
@@ -262,7 +263,7 @@ class Session:
             for j, r in enumerate(rows):
                 b = self.row_prompt[r]
                 if self.prompt_logprobs[b] is not None:
-                    continue  # naive rows are copies; a lazy pool may prefill a prompt twice
+                    continue  # naive rows are copies of their prompt: its first row
                 n_own = len(self.ids[b]) - (1 if self.ctx_lp is None else 0)
                 own = [a[j, :n_own] for a in lp]
                 if self.ctx_lp is not None:  # the context's C - 1 entries, then the row's
