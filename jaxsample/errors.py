@@ -40,6 +40,12 @@ class NumericalError(JaxsampleError, RuntimeError):
     """The model produced no valid distribution (every logit NaN or -inf) for a sampled token."""
 
 
+class ExtractError(JaxsampleError, RuntimeError):
+    """A caller's `extract` callable raised on a branch's text; the message names the
+    callable and the text (and, from `run_requests`, the request), the callable's own
+    exception is its `__cause__`."""
+
+
 QUOTE_LIMIT = 200  # characters of a value an error message quotes at most
 
 

@@ -107,3 +107,29 @@ def test_compact_is_a_bool_or_none(tiny_lm, bad):
     with pytest.raises(InputError, match="compact must be True, False or None"):
         engine.stream(tiny_lm, ["x"], PARAMS, compact=bad)
     assert engine.PROGRAMS.compilations == before
+
+
+def test_an_extractor_that_raises_is_named_with_its_request(tiny_lm):
+    """A caller's extract callable is user code: its error names the request, the
+    callable and the text, keeps the callable's exception as its cause, and the
+    requests yielded before it are kept."""
+    def picky(text):
+        raise KeyError("no digits")
+
+    # Lengths fixed (ignore_eos): "fine" completes at step 3, "bad" at 6.
+    short, long = (PARAMS.replace(ignore_eos=True, max_new_tokens=t) for t in (3, 6))
+    reqs = [Request(id="fine", prompt="one", params=short, extract=first_char),
+            Request(id="bad", prompt="two", params=long, extract=picky)]
+    got = []
+    with pytest.raises(jaxsample.errors.ExtractError) as e:
+        for res in jaxsample.run_requests(tiny_lm, reqs):
+            got.append(res.id)
+    msg = str(e.value)
+    assert msg.startswith("request 'bad' (index 1): the extract callable ") and "picky" in msg
+    assert "KeyError" in msg and "no digits" in msg and "on the text" in msg, msg
+    assert isinstance(e.value.__cause__.__cause__, KeyError)
+    assert got == ["fine"]
+    # The adaptive path names its call's requests.
+    reqs = [Request(id="ad", prompt="two", params=PARAMS, adaptive=ADAPTIVE, extract=picky)]
+    with pytest.raises(jaxsample.errors.ExtractError, match=r"requests \['ad'\] .*picky"):
+        list(jaxsample.run_requests(tiny_lm, reqs))

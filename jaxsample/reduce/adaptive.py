@@ -126,8 +126,10 @@ class AdaptiveResult:
 
 def extractor(extract) -> Callable[[str], str | None]:
     if callable(extract):
+        guarded = answers_lib.guarded(extract)
+
         def fn(text):
-            a = extract(text)
+            a = guarded(text)
             a = None if a is None else answers_lib.normalize(a)
             return a or None
         return fn

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 
+from jaxsample.errors import ExtractError, short_repr
 from jaxsample.reduce.answer_normalize import normalize, unify_minus
 from jaxsample.reduce.answer_text import DTFRAC_RE, FRAC_DIGITS_RE, last_boxed, mixed_numbers, strip_emphasis
 
@@ -334,6 +335,20 @@ def _extract(text: str, kind: str) -> str | None:
         if got is not None:
             return got
     return _number_by_precedence(text)
+
+
+def guarded(extract_fn):
+    """A caller's extractor whose exceptions come back as `ExtractError` naming it and the
+    text it was given (an extractor is user code: its traceback alone names neither)."""
+    def fn(text):
+        try:
+            return extract_fn(text)
+        except Exception as e:
+            name = getattr(extract_fn, "__qualname__", None) or repr(extract_fn)
+            raise ExtractError(f"the extract callable {short_repr(name)} raised "
+                               f"{type(e).__name__}: {short_repr(str(e))} on the text "
+                               f"{short_repr(text)}") from e
+    return fn
 
 
 def extract(text: object, kind: str = "auto") -> str | None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 
 from jaxsample.engine.requests import RequestResult, check_prompts, check_requests
 from jaxsample.engine.requests import run_requests as run_pool
-from jaxsample.errors import InputError
+from jaxsample.errors import ExtractError, InputError, short_repr
 from jaxsample.reduce import adaptive as adaptive_lib
 from jaxsample.reduce.self_consistency import self_consistency
 from jaxsample.sampling_params import SamplingParams
@@ -135,7 +135,10 @@ def _run(lm, reqs, max_kv_bytes, chunk_size, mesh, index_offset):
             for res in run_pool(lm, [reqs[i] for i in idx], max_kv_bytes=max_kv_bytes, chunk_size=chunk_size,
                                 mesh=mesh, index_offset=index_offset + start):
                 r = reqs[res.index - index_offset]
-                sc = self_consistency(res.generation, extract=r.extract)
+                try:
+                    sc = self_consistency(res.generation, extract=r.extract)
+                except ExtractError as e:
+                    raise ExtractError(f"request {r.id!r} (index {res.index}): {e}") from e
                 vote = RequestVote(answer=sc.winner[0], share=float(sc.share[0]),
                                    support=float(sc.support[0]), answers=list(sc.answers[0]),
                                    n=len(sc.answers[0]))
@@ -143,9 +146,13 @@ def _run(lm, reqs, max_kv_bytes, chunk_size, mesh, index_offset):
             continue
         _, params, chat, options, extract = key
         prompts = [reqs[i].messages if chat else reqs[i].prompt for i in idx]
-        result = adaptive_lib.adaptive_self_consistency(
-            lm, prompts, params, chat=chat, mesh=mesh, extract=extract,
-            prompt_index_offset=index_offset + start, **dict(options))
+        try:
+            result = adaptive_lib.adaptive_self_consistency(
+                lm, prompts, params, chat=chat, mesh=mesh, extract=extract,
+                prompt_index_offset=index_offset + start, **dict(options))
+        except ExtractError as e:
+            ids = [reqs[i].id for i in idx]
+            raise ExtractError(f"requests {short_repr(ids)} (one adaptive call): {e}") from e
         outputs = result.generation.outputs()
         for b, i in enumerate(idx):
             vote = RequestVote(answer=result.winner[b], share=float(result.share[b]),

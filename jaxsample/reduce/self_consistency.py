@@ -93,7 +93,7 @@ def self_consistency(
         kind = extract
         extract_fn = lambda t: answers_lib.extract(t, kind)  # noqa: E731
     elif callable(extract):
-        extract_fn = extract
+        extract_fn = answers_lib.guarded(extract)
     else:
         raise ValueError(f"extract must be a kind string or a callable; got {type(extract).__name__}")
 
