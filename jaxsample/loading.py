@@ -161,6 +161,17 @@ def load_info(lm: LanguageModel) -> dict:
 # ---------------------------------------------------------------------------
 
 
+def model_name(name_or_path: str | os.PathLike | None = None) -> str:
+    """The `LanguageModel.name` that `load(name_or_path)` gives, without reading the file:
+    a known name as itself, a Hugging Face directory by its name, a GGUF file by its stem.
+
+    Raises:
+      ModelLoadError: as `load` for a path that does not exist.
+    """
+    path, name = _resolve(name_or_path)
+    return name or (path.name if path.is_dir() else path.stem)
+
+
 def _resolve(name_or_path) -> tuple[pathlib.Path, str | None]:
     if name_or_path is None or str(name_or_path).lower() in registry.EMBEDDED_MODELS:
         name = registry.DEFAULT_MODEL if name_or_path is None else str(name_or_path).lower()
@@ -293,4 +304,4 @@ def _has_gguf_magic(path: pathlib.Path) -> bool:
         return False
 
 
-__all__ = ["load", "read_config", "read_model", "load_info"]
+__all__ = ["load", "read_config", "read_model", "load_info", "model_name"]

@@ -68,13 +68,17 @@ def make_mesh(branch: int = 1, data: int = 1, devices=None) -> jax.sharding.Mesh
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
+                           process_id: int | None = None, *, timeout_s: int = 300) -> None:
     """Multi-host start-up: a thin, documented call of `jax.distributed.initialize`.
 
     On TPU pods and SLURM/Kubernetes GPU clusters, call with no arguments
     (JAX detects the cluster); elsewhere pass the coordinator's host:port,
     the process count and this process's id. Then build the mesh with
-    `make_mesh` over `jax.devices()` (all hosts' devices).
+    `make_mesh` over `jax.devices()` (all hosts' devices). The call blocks until
+    all processes have joined; after `timeout_s` seconds (JAX's
+    `initialization_timeout`) JAX aborts the process (jax 0.10: a fatal error,
+    not an exception).
     """
     jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+                               num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=timeout_s)

@@ -75,6 +75,22 @@ def test_out_writes_one_strict_json_line_per_request(tmp_path):
     for p, rid in zip(printed, ("a", "1", "7")):
         assert p["params"] == by_id[rid]["params"] and p["usage"]["prompt_tokens"] == \
             by_id[rid]["usage"]["prompt_tokens"]
+    # --resume reads these lines back: with the same settings nothing is left to run;
+    # with another temperature, or another prompt under a kept id, it refuses in one
+    # line naming both lines and the field, before any load, and the file stays as it was.
+    text = out.read_text()
+    code, stdout, err = _main(["run", "--prompt-file", str(reqs), "--out", str(out),
+                               "--resume"] + FLAGS)
+    assert code == 0 and "all 3 requests are in" in err, err
+    changed = _write_requests(tmp_path / "changed.jsonl",
+                              [THREE[0], {"prompt": "three five"}, THREE[2]])
+    for prompts, flags, needle in ((reqs, ["--temperature", "0.5"], "temperature 0.8 -> 0.5"),
+                                   (changed, [], "prompt 'three four' -> 'three five'")):
+        code, stdout, err = _main(["run", "--prompt-file", str(prompts), "--out", str(out),
+                                   "--resume"] + FLAGS + flags)
+        assert code == 2 and err.count("\n") == 1 and needle in err, err
+        assert "other settings" in err and "line" in err, err
+        assert out.read_text() == text
 
 
 @pytest.mark.parametrize("resume", [False, True])
@@ -110,6 +126,7 @@ def test_a_bad_line_3_is_one_error_and_the_out_file_is_untouched(capsys, monkeyp
     (["--out", "{out}", "--distributed", "--process-id", "0"], "give all of --coordinator"),
     (["--out", "{out}", "--distributed", "--coordinator", "h:1", "--num-processes", "2",
       "--process-id", "2"], "--process-id must be in [0, 2)"),
+    (["--out", "{out}", "--distributed", "--join-timeout", "0"], "--join-timeout must be >= 1"),
     (["--out", "{out}", "--distributed", "--coordinator", "nonsense", "--num-processes", "1",
       "--process-id", "0"], "--coordinator must be HOST:PORT"),
     (["--out", "{out}", "--distributed", "--coordinator", "127.0.0.1:abc", "--num-processes",
@@ -145,6 +162,11 @@ def test_out_refuses_a_text_prompt_duplicate_ids_and_an_existing_file(capsys, mo
     code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--model", TINY_GGUF])
     err = capsys.readouterr().err
     assert code == 2 and "pass --resume" in err and out.read_text() == '{"id": "0"}\n'
+    # A directory is not an out file.
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(tmp_path), "--model",
+                     TINY_GGUF])
+    err = capsys.readouterr().err
+    assert code == 2 and "is a directory" in err, err
 
 
 def test_resume_skips_the_done_ids_and_redoes_a_torn_last_line(tmp_path):
@@ -342,6 +364,31 @@ def test_distributed_parts_merged_equal_a_single_process_run(tmp_path):
     assert [_comparable(x) for x in merged] == sorted(
         (_comparable(x) for x in _strict_lines(single)),
         key=lambda t: json.loads(t)["index"])
+
+
+@pytest.mark.slow
+def test_a_missing_peer_is_said_not_waited_for_silently(tmp_path):
+    """--num-processes 2 with one process started: it says what it waits for, and JAX
+    ends it after --join-timeout (jax 0.10 aborts; no part file is written)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    r = subprocess.run([sys.executable, "-m", "jaxsample", "run", "--prompt-file", str(reqs),
+                        "--out", str(out), "--model", TINY_GGUF, "--distributed",
+                        "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                        "--process-id", "0", "--join-timeout", "2"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode != 0
+    first = r.stderr.splitlines()[0]
+    assert first == (f"jaxsample: process 0 waiting for all 2 processes at 127.0.0.1:{port} "
+                     "to join (JAX ends this process if they have not within --join-timeout "
+                     "2 s)"), r.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == [reqs]
 
 
 def test_a_kv_budget_that_fits_runs(tmp_path, capsys):

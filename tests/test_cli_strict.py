@@ -121,6 +121,7 @@ def test_dumps_is_strict_json():
     ('{"prompt": "x", "logit_bias": {"\u00b2": 1}}', "logit_bias"),
     ('{"prompt": "x", "logit_bias": {"++5": 1}}', "'++5'"),
     ('{"prompt": "x", "logprobs": 21}', "logprobs"),
+    ('{"prompt": "x", "temperature": 0.1, "temperature": 2}', "'temperature' appears twice"),
     # vLLM / Hugging Face names get the jaxsample equivalent, as in SamplingParams (issue 19.14)
     ('{"prompt": "x", "num_return_sequences": 4}', "num_return_sequences: use n"),
     ('{"prompt": "x", "max_length": 4}', "max_length: use max_new_tokens"),

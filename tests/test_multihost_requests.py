@@ -170,6 +170,7 @@ def test_merge_orders_by_index_and_keeps_the_lines_byte_for_byte(tmp_path):
     ("gap", r"no line has index 1 .*a part is incomplete"),
     ("expect", r"--expect 3: the parts hold 2 requests"),
     ("nan", r"part-00001-of-00002 line 1: NaN is not JSON"),
+    ("repeated key", r"part-00001-of-00002 line 1: key 'index' appears twice in one object"),
     ("no index", r'line 1: "index" must be an int >= 0'),
     ("counts", r"parts of different runs: -of- counts \[2, 3\]"),
     ("not a part", r"not a part name"),
@@ -190,6 +191,8 @@ def test_merge_refuses_bad_parts_in_one_line_and_leaves_out_alone(tmp_path, caps
         _write_part(out, 1, 2, [{"id": "b", "index": 1}], raw_tail=b'{"id": "c", "ind')
     elif case == "nan":
         Path(part_path(out, 1, 2)).write_text('{"id": "b", "index": 1, "x": NaN}\n')
+    elif case == "repeated key":
+        Path(part_path(out, 1, 2)).write_text('{"id": "b", "index": 1, "index": 0}\n')
     elif case == "no index":
         Path(part_path(out, 1, 2)).write_text('{"id": "b"}\n')
     elif case == "counts":

@@ -64,6 +64,9 @@ def test_resume_refuses_a_corrupt_middle_line_and_duplicate_ids(tmp_path):
     path.write_text('{"id": "a", "x": NaN}\n', encoding="utf-8")
     with pytest.raises(InputError, match="line 1"):
         ResultsFile(path, resume=True)
+    path.write_text('{"id": "a", "id": "b"}\n{"id": "c"}\n', encoding="utf-8")
+    with pytest.raises(InputError, match="line 1: key 'id' appears twice"):
+        ResultsFile(path, resume=True)
     path.write_text('{"id": "a"}\n', encoding="utf-8")
     with ResultsFile(path, resume=True) as out:
         with pytest.raises(ValueError, match="already"):

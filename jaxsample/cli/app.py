@@ -190,14 +190,15 @@ def _run(args) -> int:
         requests = _take_share(args, requests)
     for r in requests:
         make_mesh(cfg.mesh, r.sampling.n)
+    from jaxsample import loading
+
     results = None
     if getattr(args, "out", None) is not None:  # opened (created) only now: input all valid
         from jaxsample.cli.out_file import open_results
 
-        results = open_results(args, requests)
+        results = open_results(args, requests, cfg, loading.model_name(cfg.model.name))
         if results is None:  # --resume: every request is in the file already
             return EXIT_OK
-    from jaxsample import loading
     from jaxsample.progress import Progress
 
     progress = None if args.quiet else Progress()
@@ -271,6 +272,8 @@ def check_distributed(args) -> None:
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InputError(f"--coordinator must be HOST:PORT (a port in [1, 65535]), got "
                              f"{args.coordinator!r}")
+    if args.join_timeout < 1:
+        raise InputError(f"--join-timeout must be >= 1 second, got {args.join_timeout}")
     if given and args.num_processes < 1:
         raise InputError(f"--num-processes must be >= 1, got {args.num_processes}")
     if given and args.process_id >= args.num_processes:
@@ -288,7 +291,13 @@ def _take_share(args, requests):
     from jaxsample.cli.merge import part_path
     from jaxsample.engine.shard_requests import share_bounds
 
-    sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    if not args.quiet:  # joining blocks until every process is there: say so
+        who = (f"process {args.process_id} waiting for all {args.num_processes} processes at "
+               f"{args.coordinator}" if args.coordinator else "waiting for the cluster's processes")
+        print(f"jaxsample: {who} to join (JAX ends this process if they have not within "
+              f"--join-timeout {args.join_timeout} s)", file=sys.stderr, flush=True)
+    sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                    timeout_s=args.join_timeout)
     p, C = jax.process_index(), jax.process_count()
     start, stop = share_bounds(len(requests), p, C)
     args.out = part_path(args.out, p, C)

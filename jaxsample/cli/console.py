@@ -67,6 +67,34 @@ def dumps(obj) -> str:
     return json.dumps(_strict(obj), ensure_ascii=False, allow_nan=False)
 
 
+def unique_keys(pairs) -> dict:
+    """`json.loads`'s object_pairs_hook that refuses a key given twice in one object
+    (Python keeps the last silently; RFC 8259 leaves it undefined).
+
+    Raises:
+      ValueError: naming the key.
+    """
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        obj[key] = value
+    return obj
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads(text: str):
+    """The strict reader of our own JSON lines: no NaN / Infinity, no key twice.
+
+    Raises:
+      ValueError: what is wrong (json.JSONDecodeError for malformed text).
+    """
+    return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=unique_keys)
+
+
 def _branches(out) -> list[dict]:
     gen, b, adaptive = out["gen"], out["b"], out["adaptive"]
     mean_lp = gen.mean_logprob()[b]
@@ -96,14 +124,19 @@ def _json_result(result: dict) -> dict:
             for k, v in result.items()}
 
 
+def record_params(cfg, sampling, seed) -> dict:
+    """A record's "params": the request's sampling settings (the YAML layout) with the
+    seed it ran with, the chat flag and the reducer."""
+    params = cfg.replace(sampling=sampling).to_dict()["sampling"]
+    params["seed"] = seed
+    return {**params, "chat": cfg.chat, "reducer": dataclasses.asdict(cfg.reducer)}
+
+
 def json_record(lm, cfg, out, single: bool) -> dict:
     """The JSON object of one request (the documented schema of `run --json`)."""
     r, gen, b = out["request"], out["gen"], out["b"]
-    params = out["cfg"].to_dict()["sampling"]
-    params["seed"] = gen.params.seed
     record = {"model": lm.name, "prompt": r.prompt if r.messages is None else None,
-              "params": {**params, "chat": cfg.chat,
-                         "reducer": dataclasses.asdict(cfg.reducer)},
+              "params": record_params(cfg, out["cfg"].sampling, gen.params.seed),
               "branches": _branches(out), "result": _json_result(out["result"]),
               "bill": gen.bill.to_dict(), "timings": out["timings"]}
     if single:

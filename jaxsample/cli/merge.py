@@ -25,10 +25,10 @@ the same way), written to a temporary file, fsynced and renamed over OUT.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 
+from jaxsample.cli.console import loads
 from jaxsample.errors import InputError
 
 _PART = re.compile(r"^(?P<out>.+)\.part-(?P<index>\d{5,})-of-(?P<count>\d{5,})$")
@@ -42,10 +42,6 @@ def part_path(out, process_index: int, process_count: int) -> str:
     if not 0 <= process_index < process_count:
         raise InputError(f"process_index {process_index} is not in [0, {process_count})")
     return f"{os.fspath(out)}.part-{process_index:05d}-of-{process_count:05d}"
-
-
-def _reject_constant(name):
-    raise ValueError(f"{name} is not JSON")
 
 
 def _part_set(out: str, parts) -> list[str]:
@@ -100,7 +96,7 @@ def read_part(path: str) -> list[tuple[int, str, bytes, int]]:
     out = []
     for i, raw in enumerate(lines[:-1]):
         try:
-            obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+            obj = loads(raw.decode("utf-8"))
             if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
                 raise ValueError('not an object with a string "id"')
             index = obj.get("index")

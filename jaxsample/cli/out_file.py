@@ -23,14 +23,15 @@ written as it completes (issue 21, part 5).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 
-from jaxsample.cli.console import EXIT_OK, dumps, json_record
+from jaxsample.cli.console import EXIT_OK, dumps, json_record, record_params
 from jaxsample.cli.requests import group_requests, is_jsonl, render
 from jaxsample.cli.results_file import ResultsFile
-from jaxsample.errors import InputError
+from jaxsample.errors import InputError, short_repr
 
 
 def out_id(r) -> str:
@@ -73,22 +74,33 @@ def check_out_args(args, requests) -> None:
         seen[key] = r
 
 
-def open_results(args, requests) -> ResultsFile | None:
-    """The out file, opened (created, or with --resume read and its torn last line cut).
+def open_results(args, requests, cfg, model: str) -> ResultsFile | None:
+    """The out file, opened (created, or with --resume read, its kept lines checked
+    against the requests (`check_kept`) and its torn last line cut).
 
+    Args:
+      cfg: the run's `RunConfig`; model: the name the records carry (`loading.model_name`).
     Returns:
       The `ResultsFile`, or None (closed) when --resume finds every request in it.
     Raises:
-      InputError: without --resume, a non-empty FILE (never truncated: pass --resume or
-        remove it); with it, a FILE that is not a results file (`ResultsFile`).
+      InputError: FILE is a directory; without --resume, a non-empty FILE (never
+        truncated: pass --resume or remove it); with it, a FILE that is not a results
+        file (`ResultsFile`) or a kept line written with other settings (`check_kept`).
       OSError: FILE cannot be created or read.
     """
     path = args.out
+    if os.path.isdir(path):
+        raise InputError(f"--out: {path} is a directory; name a file")
     if not args.resume and os.path.exists(path) and os.path.getsize(path) > 0:
         raise InputError(f"--out: {path} already holds results; pass --resume to continue "
                          "it, or remove it")
     results = ResultsFile(path, resume=args.resume)
     if args.resume:
+        try:
+            check_kept(results, requests, cfg, model)
+        except BaseException:
+            results.close()
+            raise
         ids = {out_id(r) for r in requests}
         done = len(ids & results.done)
         extra = len(results.done - ids)
@@ -102,6 +114,42 @@ def open_results(args, requests) -> ResultsFile | None:
         _note(args, f"--resume: {done} of {len(requests)} requests are in {path} already, "
                     f"running the other {len(requests) - done}{torn}{other}")
     return results
+
+
+def check_kept(results: ResultsFile, requests, cfg, model: str) -> None:
+    """--resume: each kept line must record what its request asks now, so one file never
+    mixes two settings. Compared where the line records it: "model", "prompt" /
+    "messages" and "params" (sampling settings, chat, reducer; the seed too unless the
+    request's seed is None, a fresh draw each run).
+
+    Raises:
+      InputError: naming the out file's line, the request's line and the fields that differ.
+    """
+    for r in requests:
+        key = out_id(r)
+        if key not in results.kept:
+            continue
+        line, got = results.kept[key]
+        want = {"model": model, "prompt": r.prompt if r.messages is None else None,
+                "messages": r.messages,
+                "params": record_params(cfg, r.sampling, r.sampling.seed)}
+        want = json.loads(dumps(want))  # as a line reads back (tuples as lists, ...)
+        if r.sampling.seed is None and isinstance(got.get("params"), dict):
+            got = {**got, "params": {k: v for k, v in got["params"].items() if k != "seed"}}
+            want["params"].pop("seed")
+        diff = []
+        for field in got:
+            if field == "params" and isinstance(got[field], dict):
+                names = sorted(set(got[field]) | set(want[field]))
+                diff += [f"{k} {short_repr(got[field].get(k))} -> {short_repr(want[field].get(k))}"
+                         for k in names
+                         if got[field].get(k) != want[field].get(k)]
+            elif got[field] != want[field]:
+                diff.append(f"{field} {short_repr(got[field])} -> {short_repr(want[field])}")
+        if diff:
+            raise InputError(f"--resume: {results.path} line {line} (id {key!r}) was written "
+                             f"with other settings than {r.where} asks ({'; '.join(diff)}): "
+                             "use another --out, or remove that line to redo it")
 
 
 def _runs(requests):

@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --distributed: the number of processes")
     run.add_argument("--process-id", metavar="I", type=_non_negative_int,
                      help="with --distributed: this process's id in [0, N)")
+    run.add_argument("--join-timeout", metavar="SECONDS", type=_int, default=300,
+                     help="with --distributed: how long a process waits for all N to join "
+                          "(JAX's initialization_timeout; JAX then ends the process; default 300)")
     run.add_argument("--kv-budget", metavar="BYTES", type=byte_size,
                      help="the decode pool's KV budget, e.g. 2GiB (generate(max_kv_bytes=...); "
                           "default: a fraction of the device's memory); not with --adaptive")

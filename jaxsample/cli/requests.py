@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxsample.cli import config as config_lib
+from jaxsample.cli.console import unique_keys
 from jaxsample.cli.parser import ADAPTIVE
 from jaxsample.errors import ConfigError, InputError, short_repr
 from jaxsample.sampling_params import FOREIGN_KEYWORDS
@@ -159,7 +160,7 @@ def read_requests(args, cfg: config_lib.RunConfig) -> list[Request]:
             continue
         at = f"--prompt-file: {where} line {lineno}"
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=unique_keys)
         except ValueError as e:
             raise InputError(f"{at}: not JSON: {e}") from None
         if not isinstance(obj, dict):

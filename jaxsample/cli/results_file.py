@@ -17,12 +17,11 @@ Lines are `{"id": str, ...}`; ids are unique in a file.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
 
-from jaxsample.cli.console import dumps
+from jaxsample.cli.console import dumps, loads
 from jaxsample.errors import InputError
 
 
@@ -50,8 +49,7 @@ def _signals_held():
             signal.raise_signal(held[0])
 
 
-def _reject_constant(name):
-    raise ValueError(f"{name} is not JSON")
+SETTINGS = ("model", "prompt", "messages", "params")  # what a line must share with its request
 
 
 class ResultsFile:
@@ -69,6 +67,9 @@ class ResultsFile:
     def __init__(self, path, resume: bool = False):
         self.path = os.fspath(path)
         self.done: set[str] = set()
+        # With resume: each kept line's number and the settings it records ("model",
+        # "prompt", "messages", "params", those present), for `out_file.check_kept`.
+        self.kept: dict[str, tuple[int, dict]] = {}
         self.torn: str | None = None  # the torn last line's text, if one was cut
         if resume and os.path.exists(self.path):
             self._read()
@@ -88,7 +89,7 @@ class ResultsFile:
             try:
                 if last:
                     raise ValueError("no newline: the write was interrupted")
-                obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+                obj = loads(raw.decode("utf-8"))
                 if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
                     raise ValueError('not an object with a string "id"')
             except (ValueError, UnicodeDecodeError) as e:
@@ -100,6 +101,7 @@ class ResultsFile:
             if obj["id"] in self.done:
                 raise InputError(f"{self.path} line {i + 1}: id {obj['id']!r} appears twice")
             self.done.add(obj["id"])
+            self.kept[obj["id"]] = (i + 1, {k: obj[k] for k in SETTINGS if k in obj})
             good += len(raw) + 1
         if good < len(data):
             with open(self.path, "r+b") as f:
