@@ -148,19 +148,14 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
         second process skips tracing and lowering them too
         (`jaxsample.engine.exported`): True puts them in
         `cache_dir() / "exported"` (nothing with `JAXSAMPLE_NO_CACHE`), a path
-        there, False not at all.
+        there, False not at all. Only when the compilation cache was turned
+        on (a second process would compile them again otherwise).
     Returns:
       The directory in use, or None when caching is off (`JAXSAMPLE_NO_CACHE`
       and no explicit `path`) or the directory cannot be created (a warning
       says why; never an error: the run only gets slower).
     """
     base = cache_dir()
-    if exported is not False:
-        where = (base / "exported" if base is not None else None) if exported is True else \
-            pathlib.Path(exported).expanduser()
-        _EXPORTED[:] = [] if where is None else [where]
-    else:
-        _EXPORTED.clear()
     if path is None:
         if base is None:
             return None
@@ -184,6 +179,11 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
+    if exported is False or (exported is True and base is None):
+        _EXPORTED.clear()
+    else:
+        _EXPORTED[:] = [base / "exported" if exported is True
+                        else pathlib.Path(exported).expanduser()]
     return path
 
 

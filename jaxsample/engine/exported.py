@@ -47,6 +47,7 @@ import logging
 import pathlib
 import re
 import sys
+import time
 from typing import Any
 
 import jax
@@ -67,6 +68,9 @@ TRACE_KNOBS = ("jaxsample.models.flash", "jaxsample.models.moe", "jaxsample.mode
 read while a program is traced (`flash.BLOCKWISE_MIN_LEN`, `select.TOP_CANDIDATES`,
 ...): their current values are part of every key, so a process that changed
 one (a benchmark) never reads another's program."""
+
+READ_EVENT = "/jaxsample/exported/read_duration"  # jax.monitoring: reading + deserialising
+WRITE_EVENT = "/jaxsample/exported/export_duration"  # exporting + serialising + writing
 
 _SOURCE_PACKAGES = ("jaxsample", "jaxsample.models")  # the second is the folder models/
 
@@ -293,7 +297,9 @@ def build(directory: pathlib.Path, key, fn, args, donate=()) -> tuple[FlatProgra
     leaves, in_tree = jax.tree_util.tree_flatten(args)
     flat_donate = _flat_donate(args, donate)
     try:
+        t0 = time.perf_counter()
         exp, out_tree = read_entry(path, text)
+        jax.monitoring.record_event_duration_secs(READ_EVENT, time.perf_counter() - t0)
         prog = FlatProgram(jax.jit(exp.call, donate_argnums=flat_donate).lower(*leaves)
                            .compile(), out_tree)
         return prog, True
@@ -310,6 +316,7 @@ def build(directory: pathlib.Path, key, fn, args, donate=()) -> tuple[FlatProgra
         trees.append(tree)
         return out_leaves
 
+    t0 = time.perf_counter()
     try:
         exp = jax.export.export(jax.jit(flat))(*leaves)
         encode_tree(trees[-1])
@@ -318,6 +325,7 @@ def build(directory: pathlib.Path, key, fn, args, donate=()) -> tuple[FlatProgra
     except Exception as e:  # noqa: BLE001 - not exportable: the plain path
         raise Unsupported(f"jax.export: {type(e).__name__}: {e}") from None
     write_entry(path, text, exp, trees[-1])
+    jax.monitoring.record_event_duration_secs(WRITE_EVENT, time.perf_counter() - t0)
     prog = FlatProgram(jax.jit(exp.call, donate_argnums=flat_donate).lower(*leaves).compile(),
                        trees[-1])
     return prog, False
