@@ -391,7 +391,8 @@ _PART_DIRS = {"weights": "weights", "compiled": "xla", "exported": "exported",
 def clear(parts=CLEAR_PARTS, base: pathlib.Path | None = None) -> int:
     """Delete parts of the cache directory: "weights" (`weights/`, its hash index
     included), "compiled" (`xla/`), "exported" (`exported/`), "models"
-    (`models/`: re-assembled on the next load, seconds). Other files under the directory are left alone.
+    (`models/`: re-assembled on the next load, seconds). Other files under the
+    directory are left alone.
 
     Args:
       parts: a subset of `CLEAR_PARTS`.
