@@ -235,3 +235,24 @@ def test_off_with_the_caches_off_or_its_own_switch(exported_dir, monkeypatch):
     monkeypatch.setenv(disk_cache.ENV_OFF, "1")
     Programs().get(("toy",), f, args)
     assert not exported_dir.exists()
+
+
+def test_on_a_mesh_the_same_tokens_with_and_without(tiny_lm, exported_dir, monkeypatch):
+    if jax.device_count() < 2:
+        pytest.skip("needs --xla_force_host_platform_device_count (tests/conftest.py)")
+    mesh = jax.make_mesh((1, 2), ("data", "branch"))
+    params = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, seed=2, logprobs=1)
+
+    def run():
+        g = engine.generate(tiny_lm, PROMPTS, params, mesh=mesh)
+        return g.tokens, g.logprobs, g.top_logprobs
+
+    monkeypatch.setenv(disk_cache.ENV_NO_EXPORTED, "1")
+    plain = run()
+    monkeypatch.delenv(disk_cache.ENV_NO_EXPORTED)
+    _fresh()
+    _same(plain, run())  # exported and written
+    _fresh()
+    reads = engine.PROGRAMS.from_exported
+    _same(plain, run())  # read back
+    assert engine.PROGRAMS.from_exported - reads == 3
