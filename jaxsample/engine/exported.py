@@ -125,10 +125,9 @@ def _leaf_sig(a) -> tuple:
 
 def entry_key(key, args, donate) -> str:
     """The key text of a program: see the module docstring. Raises Unsupported
-    when `repr(key)` is not stable across processes (an object address)."""
+    when it is not stable across processes (the static key's `repr` or an
+    argument's pytree node names an object address)."""
     static = repr(key)
-    if re.search(r" at 0x[0-9a-fA-F]+", static):
-        raise Unsupported("the key names an object address")
     devices = jax.devices()
     material = {
         "format": FORMAT,
@@ -148,7 +147,10 @@ def entry_key(key, args, donate) -> str:
         "devices": len(devices),
         "processes": jax.process_count(),
     }
-    return json.dumps(material, sort_keys=True, default=repr)
+    text = json.dumps(material, sort_keys=True, default=repr)
+    if re.search(r" at 0x[0-9a-fA-F]+", text):  # the key or an argument's pytree node
+        raise Unsupported("the key names an object address")
+    return text
 
 
 def _version() -> str:
