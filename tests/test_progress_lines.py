@@ -2,6 +2,7 @@
 compiled, one load figure, a line every interval while a phase runs, and the rounds
 of adaptive self-consistency."""
 
+import importlib.util
 import io
 import json
 import os
@@ -82,12 +83,14 @@ def test_compile_lines_say_compiled_only_when_xla_compiled(tmp_path):
         runs.append([ln for ln in p.stderr.splitlines() if ln.startswith(PREFIX)])
     first, second = runs
     assert not any("compiling" in ln for ln in first + second)
+    exported = importlib.util.find_spec("flatbuffers") is not None  # jax.export can serialize
+    cached = "from cache in" if exported else "from the compilation cache in"
     for name in ("prefill", "decode"):
         assert any(ln.startswith(f"{PREFIX}compiled {name} in") for ln in first), first
         assert not any(f"compiled {name}" in ln for ln in second), second
-        assert any(ln.startswith(f"{PREFIX}loaded {name} from cache in")
-                   for ln in second), second
-    assert len(list((tmp_path / "cache" / "exported").iterdir())) == 3  # prefill, init, decode
+        assert any(ln.startswith(f"{PREFIX}loaded {name} {cached}") for ln in second), second
+    if exported:  # prefill, init, decode
+        assert len(list((tmp_path / "cache" / "exported").iterdir())) == 3
 
 
 @pytest.mark.slow
