@@ -11,26 +11,35 @@ Every measured call is a fresh process running
         --n 8 --max-new-tokens 32 --seed 0 --json --quiet
 
 with `JAXSAMPLE_CACHE_DIR` pointing at a directory of this benchmark (never
-the user's cache). One repeat is three calls:
+the user's cache). One repeat is five calls:
 
 * `first`  an empty cache directory: the weights are dequantised from the
-  GGUF and written to the weight cache, every program is compiled and
-  written to JAX's persistent compilation cache;
+  GGUF and written to the weight cache, every program is traced, exported
+  (`<cache>/exported/`) and compiled (`<cache>/xla/`);
 * `second` the same directory again: the weights come back from the cache
-  (a memory map of the safetensors entry), the programs from the
-  compilation cache;
+  (a memory map of the safetensors entry), the programs from the exported
+  entries (not traced) and the compilation cache;
+* `first-plain`, `second-plain` the same two calls in another empty
+  directory with `JAXSAMPLE_NO_EXPORTED=1`: the compilation cache alone,
+  what the second call cost before the exported programs (the programs are
+  traced and lowered again, then fetched);
 * `no-cache` `--no-cache`: what every call cost before the caches (the GGUF
-  is in the page cache by then, like the other two).
+  is in the page cache by then, like the others).
 
 Figures per call: `load` and `compile` (seconds, from the JSON `timings` the
 command prints: loading the model; tracing, lowering and compiling or
 fetching the compiled programs), `decode`, `total` in the process (from its
 start of `main` to the result) and `wall` (the process, interpreter and
-imports included, measured from outside). The table shows the median over
-the repeats, and min-max. The decode itself is the same work in every call
-(it is here to show that only start-up changes). The GGUF and the Python
-files are read once before the first repeat, so every call finds them in
-the page cache.
+imports included, measured from outside). The breakdown of `compile` comes
+from `jax.monitoring` duration events summed in the child (`WRAPPER`):
+`trace` (jaxpr tracing), `lower` (jaxpr to StableHLO), `xla` (XLA compile,
+or fetch from the compilation cache), of it `fetch` (the cache retrieval:
+reading and deserialising the executable), and `read` (reading and
+deserialising the exported programs). The table shows the median over the
+repeats, and min-max. The decode itself is the same work in every call (it
+is here to show that only start-up changes). The GGUF and the Python files
+are read once before the first repeat, so every call finds them in the page
+cache.
 """
 
 from __future__ import annotations
@@ -51,8 +60,32 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROMPT = "What is 3 + 4? Answer with a number."
 
 
+# The child: `python -m jaxsample` with jax.monitoring's durations summed and
+# printed on stderr after the command.
+WRAPPER = r"""
+import collections, json, sys
+import jax
+sums = collections.defaultdict(float)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **_: sums.__setitem__(event, sums[event] + seconds))
+from jaxsample.cli import main
+code = main(sys.argv[1:])
+sys.stderr.write("\nBREAKDOWN " + json.dumps(sums) + "\n")
+raise SystemExit(code)
+"""
+
+EVENTS = {"trace": "/jax/core/compile/jaxpr_trace_duration",
+          "lower": "/jax/core/compile/jaxpr_to_mlir_module_duration",
+          "xla": "/jax/core/compile/backend_compile_duration",
+          "fetch": "/jax/compilation_cache/cache_retrieval_time_sec",
+          "read": "/jaxsample/exported/read_duration"}
+
+KINDS = (("first", {}), ("second", {}), ("first-plain", {"JAXSAMPLE_NO_EXPORTED": "1"}),
+         ("second-plain", {"JAXSAMPLE_NO_EXPORTED": "1"}), ("no-cache", None))
+
+
 def command(args, no_cache: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "jaxsample", "run", "--prompt", PROMPT, "--n", str(args.n),
+    cmd = [sys.executable, "-c", WRAPPER, "run", "--prompt", PROMPT, "--n", str(args.n),
            "--max-new-tokens", str(args.max_new_tokens), "--seed", "0", "--json", "--quiet"]
     if args.model:
         cmd += ["--model", args.model]
@@ -61,9 +94,11 @@ def command(args, no_cache: bool) -> list[str]:
     return cmd
 
 
-def call(args, cache_dir: pathlib.Path, no_cache: bool) -> dict:
-    env = {**os.environ, "JAXSAMPLE_CACHE_DIR": str(cache_dir)}  # cwd=ROOT: `-m` finds jaxsample
+def call(args, cache_dir: pathlib.Path, no_cache: bool, extra_env=None) -> dict:
+    env = {**os.environ, "JAXSAMPLE_CACHE_DIR": str(cache_dir)}  # cwd=ROOT: finds jaxsample
     env.pop("JAXSAMPLE_NO_CACHE", None)
+    env.pop("JAXSAMPLE_NO_EXPORTED", None)
+    env.update(extra_env or {})
     t0 = time.perf_counter()
     out = subprocess.run(command(args, no_cache), env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=1800)
@@ -72,8 +107,10 @@ def call(args, cache_dir: pathlib.Path, no_cache: bool) -> dict:
         raise SystemExit(f"jaxsample run failed ({out.returncode}): {out.stderr[-2000:]}")
     d = json.loads(out.stdout)
     t = d["timings"]
+    sums = json.loads(out.stderr.rsplit("BREAKDOWN ", 1)[1])
     return {"load": t["load"], "compile": t["compile"], "prefill": t["prefill"],
             "decode": t["decode"], "total": t["total"], "wall": wall,
+            **{k: sums.get(e, 0.0) for k, e in EVENTS.items()},
             "texts": [b["text"] for b in d["branches"]]}
 
 
@@ -98,44 +135,67 @@ def main(argv=None) -> int:
     load_avg = os.getloadavg() if hasattr(os, "getloadavg") else None
     calls = []
     for r in range(args.repeats):
-        base = pathlib.Path(tempfile.mkdtemp(prefix="jaxsample-startup-"))
+        bases = {}
         try:
-            for kind, no_cache in (("first", False), ("second", False), ("no-cache", True)):
-                c = call(args, base, no_cache)
+            for kind, extra in KINDS:
+                group = kind.split("-")[-1] if kind.endswith("plain") else "exported"
+                if group not in bases:
+                    bases[group] = pathlib.Path(tempfile.mkdtemp(prefix="jaxsample-startup-"))
+                c = call(args, bases[group], extra is None, extra)
                 c.update(kind=kind, repeat=r)
-                if kind == "first":
-                    c["cache_bytes"] = {sub.name: dir_bytes(sub) for sub in base.iterdir()}
+                if kind.startswith("first"):
+                    c["cache_bytes"] = {sub.name: dir_bytes(sub) for sub in bases[group].iterdir()}
                 calls.append(c)
-                print(f"repeat {r} {kind:8s} load {c['load']:6.2f} s  compile "
-                      f"{c['compile']:6.2f} s  decode {c['decode']:6.2f} s  total "
-                      f"{c['total']:6.2f} s  wall {c['wall']:6.2f} s", flush=True)
+                print(f"repeat {r} {kind:12s} load {c['load']:6.2f} s  compile "
+                      f"{c['compile']:6.2f} s (trace {c['trace']:.2f} lower {c['lower']:.2f} "
+                      f"xla {c['xla']:.2f} fetch {c['fetch']:.2f} read {c['read']:.2f})  "
+                      f"decode {c['decode']:6.2f} s  total {c['total']:6.2f} s  wall "
+                      f"{c['wall']:6.2f} s", flush=True)
         finally:
-            shutil.rmtree(base, ignore_errors=True)
+            for b in bases.values():
+                shutil.rmtree(b, ignore_errors=True)
     same = all(c["texts"] == calls[0]["texts"] for c in calls)
     env = {"python": platform.python_version(), "machine": platform.machine(),
            "cpus": os.cpu_count(), "load_average_at_start": load_avg,
-           "command": " ".join(command(args, False)[1:]), "same_texts_in_every_call": same}
+           "command": "python -m jaxsample " + " ".join(command(args, False)[3:]),
+           "same_texts_in_every_call": same}
     try:
         import importlib.metadata as md
         env.update(jax=md.version("jax"), jaxlib=md.version("jaxlib"))
     except Exception:  # noqa: BLE001
         pass
     print()
-    print("| call | load (s) | compile (s) | decode (s) | total in process (s) | wall (s) |")
-    print("|---|---|---|---|---|---|")
-    for kind in ("first", "second", "no-cache"):
+    print("| call | load (s) | compile (s) | load+compile (s) | decode (s) | total in process (s) "
+          "| wall (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for c in calls:
+        c["load_compile"] = c["load"] + c["compile"]
+
+    def cell(rows, key):
+        v = [c[key] for c in rows]
+        med = statistics.median(v)
+        return f"{med:.2f} ({min(v):.2f}-{max(v):.2f})" if len(v) > 1 else f"{med:.2f}"
+
+    kinds = [k for k, _ in KINDS]
+    for kind in kinds:
         rows = [c for c in calls if c["kind"] == kind]
-
-        def cell(key):
-            v = [c[key] for c in rows]
-            med = statistics.median(v)
-            return f"{med:.2f} ({min(v):.2f}-{max(v):.2f})" if len(v) > 1 else f"{med:.2f}"
-
-        print(f"| {kind} | {cell('load')} | {cell('compile')} | {cell('decode')} | "
-              f"{cell('total')} | {cell('wall')} |")
+        print(f"| {kind} | {cell(rows, 'load')} | {cell(rows, 'compile')} | "
+              f"{cell(rows, 'load_compile')} | {cell(rows, 'decode')} | {cell(rows, 'total')} | "
+              f"{cell(rows, 'wall')} |")
+    print()
+    print("| call | trace (s) | lower (s) | xla: compile or fetch (s) | of it fetch (s) "
+          "| read exported (s) |")
+    print("|---|---|---|---|---|---|")
+    for kind in kinds:
+        rows = [c for c in calls if c["kind"] == kind]
+        print(f"| {kind} | " + " | ".join(cell(rows, k) for k in EVENTS) + " |")
+    med = {k: statistics.median(c["load_compile"] for c in calls if c["kind"] == k)
+           for k in kinds}
+    print(f"\nsecond/first load+compile: exported {med['second'] / med['first']:.1%}, "
+          f"plain {med['second-plain'] / med['first-plain']:.1%}")
     first = [c for c in calls if c["kind"] == "first"][0]
-    print(f"\ncache written by the first call: " + ", ".join(
-        f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(first["cache_bytes"].items())))
+    print(f"cache written by the first call: " + ", ".join(
+        f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(first["cache_bytes"].items())))
     print(f"same branch texts in every call: {same}")
     if args.out:
         with open(args.out, "w") as f:

@@ -6,6 +6,10 @@ rather than shipped whole:
     <cache dir>/xla/       JAX's persistent compilation cache: the compiled
                            prefill and decode programs (the engine's AOT
                            `jit(...).lower(...).compile()` goes through it too)
+    <cache dir>/exported/  the engine's programs as StableHLO (`jax.export`),
+                           so a second process skips tracing and lowering
+                           (`jaxsample.engine.exported`); written beside
+                           `xla/` when `enable_compilation_cache` turned it on
     <cache dir>/weights/   the dequantised weights of GGUF files
                            (`jaxsample.weight_cache`)
     <cache dir>/models/    checkpoints assembled from several packages (Gemma 3
@@ -14,8 +18,9 @@ rather than shipped whole:
 
 The directory is `$JAXSAMPLE_CACHE_DIR` if set, else
 `$XDG_CACHE_HOME/jaxsample` (`~/.cache/jaxsample` without it).
-`JAXSAMPLE_NO_CACHE=1` turns both caches off (the command line's
-`--no-cache` does the same for one run). Library code never changes JAX's
+`JAXSAMPLE_NO_CACHE=1` turns every cache off (the command line's
+`--no-cache` does the same for one run); `JAXSAMPLE_NO_EXPORTED=1` turns off
+only the exported programs (`exported_dir`). Library code never changes JAX's
 global configuration by itself: the compilation cache is turned on by an
 explicit call (`jaxsample.enable_compilation_cache()`, which the command line
 makes).
@@ -47,6 +52,9 @@ ENV_DIR = "JAXSAMPLE_CACHE_DIR"
 
 
 ENV_OFF = "JAXSAMPLE_NO_CACHE"
+
+
+ENV_NO_EXPORTED = "JAXSAMPLE_NO_EXPORTED"
 
 
 HASH_BLOCK_BYTES = 8 * 2**20  # read and hash files in blocks of this many bytes
@@ -103,8 +111,24 @@ def models_dir() -> pathlib.Path:
     return cache_root() / "models"
 
 
+_EXPORTED: list[pathlib.Path] = []  # the exported programs' directory, once turned on
+
+
+def exported_dir() -> pathlib.Path | None:
+    """Where the engine reads and writes exported programs, or None: off unless
+    `enable_compilation_cache` turned it on, and off while `JAXSAMPLE_NO_CACHE`
+    or `JAXSAMPLE_NO_EXPORTED` is set (read at every lookup)."""
+    if not _EXPORTED or cache_disabled():
+        return None
+    if os.environ.get(ENV_NO_EXPORTED, "").strip().lower() not in _OFF_VALUES:
+        return None
+    return _EXPORTED[-1]
+
+
 def enable_compilation_cache(path: str | os.PathLike | None = None, *,
-                             min_compile_time_s: float = 0.0) -> pathlib.Path | None:
+                             min_compile_time_s: float = 0.0,
+                             exported: bool | str | os.PathLike = True
+                             ) -> pathlib.Path | None:
     """Turn on JAX's persistent compilation cache (process-wide), so a second
     process reuses the compiled prefill and decode programs instead of
     compiling them again.
@@ -120,13 +144,19 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
       min_compile_time_s: programs that compile faster than this (seconds) are
         not written (JAX's own default is 1 s; 0 caches every program, so the
         small ones that add up on a second run are skipped too).
+      exported: also keep the engine's programs exported (`jax.export`), so a
+        second process skips tracing and lowering them too
+        (`jaxsample.engine.exported`): True puts them in
+        `cache_dir() / "exported"` (nothing with `JAXSAMPLE_NO_CACHE`), a path
+        there, False not at all. Only when the compilation cache was turned
+        on (a second process would compile them again otherwise).
     Returns:
       The directory in use, or None when caching is off (`JAXSAMPLE_NO_CACHE`
       and no explicit `path`) or the directory cannot be created (a warning
       says why; never an error: the run only gets slower).
     """
+    base = cache_dir()
     if path is None:
-        base = cache_dir()
         if base is None:
             return None
         path = base / "xla"
@@ -149,6 +179,11 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
+    if exported is False or (exported is True and base is None):
+        _EXPORTED.clear()
+    else:
+        _EXPORTED[:] = [base / "exported" if exported is True
+                        else pathlib.Path(exported).expanduser()]
     return path
 
 
@@ -201,10 +236,13 @@ def _remember(base: pathlib.Path | None, sid: str, source: str, sha256: str) -> 
              if isinstance(v, dict) and v.get("source") != source}
     index[sid] = {"source": source, "sha256": sha256}
     index = dict(list(index.items())[-HASH_INDEX_MAX:])
-    _atomic_write(_index_path(base), json.dumps(index, indent=0).encode())
+    atomic_write(_index_path(base), json.dumps(index, indent=0).encode())
 
 
-def _atomic_write(path: pathlib.Path, data: bytes) -> bool:
+def atomic_write(path: pathlib.Path, data: bytes) -> bool:
+    """Write `data` to a temporary file beside `path`, then rename it over `path`
+    (a reader sees the old file or the new one, never a part). Creates the
+    directory. Returns False (and leaves nothing behind) on an OSError."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -304,6 +342,7 @@ def cache_info(base: pathlib.Path | None = None) -> dict[str, Any]:
        file that is not a readable entry), "format", "bytes", "age_s"
        (seconds since written)}], "weights_bytes",
        "compiled_programs" (JAX's `*-cache` files), "compiled_bytes",
+       "exported_programs" (`*.jaxexport` files), "exported_bytes",
        "models": [{"file", "bytes", "age_s"}], "models_bytes",
        "total_bytes" (every file under the directory)}; bytes are file sizes.
     """
@@ -325,6 +364,7 @@ def cache_info(base: pathlib.Path | None = None) -> dict[str, Any]:
         st = p.stat()
         models.append({"file": str(p), "bytes": st.st_size, "age_s": max(0.0, now - st.st_mtime)})
     compiled = [p for p in _files(base / "xla") if p.name.endswith("-cache")]
+    exported = [p for p in _files(base / "exported") if p.name.endswith(".jaxexport")]
     total = 0
     if base.is_dir():
         for root, _, names in os.walk(base):
@@ -335,20 +375,24 @@ def cache_info(base: pathlib.Path | None = None) -> dict[str, Any]:
             "weights": weights, "weights_bytes": sum(w["bytes"] for w in weights),
             "compiled_programs": len(compiled),
             "compiled_bytes": sum(p.stat().st_size for p in _files(base / "xla")),
+            "exported_programs": len(exported),
+            "exported_bytes": sum(p.stat().st_size for p in _files(base / "exported")),
             "models": models, "models_bytes": sum(m["bytes"] for m in models),
             "total_bytes": total}
 
 
-CLEAR_PARTS = ("weights", "compiled", "models")
+CLEAR_PARTS = ("weights", "compiled", "exported", "models")
 
 
-_PART_DIRS = {"weights": "weights", "compiled": "xla", "models": "models"}
+_PART_DIRS = {"weights": "weights", "compiled": "xla", "exported": "exported",
+              "models": "models"}
 
 
 def clear(parts=CLEAR_PARTS, base: pathlib.Path | None = None) -> int:
     """Delete parts of the cache directory: "weights" (`weights/`, its hash index
-    included), "compiled" (`xla/`), "models" (`models/`: re-assembled on the next
-    load, seconds). Other files under the directory are left alone.
+    included), "compiled" (`xla/`), "exported" (`exported/`), "models"
+    (`models/`: re-assembled on the next load, seconds). Other files under the
+    directory are left alone.
 
     Args:
       parts: a subset of `CLEAR_PARTS`.

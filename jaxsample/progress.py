@@ -10,9 +10,11 @@ line report through a `Progress`:
                compiled in memory prints nothing), a line every `interval`
                seconds while it runs, and a line when it ends. A program is
                "prepared" (traced, lowered, then compiled by XLA or fetched
-               from JAX's persistent compilation cache); its end line says
-               which: "compiled prefill in 4.7 s" or "loaded prefill from the
-               compilation cache in 2.1 s"
+               from JAX's persistent compilation cache; or read already
+               traced from the exported programs, then fetched); its end line
+               says which: "compiled prefill in 4.7 s", "loaded prefill from
+               the compilation cache in 2.1 s" (traced, not compiled) or
+               "loaded prefill from cache in 0.3 s" (neither)
     adaptive   adaptive self-consistency's rounds: the round, the branches
                drawn and the prompts settled, as a bar on a terminal and
                otherwise a line every `interval` seconds and one at the end
@@ -40,12 +42,14 @@ PREFIX = "jaxsample: "
 class _Phase:
     """A running phase; `cancel()` drops its end line (a lookup that found the
     program compiled already); `from_cache()` (program phases) swaps the end
-    line for the one saying the persistent compilation cache served it."""
+    line for the one saying the persistent compilation cache served it;
+    `from_exported()` for the one saying the whole program came from the cache
+    (read exported, not traced, and not compiled)."""
 
     __slots__ = ("start", "end", "after", "t0", "announced", "task", "cancelled", "cached_end",
-                 "last")
+                 "last", "exported_end")
 
-    def __init__(self, start, end, after, cached_end=None):
+    def __init__(self, start, end, after, cached_end=None, exported_end=None):
         self.start, self.end, self.after = start, end, after
         self.t0 = time.perf_counter()
         self.last = self.t0  # the last line printed for it (plain mode)
@@ -53,6 +57,7 @@ class _Phase:
         self.task = None
         self.cancelled = False
         self.cached_end = cached_end
+        self.exported_end = exported_end
 
     def cancel(self):
         self.cancelled = True
@@ -60,6 +65,10 @@ class _Phase:
     def from_cache(self):
         if self.cached_end is not None:
             self.end = self.cached_end
+
+    def from_exported(self):
+        if self.exported_end is not None:
+            self.end = self.exported_end
 
 
 class Progress:
@@ -132,7 +141,7 @@ class Progress:
 
     @contextlib.contextmanager
     def phase(self, start: str, end: str | None = None, *, announce_after: float = 0.0,
-              cached_end: str | None = None):
+              cached_end: str | None = None, exported_end: str | None = None):
         """Report a phase that blocks (loading, compiling).
 
         Args:
@@ -142,12 +151,14 @@ class Progress:
           announce_after: seconds before the phase is shown at all; a phase
             that ends sooner prints nothing.
           cached_end: the end line after `handle.from_cache()` (as `end`).
+          exported_end: the end line after `handle.from_exported()` (as `end`).
         Yields:
           A handle whose `cancel()` drops the end line and whose `from_cache()`
           picks `cached_end`. Off a terminal, a phase still running prints
           "<start>: <s> s so far" every `interval` seconds.
         """
-        ph = _Phase(start, end or (start + ": done in {s:.1f} s"), announce_after, cached_end)
+        ph = _Phase(start, end or (start + ": done in {s:.1f} s"), announce_after, cached_end,
+                    exported_end)
         with self._lock:
             self._phases.append(ph)
             if announce_after <= 0:
@@ -174,12 +185,16 @@ class Progress:
         """The engine's hook around every program lookup: `name` is "prefill",
         "decode", ...; the engine cancels the handle of a lookup that found the
         program compiled in memory (it then prints nothing, unless `slow_after`
-        is 0), and calls `from_cache()` when JAX's persistent compilation cache
-        served it. The start line ("preparing prefill") cannot know which yet;
-        the end line says "compiled" only when XLA compiled."""
+        is 0), calls `from_cache()` when JAX's persistent compilation cache
+        served it, and `from_exported()` when, besides, the program was read
+        from the exported programs rather than traced. The start line
+        ("preparing prefill") cannot know which yet; the end line says
+        "compiled" only when XLA compiled, and "loaded prefill from cache"
+        only when nothing was traced or compiled."""
         return self.phase(f"preparing {name}", f"compiled {name} in {{s:.1f}} s",
                           announce_after=self.slow_after,
-                          cached_end=f"loaded {name} from the compilation cache in {{s:.1f}} s")
+                          cached_end=f"loaded {name} from the compilation cache in {{s:.1f}} s",
+                          exported_end=f"loaded {name} from cache in {{s:.1f}} s")
 
     def _show(self, ph: _Phase):
         ph.announced = True

@@ -115,5 +115,6 @@ def pytest_terminal_summary(terminalreporter):
     engine = sys.modules.get("jaxsample.engine.loop")
     if engine is not None:
         p = engine.PROGRAMS
-        terminalreporter.write_line(f"jaxsample: {p.compilations} engine programs built, "
-                                    f"{p.from_cache} of them from the persistent compilation cache")
+        terminalreporter.write_line(
+            f"jaxsample: {p.compilations} engine programs built, {p.from_cache} of them from "
+            f"the persistent compilation cache, {p.from_exported} read exported (not traced)")

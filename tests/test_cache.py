@@ -534,7 +534,8 @@ def test_assembled_models_go_under_the_cache_dir(fake_assembled, monkeypatch, tm
 
 
 def _fill(base, path):
-    """One weights entry (of `path`), three compiled programs, one assembled model."""
+    """One weights entry (of `path`), three compiled programs, two exported programs,
+    one assembled model."""
     _load(path, base)
     xla = base / "xla"
     xla.mkdir()
@@ -543,6 +544,9 @@ def _fill(base, path):
         (xla / f"jit_f{i}-{i:040d}-atime").write_bytes(b"t" * 8)
     (base / "models").mkdir()
     (base / "models" / "m.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    (base / "exported").mkdir()
+    for i in range(2):
+        (base / "exported" / f"decode-{i:032d}.jaxexport").write_bytes(b"e" * (500 + i))
 
 
 def _strict_json(text):
@@ -569,16 +573,22 @@ def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
     assert (w["file"], w["source"], w["bytes"]) == (str(entry), str(path), entry.stat().st_size)
     assert w["format"] == weight_cache.FORMAT and 0 <= w["age_s"] < 600
     assert info["compiled_programs"] == 3 and info["compiled_bytes"] == 1000 + 1001 + 1002 + 24
+    assert info["exported_programs"] == 2 and info["exported_bytes"] == 500 + 501
     assert [m["bytes"] for m in info["models"]] == [64] and info["total_bytes"] == _du(base)
     assert cli.main(["cache", "info"]) == 0
     table = capsys.readouterr().out
-    for text in (str(base), entry.name, str(path), "compiled programs: 3", "total:"):
+    for text in (str(base), entry.name, str(path), "compiled programs: 3",
+                 "exported programs: 2, ", "total:"):
         assert text in table, table
 
     assert cli.main(["cache", "clear", "--compiled", "--json"]) == 0
     assert _strict_json(capsys.readouterr().out) == {
         "dir": str(base), "cleared": ["compiled"], "freed_bytes": 3027}
     assert not (base / "xla").exists() and _entries(base) == [entry]
+    assert cli.main(["cache", "clear", "--exported", "--json"]) == 0
+    assert _strict_json(capsys.readouterr().out) == {
+        "dir": str(base), "cleared": ["exported"], "freed_bytes": 1001}
+    assert not (base / "exported").exists() and _entries(base) == [entry]
     assert cli.main(["cache", "clear", "--weights"]) == 0
     assert "weights" in capsys.readouterr().out
     assert not (base / "weights").exists() and (base / "models" / "m.gguf").is_file()
@@ -590,7 +600,8 @@ def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
     capsys.readouterr()
     assert cli.main(["cache", "info", "--json"]) == 0
     info = _strict_json(capsys.readouterr().out)
-    assert (info["weights"], info["compiled_programs"], info["models"]) == ([], 0, [])
+    assert (info["weights"], info["compiled_programs"], info["exported_programs"],
+            info["models"]) == ([], 0, 0, [])
 
 
 @pytest.mark.parametrize("argv", [["cache"], ["cache", "clear", "--bogus"],

@@ -2,6 +2,7 @@
 compiled, one load figure, a line every interval while a phase runs, and the rounds
 of adaptive self-consistency."""
 
+import importlib.util
 import io
 import json
 import os
@@ -45,10 +46,13 @@ def test_a_program_from_the_cache_is_not_called_compiled():
         handle.from_cache()
     with prog.compiling("decode"):
         pass
+    with prog.compiling("init") as handle:
+        handle.from_exported()
     assert err.getvalue().splitlines() == [
         PREFIX + "preparing prefill ...",
         PREFIX + "loaded prefill from the compilation cache in 0.0 s",
-        PREFIX + "preparing decode ...", PREFIX + "compiled decode in 0.0 s"]
+        PREFIX + "preparing decode ...", PREFIX + "compiled decode in 0.0 s",
+        PREFIX + "preparing init ...", PREFIX + "loaded init from cache in 0.0 s"]
 
 
 _TWICE = r"""
@@ -65,9 +69,12 @@ generate(lm, ["hi"], SamplingParams(n=2, max_new_tokens=5, seed=0),
 
 @pytest.mark.slow
 def test_compile_lines_say_compiled_only_when_xla_compiled(tmp_path):
-    """Two fresh processes over one persistent compilation cache: the first compiles
-    prefill and decode, the second fetches them and must not say it compiled."""
+    """Two fresh processes over one persistent compilation cache and one directory of
+    exported programs: the first traces and compiles prefill and decode, the second
+    reads them exported (no trace) and fetches them, and must say "loaded ... from
+    cache", never that it compiled."""
     env = {**os.environ, "JAXSAMPLE_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("JAXSAMPLE_NO_EXPORTED", None)
     runs = []
     for _ in range(2):
         p = subprocess.run([sys.executable, "-c", _TWICE, str(tmp_path / "xla"), TINY_GGUF],
@@ -76,11 +83,14 @@ def test_compile_lines_say_compiled_only_when_xla_compiled(tmp_path):
         runs.append([ln for ln in p.stderr.splitlines() if ln.startswith(PREFIX)])
     first, second = runs
     assert not any("compiling" in ln for ln in first + second)
+    exported = importlib.util.find_spec("flatbuffers") is not None  # jax.export can serialize
+    cached = "from cache in" if exported else "from the compilation cache in"
     for name in ("prefill", "decode"):
         assert any(ln.startswith(f"{PREFIX}compiled {name} in") for ln in first), first
         assert not any(f"compiled {name}" in ln for ln in second), second
-        assert any(ln.startswith(f"{PREFIX}loaded {name} from the compilation cache in")
-                   for ln in second), second
+        assert any(ln.startswith(f"{PREFIX}loaded {name} {cached}") for ln in second), second
+    if exported:  # prefill, init, decode
+        assert len(list((tmp_path / "cache" / "exported").iterdir())) == 3
 
 
 @pytest.mark.slow

@@ -336,6 +336,7 @@ def _cache_command(args) -> int:
         print(f"  {Path(w['file']).name}  {fb(w['bytes'])}  written {_age(w['age_s'])} ago  "
               f"from {w['source'] or '(unreadable entry)'}")
     print(f"compiled programs: {info['compiled_programs']}, {fb(info['compiled_bytes'])}")
+    print(f"exported programs: {info['exported_programs']}, {fb(info['exported_bytes'])}")
     print(f"assembled checkpoints: {len(info['models'])}, {fb(info['models_bytes'])}")
     for m in info["models"]:
         print(f"  {Path(m['file']).name}  {fb(m['bytes'])}  written {_age(m['age_s'])} ago")

@@ -300,17 +300,20 @@ def _add_cache_parser(sub) -> None:
     cache = sub.add_parser("cache", help="what the weight/compilation cache holds; clear it",
                            description="The cache directory ($JAXSAMPLE_CACHE_DIR, else "
                                        "$XDG_CACHE_HOME/jaxsample, else ~/.cache/jaxsample): "
-                                       "dequantised weights, compiled programs and assembled "
-                                       "checkpoints.")
+                                       "dequantised weights, compiled and exported programs "
+                                       "and assembled checkpoints.")
     what = cache.add_subparsers(dest="cache_command", metavar="ACTION", parser_class=_Parser)
     what.required = True
     info = what.add_parser("info", help="where the cache is and what it holds (sizes, ages)")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     clear = what.add_parser("clear", help="delete the cache (all of it, or the parts named)",
-                            description="Delete the cache's weights, compiled programs and "
-                                        "assembled checkpoints; with flags, only those parts.")
+                            description="Delete the cache's weights, compiled and exported "
+                                        "programs and assembled checkpoints; with flags, only "
+                                        "those parts.")
     for part, text in (("weights", "the dequantised weights (weights/)"),
                        ("compiled", "the compiled programs (xla/)"),
+                       ("exported", "the exported programs (exported/: traced and lowered, "
+                                    "so a second run skips tracing)"),
                        ("models", "the assembled checkpoints (models/; re-assembled on the "
                                   "next load)")):
         clear.add_argument(f"--{part}", action="store_true", help=f"clear {text}")

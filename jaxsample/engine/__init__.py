@@ -16,7 +16,10 @@ Data flow of one request, one file per stage:
                 token merged by log-sum-exp
     loop.py     a chunk: the step in one lax.while_loop up to a traced t_stop
                 (so every chunk size runs one program); fresh states;
-                compaction (gather the live slots into smaller buckets)
+                compaction (gather the live slots into smaller buckets);
+                PROGRAMS, the compiled programs by static key and shapes
+    exported.py the programs on disk as jax.export StableHLO (with the
+                compilation cache on): a second process skips tracing
     placement.py  serving params, host <-> device copies, KV bytes, mesh
                 shardings and shard_map wrappers
     budget.py   the pool's size from a KV budget (max_kv_bytes): what one row

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxsample import disk_cache
+from jaxsample.engine import exported
 from jaxsample.engine.prefill import window_extent
 from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
 from jaxsample.engine.step import all_done, branch_keys, make_step
@@ -222,19 +224,29 @@ class Programs:
     """AOT-compiled programs, cached by static settings and shapes, so compile
     time is measured apart from run time.
 
+    With exported programs on (`disk_cache.exported_dir()`: the command line,
+    or `enable_compilation_cache()`), a program is read from its exported
+    entry instead of traced, or exported and written when there is none
+    (`engine.exported`); otherwise `jit(fn).lower(*args).compile()`.
+
     Attributes:
       compilations: programs built so far (compiled, or fetched from JAX's
         persistent compilation cache).
       from_cache: how many of them the persistent cache served.
       last_from_cache: whether the last program built came from that cache
-        (tracing and lowering still ran; XLA compiled nothing).
+        (XLA compiled nothing).
+      from_exported: programs read from an exported entry (not traced).
+      last_exported: whether the last program built was read from one.
     """
 
     def __init__(self):
         self._cache: dict[Any, Any] = {}
+        self._unsupported: set = set()  # keys jax.export could not export (this process)
         self.compilations = 0
         self.from_cache = 0
         self.last_from_cache = False
+        self.from_exported = 0
+        self.last_exported = False
 
     def get(self, key, fn, args, donate=(), out_shardings=None):
         """Returns (compiled, seconds spent compiling now)."""
@@ -246,12 +258,23 @@ class Programs:
             return hit, 0.0
         t0 = time.perf_counter()
         hits = _persistent_hits()
-        kwargs = {} if out_shardings is None else {"out_shardings": out_shardings}
-        compiled = jax.jit(fn, donate_argnums=donate, **kwargs).lower(*args).compile()
+        directory = disk_cache.exported_dir() if out_shardings is None else None
+        compiled, read = None, False
+        if (directory is not None and full_key not in self._unsupported
+                and exported.available()):
+            try:
+                compiled, read = exported.build(directory, key, fn, args, donate)
+            except exported.Unsupported:
+                self._unsupported.add(full_key)
+        if compiled is None:
+            kwargs = {} if out_shardings is None else {"out_shardings": out_shardings}
+            compiled = jax.jit(fn, donate_argnums=donate, **kwargs).lower(*args).compile()
         self._cache[full_key] = compiled
         self.compilations += 1
         self.last_from_cache = _persistent_hits() > hits
         self.from_cache += self.last_from_cache
+        self.last_exported = read
+        self.from_exported += read
         return compiled, time.perf_counter() - t0
 
     def clear(self) -> None:

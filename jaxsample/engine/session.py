@@ -327,13 +327,17 @@ class Session:
         observer (if any) is told while it compiles (`key[0]` names it; a
         handle with `cancel()` may come back: called when nothing compiled,
         and `from_cache()` if it has one: called when JAX's persistent
-        compilation cache served the program)."""
+        compilation cache served the program; `from_exported()` instead when
+        the program was also read from its exported entry, not traced)."""
         ctx = (self.observer.compiling(str(key[0])) if self.observer is not None
                else contextlib.nullcontext())
         with ctx as handle:
             prog, dt = PROGRAMS.get(key, fn, args, **kwargs)
             if dt == 0.0 and handle is not None:
                 handle.cancel()  # found compiled: nothing to report
+            elif PROGRAMS.last_from_cache and PROGRAMS.last_exported and hasattr(
+                    handle, "from_exported"):
+                handle.from_exported()  # read exported and fetched: neither traced nor compiled
             elif PROGRAMS.last_from_cache and hasattr(handle, "from_cache"):
                 handle.from_cache()  # fetched, not compiled: say so
         self.timings["compile"] += dt
