@@ -57,7 +57,12 @@ VOTE_RULES = [("DeepConf weighted vote (lowest group, sig)", "lowest:sig", None)
               ("DeepConf weighted vote (lowest group, top20)", "lowest:top20", None),
               ("DeepConf top-10% filtered vote (lowest group, top20)", "lowest:top20", 10),
               ("DeepConf top-90% filtered vote (lowest group, top20)", "lowest:top20", 90),
-              ("Borda by self-certainty rank (p = 0.5)", "mean:sig", "borda")]
+              ("Borda by self-certainty rank (p = 0.5)", "mean:sig", "borda"),
+              # The same three votes on the mean logprob (weights: its exp, the branch's
+              # geometric-mean token probability), to test whether voting adds to best-of-k.
+              ("vote weighted by exp(mean logprob)", "exp:mean_logprob", None),
+              ("top-10% by mean logprob, weighted vote", "exp:mean_logprob", 10),
+              ("Borda by mean-logprob rank (p = 0.5)", "mean_logprob", "borda")]
 
 
 _se = functools.partial(se, fewer=0.0)  # 0 for a single problem
@@ -104,7 +109,9 @@ def _vote_accuracy(rec, key, how, k, subsets, rng):
     ids = np.array([-1 if a is None else ids_of.setdefault(a, len(ids_of))
                     for a in rec["answers"]], np.int32)
     ref = ids_of.get(rec["reference"], -2)
-    conf = np.array(rec["scores"][key], np.float32)
+    exp = key.startswith("exp:")
+    conf = np.array(rec["scores"][key.removeprefix("exp:")], np.float64)
+    conf = (np.exp(conf) if exp else conf).astype(np.float32)
     if k >= n:
         picks = np.arange(n)[None]
     else:
@@ -115,6 +122,19 @@ def _vote_accuracy(rec, key, how, k, subsets, rng):
     else:
         v = reducers.confidence_vote(sub_ids, sub_conf, top_percent=how)
     return float(np.mean(np.asarray(v.winner) == ref))
+
+
+def _complete_first(rec, key, cfg) -> np.ndarray:
+    """A branch's score for best-of-k as the command line picks (`--reduce best`: a branch
+    cut at max_new_tokens never beats a complete one; with none complete, the best of all):
+    complete branches ranked above the others, each group by its score. Complete = shorter
+    than max_new_tokens (the pool does not record finish reasons: a branch whose stop token
+    fell exactly on the last position counts as cut)."""
+    score = np.array(rec["scores"][key], np.float64)
+    cut = np.array(rec["lengths"]) >= cfg["max_new_tokens"]
+    finite = score[np.isfinite(score)]
+    spread = float(finite.max() - finite.min()) + 1.0 if finite.size else 1.0
+    return score - cut * spread
 
 
 def analyse(data) -> dict:
@@ -132,8 +152,8 @@ def analyse(data) -> dict:
             acc = [estimators.maj_at_k(r["answers"], r["reference"], k) for r in recs]
             rows.setdefault("maj@k", {})[k] = (float(np.mean(acc)), _se(acc))
             for name, key in SCORE_RULES:
-                acc = [estimators.best_of_k(np.array(r["scores"][key]), np.array(r["correct"]), k,
-                                            valid=np.array(r["lengths"]) > 0) for r in recs]
+                acc = [estimators.best_of_k(_complete_first(r, key, cfg), np.array(r["correct"]),
+                                            k, valid=np.array(r["lengths"]) > 0) for r in recs]
                 rows.setdefault(f"best-of-k by {name}", {})[k] = (float(np.mean(acc)), _se(acc))
             for name, key, how in VOTE_RULES:
                 acc = [_vote_accuracy(r, key, how, k, cfg["subsets"], rng) for r in recs]
