@@ -188,7 +188,8 @@ def take_rows(table, tokens: jax.Array) -> jax.Array:
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MODE):
+def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MODE,
+                    abstract: bool = False):
     """A parameter pytree (either layout, host or device arrays) with int8 projections.
 
     Quantised: every layer's `wq wk wv wo w_gate w_up w_down` (2-D, or 3-D in
@@ -198,26 +199,39 @@ def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MOD
     biases, the MoE router and the experts' `[X, E, F]` stacks (a sparse FFN
     keeps its float path), and any other tensor.
 
+    With `abstract=True`, `params` holds `jax.ShapeDtypeStruct`s and so does
+    the result (for lowering a program without weights).
+
     Returns:
       The same structure, `QuantizedWeight` where quantised, numpy arrays elsewhere.
     """
     dtype = common.DTYPES[compute]
     flt = lambda a: np.asarray(jnp.asarray(a, dtype=dtype))  # noqa: E731
+    if abstract:
+        flt = lambda a: jax.ShapeDtypeStruct(a.shape, dtype)  # noqa: E731
+    qz = _abstract_quantize if abstract else quantize
     layer_ndim = 2 if isinstance(params["layers"], (list, tuple)) else 3
 
     def one_layer(lp):
-        return {k: quantize(a, compute=compute, mode=mode)
-                if k in PROJECTIONS and np.ndim(a) == layer_ndim else flt(a)
+        return {k: qz(a, compute=compute, mode=mode)
+                if k in PROJECTIONS and len(np.shape(a)) == layer_ndim else flt(a)
                 for k, a in lp.items()}
 
     out = {k: flt(a) for k, a in params.items() if k != "layers"}
-    out["embed"] = quantize(params["embed"], rows=True, compute=compute, mode=mode)
+    out["embed"] = qz(params["embed"], rows=True, compute=compute, mode=mode)
     if "lm_head" in params:
-        out["lm_head"] = quantize(params["lm_head"], compute=compute, mode=mode)
+        out["lm_head"] = qz(params["lm_head"], compute=compute, mode=mode)
     layers = params["layers"]
     out["layers"] = ([one_layer(lp) for lp in layers] if isinstance(layers, (list, tuple))
                      else one_layer(layers))
     return out
+
+
+def _abstract_quantize(a, *, rows=False, compute="float32", mode=DEFAULT_MODE):
+    scale = a.shape[:-1] if rows else a.shape[:-2] + a.shape[-1:]
+    return QuantizedWeight(jax.ShapeDtypeStruct(a.shape, jnp.int8),
+                           jax.ShapeDtypeStruct(scale, jnp.float32), rows=rows,
+                           compute=compute, mode=mode)
 
 
 def with_mode(params, mode: str):
