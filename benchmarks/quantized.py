@@ -10,10 +10,10 @@ Three parts (`--parts`, default all):
   seconds / (T - 1) forward steps; medians over `--reps` calls and the ratio
   of each median to float32's.
 * hlo: the N = 1 decode step compiled (`engine.step_cost.compile_decode_step`)
-  for float32 and each int8 mode; counts the instructions whose result is a
-  whole float weight `f32[in, out]` made by a convert of the int8 one (a
-  float32 copy of a weight materialised per step), and the dots that read
-  an int8 operand directly.
+  for float32 and each int8 mode; counts the instructions (not fused
+  bodies) whose result is a whole weight `[in, out]` made by a convert of
+  the int8 one (a float32 or int32 copy of a weight materialised per step),
+  and the dots by result type (s32: XLA's int8 GEMM).
 * accuracy: per model (SmolLM2, Gemma 3 270M), 20 chat prompts: the
   last-position logits of int8 (and bfloat16) against float32 (max |diff|,
   and that over the float32 logits' standard deviation, per prompt, then
@@ -100,18 +100,17 @@ def hlo(P=1024, T=64):
     for name, kw in (("float32", {}), ("int8 weight-only", dict(weights="int8", mode="weight_only")),
                      ("int8 W8A8", dict(weights="int8", mode="w8a8"))):
         text = compile_decode_step(cfg, P, 1, T, **kw).as_text()
-        copies, int8_dots = [], 0
-        for line in text.splitlines():
-            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = f32\[(\d+),(\d+)\]\{[^}]*\} (\w+)\(", line)
-            if m and (int(m[2]), int(m[3])) in shapes and (m[4] == "convert" or (
-                    m[4] == "fusion" and "convert" in line)):
-                copies.append(f"{m[1]} f32[{m[2]},{m[3]}] {m[4]}")
-            if re.search(r" dot\(", line) and "s8[" in line.split(" dot(")[1]:
-                int8_dots += 1
-        rows[name] = dict(f32_weight_copies=len(copies), examples=copies[:4],
-                          dots_with_int8_operand=int8_dots,
-                          converts_s8_to_f32=len(re.findall(r"f32\[[\d,]+\]\{[^}]*\} convert\(s8",
-                                                            text)))
+        copies, dots = [], {}
+        for line in text.splitlines():  # instructions, not the bodies of fused computations
+            m = re.match(r"\s*%([\w.\-]+) = (f32|s32|bf16)\[(\d+),(\d+)\]\{[^}]*\} "
+                         r"(fusion|convert)\(", line)
+            if m and (int(m[3]), int(m[4])) in shapes and "convert" in m[1] + m[5]:
+                copies.append(f"{m[1]} {m[2]}[{m[3]},{m[4]}]")
+            d = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[[\d,]*\]\{[^}]*\} dot\(", line)
+            if d:
+                dots[d[1]] = dots.get(d[1], 0) + 1
+        rows[name] = dict(weight_copies_per_step=len(copies), examples=copies[:3],
+                          dots_by_result_type=dots)
     return rows
 
 

@@ -24,13 +24,17 @@ Two ways to run the product (`MODES`, a static field, chosen per model):
 * "w8a8": activations quantised per row on the fly (`s_x = max|x| / 127`),
   an int8 x int8 -> int32 `lax.dot_general`, then `* s_x * scale`.
 
-`DEFAULT_MODE` is the faster of the two on XLA CPU (benchmarks/quantized.py,
-benchmarks/RESULTS.md "Int8 weights"): weight-only. XLA CPU's int8 dot is not
-a fast path (it ran slower than the float32 dot, and the activation
-quantisation adds a pass per matmul), while the weight-only product keeps
-XLA's float32 dot; the convert is not fused into that dot on CPU (the
-compiled step materialises each weight in float32), which is why int8 does
-not beat float32 here; see RESULTS.md for the figures.
+`DEFAULT_MODE` is the faster of the two on XLA CPU: W8A8 (benchmarks/quantized.py,
+benchmarks/RESULTS.md "Int8 weights": SmolLM2, P = 1024, the decode step at
+0.57x float32's time at N = 1 and 0.53x at N = 16, one run, interleaved).
+XLA CPU does not fuse a convert into a dot's operand: the weight-only
+product materialises a float32 copy of every weight each step (211 per
+SmolLM2 step, the 113 MB head among them) and ran 2.5x (N = 1) and 1.6x
+(N = 16) slower than float32. Its int8 x int8 -> int32 dot is a real int8
+GEMM from two rows up, reading the int8 weight as it is, so W8A8 reads a
+quarter of float32's bytes (a one-row product is padded to two, see
+`_w8a8_rows`). The activations' per-row rounding is the accuracy price
+(RESULTS.md: logit error and greedy agreement against float32).
 
 Reference: Jacob et al. 2018, "Quantization and Training of Neural Networks
 for Efficient Integer-Arithmetic-Only Inference" (symmetric per-channel
@@ -49,7 +53,7 @@ from jax import custom_batching
 from jaxsample.models import common
 
 MODES = ("weight_only", "w8a8")
-DEFAULT_MODE = "weight_only"
+DEFAULT_MODE = "w8a8"
 QMAX = 127
 
 

@@ -72,8 +72,9 @@ def test_round_trip_within_half_a_scale(rows):
         quant.quantize(np.full((2, 2), np.nan))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("mode", quant.MODES)
-def test_matmul_error_bounded_by_the_scale(mode):
+def test_matmul_error_bounded_by_the_scale(mode, rows):
     """Against float64: the product with the dequantised weights at float32 rounding
     (weight-only), and with the original weights within |x|_1 * scale / 2 per output.
 
@@ -86,7 +87,7 @@ def test_matmul_error_bounded_by_the_scale(mode):
     rng = np.random.default_rng(1)
     n, m = 96, 40
     w = rng.standard_normal((n, m)) * np.linspace(0.1, 3, m)
-    x = rng.standard_normal((5, n)).astype(np.float32).astype(np.float64)
+    x = rng.standard_normal((rows, n)).astype(np.float32).astype(np.float64)  # 1: padded (W8A8)
     qw = jax.tree_util.tree_map(jnp.asarray, quant.quantize(w, mode=mode))
     y = np.asarray(jax.jit(quant.matmul)(jnp.asarray(x, jnp.float32), qw), np.float64)
     deq = np.asarray(qw.q, np.float64) * np.asarray(qw.scale, np.float64)
@@ -107,7 +108,8 @@ def test_tied_head_and_gather_use_the_per_row_scales():
     and `.T` is the head [E, V] with those numbers as its per-output-channel scales."""
     rng = np.random.default_rng(2)
     table = rng.standard_normal((30, 16))
-    qt = jax.tree_util.tree_map(jnp.asarray, quant.quantize(table, rows=True))
+    qt = jax.tree_util.tree_map(jnp.asarray, quant.quantize(table, rows=True,
+                                                            mode="weight_only"))
     deq = np.asarray(qt.q, np.float64) * np.asarray(qt.scale, np.float64)[:, None]
     tokens = jnp.asarray([[3, 0, 29], [7, 7, 1]])
     np.testing.assert_array_equal(np.asarray(quant.take_rows(qt, tokens)),
@@ -116,7 +118,11 @@ def test_tied_head_and_gather_use_the_per_row_scales():
     h = rng.standard_normal((4, 16)).astype(np.float32)
     got = np.asarray(quant.matmul(jnp.asarray(h), qt.T, jnp.float32), np.float64)
     exact = h.astype(np.float64) @ deq.T
-    assert np.all(np.abs(got - exact) <= 2 * 16 * EPS32 * (np.abs(h) @ np.abs(deq.T)))
+    bound = 2 * 16 * EPS32 * (np.abs(h) @ np.abs(deq.T))
+    assert np.all(np.abs(got - exact) <= bound)
+    got8 = np.asarray(quant.matmul(jnp.asarray(h), quant.with_mode(qt, "w8a8").T), np.float64)
+    sx = np.abs(h).max(axis=1, keepdims=True) / 127  # the activations' rounding (W8A8)
+    assert np.all(np.abs(got8 - exact) <= bound + sx / 2 * np.abs(deq).sum(axis=1))
     with pytest.raises(ValueError, match="per-output-channel"):
         quant.matmul(jnp.asarray(h[:, :30]), qt)  # per-row scales are not a projection's
 
@@ -125,14 +131,25 @@ def test_tied_head_and_gather_use_the_per_row_scales():
 # The whole model
 
 
-def test_tiny_logits_equal_the_dequantised_float_model(tiny_lm, qlm):
-    """Int8 logits within 1e-4 * (1 + |logit|) of the float32 forward on q * scale
-    (two float32 programs differing in where the scale multiplies: the float32
-    rounding of a 2-layer model, not the quantisation)."""
-    deq = dataclasses.replace(tiny_lm, params=dequantised(qlm.params))
-    tokens = np.arange(40, dtype=np.int32)[None] * 7 % 250
-    ref, got = np.asarray(deq.forward(tokens)), np.asarray(qlm.forward(tokens))
+def assert_close_to_dequantised(lm8, tokens):
+    """Weight-only: logits within 1e-4 * (1 + |logit|) of the float32 forward on the
+    dequantised weights q * scale (two float32 programs that differ in where the
+    scale multiplies: float32 rounding, not quantisation). W8A8 also rounds every
+    projection's input per row (|error| <= s_x / 2 per element, s_x = max|x| / 127):
+    its logits are within 0.25 standard deviations of the float32 logits of the same
+    dequantised weights (measured 0.11-0.16 on the tiny models)."""
+    ref = np.asarray(dataclasses.replace(lm8, params=dequantised(lm8.params)).forward(tokens))
+    wo = dataclasses.replace(lm8, params=quant.with_mode(lm8.params, "weight_only"))
+    got = np.asarray(wo.forward(tokens))
     assert np.all(np.abs(got - ref) <= 1e-4 * (1 + np.abs(ref)))
+    a8 = dataclasses.replace(lm8, params=quant.with_mode(lm8.params, "w8a8"))
+    assert np.abs(np.asarray(a8.forward(tokens)) - ref).max() <= 0.25 * ref.std()
+    return got
+
+
+def test_tiny_logits_equal_the_dequantised_float_model(tiny_lm, qlm):
+    tokens = np.arange(40, dtype=np.int32)[None] * 7 % 250
+    got = assert_close_to_dequantised(qlm, tokens)
     # and the float32 model itself is a different model (the quantisation is real)
     assert np.abs(np.asarray(tiny_lm.forward(tokens)) - got).max() > 1e-3
 
@@ -140,17 +157,14 @@ def test_tiny_logits_equal_the_dequantised_float_model(tiny_lm, qlm):
 @pytest.mark.parametrize("path", ["tiny_llama.gguf", "tiny_gemma3", "tiny_mixtral.gguf"])
 def test_load_int8_both_families_and_moe(path):
     """`load(weights="int8")`: projections int8 (MoE experts and norms stay float), logits
-    within the bound above of the same model with the dequantised weights."""
+    within the bounds above of the same model with the dequantised weights."""
     qlm = load(DATA / path, weights="int8", cache=False)
     lp = qlm.params["layers"][0]
     assert is_q(qlm.params["embed"]) and is_q(lp["wq"]) and is_q(lp["wo"])
     assert not is_q(lp["attn_norm"]) and lp["attn_norm"].dtype == jnp.float32
     assert is_q(lp["w_down"]) == (lp["w_down"].ndim == 2)  # experts [X, F, E] stay float
     assert load(DATA / path, weights="int8", cache=False) is qlm  # the process cache
-    deq = dataclasses.replace(qlm, params=dequantised(qlm.params))
-    tokens = np.arange(24, dtype=np.int32)[None] * 5 % min(qlm.vocab_limit, 250)
-    ref, got = np.asarray(deq.forward(tokens)), np.asarray(qlm.forward(tokens))
-    assert np.all(np.abs(got - ref) <= 1e-4 * (1 + np.abs(ref)))
+    assert_close_to_dequantised(qlm, np.arange(24, dtype=np.int32)[None] * 5 % 250)
 
 
 def test_bfloat16_activations_with_int8_weights():
@@ -213,5 +227,35 @@ def test_shared_prefix_and_zero_bridge(qlm, sampled):
     cfg = bridge_lib.BridgeConfig(dim=8, n_heads=2)
     zero = engine.generate(qlm, PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=12,
                                                         seed=7), bridge=bridge_lib.init(qlm, cfg))
-    np.testing.assert_array_equal(zero.tokens, sampled.tokens)
-    np.testing.assert_array_equal(zero.logprobs, sampled.logprobs)
+    # (float models: bit-identical, tests/test_bridge.py; W8A8's activation rounding
+    # may flip one int8 step where XLA fuses x / s_x differently: float32 tolerance)
+    assert_same_tokens_up_to_ties(qlm, sampled, zero)
+    np.testing.assert_allclose(zero.logprobs, sampled.logprobs, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------
+# The command line: `run --weights int8`, `model.weights` in a config file
+
+
+@pytest.mark.usefixtures("compilation_cache_calls")
+def test_cli_weights_flag_and_config(tmp_path, monkeypatch):
+    import json
+
+    from jaxsample import cli
+    from helpers import main_captured
+
+    gguf = str(DATA / "tiny_llama.gguf")
+    code, out, err = main_captured(["run", "--model", gguf, "--prompt", "x", "--weights", "int4"])
+    assert code == 2 and "--weights" in err and "int8" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {weights: int4}\n")
+    code, out, err = main_captured(["run", "--prompt", "x", "--config", str(bad)])
+    assert code == 2 and "model.weights must be one of null, int8" in err
+    seen = []
+    real = cli.app._load_model
+    monkeypatch.setattr(cli.app, "_load_model", lambda *a, **k: seen.append(k) or real(*a, **k))
+    code, out, err = main_captured(["run", "--model", gguf, "--prompt", "hi", "--n", "2",
+                                    "--max-new-tokens", "4", "--seed", "0", "--weights", "int8",
+                                    "--json", "--quiet"])
+    assert code == 0, err
+    assert seen[-1]["weights"] == "int8" and json.loads(out)
