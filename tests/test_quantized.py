@@ -167,6 +167,22 @@ def test_load_int8_both_families_and_moe(path):
     assert_close_to_dequantised(qlm, np.arange(24, dtype=np.int32)[None] * 5 % 250)
 
 
+def test_int8_through_the_weight_cache(tmp_path, monkeypatch):
+    """The cache keeps the float32 weights; int8 is quantised after: the same numbers."""
+    from jaxsample import loading, weight_cache
+
+    monkeypatch.setattr(weight_cache, "WEIGHT_CACHE_MIN_BYTES", 0)
+    monkeypatch.setattr(loading, "_LOADED", {})
+    first = load(DATA / "tiny_llama.gguf", weights="int8", cache=tmp_path)
+    loading._LOADED.clear()
+    second = load(DATA / "tiny_llama.gguf", weights="int8", cache=tmp_path)
+    assert loading.load_info(first)["weights"] == "checkpoint"
+    assert loading.load_info(second)["weights"] == "cache"
+    a, b = jax.tree_util.tree_leaves(first.params), jax.tree_util.tree_leaves(second.params)
+    assert len(a) == len(b) and all(np.array_equal(x, y) and x.dtype == y.dtype
+                                    for x, y in zip(a, b))
+
+
 def test_bfloat16_activations_with_int8_weights():
     qlm = load(DATA / "tiny_llama.gguf", weights="int8", dtype="bfloat16", cache=False)
     assert qlm.params["final_norm"].dtype == jnp.bfloat16 and qlm.params["embed"].dtype == jnp.bfloat16
