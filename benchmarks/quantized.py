@@ -15,7 +15,7 @@ Three parts (`--parts`, default all):
   the int8 one (a float32 or int32 copy of a weight materialised per step),
   and the dots by result type (s32: XLA's int8 GEMM).
 * accuracy: per model (SmolLM2, Gemma 3 270M), 20 chat prompts: the
-  last-position logits of int8 (and bfloat16) against float32 (max |diff|,
+  last-position logits of int8 in both modes (and bfloat16) against float32 (max |diff|,
   and that over the float32 logits' standard deviation, per prompt, then
   the max and median over prompts), and greedy decoding of 32 tokens (end
   of text ignored): the fraction of tokens equal before the first
@@ -119,13 +119,17 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
 
     from jaxsample import SamplingParams, generate
     from jaxsample.loading import load
+    from jaxsample.models import quant
 
     from benchmarks.common import NoEosTokenizer
 
     out = {}
     for name in models:
+        q8 = load(name, weights="int8")
         lms = {"float32": load(name), "bfloat16": load(name, dtype="bfloat16"),
-               "int8": load(name, weights="int8")}
+               "int8 W8A8": dataclasses.replace(q8, params=quant.with_mode(q8.params, "w8a8")),
+               "int8 weight-only": dataclasses.replace(
+                   q8, params=quant.with_mode(q8.params, "weight_only"))}
         tok = lms["float32"].tokenizer
         ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
                for p in PROMPTS]
@@ -139,7 +143,7 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
                             ids, sp).tokens[:, 0] for k, lm in lms.items()}
         ref, ref_t = logits["float32"], toks["float32"]
         row = {}
-        for k in ("bfloat16", "int8"):
+        for k in ("bfloat16", "int8 W8A8", "int8 weight-only"):
             d = np.abs(logits[k] - ref).max(axis=1)
             rel = d / ref.std(axis=1)
             same = ref_t == toks[k]
