@@ -223,11 +223,11 @@ def test_cached_decode_equals_own_forward(qlm, sampled):
     assert checked > 30
 
 
-@pytest.mark.parametrize("mode", quant.MODES)
-def test_mesh_equals_unsharded(tiny_lm, mode):
+def test_mesh_equals_unsharded(qlm):
+    """Same seed, same tokens on a (2, 2) mesh (q and scale replicated like float weights)."""
     if jax.device_count() < 4:
         pytest.skip("needs --xla_force_host_platform_device_count (tests/conftest.py)")
-    lm8 = int8_lm(tiny_lm, mode)
+    lm8 = qlm
     params = SamplingParams(n=8, max_new_tokens=10, seed=3, top_p=0.9)
     ref = engine.generate(lm8, PROMPTS, params)
     got = engine.generate(lm8, PROMPTS, params, mesh=jax.make_mesh((2, 2), ("data", "branch")))
