@@ -61,10 +61,12 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
       weights: None (default) keeps every weight in `dtype`; "int8" stores
         each projection (attention q/k/v/o, MLP gate/up/down, the output head
         and the embedding) as symmetric per-output-channel int8 with float32
-        scales (`models.quant`: a quarter of float32's bytes), dequantised
-        inside each matmul; norms, biases and MoE experts stay in `dtype`,
-        which is also the activations' dtype. Quantised after the load (the
-        weight cache keeps the float32 weights).
+        scales (`models.quant`: a quarter of float32's bytes), multiplied as
+        int8 x int8 dots with the activations quantised per row (W8A8, the
+        faster on XLA CPU; `quant.with_mode(params, "weight_only")` for the
+        more accurate weight-only product); norms, biases and MoE experts
+        stay in `dtype`, which is also the activations' dtype. Quantised
+        after the load (the weight cache keeps the float32 weights).
     Returns:
       A `LanguageModel`. Loads are also cached per (resolved path, the file's
       device, inode, size, mtime and ctime, dtype) for the process, so loading
