@@ -22,12 +22,13 @@ from jaxsample import disk_cache as cache_lib
 from jaxsample import weight_cache
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import LanguageModel
-from jaxsample.models import families, registry
+from jaxsample.models import families, quant, registry
 
 if TYPE_CHECKING:
     from jaxsample.models import llama
 
 _DTYPES = ("float32", "bfloat16")
+WEIGHTS = (None, "int8")  # the `weights=` values of `load`
 
 # How each loaded model was read: {"weights": "cache" | "checkpoint", "seconds": ...,
 # "cache_entry": path or None}; see `load_info`.
@@ -35,7 +36,7 @@ _INFO: "weakref.WeakKeyDictionary[LanguageModel, dict]" = weakref.WeakKeyDiction
 
 
 def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32",
-         cache: bool | str | os.PathLike | None = None) -> LanguageModel:
+         cache: bool | str | os.PathLike | None = None, weights: str | None = None) -> LanguageModel:
     """Load a language model with its own tokenizer.
 
     Args:
@@ -57,12 +58,21 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         read them back in well under a second, each tensor's CRC-32 checked.
         A corrupt or stale entry is ignored (one warning line on stderr) and
         rewritten.
+      weights: None (default) keeps every weight in `dtype`; "int8" stores
+        each projection (attention q/k/v/o, MLP gate/up/down, the output head
+        and the embedding) as symmetric per-output-channel int8 with float32
+        scales (`models.quant`: a quarter of float32's bytes), multiplied as
+        int8 x int8 dots with the activations quantised per row (W8A8, the
+        faster on XLA CPU; `quant.with_mode(params, "weight_only")` for the
+        more accurate weight-only product); norms, biases and MoE experts
+        stay in `dtype`, which is also the activations' dtype. Quantised
+        after the load (the weight cache keeps the float32 weights).
     Returns:
       A `LanguageModel`. Loads are also cached per (resolved path, the file's
       device, inode, size, mtime and ctime, dtype) for the process, so loading
       twice is free.
     Raises:
-      ConfigError: an unknown dtype.
+      ConfigError: an unknown dtype or weights (before any file is read).
       ModelLoadError: unknown name, missing path, unreadable or inconsistent
         checkpoint (the message names the file and lists the known names);
         UnsupportedModelError (a subclass) for architectures or options the
@@ -73,8 +83,10 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     """
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+    if not isinstance(weights, (str, type(None))) or weights not in WEIGHTS:
+        raise ConfigError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
     path, name = _resolve(name_or_path)
-    key = (str(path), cache_lib.stat_id(path.stat()), dtype, name)  # a rewrite: a new key
+    key = (str(path), cache_lib.stat_id(path.stat()), dtype, name, weights)  # a rewrite: a new key
     if key not in _LOADED:  # the weights are the same with or without the cache
         if len(_LOADED) >= 4:
             _LOADED.pop(next(iter(_LOADED)))
@@ -268,12 +280,12 @@ def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None):
     return cfg, params, tokenizer, info
 
 
-# Models loaded by this process: (path, stat id, dtype, name) -> LanguageModel, at most 4.
+# Models loaded by this process: (path, stat id, dtype, name, weights) -> LanguageModel, at most 4.
 _LOADED: dict[tuple, LanguageModel] = {}
 
 
 def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
-                   base: pathlib.Path | None) -> LanguageModel:
+                   weights: str | None, base: pathlib.Path | None) -> LanguageModel:
     t0 = time.perf_counter()
     p = pathlib.Path(path)
     info = {"weights": "checkpoint", "cache_entry": None}
@@ -288,8 +300,11 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
         else:
             raise ModelLoadError(_not_a_checkpoint(p))
     # The serving layout: one dict per layer (see models.llama.run_layers).
-    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=cfg.jnp_dtype),
-                                    families.module_for(cfg).unstack_layers(params))
+    params = families.module_for(cfg).unstack_layers(params)
+    if weights == "int8":  # quantised from the float32 weights; leaves to device below
+        params = quant.quantize_params(params, compute=dtype)
+    params = jax.tree_util.tree_map(
+        lambda a: jnp.asarray(a, dtype=a.dtype if weights else cfg.jnp_dtype), params)
     lm = LanguageModel(config=cfg, params=params, tokenizer=tokenizer,
                        name=name or default_name, source=path)
     _INFO[lm] = {**info, "seconds": time.perf_counter() - t0}

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.models import common
+from jaxsample.models import common, quant
 from jaxsample.models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
                            merge_attention, partial_attention, stack_layers, unstack_layers)
 
@@ -253,7 +253,7 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     """tokens `[...]` int32 -> hidden `[..., E]`, scaled by `sqrt(E)` rounded to the embedding dtype."""
     table = params["embed"]
     scale = np.float32(math.sqrt(table.shape[-1]))  # transformers: a float32 buffer, cast to the dtype
-    return jnp.take(table, tokens, axis=0) * jnp.asarray(scale).astype(table.dtype)
+    return quant.take_rows(table, tokens) * jnp.asarray(scale).astype(table.dtype)
 
 
 def qkv(cfg: Gemma3Config, lp: Params, x: jax.Array, positions: jax.Array, inv_freq):
@@ -310,7 +310,7 @@ def logits(cfg: Gemma3Config, params: Params, x: jax.Array) -> jax.Array:
     """Final norm, output projection and soft-capping: x `[..., E]` -> logits `[..., V]` float32."""
     h = rms_norm(x, params["final_norm"], cfg.norm_eps)
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    out = jnp.einsum("...e,ev->...v", h, w, preferred_element_type=jnp.float32)
+    out = quant.matmul(h, w, jnp.float32)
     c = cfg.final_logit_softcapping
     if c is not None:
         out = jnp.tanh(out / c) * c

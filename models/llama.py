@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.models import common, moe
+from jaxsample.models import common, moe, quant
 # Shared building blocks, re-exported under their historical names.
 from jaxsample.models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
                            merge_attention, partial_attention, rms_norm, stack_layers,
@@ -368,7 +368,7 @@ def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
     """tokens `[...]` int32 -> hidden `[..., E]`."""
-    return jnp.take(params["embed"], tokens, axis=0)
+    return quant.take_rows(params["embed"], tokens)
 
 
 def qkv(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array):
@@ -459,7 +459,7 @@ def logits(cfg: LlamaConfig, params: Params, x: jax.Array) -> jax.Array:
     """Final norm and output projection: x `[..., E]` -> logits `[..., V]` float32."""
     h = rms_norm(x, params["final_norm"], cfg.norm_eps)
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    return jnp.einsum("...e,ev->...v", h, w, preferred_element_type=jnp.float32)
+    return quant.matmul(h, w, jnp.float32)
 
 
 # ---------------------------------------------------------------------------

@@ -123,10 +123,11 @@ def resolve_run_config(args: argparse.Namespace) -> config_lib.RunConfig:
         except ConfigError as e:
             flag = str(e).split(".", 1)[-1].split(" ", 1)[0]
             raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
-    if args.model is not None or args.dtype is not None:
+    if args.model is not None or args.dtype is not None or getattr(args, "weights", None):
         cfg = cfg.replace(model=config_lib.ModelConfig(
             name=args.model if args.model is not None else cfg.model.name,
-            dtype=args.dtype or cfg.model.dtype))
+            dtype=args.dtype or cfg.model.dtype,
+            weights=getattr(args, "weights", None) or cfg.model.weights))
     if args.reduce is not None or args.extract is not None:
         cfg = cfg.replace(reducer=dataclasses.replace(
             cfg.reducer, kind=args.reduce or cfg.reducer.kind,
@@ -143,10 +144,10 @@ def resolve_run_config(args: argparse.Namespace) -> config_lib.RunConfig:
     return cfg
 
 
-def _load_model(name: str | None, dtype: str, *, use_cache: bool = True):
+def _load_model(name: str | None, dtype: str, *, use_cache: bool = True, weights=None):
     from jaxsample import loading
 
-    return loading.load(name, dtype=dtype, cache=None if use_cache else False)
+    return loading.load(name, dtype=dtype, cache=None if use_cache else False, weights=weights)
 
 
 def _model_header(cfg: config_lib.RunConfig, use_cache: bool):
@@ -209,10 +210,12 @@ def _run(args) -> int:
     try:
         if progress is not None:
             with progress.phase(f"loading {what}") as ph:
-                lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
+                lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache,
+                                 weights=cfg.model.weights)
                 ph.cancel()
         else:
-            lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache)
+            lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache,
+                             weights=cfg.model.weights)
     except BaseException:
         if results is not None:
             results.close()

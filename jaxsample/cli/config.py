@@ -19,6 +19,7 @@ Fields of the sections:
 
     model.name        str or null   a model name or a checkpoint path (null: embedded)
     model.dtype       float32 | bfloat16
+    model.weights     null | int8        (int8: `load(weights="int8")`, models/quant.py)
     sampling.*        the fields of SamplingParams: n, temperature, top_k, top_p,
                       min_p, max_new_tokens (or vLLM's max_tokens), stop_token_ids,
                       stop, seed, logprobs, min_tokens, ignore_eos, presence_penalty,
@@ -51,6 +52,7 @@ from jaxsample.errors import ConfigError, short_repr
 from jaxsample.sampling_params import FOREIGN_KEYWORDS
 
 DTYPES = ("float32", "bfloat16")
+WEIGHTS = (None, "int8")
 REDUCER_KINDS = ("vote", "best", "none")
 EXTRACT_KINDS = ("number", "boxed", "choice", "text", "auto")
 VOTE_WEIGHTS = (None, "mean_logprob")
@@ -86,10 +88,12 @@ class ModelConfig:
     Attributes:
       name: a model name or checkpoint path; None for the embedded default.
       dtype: "float32" or "bfloat16" (weights and activations).
+      weights: None (weights in `dtype`) or "int8" (`jaxsample.load(weights="int8")`).
     """
 
     name: str | None = None
     dtype: str = "float32"
+    weights: str | None = None
 
     def __post_init__(self):
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
@@ -98,6 +102,9 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {_fmt(DTYPES)}, got "
                               f"{short_repr(self.dtype)}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"model.weights must be one of {_fmt(WEIGHTS)}, got "
+                              f"{short_repr(self.weights)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -128,7 +128,8 @@ def _abstract(tree):
 
 def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
                         naive: bool = False, vocab_limit: int | None = None,
-                        signals: bool = False, top_logprobs: int = 0):
+                        signals: bool = False, top_logprobs: int = 0,
+                        weights: str | None = None, mode: str | None = None):
     """The compiled decode step (`jax.stages.Compiled`) for abstract inputs.
 
     Args:
@@ -142,6 +143,8 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
         (`SamplingParams.signals`); off, the step is the plain one.
       top_logprobs: k of the top logprobs recorded per token (0: none; with
         k > 0 the ranks are recorded too, as `SamplingParams(logprobs=k)`).
+      weights: None, or "int8" for `load(..., weights="int8")`'s parameters
+        (`models.quant`), run in `mode` (default `quant.DEFAULT_MODE`).
     Returns:
       `jax.stages.Compiled` of `step(params, prefix, state, knobs) -> state`
       (state donated), the loop body of `loop.decode_chunk`.
@@ -164,6 +167,10 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
                 top_logprobs=top_logprobs, token_ranks=top_logprobs > 0, signals=signals)
     params = jax.eval_shape(
         lambda: fam.unstack_layers(fam.init_params(config, jax.random.key(0))))
+    if weights is not None:
+        from jaxsample.models import quant
+        params = quant.quantize_params(params, compute=config.dtype, abstract=True,
+                                       mode=mode or quant.DEFAULT_MODE)
     dt = config.jnp_dtype
     K, D = config.n_kv_heads, config.head_dim
     from jaxsample.engine.prefill import window_extent

@@ -1,0 +1,201 @@
+"""Int8 weights (`load(..., weights="int8")`): decode-step time, the compiled step's
+HLO and the accuracy cost against float32, in one script (CPU).
+
+Three parts (`--parts`, default all):
+
+* speed: the decode step of SmolLM2 at P = 1024 for N = 1 and 16 with
+  float32, bfloat16, int8 weight-only and int8 W8A8 weights (`models.quant`
+  modes), one process, the variants alternated call by call (A B C D A B
+  ...) as in `benchmarks/step_ablation.py`; a call's step time is its decode
+  seconds / (T - 1) forward steps; medians over `--reps` calls and the ratio
+  of each median to float32's.
+* hlo: the N = 1 decode step compiled (`engine.step_cost.compile_decode_step`)
+  for float32 and each int8 mode; counts the instructions (not fused
+  bodies) whose result is a whole weight `[in, out]` made by a convert of
+  the int8 one (a float32 or int32 copy of a weight materialised per step),
+  and the dots by result type (s32: XLA's int8 GEMM).
+* accuracy: per model (SmolLM2, Gemma 3 270M), 20 chat prompts: the
+  last-position logits of int8 in both modes (and bfloat16) against float32 (max |diff|,
+  and that over the float32 logits' standard deviation, per prompt, then
+  the max and median over prompts), and greedy decoding of 32 tokens (end
+  of text ignored): the fraction of tokens equal before the first
+  divergence, and prompts whose 32 tokens are all equal.
+
+Usage:
+
+    python -m benchmarks.quantized [--parts speed,hlo,accuracy] [--reps 5] \
+        [--out benchmarks/results/quantized.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+
+PROMPTS = [
+    "What is 17 + 25?", "Name three primary colours.", "Write a haiku about the sea.",
+    "Explain what a prime number is.", "What is the capital of France?",
+    "Give me a synonym for happy.", "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.", "What does a thermometer measure?",
+    "List two uses of copper.", "Why is the sky blue?", "What is 9 times 8?",
+    "Describe a cat in one sentence.", "What is photosynthesis?",
+    "Suggest a name for a pet goldfish.", "What comes after Tuesday?",
+    "Who wrote Romeo and Juliet?", "Convert 3 kilometres to metres.",
+    "What is the boiling point of water in Celsius?", "Tell me a fun fact about octopuses.",
+]
+
+
+def _variants():
+    from jaxsample.loading import load
+    from jaxsample.models import quant
+
+    from benchmarks.common import NoEosTokenizer
+
+    f32 = load(None, dtype="float32")
+    q8 = load(None, weights="int8")
+    out = {"float32": f32, "bfloat16": load(None, dtype="bfloat16"),
+           "int8 weight-only": dataclasses.replace(q8, params=quant.with_mode(q8.params,
+                                                                              "weight_only")),
+           "int8 W8A8": dataclasses.replace(q8, params=quant.with_mode(q8.params, "w8a8"))}
+    return {k: dataclasses.replace(v, tokenizer=NoEosTokenizer(v.tokenizer))
+            for k, v in out.items()}
+
+
+def speed(P, Ns, T, reps):
+    """{(variant, N): [step seconds per call]}, the variants interleaved call by call."""
+    from jaxsample import SamplingParams
+    from jaxsample.engine import session
+
+    from benchmarks.common import prompt_ids
+    from benchmarks.step_ablation import _decode
+
+    lms = _variants()
+    ids = prompt_ids(0, P, lms["float32"].vocab_limit)
+    out = {}
+    for N in Ns:
+        sp = SamplingParams(n=N, temperature=1.0, max_new_tokens=T, seed=0)
+        sessions = {}
+        for v, lm in lms.items():  # prefill, compile and warm up each variant once
+            sessions[v] = s = session.Session(lm, [ids], sp)
+            _decode(s, N, T)
+        for _ in range(reps):
+            for v, s in sessions.items():
+                out.setdefault((v, N), []).append(_decode(s, N, T))
+    return out
+
+
+def hlo(P=1024, T=64):
+    """Per variant: the N = 1 step's float32 weight copies and int8-operand dots."""
+    from jaxsample.engine.step_cost import compile_decode_step
+    from jaxsample.loading import read_config
+
+    cfg = read_config(None)
+    E, F, V = cfg.dim, cfg.ffn_dim, cfg.vocab_size
+    HD, KD = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    shapes = {(E, HD), (E, KD), (HD, E), (E, F), (F, E), (V, E), (E, V)}
+    rows = {}
+    for name, kw in (("float32", {}), ("int8 weight-only", dict(weights="int8", mode="weight_only")),
+                     ("int8 W8A8", dict(weights="int8", mode="w8a8"))):
+        text = compile_decode_step(cfg, P, 1, T, **kw).as_text()
+        copies, dots = [], {}
+        for line in text.splitlines():  # instructions, not the bodies of fused computations
+            m = re.match(r"\s*%([\w.\-]+) = (f32|s32|bf16)\[(\d+),(\d+)\]\{[^}]*\} "
+                         r"(fusion|convert)\(", line)
+            if m and (int(m[3]), int(m[4])) in shapes and "convert" in m[1] + m[5]:
+                copies.append(f"{m[1]} {m[2]}[{m[3]},{m[4]}]")
+            d = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[[\d,]*\]\{[^}]*\} dot\(", line)
+            if d:
+                dots[d[1]] = dots.get(d[1], 0) + 1
+        rows[name] = dict(weight_copies_per_step=len(copies), examples=copies[:3],
+                          dots_by_result_type=dots)
+    return rows
+
+
+def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
+    import numpy as np
+
+    from jaxsample import SamplingParams, generate
+    from jaxsample.loading import load
+    from jaxsample.models import quant
+
+    from benchmarks.common import NoEosTokenizer
+
+    out = {}
+    for name in models:
+        q8 = load(name, weights="int8")
+        lms = {"float32": load(name), "bfloat16": load(name, dtype="bfloat16"),
+               "int8 W8A8": dataclasses.replace(q8, params=quant.with_mode(q8.params, "w8a8")),
+               "int8 weight-only": dataclasses.replace(
+                   q8, params=quant.with_mode(q8.params, "weight_only"))}
+        tok = lms["float32"].tokenizer
+        ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
+               for p in PROMPTS]
+        S = max(map(len, ids))
+        batch = np.array([x + [tok.pad_token_id] * (S - len(x)) for x in ids], np.int32)
+        last = np.array([len(x) - 1 for x in ids])
+        logits = {k: np.asarray(lm.forward(batch))[np.arange(len(ids)), last]
+                  for k, lm in lms.items()}
+        sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=T, seed=0)
+        toks = {k: generate(dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer)),
+                            ids, sp).tokens[:, 0] for k, lm in lms.items()}
+        ref, ref_t = logits["float32"], toks["float32"]
+        row = {}
+        for k in ("bfloat16", "int8 W8A8", "int8 weight-only"):
+            d = np.abs(logits[k] - ref).max(axis=1)
+            rel = d / ref.std(axis=1)
+            same = ref_t == toks[k]
+            first = np.where(same.all(1), T, np.argmin(same, axis=1))
+            row[k] = dict(logit_max_abs=float(d.max()), logit_max_abs_median=float(np.median(d)),
+                          logit_rel_std_max=float(rel.max()),
+                          logit_rel_std_median=float(np.median(rel)),
+                          argmax_equal=int((logits[k].argmax(1) == ref.argmax(1)).sum()),
+                          greedy_prefix_fraction=float(first.mean() / T),
+                          greedy_prompts_equal=int((first == T).sum()), prompts=len(ids),
+                          tokens=T)
+        out[name] = row
+    return out
+
+
+def main(argv=None):
+    from benchmarks.common import environment
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="speed,hlo,accuracy")
+    ap.add_argument("--prompt-length", type=int, default=1024)
+    ap.add_argument("--branches", default="1,16")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    parts = a.parts.split(",")
+    res = {"environment": environment()}
+    if "speed" in parts:
+        sp = speed(a.prompt_length, [int(x) for x in a.branches.split(",")], a.new_tokens,
+                   a.reps)
+        print("| weights | N | median step ms | min | max | calls | / float32 |")
+        print("|---|---|---|---|---|---|---|")
+        res["speed"] = []
+        for (v, N), xs in sp.items():
+            base = statistics.median(sp[("float32", N)])
+            med = statistics.median(xs)
+            print(f"| {v} | {N} | {med * 1e3:.2f} | {min(xs) * 1e3:.2f} | {max(xs) * 1e3:.2f} "
+                  f"| {len(xs)} | {med / base:.2f} |")
+            res["speed"].append(dict(variant=v, N=N, P=a.prompt_length, T=a.new_tokens,
+                                     step_s=xs, median_step_s=med, ratio_to_float32=med / base))
+    if "hlo" in parts:
+        res["hlo"] = hlo(a.prompt_length)
+        print(json.dumps(res["hlo"], indent=1))
+    if "accuracy" in parts:
+        res["accuracy"] = accuracy(tuple(a.models.split(",")))
+        print(json.dumps(res["accuracy"], indent=1))
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

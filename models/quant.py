@@ -1,0 +1,312 @@
+"""Int8 weights: symmetric per-output-channel quantisation and the matmul that reads them.
+
+A projection `W [in, out]` is stored as `q [in, out]` int8 and `scale [out]`
+float32 with `W ~ q * scale` (`scale = max_i |W[i, o]| / 127`, `q = round(W /
+scale)`, so the round trip is off by at most `scale / 2` per element). The
+embedding `[V, E]` gets one scale per row, so the tied output head (the
+embedding transposed, `[E, V]`) has per-output-channel scales with the very
+same numbers, and the gather reads one row of q and one scale.
+
+`QuantizedWeight` is a registered pytree (leaves q and scale, the rest
+static), so it flows through the loaders' unstack, the engine's placement
+(`place`: each leaf replicated over the mesh, as float weights are today),
+jit and vmap unchanged, and the families' `h @ lp["wq"]` reaches
+`QuantizedWeight.__rmatmul__` (a jax array defers `@` to an operand type it
+does not know). `matmul` and `take_rows` are the two helpers the families
+call where they use `einsum` / `take` (the output head, the embedding); for
+plain arrays they are exactly the old expressions, so float32 and bfloat16
+programs are unchanged.
+
+Two ways to run the product (`MODES`, a static field, chosen per model):
+
+* "weight_only": `(x @ float(q)) * scale`, the int8 -> float convert is the
+  dot's operand and the scale multiplies the `[.., out]` result.
+* "w8a8": activations quantised per row on the fly (`s_x = max|x| / 127`),
+  an int8 x int8 -> int32 `lax.dot_general`, then `* s_x * scale`.
+
+`DEFAULT_MODE` is the faster of the two on XLA CPU: W8A8 (benchmarks/quantized.py,
+benchmarks/RESULTS.md "Int8 weights": SmolLM2, P = 1024, the decode step at
+0.57x float32's time at N = 1 and 0.53x at N = 16, one run, interleaved).
+XLA CPU does not fuse a convert into a dot's operand: the weight-only
+product materialises a float32 copy of every weight each step (211 per
+SmolLM2 step, the 113 MB head among them) and ran 2.5x (N = 1) and 1.6x
+(N = 16) slower than float32. Its int8 x int8 -> int32 dot is a real int8
+GEMM from two rows up, reading the int8 weight as it is, so W8A8 reads a
+quarter of float32's bytes (a one-row product is padded to two, see
+`_w8a8_rows`). The activations' per-row rounding is the accuracy price:
+on SmolLM2 and Gemma 3 270M it about doubles weight-only's last-position
+logit error against float32 (RESULTS.md has the figures, and the greedy
+agreement); `with_mode(params, "weight_only")` trades that speed back for it.
+
+Reference: Jacob et al. 2018, "Quantization and Training of Neural Networks
+for Efficient Integer-Arithmetic-Only Inference" (symmetric per-channel
+scales); MaxText / JetStream's int8 weights (AQT).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import custom_batching
+
+from jaxsample.models import common
+
+MODES = ("weight_only", "w8a8")
+DEFAULT_MODE = "w8a8"
+QMAX = 127
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedWeight:
+    """An int8 matrix with float32 scales along its output channels.
+
+    Attributes:
+      q: int8 `[..., r, c]` (leading axes: stacked layers).
+      scale: float32 `[..., c]` (per column) or `[..., r]` (`rows=True`, the embedding).
+      rows: the scale runs along q's rows (the embedding `[V, E]`: one per token).
+      transposed: the matrix this stands for is `q.T` (the tied head, `embed.T`).
+      compute: the dtype name of the activations it is used with ("float32" or
+        "bfloat16"); `.dtype` answers it, so code that casts to the weight's
+        dtype keeps the model dtype.
+      mode: one of `MODES`.
+    """
+
+    def __init__(self, q, scale, *, rows: bool = False, transposed: bool = False,
+                 compute: str = "float32", mode: str = DEFAULT_MODE):
+        self.q, self.scale = q, scale
+        self.rows, self.transposed, self.compute, self.mode = rows, transposed, compute, mode
+
+    def tree_flatten(self):
+        return (self.q, self.scale), (self.rows, self.transposed, self.compute, self.mode)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        rows, transposed, compute, mode = aux
+        return cls(*leaves, rows=rows, transposed=transposed, compute=compute, mode=mode)
+
+    def _replace(self, **changes) -> "QuantizedWeight":
+        kw = dict(rows=self.rows, transposed=self.transposed, compute=self.compute,
+                  mode=self.mode)
+        kw.update(changes)
+        return QuantizedWeight(self.q, self.scale, **kw)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape[::-1]) if self.transposed else tuple(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.q.shape)
+
+    @property
+    def dtype(self):
+        return common.DTYPES[self.compute]
+
+    @property
+    def T(self) -> "QuantizedWeight":
+        if self.ndim != 2:
+            raise ValueError(f"QuantizedWeight.T: only a 2-D matrix, got shape {self.shape}")
+        return self._replace(transposed=not self.transposed)
+
+    def __rmatmul__(self, x):
+        return matmul(x, self)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float matrix it stands for, `q * scale` (transposed if it is)."""
+        s = self.scale[..., :, None] if self.rows else self.scale[..., None, :]
+        w = self.q.astype(jnp.float32) * s
+        return (w.T if self.transposed else w).astype(dtype)
+
+    def __repr__(self) -> str:
+        return (f"QuantizedWeight(shape={self.shape}, rows={self.rows}, "
+                f"transposed={self.transposed}, compute={self.compute!r}, mode={self.mode!r})")
+
+
+def quantize(w, *, rows: bool = False, compute: str = "float32",
+             mode: str = DEFAULT_MODE) -> QuantizedWeight:
+    """Symmetric per-channel int8 quantisation of a float matrix (host numpy).
+
+    Args:
+      w: `[..., r, c]` float (numpy or jax; computed in float64 on the host).
+      rows: one scale per row (the embedding) instead of per column (a
+        projection `[in, out]`: per output channel).
+      compute, mode: as `QuantizedWeight`.
+    Returns:
+      A `QuantizedWeight` with numpy leaves: `scale = max|w| / 127` over the
+      reduced axis, as float32 (1 for an all-zero channel), `q = round(w /
+      scale)` in [-127, 127], so `|w - q * scale| <= scale / 2` per element.
+    Raises:
+      ValueError: w has fewer than 2 axes or a non-finite value; mode unknown.
+    """
+    if mode not in MODES:
+        raise ValueError(f"quantize: mode must be one of {MODES}, got {mode!r}")
+    w = np.asarray(w, dtype=np.float64)
+    if w.ndim < 2 or not np.all(np.isfinite(w)):
+        raise ValueError(f"quantize: needs a finite matrix, got shape {w.shape}")
+    axis = -1 if rows else -2
+    amax = np.max(np.abs(w), axis=axis)
+    scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
+    s = scale[..., :, None] if rows else scale[..., None, :]
+    q = np.clip(np.rint(w / s.astype(np.float64)), -QMAX, QMAX).astype(np.int8)
+    return QuantizedWeight(q, scale, rows=rows, compute=compute, mode=mode)
+
+
+def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
+    """`x [..., in] @ w [in, out] -> [..., out]` for a float array or a `QuantizedWeight`.
+
+    A float `w` is exactly `jnp.einsum("...e,ev->...v", x, w,
+    preferred_element_type=...)`. A quantised one runs in its `mode`; the
+    result has dtype `preferred_element_type`, else x's.
+    """
+    if not isinstance(w, QuantizedWeight):
+        return jnp.einsum("...e,ev->...v", x, w, preferred_element_type=preferred_element_type)
+    if w.ndim != 2 or w.rows != w.transposed:
+        raise ValueError(f"matmul: {w!r} has no per-output-channel scales")
+    out = preferred_element_type or x.dtype
+    dims = (((x.ndim - 1,), (1 if w.transposed else 0,)), ((), ()))
+    if w.mode == "w8a8":
+        return _w8a8_fn(bool(w.transposed))(x, w.q, w.scale).astype(out)
+    y = jax.lax.dot_general(x, w.q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    return (y * w.scale).astype(out)
+
+
+def _w8a8_rows(x, q, scale, *, transposed: bool):
+    """x `[M, in]` -> float32 `[M, out]`: x quantised per row, int8 x int8 -> int32 dot.
+
+    A single row is padded with a zero row: XLA CPU (jaxlib 0.10.2) lowers a
+    one-row int8 dot to a matrix-vector loop over an int32 copy of the whole
+    weight (0.42 ms for 576 x 1536, 150 ms for SmolLM2's head), and two rows
+    to its int8 GEMM (0.09 ms, 2.5 ms: faster than the float32 dot).
+    """
+    one = x.shape[0] == 1
+    xf = x.astype(jnp.float32)
+    if one:
+        xf = jnp.concatenate([xf, jnp.zeros_like(xf)])
+    sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / QMAX
+    sx = jnp.where(sx > 0, sx, 1.0)
+    xq = jnp.clip(jnp.round(xf / sx), -QMAX, QMAX).astype(jnp.int8)
+    dims = (((1,), (1 if transposed else 0,)), ((), ()))
+    y = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.int32)
+    y = y.astype(jnp.float32) * sx * scale
+    return y[:1] if one else y
+
+
+@functools.lru_cache(maxsize=None)
+def _w8a8_fn(transposed: bool):
+    """The W8A8 product `f(x [..., in], q, scale) -> [..., out]` float32, with a
+    `custom_vmap` rule that folds vmapped axes of x into its rows (so the one-row
+    padding of `_w8a8_rows` sees the true row count of the decode step, B x N, not
+    one row per branch) and a `custom_vjp` (the gradient of x through the
+    dequantised weights, as the float model's; none for the weights)."""
+
+    def flat(x, q, scale):
+        y = _w8a8_rows(x.reshape(-1, x.shape[-1]), q, scale, transposed=transposed)
+        return y.reshape(x.shape[:-1] + y.shape[-1:])
+
+    f = custom_batching.custom_vmap(flat)
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, x, q, scale):
+        if in_batched[0] and not any(in_batched[1:]):
+            return g(x, q, scale), True  # the batch axis leads x: flat folds it
+        axes = tuple(0 if b else None for b in in_batched)
+        return jax.vmap(flat, in_axes=axes, axis_size=axis_size)(x, q, scale), True
+
+    @jax.custom_vjp
+    def g(x, q, scale):
+        return f(x, q, scale)
+
+    def fwd(x, q, scale):
+        return f(x, q, scale), (x, q, scale)
+
+    def bwd(res, ct):
+        x, q, scale = res
+        w = QuantizedWeight(q, scale, rows=transposed, transposed=transposed).dequantize()
+        dx = jnp.einsum("...o,io->...i", ct.astype(jnp.float32), w).astype(x.dtype)
+        return dx, np.zeros(q.shape, jax.dtypes.float0), jnp.zeros_like(scale)
+
+    g.defvjp(fwd, bwd)
+    return g
+
+
+def take_rows(table, tokens: jax.Array) -> jax.Array:
+    """`table[tokens]`: the embedding gather, `[...]` int -> `[..., E]` (model dtype).
+
+    A float table is exactly `jnp.take(table, tokens, axis=0)`; a quantised
+    one (per-row scales) gathers the int8 rows and their scales.
+    """
+    if not isinstance(table, QuantizedWeight):
+        return jnp.take(table, tokens, axis=0)
+    if not table.rows or table.transposed or table.ndim != 2:
+        raise ValueError(f"take_rows: {table!r} has no per-row scales")
+    q = jnp.take(table.q, tokens, axis=0).astype(jnp.float32)
+    return (q * jnp.take(table.scale, tokens, axis=0)[..., None]).astype(table.dtype)
+
+
+# Per-layer keys that are projections [in, out]; everything else (norms, biases,
+# the MoE router and experts) stays float.
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MODE,
+                    abstract: bool = False):
+    """A parameter pytree (either layout, host or device arrays) with int8 projections.
+
+    Quantised: every layer's `wq wk wv wo w_gate w_up w_down` (2-D, or 3-D in
+    the stacked layout: scales per layer and output channel), the embedding
+    (per-row scales: the tied head's output channels) and an untied
+    `lm_head [E, V]` (per column). Left float, cast to `compute`: norms,
+    biases, the MoE router and the experts' `[X, E, F]` stacks (a sparse FFN
+    keeps its float path), and any other tensor.
+
+    With `abstract=True`, `params` holds `jax.ShapeDtypeStruct`s and so does
+    the result (for lowering a program without weights).
+
+    Returns:
+      The same structure, `QuantizedWeight` where quantised, numpy arrays elsewhere.
+    """
+    dtype = common.DTYPES[compute]
+    flt = lambda a: np.asarray(jnp.asarray(a, dtype=dtype))  # noqa: E731
+    if abstract:
+        flt = lambda a: jax.ShapeDtypeStruct(a.shape, dtype)  # noqa: E731
+    qz = _abstract_quantize if abstract else quantize
+    layer_ndim = 2 if isinstance(params["layers"], (list, tuple)) else 3
+
+    def one_layer(lp):
+        return {k: qz(a, compute=compute, mode=mode)
+                if k in PROJECTIONS and len(np.shape(a)) == layer_ndim else flt(a)
+                for k, a in lp.items()}
+
+    out = {k: flt(a) for k, a in params.items() if k != "layers"}
+    out["embed"] = qz(params["embed"], rows=True, compute=compute, mode=mode)
+    if "lm_head" in params:
+        out["lm_head"] = qz(params["lm_head"], compute=compute, mode=mode)
+    layers = params["layers"]
+    out["layers"] = ([one_layer(lp) for lp in layers] if isinstance(layers, (list, tuple))
+                     else one_layer(layers))
+    return out
+
+
+def _abstract_quantize(a, *, rows=False, compute="float32", mode=DEFAULT_MODE):
+    scale = a.shape[:-1] if rows else a.shape[:-2] + a.shape[-1:]
+    return QuantizedWeight(jax.ShapeDtypeStruct(a.shape, jnp.int8),
+                           jax.ShapeDtypeStruct(scale, jnp.float32), rows=rows,
+                           compute=compute, mode=mode)
+
+
+def with_mode(params, mode: str):
+    """The same parameters with every `QuantizedWeight` switched to `mode` (no copy)."""
+    if mode not in MODES:
+        raise ValueError(f"with_mode: mode must be one of {MODES}, got {mode!r}")
+    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
+    return jax.tree_util.tree_map(lambda a: a._replace(mode=mode) if is_q(a) else a, params,
+                                  is_leaf=is_q)
+
+
+def is_quantized(params) -> bool:
+    """Whether any leaf of `params` is a `QuantizedWeight`."""
+    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
+    return any(is_q(a) for a in jax.tree_util.tree_leaves(params, is_leaf=is_q))
