@@ -223,6 +223,23 @@ def test_cached_decode_equals_own_forward(qlm, sampled):
     assert checked > 30
 
 
+def test_the_bill_counts_the_weights_as_stored(tiny_lm, qlm, sampled):
+    """An int8 model's bill reads its weights at their stored size (int8 + float32 scales,
+    norms and biases in float32), not at 4 bytes per parameter."""
+    from jaxsample import cost
+
+    stored = sum(int(np.asarray(a).nbytes) for a in jax.tree_util.tree_leaves(qlm.params))
+    params = sum(int(np.asarray(a).size) for a in jax.tree_util.tree_leaves(tiny_lm.params))
+    assert sampled.bill.weight_bytes == stored < params * 4 // 3
+    assert cost.weight_bytes(tiny_lm.config) == params * 4  # the float bill, unchanged
+    b = sampled.bill  # every step reads the stored weights once, then the KV
+    assert b.decode_bytes_read_shared - b.decode_steps * stored == cost.make_bill(
+        tiny_lm.config, prompt_lengths=[len(p) for p in sampled.prompt_tokens],
+        branch_lengths=b.decoded_tokens_per_branch, n=4, prefix_cache_bytes=0,
+        tail_cache_bytes=0, decode_steps=b.decode_steps).decode_bytes_read_shared \
+        - b.decode_steps * params * 4
+
+
 def test_mesh_equals_unsharded(qlm):
     """Same seed, same tokens on a (2, 2) mesh (q and scale replicated like float weights)."""
     if jax.device_count() < 4:

@@ -195,7 +195,8 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
               prefix_copies: int = 1, kept_lengths=None, devices: int = 1,
               kv_bytes_per_device: int | None = None,
               kv_bytes_allocated: int | None = None, branch_steps: int | None = None,
-              context_length: int = 0, context_cache_bytes: int = 0) -> Bill:
+              context_length: int = 0, context_cache_bytes: int = 0,
+              weights_bytes: int | None = None) -> Bill:
     """The bill of one `generate` call (called by the engine).
 
     Args:
@@ -222,6 +223,10 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         (`shared_prefix=`), prefilled once before them; `prompt_lengths` are
         then each prompt's own tokens after it.
       context_cache_bytes: `nbytes` of the context's KV arrays (k and v, padded).
+      weights_bytes: bytes of the parameters as stored, when not every one is in
+        the dtype (int8 weights and their float32 scales: `load(weights="int8")`);
+        default: every parameter at `dtype_bytes`. An MoE's experts stay in the
+        dtype, so the untouched experts a step skips are subtracted at `dtype_bytes`.
     Returns:
       A `Bill`.
     Raises:
@@ -269,7 +274,9 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
 
     b = resolve_dtype_bytes(config, dtype_bytes)
     slots = branch_steps / steps if steps else 0.0
-    W = step_weight_bytes(config, slots, b) if steps else weight_bytes(config, b)
+    W_all = weight_bytes(config, b) if weights_bytes is None else check_count(
+        "weights_bytes", weights_bytes, 0, 2**62, "2**62")
+    W = step_weight_bytes(config, slots, b) - weight_bytes(config, b) + W_all if steps else W_all
     kv = kv_bytes_per_token(config, b)
     full = prompts + C  # the tokens before the first new one, context included
     prefill = sum(prefill_flops(config, int(p)) for p in full)  # each prompt alone
@@ -304,7 +311,7 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         decode_flops_if_separate=decode,
         decode_bytes_read_shared=int(read_shared),
         decode_bytes_read_if_separate=int(read_separate),
-        weight_bytes=weight_bytes(config, b),
+        weight_bytes=W_all,
         kv_bytes_per_token=kv,
         devices=devices, kv_bytes_per_device=per_device, kv_bytes_allocated=allocated,
         shared_context_tokens=C, kv_bytes_shared_context=ctx_bytes,

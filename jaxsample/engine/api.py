@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 
 from jaxsample import cost
@@ -16,6 +17,7 @@ from jaxsample.engine.round import Round
 from jaxsample.engine.session import Session
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
+from jaxsample.models import quant
 from jaxsample.engine import sampling
 from jaxsample.sampling_params import SamplingParams
 from jaxsample.sampling_params import refuse_foreign_keywords
@@ -246,6 +248,14 @@ def text_tokenizer(session: Session):
     return stops_lib.text_tokenizer(session.lm.tokenizer, session.params.skip_special_tokens)
 
 
+def _stored_bytes(params) -> int | None:
+    """Bytes of quantised parameters as stored (int8 and scales), for the bill; None for
+    float parameters (the bill's analytic count at the dtype is then exact)."""
+    if not quant.is_quantized(params):
+        return None
+    return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(params))
+
+
 def final_text(session: Session, tokens, length, stopped):
     """(text, kept tokens or None, stop string or None) of one branch exactly as
     `Generation.texts` holds it: the one function `finish`, `stream` and
@@ -340,7 +350,7 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
                           decode_steps=s.decode_steps, kept_lengths=lens,
                           prefix_copies=s.N if s.naive else 1, branch_steps=s.branch_steps,
                           context_length=len(s.context_ids), context_cache_bytes=ctx_bytes,
-                          **placement)
+                          weights_bytes=_stored_bytes(s.lm.params), **placement)
     s.timings["total"] = time.perf_counter() - s.t_start
     plp = s.prompt_logprobs
     return Generation(tokens=tok, logprobs=lp, lengths=lens, finish_reason=reasons,
