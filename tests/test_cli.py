@@ -645,9 +645,12 @@ def test_plot_writes_exactly_the_path_it_reports(capsys, tmp_path):
     assert "is a directory" in _one_line_error(capsys, base + [str(tmp_path)])
     assert "is a directory" in _one_line_error(capsys, base + [str(tmp_path / "sub") + "/"])
     assert "cannot write '.frob'" in _one_line_error(capsys, base + [str(tmp_path / "a.frob")])
+    # The path on one line, however long (a wrapped path cannot be copied back).
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
     assert cli.main(["price", "--model", "tiny", "--n", "4", "--plot",
-                     str(tmp_path / "t")]) == 0
-    assert f"plot written to {tmp_path / 't.png'}" in capsys.readouterr().out
+                     str(deep / "t")]) == 0
+    assert f"plot written to {deep / 't.png'}\n" in capsys.readouterr().out
 
 
 def test_plot_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):

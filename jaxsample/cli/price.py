@@ -159,7 +159,7 @@ def price_command(args) -> int:
                   "FLOPs are the same either way. read/step: bytes the last decode step reads "
                   "(weights once + KV). Counting conventions: jaxsample/cost/model.py.", markup=False)
     if plot is not None:
-        console.print(f"plot written to {plot}", markup=False)
+        console.print(f"plot written to {plot}", markup=False, soft_wrap=True)  # a path whole
     return EXIT_OK
 
 
