@@ -90,7 +90,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     if key not in _LOADED:  # the weights are the same with or without the cache
         if len(_LOADED) >= 4:
             _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = _load_uncached(*key, _cache_base(cache))
+        _LOADED[key] = _load_uncached(*key[:4], _cache_base(cache), weights=weights)
     return _LOADED[key]
 
 
@@ -285,7 +285,7 @@ _LOADED: dict[tuple, LanguageModel] = {}
 
 
 def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
-                   weights: str | None, base: pathlib.Path | None) -> LanguageModel:
+                   base: pathlib.Path | None, *, weights: str | None = None) -> LanguageModel:
     t0 = time.perf_counter()
     p = pathlib.Path(path)
     info = {"weights": "checkpoint", "cache_entry": None}
