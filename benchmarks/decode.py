@@ -75,7 +75,10 @@ T new tokens):
   measured (null) and the row says `naive_prefill: tile`.
 
 Output: one JSON line per cell (and one per environment/bandwidth record and
-per pair of engines) in `--out`, and a markdown table on stdout. Ratios are
+per pair of engines) in `--out`, and a markdown table on stdout. Each cell
+row carries the machine's load average just before and after its worker
+(`loadavg_before`, `loadavg_after`: 1, 5, 15 minutes; llama.cpp's OpenMP
+threads slow down by orders of magnitude when the cores are oversubscribed). Ratios are
 computed pair by pair from cells of the same run.
 """
 from __future__ import annotations
@@ -428,12 +431,14 @@ def main(argv=None):
         if e == "naive" and a.naive_tile_from is not None and P >= a.naive_tile_from:
             spec["args"]["naive_prefill"] = "tile"
         skip = skip_reason(spec, a, cells, time.perf_counter() - t_begin, llamacpp_why)
+        load0 = os.getloadavg()  # the machine's load average (1, 5, 15 min) around the worker
         if skip:
             rows = [dict(kind="cell", engine=e, config=a.config, P=P, N=N, T=a.new_tokens,
                          error=skip) for N in spec["Ns"]]
         else:
             rows = _spawn(spec, a.cell_timeout)
         for row in rows:
+            row.update(loadavg_before=load0, loadavg_after=os.getloadavg())
             add_roofline(row, bandwidth_bytes_per_s)
             cells.append(row)
             fh.write(json.dumps(row) + "\n")
