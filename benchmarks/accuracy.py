@@ -260,6 +260,9 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--extract", default="number")
+    ap.add_argument("--weights", default=None, choices=["int8", "int8-weight-only"],
+                    help="load(weights='int8'): int8 projections, W8A8 (the default) or "
+                         "weight-only (quant.with_mode), models/quant.py")
     ap.add_argument("--out", default=str(RESULTS / "accuracy.json"))
     ap.add_argument("--from-json", default=None, help="recompute tables/plot from a saved pool")
     ap.add_argument("--probe", default=None, help="comma-separated families to probe first")
@@ -282,7 +285,13 @@ def main(argv=None):
 
     RESULTS.mkdir(exist_ok=True)
     t_all = time.perf_counter()
-    lm = jaxsample.load()
+    lm = jaxsample.load(weights=args.weights and "int8")
+    if args.weights == "int8-weight-only":
+        import dataclasses
+
+        from jaxsample.models import quant
+
+        lm = dataclasses.replace(lm, params=quant.with_mode(lm.params, "weight_only"))
     if args.probe:
         print(f"Probe: {args.probe_problems} problems x {args.probe_n} samples per family")
         pr = probe(lm, args)
@@ -301,7 +310,7 @@ def main(argv=None):
                    "n": args.n, "batch": args.batch, "temperature": args.temperature,
                    "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
                    "seed": args.seed, "extract": args.extract, "chat": True,
-                   "model": lm.name, "dtype": "float32"},
+                   "model": lm.name, "dtype": "float32", "weights": args.weights},
         "command": " ".join(["python -m benchmarks.accuracy"] +
                             (argv if argv is not None else sys.argv[1:])),
         "date": datetime.date.today().isoformat(),

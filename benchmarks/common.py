@@ -238,11 +238,13 @@ class NoEosTokenizer:
         return getattr(self._inner, name)
 
 
-def load_jax_model(model, dtype):
+def load_jax_model(model, dtype, weights=None):
     """Returns (LanguageModel with a no-eos tokenizer, load seconds).
 
     model: "smollm2" (the embedded GGUF) or "llama-1b" (random weights of the
-    `LLAMA_1B` shapes, byte tokenizer).
+    `LLAMA_1B` shapes, byte tokenizer). weights: None, or "int8" (`load(...,
+    weights="int8")`; the random weights through `quant.quantize_params`, the
+    load's own quantiser, in the time).
     """
     import jax
 
@@ -250,7 +252,7 @@ def load_jax_model(model, dtype):
     if model == "smollm2":
         from jaxsample.loading import load
 
-        lm = load(None, dtype=dtype)
+        lm = load(None, dtype=dtype, weights=weights)
         lm = dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer))
     elif model == "llama-1b":
         from jaxsample.lm import LanguageModel
@@ -260,6 +262,15 @@ def load_jax_model(model, dtype):
         cfg = llama.LlamaConfig(**LLAMA_1B, dtype=dtype)
         params = jax.jit(lambda k: llama.init_params(cfg, k, 0.02))(jax.random.key(0))
         jax.block_until_ready(params)
+        if weights == "int8":
+            import jax.numpy as jnp
+
+            from jaxsample.models import quant
+
+            params = jax.tree_util.tree_map(jnp.asarray,
+                                            quant.quantize_params(params, compute=dtype))
+        elif weights is not None:
+            raise ValueError(f"unknown weights {weights!r}")
         lm = LanguageModel(config=cfg, params=params, tokenizer=ByteTokenizer(cfg.vocab_size),
                            name="llama-1b-random", source="random")
     else:

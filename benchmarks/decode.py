@@ -5,7 +5,19 @@ llama.cpp's `llama-batched-bench -pps -kvu`, engine `llamacpp`, see
 benchmarks/peers/llamacpp.py:
 `--llamacpp-bin DIR --llamacpp-model F32.gguf`, skipped with the reason in the
 row when absent) and the hardware limit (a memory-bandwidth roofline measured
-in the same run).
+in the same run). Engine `jaxsample-int8`: the shared-prefix engine on
+`load(..., weights="int8")` (W8A8, models/quant.py).
+
+The quantised side by side (issue 22 part 4: jaxsample float32 and int8
+against llama.cpp F32, Q8_0 and the shipped Q4_1, one run, engines back to
+back; several llama.cpp files become engines `llamacpp-f32`, `llamacpp-q8_0`,
+`llamacpp-q4_1`, and `--llamacpp-no-repack` runs them with `-nr`):
+
+    python -m benchmarks.decode --config smollm2 --prompt-lengths 1024 \
+        --branches 1,16 --new-tokens 64 --engines jaxsample,jaxsample-int8,llamacpp \
+        --llamacpp-bin $LLAMA/build/bin --llamacpp-no-repack \
+        --llamacpp-model smollm2-f32.gguf,smollm2-q8_0.gguf,$SHIPPED_Q4_1_GGUF \
+        --out benchmarks/results/cpu_smollm2_int8_llamacpp.jsonl
 
 Usage (CPU, the embedded SmolLM2-135M-Instruct in float32):
 
@@ -63,7 +75,10 @@ T new tokens):
   measured (null) and the row says `naive_prefill: tile`.
 
 Output: one JSON line per cell (and one per environment/bandwidth record and
-per pair of engines) in `--out`, and a markdown table on stdout. Ratios are
+per pair of engines) in `--out`, and a markdown table on stdout. Each cell
+row carries the machine's load average just before and after its worker
+(`loadavg_before`, `loadavg_after`: 1, 5, 15 minutes; llama.cpp's OpenMP
+threads slow down by orders of magnitude when the cores are oversubscribed). Ratios are
 computed pair by pair from cells of the same run.
 """
 from __future__ import annotations
@@ -79,7 +94,8 @@ import traceback
 from benchmarks import common
 from benchmarks.common import fmt
 
-ENGINES = ("jaxsample", "naive", "hf", "llamacpp")
+ENGINES = ("jaxsample", "jaxsample-int8", "naive", "hf", "llamacpp")
+SUBJECTS = ("jaxsample", "jaxsample-int8")  # the engines the pairs put first
 
 # Named configurations (presets for --config).
 CONFIGS = {
@@ -116,7 +132,7 @@ def cells(spec):
     engine, P = spec["engine"], spec["P"]
     base = dict(kind="cell", engine=engine, config=args.config, P=P, T=args.new_tokens,
                 isolate=args.isolate, warmup=args.warmup, engine_sha=common.engine_sha())
-    if engine == "llamacpp":  # an external process
+    if engine.startswith("llamacpp"):  # an external process (llamacpp-<file type>: one file)
         from benchmarks.peers import llamacpp
 
         yield from llamacpp.cells(spec, args, base)
@@ -129,7 +145,8 @@ def cells(spec):
         plat = peer.platform()
         dtype = _dtype_for(args.model, args.dtype, plat)
         base.update(platform=plat, dtype=dtype)
-        model, load_s, extra = peer.load(args.model, dtype)
+        model, load_s, extra = (peer.load(args.model, dtype) if engine == "hf"
+                                else peer.load(args.model, dtype, engine))
         base.update(extra)
     except Exception as e:  # noqa: BLE001
         for N in spec["Ns"]:
@@ -188,11 +205,11 @@ def _predict_hf(done_hf, P, N):
     return best
 
 
-def _llamacpp_why(a):
-    """Why the llama.cpp cells cannot run (one line), or None."""
+def _llamacpp_why(a, model=None):
+    """Why the llama.cpp cells (of `model`, else --llamacpp-model) cannot run (one line), or None."""
     from benchmarks.peers import llamacpp
 
-    why = llamacpp.locate(a.llamacpp_bin, a.llamacpp_model)[2]
+    why = llamacpp.locate(a.llamacpp_bin, model or a.llamacpp_model)[2]
     if a.model != "smollm2" and not why:
         why = "skipped: the llama.cpp peer runs the smollm2 config only"
     return why
@@ -203,8 +220,8 @@ def skip_reason(spec, a, cells_so_far, elapsed, llamacpp_why):
     e, P = spec["engine"], spec["P"]
     if a.deadline and elapsed > a.deadline:
         return f"skipped: past --deadline {a.deadline:.0f} s"
-    if e == "llamacpp" and llamacpp_why:
-        return llamacpp_why
+    if e.startswith("llamacpp") and (llamacpp_why or {}).get(e):
+        return llamacpp_why[e]
     if e == "hf" and a.hf_max_p and P > a.hf_max_p:
         return f"skipped: P > --hf-max-p {a.hf_max_p}"
     if e == "hf" and a.hf_skip_above and a.isolate == "cell":
@@ -225,21 +242,24 @@ def add_roofline(row, bandwidth_bytes_per_s):
 
 
 def _pairs(cells):
-    """Ratios pair by pair: jaxsample/naive and jaxsample/hf at the same (P, N)."""
+    """Ratios pair by pair at the same (P, N): each subject (jaxsample, jaxsample-int8)
+    against naive, hf and each llamacpp, and jaxsample-int8 against jaxsample."""
     by = {(c["engine"], c["P"], c["N"]): c for c in cells if "error" not in c}
+    names = sorted({e for e, _, _ in by if e not in SUBJECTS}, key=_engine_order)
     out = []
-    for (eng, P, N), c in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        if eng != "jaxsample":
+    for (eng, P, N), c in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2],
+                                                             _engine_order(kv[0][0]))):
+        if eng not in SUBJECTS:
             continue
-        for other in ("naive", "hf", "llamacpp"):
+        for other in (["jaxsample"] if eng == "jaxsample-int8" else []) + names:
             o = by.get((other, P, N))
             if o is None:
                 continue
-            r = dict(kind="pair", P=P, N=N, engines=f"jaxsample/{other}")
+            r = dict(kind="pair", P=P, N=N, engines=f"{eng}/{other}")
             for key in ("decode_step_s", "e2e_s", "prefill_s", "peak_bytes"):
                 a, b = c.get(key), o.get(key)
                 if a and b:
-                    r[f"{key}_ratio"] = a / b  # < 1: jaxsample is faster / smaller
+                    r[f"{key}_ratio"] = a / b  # < 1: the subject is faster / smaller
             if c.get("decode_step_s") and o.get("decode_step_s"):
                 r["decode_speedup"] = o["decode_step_s"] / c["decode_step_s"]
             if c.get("e2e_s") and o.get("e2e_s"):
@@ -263,10 +283,18 @@ def _note(c):
     return note
 
 
+def _engine_order(e):
+    """ENGINES' order; llamacpp-<type> labels after `llamacpp`, in the order given."""
+    base = "llamacpp" if e.startswith("llamacpp") else e
+    return (ENGINES.index(base) if base in ENGINES else 9, _LLAMACPP_ORDER.get(e, 0))
+
+
+_LLAMACPP_ORDER = {}  # llamacpp engine label -> its place in --llamacpp-model (main sets it)
+
+
 def _table(cells, pairs):
     order = sorted(cells, key=lambda c: (c.get("P") or 0, c.get("N") or 0,
-                                         ENGINES.index(c["engine"]) if c["engine"] in ENGINES
-                                         else 9))
+                                         _engine_order(c["engine"])))
     rows = [[c["engine"], str(c.get("P")), str(c.get("N")), fmt(c.get("load_s")),
              fmt(c.get("compile_s")), fmt(c.get("prefill_s")), fmt(c.get("decode_step_s")),
              fmt(c.get("decode_tokens_per_s")), fmt(c.get("e2e_s")),
@@ -337,8 +365,13 @@ def parse_args(argv=None):
     g.add_argument("--llamacpp-bin", default=None,
                    help="directory of llama-batched-bench (else $JAXSAMPLE_LLAMACPP_BIN)")
     g.add_argument("--llamacpp-model", default=None,
-                   help="GGUF for llama.cpp, e.g. the F32 SmolLM2 (else $JAXSAMPLE_LLAMACPP_MODEL)")
+                   help="GGUF for llama.cpp, e.g. the F32 SmolLM2 (else $JAXSAMPLE_LLAMACPP_MODEL); "
+                        "several, comma-separated (`path` or `label=path`): one engine each, "
+                        "llamacpp-<file type> (llamacpp-f32, llamacpp-q8_0, ...)")
     g.add_argument("--llamacpp-threads", type=int, default=2)
+    g.add_argument("--llamacpp-no-repack", action="store_true",
+                   help="run llama.cpp with -nr (no weight repacking; this build segfaults on "
+                        "quantised files without it); recorded in each row")
 
     g = ap.add_argument_group("output")
     g.add_argument("--out", default=None,
@@ -378,20 +411,34 @@ def main(argv=None):
         fh.write(json.dumps(rec) + "\n")
     fh.flush()
 
-    llamacpp_why = _llamacpp_why(a) if "llamacpp" in engines else None
+    llamacpp_models, llamacpp_why = {}, {}
+    if "llamacpp" in engines:  # one engine per llama.cpp file
+        from benchmarks.peers import llamacpp
+
+        labels = llamacpp.engines(a.llamacpp_model)
+        i = engines.index("llamacpp")
+        engines[i:i + 1] = [label for label, _ in labels]
+        for k, (label, path) in enumerate(labels):
+            llamacpp_models[label] = path
+            llamacpp_why[label] = _llamacpp_why(a, path)
+            _LLAMACPP_ORDER[label] = k
     cells = []
     for spec in schedule(Ps, Ns, engines, a.isolate):
         e, P = spec["engine"], spec["P"]
         spec["args"] = dict(wargs)
+        if e in llamacpp_models:
+            spec["llamacpp_model"] = llamacpp_models[e]
         if e == "naive" and a.naive_tile_from is not None and P >= a.naive_tile_from:
             spec["args"]["naive_prefill"] = "tile"
         skip = skip_reason(spec, a, cells, time.perf_counter() - t_begin, llamacpp_why)
+        load0 = os.getloadavg()  # the machine's load average (1, 5, 15 min) around the worker
         if skip:
             rows = [dict(kind="cell", engine=e, config=a.config, P=P, N=N, T=a.new_tokens,
                          error=skip) for N in spec["Ns"]]
         else:
             rows = _spawn(spec, a.cell_timeout)
         for row in rows:
+            row.update(loadavg_before=load0, loadavg_after=os.getloadavg())
             add_roofline(row, bandwidth_bytes_per_s)
             cells.append(row)
             fh.write(json.dumps(row) + "\n")
@@ -399,7 +446,7 @@ def main(argv=None):
             msg = row.get("error", "")[:120] or (
                 f"prefill {fmt(row.get('prefill_s'))} s, step {fmt(row.get('decode_step_s'))} s, "
                 f"e2e {fmt(row.get('e2e_s'))} s, peak {fmt(row.get('peak_bytes'), 'MiB')} MiB")
-            print(f"  {e:9s} P={P:<5d} N={row.get('N')!s:<3s} {msg}", flush=True)
+            print(f"  {e:14s} P={P:<5d} N={row.get('N')!s:<3s} {msg}", flush=True)
 
     pairs = _pairs(cells)
     for r in pairs:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Prepared H200 run: the random-weight 1B Llama (bfloat16) at P=4096,
 # N in {1, 16, 64}, T=128, for jaxsample, the Hugging Face peer and the naive
-# engine, plus the bandwidth roofline, then the prefill (dense vs blockwise
-# attention, P=4096/16384). Budget: about ten minutes including compile.
+# engine, plus the bandwidth roofline, then the int8 rows (jaxsample on
+# bfloat16 against int8 weights, the same grid), then the prefill (dense vs
+# blockwise attention, P=4096/16384). Budget: about ten minutes including
+# compile without the int8 part, up to 5.5 minutes more with it.
 #
 #   bash benchmarks/gpu_run.sh            # from the repository root
 #
@@ -18,6 +20,12 @@
 # out of memory or time at N=64: it prefills 64 copies of a 4096-token prompt
 # with dense attention). --deadline stops starting new workers after 240 s;
 # each worker is killed after 150 s (its finished cells are kept).
+#
+# Parts, in order: decode, int8, prefill; PARTS=int8 (comma-separated) runs a
+# subset, e.g. the int8 part alone at CPU smoke sizes:
+#   PARTS=int8 INT8_LENGTHS=64 INT8_BRANCHES=1,2 INT8_NEW_TOKENS=4 \
+#   INT8_OVERRIDE='{"n_layers": 2, "dim": 256, "ffn_dim": 512, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 1024}' \
+#   bash benchmarks/gpu_run.sh
 set -u
 cd "$(dirname "$0")/.."
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # jax and torch share the GPU, one after the other
@@ -27,12 +35,34 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 python - <<'EOF' || true
 import jax; print("jax", jax.__version__, jax.devices())
 EOF
+PARTS=",${PARTS:-decode,int8,prefill},"
+if [[ $PARTS == *,decode,* ]]; then
 timeout 330 python -m benchmarks.decode --config llama-1b \
     --prompt-lengths 4096 --branches 1,16,64 --new-tokens 128 \
     --engines jaxsample,hf,naive --isolate engine --warmup full \
     --cell-timeout 150 --deadline 240 --hf-skip-above 0 \
     --out "$OUT/gpu_llama1b.jsonl" --plot "$OUT/gpu_llama1b.png" 2>&1 | tee "$OUT/gpu_llama1b.log"
 echo "exit ${PIPESTATUS[0]}; results in $OUT/gpu_llama1b.jsonl"
+fi
+# Int8 weights (issue 22 part 5): the same random 1B Llama, bfloat16 weights
+# against int8 (`jaxsample-int8`: the random weights quantised by
+# `models.quant.quantize_params`, the load's own quantiser, inside the worker's
+# load_s; W8A8 with bfloat16 activations), P=4096, N in {1, 16, 64}, one run,
+# the two engines back to back (one process each, N increasing; the int8
+# worker starts by 120 s and may take 200 s: quantising 1.2 B parameters on the
+# host takes about a minute, measured 0.8 s per 2048 x 8192 on the 2-core CPU,
+# and counts in its load_s, not in e2e). Shrink for a
+# CPU smoke run with INT8_LENGTHS, INT8_BRANCHES, INT8_NEW_TOKENS and
+# INT8_OVERRIDE (a JSON dict over the llama-1b shapes, --llama-override).
+if [[ $PARTS == *,int8,* ]]; then
+timeout 330 python -m benchmarks.decode --config llama-1b \
+    --prompt-lengths "${INT8_LENGTHS:-4096}" --branches "${INT8_BRANCHES:-1,16,64}" \
+    --new-tokens "${INT8_NEW_TOKENS:-128}" --llama-override "${INT8_OVERRIDE:-}" \
+    --engines jaxsample,jaxsample-int8 --isolate engine --warmup full \
+    --cell-timeout 200 --deadline 120 \
+    --out "$OUT/gpu_llama1b_int8.jsonl" 2>&1 | tee "$OUT/gpu_llama1b_int8.log"
+echo "int8 exit ${PIPESTATUS[0]}; results in $OUT/gpu_llama1b_int8.jsonl"
+fi
 # Prefill speed, dense vs blockwise causal attention (models/flash.py), the same
 # random 1B Llama in bfloat16, one prompt of 4096 and 16384 tokens, one process
 # per cell (a dense out-of-memory at 16384 is a row with its error). Runs after
@@ -40,8 +70,10 @@ echo "exit ${PIPESTATUS[0]}; results in $OUT/gpu_llama1b.jsonl"
 # shrunk for a CPU smoke run: PREFILL_LENGTHS=64 PREFILL_MODEL=smollm2 bash ...
 # The float32 exactness checks are the CPU run's (--layer-check 0 here); the
 # bfloat16 logits/KV comparison is reported against a bfloat16-sized 5e-2.
+if [[ $PARTS == *,prefill,* ]]; then
 timeout 300 python -m benchmarks.prefill --model "${PREFILL_MODEL:-llama-1b}" --dtype bfloat16 \
     --prompt-lengths "${PREFILL_LENGTHS:-4096,16384}" --kernels dense,blockwise --repeats 3 \
     --cell-timeout 120 --layer-check 0 --check-rtol 5e-2 \
     --out "$OUT/gpu_prefill.json" 2>&1 | tee "$OUT/gpu_prefill.log"
 echo "prefill exit ${PIPESTATUS[0]}; results in $OUT/gpu_prefill.json"
+fi

@@ -1,7 +1,10 @@
 """jaxsample's engines in decode.py's row schema: `jaxsample` (the shared-prefix
-engine, `generate`) and `naive` (`generate(naive=True)`: N materialised
-prefix copies), with the `--naive-prefill tile` variant (one prefill copied
-N times, decode-only numbers). Imported only in decode.py's workers.
+engine, `generate`), `jaxsample-int8` (the same engine on `load(...,
+weights="int8")`: int8 projections, embedding and head, W8A8 by default,
+models/quant.py; activations in the row's dtype) and `naive`
+(`generate(naive=True)`: N materialised prefix copies), with the
+`--naive-prefill tile` variant (one prefill copied N times, decode-only
+numbers). Imported only in decode.py's workers.
 """
 
 from __future__ import annotations
@@ -20,10 +23,32 @@ def platform():
     return jax.devices()[0].platform
 
 
-def load(model, dtype):
-    """Returns (LanguageModel with a no-eos tokenizer, load seconds, {}): `common.load_jax_model`."""
-    lm, load_s = common.load_jax_model(model, dtype)
-    return lm, load_s, {}
+WEIGHTS = {"jaxsample-int8": "int8"}  # engine -> `load(weights=)`; the others: None
+
+
+def load(model, dtype, engine="jaxsample"):
+    """Returns (LanguageModel with a no-eos tokenizer, load seconds, extra row fields):
+    `common.load_jax_model` with the engine's weights (extra: `weights`, and for int8
+    `quant_mode` and `weight_bytes_stored`, the bytes of all parameters as held)."""
+    weights = WEIGHTS.get(engine)
+    lm, load_s = common.load_jax_model(model, dtype, weights)
+    extra = {}
+    if weights:
+        from jaxsample.models import quant
+
+        modes = {a.mode for a in _leaves(lm.params) if isinstance(a, quant.QuantizedWeight)}
+        extra = dict(weights=weights, quant_mode=",".join(sorted(modes)),
+                     weight_bytes_stored=_nbytes(lm.params))
+    return lm, load_s, extra
+
+
+def _leaves(tree):
+    import jax
+
+    from jaxsample.models import quant
+
+    is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
+    return jax.tree_util.tree_leaves(tree, is_leaf=is_q)
 
 
 def _nbytes(tree):
@@ -94,6 +119,8 @@ def run_cell(lm, engine, P, N, T, args, plat):
     decoded = int(lengths.sum())
     est = cost.estimate(lm.config, P, T, N)
     e2e = None if tile else tm["total"] - tm["compile"]
+    held = _nbytes(lm.params)  # int8: the weights' bytes as stored, in place of dtype's
+    w_delta = held - est.weight_bytes if engine in WEIGHTS else 0
     out = dict(
         compile_s=compile_s, prefill_s=tm["prefill"], decode_s=tm["decode"], decode_steps=steps,
         decode_forwards=forwards, decode_step_s=tm["decode"] / forwards,
@@ -102,9 +129,10 @@ def run_cell(lm, engine, P, N, T, args, plat):
         e2e_s=e2e, e2e_with_compile_s=None if e2e is None else e2e + compile_s,
         kv_bytes_shared_prefix=r["kv_prefix"], kv_bytes_tails=r["kv_tails"],
         kv_bytes_held=r["kv_prefix"] + r["kv_tails"],
-        step_bytes=(est.decode_bytes_separate if engine == "naive" else est.decode_bytes_shared) / T,
-        step_bytes_shared=est.decode_bytes_shared / T,
-        weight_bytes=est.weight_bytes,
+        step_bytes=(est.decode_bytes_separate if engine == "naive" else est.decode_bytes_shared)
+        / T + w_delta,
+        step_bytes_shared=est.decode_bytes_shared / T + w_delta,
+        weight_bytes=est.weight_bytes + w_delta,
         naive_prefill="tile" if tile else ("run" if engine == "naive" else None),
     )
     if plat == "cpu":
