@@ -15,7 +15,10 @@ neighbour on a shared machine hits every figure alike), medians reported:
    N branches, T new tokens, `ignore_eos`: seconds per forward step, as
    `benchmarks/step_ablation.py`), with its FLOPs from the cost model
    (`cost.model`: N x (linear + logits) + attention over P + t keys).
-4. **The sampler**: `sampling.choose_token` vmapped over the step's `[N, V]`
+4. **The bandwidth roofline**: `benchmarks.common.bandwidth` (a 1 GiB copy, best
+   of 5); the step's bound is the larger of its FLOPs at the peak and the bytes
+   it must read (the weights once, the prefix KV once, N tails) at that bandwidth.
+5. **The sampler**: `sampling.choose_token` vmapped over the step's `[N, V]`
    logits (temperature 1, no filter: the setting of the step above), alone.
 
 Reported per (P, N): step ms, step GFLOP/s, that / peak ("fraction of the
@@ -37,9 +40,11 @@ import numpy as np
 
 
 def _timed(fn, *args) -> float:
+    import jax
+
     t0 = time.perf_counter()
     out = fn(*args)
-    for leaf in (out if isinstance(out, tuple) else (out,)):
+    for leaf in jax.tree_util.tree_leaves(out):
         leaf.block_until_ready()
     return time.perf_counter() - t0
 
@@ -53,8 +58,10 @@ def matmul_fn(m: int, k: int, n: int, times: int = 1, dtype="float32"):
 
     rng = np.random.default_rng(0)
     a = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    w = jnp.asarray(rng.standard_normal((times, k, n)) / np.sqrt(k), dtype)
-    f = jax.jit(lambda x, ws: jnp.stack([x @ ws[i] for i in range(times)]))
+    # Separate arrays, as the engine's per-layer dicts: slicing one stacked [L, k, n]
+    # array copied each weight (the dots ran slower than the whole step).
+    w = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype) for _ in range(times)]
+    f = jax.jit(lambda x, ws: [x @ wi for wi in ws])
     _timed(f, a, w)
     return f, a, w
 
@@ -131,13 +138,22 @@ def run(Ps, Ns, T, reps, big, model=None):
             times.setdefault(("step", P, N), []).append(_decode(s, N, T))
     med = {k: statistics.median(v) for k, v in times.items()}
     peak_gflops = 2 * big ** 3 / med["peak"] / 1e9
+    from benchmarks.common import bandwidth
+
+    bw = bandwidth(1.0, 5)["bandwidth_bytes_per_s"]  # copy bandwidth, best of 5
+    from jaxsample.cost import model as cm
     rows = []
     for (P, N) in sessions:
         shape_s = sum(med[("dot", N, name)] for name, _, _, _ in shapes[N])
         shape_flops = sum(times_ * fl for _, times_, _, fl in shapes[N])
         step_s = med[("step", P, N)]
         flops = step_flops(cfg, P, N, T)
+        # What a step must read at least: the weights once, the prefix KV once, N tails.
+        step_bytes = cm.weight_bytes(cfg) + cm.kv_bytes(cfg, P) + N * cm.kv_bytes(cfg, T // 2)
+        bound_s = max(flops / (peak_gflops * 1e9), step_bytes / bw)
         rows.append(dict(
+            bandwidth_gbs=bw / 1e9, step_bytes=step_bytes,
+            roofline_ms=bound_s * 1e3, fraction_of_roofline=bound_s / step_s,
             P=P, N=N, T=T, reps=reps, step_ms=step_s * 1e3, step_gflop=flops / 1e9,
             step_gflops=flops / step_s / 1e9, peak_gflops=peak_gflops,
             fraction_of_peak=flops / step_s / 1e9 / peak_gflops,
@@ -167,11 +183,13 @@ def main(argv=None):
     rows = run([int(x) for x in a.prompt_lengths.split(",")],
                [int(x) for x in a.branches.split(",")], a.new_tokens, a.reps, a.big, a.model)
     print("\n".join(md_table(["P", "N", "step ms", "GFLOP/step", "GFLOP/s", "peak GFLOP/s",
-                    "of peak", "shape roofline ms", "of shape roofline", "sampler ms",
-                    "sampler share"],
+                    "of peak", "roofline ms (max of compute, bytes / copy GB/s)", "of roofline",
+                    "shape roofline ms", "of shape roofline", "sampler ms", "sampler share"],
                    [[r["P"], r["N"], f"{r['step_ms']:.1f}", f"{r['step_gflop']:.2f}",
                      f"{r['step_gflops']:.1f}", f"{r['peak_gflops']:.1f}",
-                     f"{r['fraction_of_peak']:.0%}", f"{r['shape_roofline_ms']:.1f}",
+                     f"{r['fraction_of_peak']:.0%}",
+                     f"{r['roofline_ms']:.1f} ({r['bandwidth_gbs']:.1f} GB/s)",
+                     f"{r['fraction_of_roofline']:.0%}", f"{r['shape_roofline_ms']:.1f}",
                      f"{r['fraction_of_shape_roofline']:.0%}", f"{r['sampler_ms']:.2f}",
                      f"{r['sampler_share']:.0%}"] for r in rows])))
     if a.out:

@@ -19,9 +19,14 @@ step-time cost of the signals.
 2. Cost (`--overhead`): the decode time of one request with signals off, on,
    and with `logprobs=20`, interleaved in one process (median of `--repeats`
    runs each), at the model's V (SmolLM2: 49,152; Gemma 3 270M: 262,144).
+3. DeepConf online (`--deepconf-online`): `adaptive_self_consistency(confidence=
+   "deepconf-low")` on the first family's problems with the on-device signals
+   (`confidence_source="signals"`) and with the top-20 logprobs, alternated in one
+   process: decode seconds (medians of `--repeats`), tokens, branches, accuracy.
 
     python -m benchmarks.selection --families add1,add2,mul21 --problems 48
     python -m benchmarks.selection --overhead --model gemma3-270m
+    python -m benchmarks.selection --deepconf-online --families add1 --problems 16 --max-n 32
     python -m benchmarks.selection --from-json benchmarks/results/selection.json
 
 Outputs: benchmarks/results/selection[-MODEL].json and .md.
@@ -190,6 +195,47 @@ def markdown(summary, data) -> str:
 
 
 # ---------------------------------------------------------------------------
+# DeepConf online: the on-device signals against the top-20 logprobs
+
+
+def deepconf_online(lm, args) -> dict:
+    """`adaptive_self_consistency(confidence="deepconf-low")` on the first family's
+    problems with `confidence_source="signals"` (no top-k copied) and "top_logprobs"
+    (k = 20), alternated `--repeats` times in one process after a warm-up of each:
+    decode seconds (medians), decoded tokens, branches drawn and accuracy."""
+    from jaxsample import SamplingParams, adaptive_self_consistency
+
+    from benchmarks.tasks import make_tasks
+
+    tasks = make_tasks(args.families.split(",")[0], args.problems, args.task_seed)
+    prompts = [t.prompt for t in tasks]
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    kw = dict(max_n=args.max_n, window=8, rule="beta", confidence="deepconf-low",
+              warmup=16, group_size=args.group_size, chat=True, extract="number")
+    sources = ("signals", "top_logprobs")
+
+    def one(src):
+        r = adaptive_self_consistency(lm, prompts, params, confidence_source=src, **kw)
+        acc = float(np.mean([w == t.answer for w, t in zip(r.winner, tasks)]))
+        return (float(r.generation.timings["decode"]), int(r.bill.decoded_tokens),
+                int(r.bill.branches_drawn), acc)
+
+    for src in sources:  # compile and warm up
+        one(src)
+    runs = {src: [] for src in sources}
+    for _ in range(args.repeats):
+        for src in sources:
+            runs[src].append(one(src))
+    out = {src: {"decode_s": float(np.median([x[0] for x in v])),
+                 "decode_s_all": [x[0] for x in v], "decoded_tokens": v[0][1],
+                 "branches_drawn": v[0][2], "accuracy": v[0][3]} for src, v in runs.items()}
+    out["signals_decode_vs_top20"] = out["signals"]["decode_s"] / out["top_logprobs"]["decode_s"]
+    out["problems"] = len(tasks)
+    return out
+
+
+# ---------------------------------------------------------------------------
 # Step-time overhead
 
 
@@ -234,6 +280,8 @@ def main(argv=None):
     ap.add_argument("--subsets", type=int, default=64, help="random k-subsets per vote estimate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overhead", action="store_true", help="only the step-time measurement")
+    ap.add_argument("--deepconf-online", action="store_true",
+                    help="only DeepConf-low online: signals against top-20 logprobs (decode time)")
     ap.add_argument("--overhead-n", type=int, default=16)
     ap.add_argument("--overhead-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
@@ -241,7 +289,9 @@ def main(argv=None):
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
     tag = "" if args.model is None else "-" + args.model.replace("/", "_")
-    out = args.out or RESULTS / (("selection_overhead" if args.overhead else "selection") + tag)
+    name = ("selection_overhead" if args.overhead else "selection_deepconf_online"
+            if args.deepconf_online else "selection")
+    out = args.out or RESULTS / (name + tag)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.from_json:
         data = json.loads(args.from_json.read_text())
@@ -266,6 +316,12 @@ def main(argv=None):
             o = data["overhead"]
             print(json.dumps({k: o[k] for k in ("V", "n", "step_s", "signals_overhead",
                                                 "logprobs20_overhead")}, indent=1))
+            return
+        if args.deepconf_online:
+            data["deepconf_online"] = deepconf_online(lm, args)
+            data["wall_s"] = time.perf_counter() - t0
+            out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+            print(json.dumps(data["deepconf_online"], indent=1))
             return
         data["families"] = {}
         for fi, fam in enumerate(args.families.split(",")):
