@@ -181,7 +181,12 @@ def model_name(name_or_path: str | os.PathLike | None = None) -> str:
       ModelLoadError: as `load` for a path that does not exist.
     """
     path, name = _resolve(name_or_path)
-    return name or (path.name if path.is_dir() else path.stem)
+    return name or _file_name(path)
+
+
+def _file_name(path: pathlib.Path) -> str:
+    """A checkpoint's default name: a directory's name, a file's stem."""
+    return path.name if path.is_dir() else path.stem
 
 
 def _resolve(name_or_path) -> tuple[pathlib.Path, str | None]:
@@ -293,10 +298,8 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
         if p.is_dir():
             from jaxsample.models.hf_loader import load_hf_dir
             cfg, params, tokenizer = load_hf_dir(p, dtype=dtype)
-            default_name = p.name
         elif _is_gguf(p):
             cfg, params, tokenizer, info = _load_gguf(p, dtype, base)
-            default_name = p.stem
         else:
             raise ModelLoadError(_not_a_checkpoint(p))
     # The serving layout: one dict per layer (see models.llama.run_layers).
@@ -306,7 +309,7 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
     params = jax.tree_util.tree_map(
         lambda a: jnp.asarray(a, dtype=a.dtype if weights else cfg.jnp_dtype), params)
     lm = LanguageModel(config=cfg, params=params, tokenizer=tokenizer,
-                       name=name or default_name, source=path)
+                       name=name or _file_name(p), source=path)
     _INFO[lm] = {**info, "seconds": time.perf_counter() - t0}
     return lm
 
