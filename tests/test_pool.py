@@ -195,6 +195,38 @@ def test_a_prompt_runs_in_several_rows_at_once(tiny_lm):
     assert_same_tokens_up_to_ties(tiny_lm, ref, got)
 
 
+def test_compaction_packs_a_prompt_from_several_rows_into_one(tiny_lm):
+    """One prompt's 8 branches run in 4 rows of 2 slots; the host ends one
+    branch per row: compaction groups the 4 survivors by prompt, not by row,
+    into 1 row x 4 slots (by row: 4 rows x 1 slot, the same slot count but 4
+    prefix copies, no gain over 3/4). Tokens: those of the plain round."""
+    T = 12
+    params = _params(n=8, max_new_tokens=T, min_tokens=T, stop_token_ids=())
+    ref = engine.generate(tiny_lm, PROMPTS[:1], params)
+    s = engine.Session(tiny_lm, PROMPTS[:1], params, lazy_prefill=True)
+    rnd = s.round([0], np.arange(8, dtype=np.int32)[None], max_rows=4, max_slots=2)
+    rnd.run(3)
+    assert rnd.col_of.shape == (4, 2) and (rnd.row_of == 0).all()
+    end = np.zeros((1, 8), bool)
+    end[0, rnd.col_of[:, 1]] = True  # the second slot of every row
+    rnd.finish_slots(end)
+    assert rnd.compact() and rnd.col_of.shape == (1, 4)
+    assert sorted(rnd.col_of[0].tolist()) == sorted(np.nonzero(~end[0])[0].tolist())
+    while rnd.run(4):
+        pass
+    got = engine.finish(s, [rnd])
+    np.testing.assert_array_equal(got.lengths[0][end[0]], 3)
+    np.testing.assert_array_equal(got.lengths[0][~end[0]], T)
+    np.testing.assert_array_equal(got.tokens[:, end[0], :3], ref.tokens[:, end[0], :3])
+    ties = 0
+    for c in np.nonzero(~end[0])[0]:  # the survivors, decoded on in the packed row
+        one = slice(c, c + 1)
+        ties += assert_same_tokens_up_to_ties(tiny_lm, rows(ref, 0, 1, one), rows(got, 0, 1, one),
+                                              branch_index_offset=int(c))
+    assert ties <= 1
+    assert got.bill.branch_steps == 3 * 4 * 2 + (T - 3) * 4
+
+
 def test_rows_shared_between_prompts_and_copies(tiny_lm, refs):
     """Prompts of different lengths in a pool of more rows than prompts: every
     free row takes a resident prompt's next branches; tokens as per prompt."""

@@ -97,12 +97,19 @@ def init_state(st: Static, last_logits: jax.Array, prompt_index: jax.Array,
         signals=jnp.zeros((R, N, T, 3), jnp.float32) if st.signals else None)
 
 
-def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slots: jax.Array,
-            live: jax.Array) -> tuple[PrefixCache, DecodeState]:
+def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slot_rows: jax.Array,
+            slots: jax.Array, live: jax.Array) -> tuple[PrefixCache, DecodeState]:
     """Gather some slots of some rows into a smaller state.
 
+    A new row may take slots from several old rows when they hold the same
+    prompt (the pool runs one prompt in several rows, each with an identical
+    copy of its prefix): its prefix, prompt index and prompt mask come from
+    `rows`, each slot's tail, tokens and counts from (`slot_rows`, `slots`).
+
     Args:
-      rows: `[R']` int32 old row of each new row.
+      rows: `[R']` int32 old row whose prefix each new row takes.
+      slot_rows: `[R', N']` int32 old row of each new slot (a row holding the
+        same prompt as `rows`).
       slots: `[R', N']` int32 old slot (within that row) of each new slot.
       live: `[R', N']` bool; False for filler slots (repeats of a done slot),
         which are marked done.
@@ -111,11 +118,7 @@ def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slots: jax
       the penalties' counts by slot, the prompt mask by row).
     """
     take_rows = lambda a: jnp.take(a, rows, axis=0)
-
-    def take_slots(a):  # [R, N, ...] -> [R', N', ...]
-        a = take_rows(a)
-        idx = slots.reshape(slots.shape + (1,) * (a.ndim - 2))
-        return jnp.take_along_axis(a, idx, axis=1)
+    take_slots = lambda a: a[slot_rows, slots]  # [R, N, ...] -> [R', N', ...]
 
     new_prefix = PrefixCache(tuple(map(take_rows, prefix.k)), tuple(map(take_rows, prefix.v)),
                              take_rows(prefix.lengths))

@@ -456,9 +456,17 @@ class Round:
             self.state = self.state._replace(done=self.s.put(done, "slots"))
 
     def compact(self) -> bool:
-        """Gather the live branches into smaller buckets (powers of two) when those
-        hold at most `COMPACT_FRACTION` of the slots (only once nothing waits for
-        a slot: a pool refills instead).
+        """Gather the live branches into a smaller state when one fits in at most
+        `COMPACT_FRACTION` of the slots (only once nothing waits for a slot: a
+        pool refills instead).
+
+        Live branches are grouped by prompt, not by row: a prompt running in
+        several rows (each with a copy of its prefix) is packed into as few
+        rows as its branches need. Rows x slots are powers of two (times the
+        mesh axes: `slot_bucket`), so the compiled shapes stay few; of the
+        shapes that hold every live branch, the one with the fewest slots
+        (then the fewest rows) is taken. Rows may become wider than before
+        (a prompt's stragglers from four 2-slot rows in one 8-slot row).
 
         Returns:
           True if the state was compacted.
@@ -466,41 +474,54 @@ class Round:
         s = self.s
         if self.waiting_branches:
             return False
-        real = self.col_of >= 0
-        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
-        live = np.zeros(self.col_of.shape, bool)
-        live[real] = ~self.done[rr[real], self.col_of[real]]
-        per_row = live.sum(axis=1)
-        rows_live = np.nonzero(per_row)[0]
-        if rows_live.size == 0:
+        live = self._live_slots()
+        if not live.any():
             return False
+        by_prompt: dict[int, list[tuple[int, int]]] = {}  # round row -> live (pool row, slot)
+        for i, j in zip(*np.nonzero(live)):
+            by_prompt.setdefault(int(self.row_of[i]), []).append((int(i), int(j)))
         R_dev, N_dev = self.col_of.shape
-        N_new = min(slot_bucket(int(per_row.max()), s.nb), N_dev)
-        R_new = min(slot_bucket(rows_live.size, s.nd), R_dev)
+        widest = slot_bucket(max(len(v) for v in by_prompt.values()), s.nb)
+        best = None
+        n = s.nb
+        while n <= widest:
+            r = slot_bucket(sum(-(-len(v) // n) for v in by_prompt.values()), s.nd)
+            if best is None or (r * n, r) < (best[0] * best[1], best[0]):
+                best = (r, n)
+            n *= 2
+        R_new, N_new = best
         if R_new * N_new > COMPACT_FRACTION * R_dev * N_dev:
             return False
-        src_rows = np.concatenate([rows_live, np.repeat(rows_live[:1], R_new - rows_live.size)])
+        src_rows = np.zeros((R_new,), np.int32)
+        slot_rows = np.zeros((R_new, N_new), np.int32)
         slots = np.zeros((R_new, N_new), np.int32)
         new_live = np.zeros((R_new, N_new), bool)
         col_of = np.full((R_new, N_new), -1, np.int64)
-        for i, r in enumerate(src_rows):
-            if i >= rows_live.size:
-                slots[i] = 0
-                continue
-            cols = np.nonzero(live[r])[0]
-            slots[i, :cols.size] = cols
-            slots[i, cols.size:] = cols[0]
-            new_live[i, :cols.size] = True
-            col_of[i, :cols.size] = self.col_of[r, cols]
+        row_of = np.zeros((R_new,), np.int64)
+        i = 0
+        for r, members in by_prompt.items():
+            for k in range(0, len(members), N_new):
+                part = members[k:k + N_new]
+                src_rows[i], row_of[i] = part[0][0], r
+                for j, (a, b) in enumerate(part):
+                    slot_rows[i, j], slots[i, j] = a, b
+                    col_of[i, j] = self.col_of[a, b]
+                    new_live[i, j] = True
+                slot_rows[i, len(part):], slots[i, len(part):] = part[0]  # fillers: done
+                i += 1
+        placed = i
+        src_rows[placed:] = src_rows[0]  # padding rows: copies of the first, all slots done
+        slot_rows[placed:], slots[placed:] = slot_rows[0, 0], slots[0, 0]
+        row_of[placed:] = row_of[0]
         t0, c0 = time.perf_counter(), s.timings["compile"]
-        args = (self.prefix, self.state, jnp.asarray(src_rows, jnp.int32), jnp.asarray(slots),
-                jnp.asarray(new_live))
+        args = (self.prefix, self.state, jnp.asarray(src_rows), jnp.asarray(slot_rows),
+                jnp.asarray(slots), jnp.asarray(new_live))
         out_specs = None if s.m is None else (s.m.prefix_spec, s.state_spec)
         self.prefix, self.state = jax.block_until_ready(s.gather("compact", compact, args,
                                                                  out_specs))
         s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
-        self.row_of = self.row_of[src_rows]
-        self.row_placed = np.arange(R_new) < rows_live.size
+        self.row_of = row_of
+        self.row_placed = np.arange(R_new) < placed
         self.last = None  # no refill after a compaction (nothing waits)
         self.col_of = col_of
         return True
