@@ -133,3 +133,30 @@ def test_an_extractor_that_raises_is_named_with_its_request(tiny_lm):
     reqs = [Request(id="ad", prompt="two", params=PARAMS, adaptive=ADAPTIVE, extract=picky)]
     with pytest.raises(jaxsample.errors.ExtractError, match=r"requests \['ad'\] .*picky"):
         list(jaxsample.run_requests(tiny_lm, reqs))
+
+
+@pytest.mark.parametrize("run", ["engine", "reduce"])
+def test_a_later_pool_the_budget_cannot_hold_is_refused_before_the_first_runs(tiny_lm, run):
+    """Two groups of requests (two pools); the budget holds the first's smallest
+    pool, not the second's (longer tails): refused up front, naming the second
+    group's first request, before the first group computes anything."""
+    from jaxsample.engine import budget, inputs
+    from jaxsample.engine.state import bucket
+
+    long = PARAMS.replace(max_new_tokens=200)
+    reqs = [Request(id="a", prompt="fine", params=PARAMS),
+            Request(id="b", prompt="two", params=long)]
+    ids, _ = inputs.encode_prompts(tiny_lm, ["fine", "two"], False)
+    p_cap = bucket(max(map(len, ids)))
+    cfg = tiny_lm.config
+    kv = 2 * budget.row_bytes(cfg, p_cap) + budget.slot_bytes(cfg, bucket(6))
+    assert budget.plan_params(cfg, PARAMS, B=1, p_cap=p_cap, budget=kv) == (1, 1)
+    with pytest.raises(InputError, match="max_kv_bytes"):  # control: the second cannot run
+        budget.plan_params(cfg, long, B=1, p_cap=p_cap, budget=kv)
+    call = engine.run_requests if run == "engine" else jaxsample.run_requests
+    before = engine.PROGRAMS.compilations
+    with pytest.raises(InputError, match=r"^requests 1-1 \(from 'b', their pool\): max_kv_bytes="):
+        call(tiny_lm, reqs, max_kv_bytes=kv)
+    assert engine.PROGRAMS.compilations == before
+    # The first alone runs in that budget.
+    assert [r.id for r in call(tiny_lm, reqs[:1], max_kv_bytes=kv)] == ["a"]

@@ -287,10 +287,7 @@ def check_kv_budget(model_cfg, tokenizer, requests: list[Request], chat: bool,
         sp = group[0].sampling
         p_cap = bucket(max(_prompt_tokens(tokenizer, r, chat, None) for r in group))
         try:
-            budget.plan(model_cfg, B=len(group), n=sp.n, p_cap=p_cap,
-                        t_cap=bucket(sp.max_new_tokens), budget=kv_budget,
-                        top_logprobs=sp.logprobs or 0, token_ranks=sp.logprobs is not None,
-                        penalties=sp.penalties, signals=sp.signals)
+            budget.plan_params(model_cfg, sp, B=len(group), p_cap=p_cap, budget=kv_budget)
         except InputError as e:
             where = group[0].where if " line " in group[0].where else "--kv-budget"
             raise InputError(f"{where}: --kv-budget {str(e).replace('max_kv_bytes=', '')}") from None

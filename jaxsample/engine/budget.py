@@ -185,3 +185,17 @@ def plan(cfg, *, B: int, n: int, p_cap: int, t_cap: int, budget: int, context_by
             f"bucket {t_cap}); raise max_kv_bytes or lower max_new_tokens")
     slots = min(n, int((room - 2 * row) // slot) * nb)
     return nd, max(slots, nb)
+
+
+def plan_params(cfg, params, *, B: int, p_cap: int, budget: int, context_bytes: int = 0,
+                nd: int = 1, nb: int = 1, lockstep: bool = False) -> tuple[int, int]:
+    """`plan` for B prompts sampled with `params` (a SamplingParams): the tail
+    bucket and the buffers' flags read from it, as `Session` sizes its pool.
+    The up-front check of requests whose pools start later (`run_requests`,
+    the command line's `--kv-budget`). Raises InputError as `plan`."""
+    from jaxsample.engine.state import bucket
+
+    return plan(cfg, B=B, n=params.n, p_cap=p_cap, t_cap=bucket(params.max_new_tokens),
+                budget=budget, context_bytes=context_bytes, nd=nd, nb=nb, lockstep=lockstep,
+                top_logprobs=params.logprobs or 0, token_ranks=params.logprobs is not None,
+                penalties=params.penalties, signals=params.signals)

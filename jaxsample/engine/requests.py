@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxsample.engine import api, budget, inputs
+from jaxsample.engine.state import bucket
 from jaxsample.errors import InputError
 from jaxsample.sampling_params import SamplingParams
 
@@ -104,14 +105,16 @@ def check_requests(requests) -> list[Request]:
     return out
 
 
-def check_prompts(lm, reqs) -> None:
+def check_prompts(lm, reqs) -> list[int]:
     """Every request's prompt or messages encoded (the tokenizer's and the chat
     template's checks), its length with `max_tokens` against the model's context and
     its results against host memory (`budget.check_results_fit`), before the first
     compute. Raises InputError naming the request.
 
-    (The KV budget is checked per group of equal params, when its pool is sized.)
+    Returns:
+      Each request's prompt length in tokens (the KV budget's check: `check_budgets`).
     """
+    lengths = []
     for i, r in enumerate(reqs):
         chat = r.messages is not None
         try:
@@ -128,6 +131,43 @@ def check_prompts(lm, reqs) -> None:
                                      p.logprobs is not None, p.signals)
         except InputError as e:
             raise InputError(f"request {i} ({r.id!r}): {e}") from None
+        lengths.append(len(ids[0]))
+    return lengths
+
+
+def param_groups(reqs, positions=None) -> list:
+    """Runs of consecutive requests with equal SamplingParams and kind (prompt or
+    messages): one pool each. Returns [((params, chat), [positions])] over
+    `positions` (default: all)."""
+    groups: list = []
+    for i in range(len(reqs)) if positions is None else positions:
+        r = reqs[i]
+        key = (r.params or SamplingParams(), r.messages is not None)
+        if groups and groups[-1][0] == key and groups[-1][1][-1] == i - 1:
+            groups[-1][1].append(i)
+        else:
+            groups.append((key, [i]))
+    return groups
+
+
+def check_budgets(lm, reqs, groups, lengths, max_kv_bytes, mesh) -> None:
+    """Each group's pool against the KV budget (`budget.plan_params`, as its
+    `Session` will size it), before the first group runs: a later group that
+    can never run is refused before an earlier one computes anything.
+    Raises InputError naming the group's first request."""
+    if max_kv_bytes is not None:
+        max_kv_bytes = inputs.check_int("max_kv_bytes", max_kv_bytes, 1, 2**62)
+    kv = budget.default_kv_budget() if max_kv_bytes is None else max_kv_bytes
+    for (params, _), idx in groups:
+        _, _, nb, nd = inputs.resolve_mesh(mesh, params.n)
+        try:
+            budget.plan_params(lm.config, params, B=len(idx),
+                               p_cap=bucket(max(lengths[i] for i in idx)), budget=kv, nd=nd,
+                               nb=nb)
+        except InputError as e:
+            first = reqs[idx[0]]
+            raise InputError(f"requests {idx[0]}-{idx[-1]} (from {first.id!r}, their pool): "
+                             f"{e}") from None
 
 
 @dataclasses.dataclass
@@ -232,9 +272,9 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
       A `RequestRun`: iterate it for `RequestResult`s in completion order;
       its `bill` (a `RunBill`) grows as groups end.
     Raises:
-      InputError: a malformed request (naming its position and id), here,
-        before any compute; then as `generate` for each group, before that
-        group's compute.
+      InputError: a malformed request (naming its position and id), or a
+        group of requests whose pool the KV budget cannot hold (naming its
+        first request), here, before any compute.
     """
     if isinstance(index_offset, bool) or not isinstance(index_offset, int) or index_offset < 0:
         raise InputError(f"index_offset must be an int >= 0, got {index_offset!r}")
@@ -244,14 +284,8 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
             raise InputError(f"request {i} ({r.id!r}): an adaptive request runs in "
                              f"jaxsample.run_requests (jaxsample.reduce.requests), not "
                              f"engine.run_requests")
-    groups: list = []  # ((params, chat), [request positions])
-    for i, r in enumerate(reqs):
-        key = (r.params or SamplingParams(), r.messages is not None)
-        if groups and groups[-1][0] == key:
-            groups[-1][1].append(i)
-        else:
-            groups.append((key, [i]))
-    check_prompts(lm, reqs)
+    groups = param_groups(reqs)
+    check_budgets(lm, reqs, groups, check_prompts(lm, reqs), max_kv_bytes, mesh)
     bill = RunBill()
     return RequestRun(_run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh,
                                   index_offset, progress), bill)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 
-from jaxsample.engine.requests import RequestResult, check_prompts, check_requests
+from jaxsample.engine.requests import (RequestResult, check_budgets, check_prompts,
+                                       check_requests, param_groups)
 from jaxsample.engine.requests import run_requests as run_pool
 from jaxsample.errors import ExtractError, InputError, short_repr
 from jaxsample.reduce import adaptive as adaptive_lib
@@ -115,16 +116,19 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None,
       `RequestResult`s (`output`, `vote`, `adaptive`, `index`, `generation`)
       in completion order.
     Raises:
-      InputError: a malformed request, a bad adaptive option or extractor, or
-        a prompt the tokenizer refuses, naming the request, before any compute;
-        then as `generate` / `adaptive_self_consistency` per stretch, before
-        its compute.
+      InputError: a malformed request, a bad adaptive option or extractor, a
+        prompt the tokenizer refuses, or plain requests whose pool the KV
+        budget cannot hold, naming the request, before any compute; then as
+        `adaptive_self_consistency` per adaptive stretch, before its compute.
     """
     if isinstance(index_offset, bool) or not isinstance(index_offset, int) or index_offset < 0:
         raise InputError(f"index_offset must be an int >= 0, got {index_offset!r}")
     reqs = check_requests(requests)
     _check(reqs)
-    check_prompts(lm, reqs)  # every prompt encoded before the first compute
+    lengths = check_prompts(lm, reqs)  # every prompt encoded before the first compute
+    for key, idx in _groups(reqs):  # and every plain stretch's pools against the KV budget
+        if key[0] == "pool":
+            check_budgets(lm, reqs, param_groups(reqs, idx), lengths, max_kv_bytes, mesh)
     return _run(lm, reqs, max_kv_bytes, chunk_size, mesh, index_offset)
 
 
