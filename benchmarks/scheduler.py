@@ -209,8 +209,12 @@ def bounds(lengths, rows, slots):
 
 def summarise(rows_, names):
     out = {}
+    # With --repeats 0 the warm-up pass is the only one: its end to end excludes
+    # its compile seconds, so it is reported (the first call's other one-off
+    # costs, e.g. allocating, stay in it).
+    first = 0 if max(r["repeat"] for r in rows_) == 0 else 1
     for m in ["batch"] + names:
-        rs = [r for r in rows_ if r["method"] == m and r["repeat"] > 0]
+        rs = [r for r in rows_ if r["method"] == m and r["repeat"] >= first]
         if not rs:
             continue
         out[m] = {k: float(np.median([r[k] for r in rs]))
@@ -219,7 +223,7 @@ def summarise(rows_, names):
         out[m]["compile_s"] = [r for r in rows_ if r["method"] == m and r["repeat"] == 0][0]["compile_s"]
         out[m]["passes"] = len(rs)
         # Side by side: each pass against the batch pass of the same repeat.
-        bs = {r["repeat"]: r for r in rows_ if r["method"] == "batch" and r["repeat"] > 0}
+        bs = {r["repeat"]: r for r in rows_ if r["method"] == "batch" and r["repeat"] >= first}
         sp = [bs[r["repeat"]]["end_to_end_s"] / r["end_to_end_s"] for r in rs if r["repeat"] in bs]
         out[m]["speedup_vs_batch"] = sp
     return out

@@ -227,6 +227,39 @@ def test_compaction_packs_a_prompt_from_several_rows_into_one(tiny_lm):
     assert got.bill.branch_steps == 3 * 4 * 2 + (T - 3) * 4
 
 
+@pytest.mark.parametrize("extra,shape", [({}, None), ({}, (2, 2)),
+                                         ({"logprobs": 2, "presence_penalty": 0.7,
+                                           "repetition_penalty": 1.3}, None)])
+def test_a_prompts_last_branches_are_packed_to_free_rows(tiny_lm, extra, shape):
+    """Once a prompt has nothing left to start, its live branches move into the
+    free slots of its other rows (identical prefix copies) and the emptied rows
+    take the waiting prompts: branches moved with their tails, positions,
+    counts and outputs draw the tokens per-prompt `generate` draws.
+
+    The host ends prompt 0 after 2 steps, so its row takes prompt 1's waiting
+    branches (prompt 1 then runs in both rows while prompt 2 waits)."""
+    params = _params(n=8, **extra)
+    refs = _per_prompt(tiny_lm, PROMPTS, params)
+    mesh = None if shape is None else jax.make_mesh(shape, ("data", "branch"))
+    s = engine.Session(tiny_lm, PROMPTS, params, lazy_prefill=True, mesh=mesh)
+    rnd = s.round(range(3), np.broadcast_to(np.arange(8, dtype=np.int32), (3, 8)),
+                  max_rows=2, max_slots=2)
+    rnd.run(2)
+    end = np.zeros((3, 8), bool)
+    end[0] = True
+    rnd.finish_slots(end)
+    while rnd.run(2):
+        pass
+    got = engine.finish(s, [rnd])
+    assert rnd.moved > 0  # control: the packing happened
+    ties = sum(assert_same_tokens_up_to_ties(tiny_lm, refs[b], rows(got, b, b + 1),
+                                             prompt_index_offset=b) for b in (1, 2))
+    assert ties <= 1
+    np.testing.assert_array_equal(got.lengths[0, 2:], 0)  # ended by the host before a slot
+    np.testing.assert_array_equal(got.lengths[0, :2], np.minimum(refs[0].lengths[0, :2], 2))
+    np.testing.assert_array_equal(got.tokens[0, :2, :2], refs[0].tokens[0, :2, :2])
+
+
 def test_rows_shared_between_prompts_and_copies(tiny_lm, refs):
     """Prompts of different lengths in a pool of more rows than prompts: every
     free row takes a resident prompt's next branches; tokens as per prompt."""

@@ -165,6 +165,36 @@ def refill(state: DecodeState, last_logits: jax.Array, reset: jax.Array,
         counts=jnp.where(r3, 0, s.counts) if s.counts.shape[-1] else s.counts)
 
 
+SLOT_FIELDS = ("logits", "tokens", "logprobs", "top_logprobs", "top_ids", "lengths", "done",
+               "stopped", "branch_ids", "tail_k", "tail_v", "token_ranks", "counts", "signals")
+
+
+def move_slots(state: DecodeState, src_rows: jax.Array, src_slots: jax.Array,
+               dst_rows: jax.Array, dst_slots: jax.Array) -> DecodeState:
+    """Move branches to other slots between chunks, in place (rows of one prompt).
+
+    Every per-slot field (`SLOT_FIELDS`: the next-token logits, outputs, tail
+    KV, counts, position) of slot (src_rows[k], src_slots[k]) is copied into
+    (dst_rows[k], dst_slots[k]), and the source slot is marked done. Only
+    meaningful between rows holding the same prompt (the per-row prefix,
+    prompt index and prompt mask stay where they are: a moved branch reads
+    its new row's, an identical copy). Duplicated pairs are harmless (the
+    pool pads the list to a power of two with repeats of its first pair).
+
+    Args:
+      state: the DecodeState `[R, N, ...]` (donated).
+      src_rows, src_slots, dst_rows, dst_slots: `[M]` int32; no destination
+        may be a source.
+    """
+    def mv(a):
+        return a.at[dst_rows, dst_slots].set(a[src_rows, src_slots])
+
+    moved = {f: jax.tree_util.tree_map(mv, getattr(state, f)) for f in SLOT_FIELDS
+             if getattr(state, f) is not None}
+    moved["done"] = moved["done"].at[src_rows, src_slots].set(True)
+    return state._replace(**moved)
+
+
 def insert_rows(prefix: PrefixCache, last: jax.Array, prompt_index: jax.Array,
                 prompt_mask: jax.Array, src: PrefixCache, src_last: jax.Array,
                 src_rows: jax.Array, rows: jax.Array, src_index: jax.Array,

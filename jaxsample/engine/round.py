@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.engine.loop import compact, decode_chunk, init_state, insert_rows, refill
+from jaxsample.engine.loop import (compact, decode_chunk, init_state, insert_rows,
+                                   move_slots, refill)
 from jaxsample.engine.placement import kv_bytes, to_host
 from jaxsample.engine.prefill import take_rows
 from jaxsample.engine.state import Static, bucket, slot_bucket
@@ -80,6 +81,7 @@ class Round:
         self.stopped = np.zeros((R, N), bool)
         self.done = branch_ids < 0
         self.t = 0  # the clock: steps this round has run
+        self.moved = 0  # branches moved between rows of their prompt (`_migrate`)
         self.lockstep = bool(lockstep)
         # Device slots: a bucket of rows (a multiple of the data axis) x slots
         # (a multiple of the branch axis); slot (i, j) holds round row
@@ -216,7 +218,14 @@ class Round:
                     new_ids[i, j] = self.branch_ids[r, c]
                     free[j] = False
             self.waiting[r] = w
-            if free.all() and not w:  # nothing left of this prompt for this row: free it
+        self._migrate(reset)
+        for i in range(R_dev):
+            if not self.row_placed[i]:
+                continue
+            r = int(self.row_of[i])
+            cols = self.col_of[i]
+            free = (cols < 0) | self.done[r, np.maximum(cols, 0)]
+            if free.all() and not self.waiting[r]:  # nothing left of it for this row: free it
                 self.row_placed[i] = False
                 self.col_of[i] = -1
                 free_rows.append(i)
@@ -243,6 +252,71 @@ class Round:
             self._insert(inserted)
         if reset.any():
             self._refill(reset, new_ids, live)
+
+    def _migrate(self, reset: np.ndarray):
+        """Pack the live branches of a prompt with nothing left to start into fewer
+        of its rows, so the rows emptied take the next prompt now (only while
+        something else waits; not with `lockstep`).
+
+        A prompt run in several rows ends with each row part-empty: a row's
+        finished slot cannot take another prompt's branch (the row holds one
+        prefix), so without this it idles until the row's slowest branch ends.
+        The rows of one prompt hold identical prefix copies, so a branch moves
+        to another of them with its tail, outputs and position
+        (`loop.move_slots`) and its tokens are unchanged. Greedy: the row with
+        the fewest live branches is emptied into the free slots of the
+        prompt's other rows while they have room (a row with a slot refilled
+        in this boundary, `reset`, is not emptied: its new branch is not on
+        the device yet).
+        """
+        if self.lockstep or not (self.queue or any(self.waiting.values())):
+            return
+        live = self._live_slots()
+        rows_of: dict[int, list[int]] = {}
+        for i in np.nonzero(self.row_placed)[0]:
+            r = int(self.row_of[i])
+            if not self.waiting.get(r):
+                rows_of.setdefault(r, []).append(int(i))
+        moves = []
+        for r, rows in rows_of.items():
+            if len(rows) < 2:
+                continue
+            open_ = {i: [int(j) for j in np.nonzero(~live[i] & ~reset[i])[0]] for i in rows}
+            emptied = set()
+            for src in sorted(rows, key=lambda i: int(live[i].sum())):
+                n_live = int(live[src].sum())
+                if n_live == 0 or reset[src].any():
+                    continue
+                dests = [i for i in sorted(rows, key=lambda i: -int(live[i].sum()))
+                         if i != src and i not in emptied]
+                if sum(len(open_[i]) for i in dests) < n_live:
+                    continue
+                for j in np.nonzero(live[src])[0]:
+                    d = next(i for i in dests if open_[i])
+                    dj = open_[d].pop(0)
+                    moves.append((src, int(j), d, dj))
+                    self.col_of[d, dj] = self.col_of[src, j]
+                    self.col_of[src, j] = -1
+                    live[d, dj], live[src, j] = True, False
+                open_[src] = []
+                emptied.add(src)
+        if moves:
+            self._move(moves)
+            self.moved += len(moves)
+
+    def _move(self, moves):
+        """`loop.move_slots` for (src row, src slot, dst row, dst slot) `moves`."""
+        s = self.s
+        M = slot_bucket(len(moves))
+        m = np.array(moves + moves[:1] * (M - len(moves)), np.int32).T
+        args = (self.state,) + tuple(jnp.asarray(a) for a in m)
+        t0, c0 = time.perf_counter(), s.timings["compile"]
+        if s.m is None:
+            self.state = s.program(("move_slots",), move_slots, args, donate=(0,))(*args)
+        else:
+            self.state = s.gather("move_slots", move_slots, args, s.state_spec)
+        jax.block_until_ready(self.state)
+        s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
 
     def _next_prompt(self, n_dev: int) -> int | None:
         """The round row whose branches a free pool row takes next (None: none).
