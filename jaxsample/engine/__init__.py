@@ -16,7 +16,8 @@ Data flow of one request, one file per stage:
                 token merged by log-sum-exp
     loop.py     a chunk: the step in one lax.while_loop up to a traced t_stop
                 (so every chunk size runs one program); fresh states;
-                compaction (gather the live slots into smaller buckets);
+                compaction (gather the live slots into smaller buckets); the
+                pool's refill, insert and slot moves (between rows of a prompt);
                 PROGRAMS, the compiled programs by static key and shapes
     exported.py the programs on disk as jax.export StableHLO (with the
                 compilation cache on): a second process skips tracing
