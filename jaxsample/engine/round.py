@@ -267,7 +267,8 @@ class Round:
         the fewest live branches is emptied into the free slots of the
         prompt's other rows while they have room (a row with a slot refilled
         in this boundary, `reset`, is not emptied: its new branch is not on
-        the device yet).
+        the device yet; nor is a row that took a moved branch: every move of
+        a boundary reads the state from before them all).
         """
         if self.lockstep or not (self.queue or any(self.waiting.values())):
             return
@@ -282,10 +283,12 @@ class Round:
             if len(rows) < 2:
                 continue
             open_ = {i: [int(j) for j in np.nonzero(~live[i] & ~reset[i])[0]] for i in rows}
-            emptied = set()
+            emptied, received = set(), set()
             for src in sorted(rows, key=lambda i: int(live[i].sum())):
                 n_live = int(live[src].sum())
-                if n_live == 0 or reset[src].any():
+                # A row that received a branch in this boundary is no source: the
+                # moves all read the state before any of them (`move_slots`).
+                if n_live == 0 or reset[src].any() or src in received:
                     continue
                 dests = [i for i in sorted(rows, key=lambda i: -int(live[i].sum()))
                          if i != src and i not in emptied]
@@ -295,6 +298,7 @@ class Round:
                     d = next(i for i in dests if open_[i])
                     dj = open_[d].pop(0)
                     moves.append((src, int(j), d, dj))
+                    received.add(d)
                     self.col_of[d, dj] = self.col_of[src, j]
                     self.col_of[src, j] = -1
                     live[d, dj], live[src, j] = True, False
