@@ -85,14 +85,15 @@ def _timed_fixed(lm, tasks, args, family_index, n, first=0):
 
     params = SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
-    decode_s, tokens = 0.0, 0
+    decode_s, tokens, steps = 0.0, 0, 0
     for start in range(0, len(tasks), args.batch):
         chunk = tasks[start:start + args.batch]
         gen = generate(lm, [t.prompt for t in chunk], params, chat=True,
                        prompt_index_offset=family_index * 10_000 + first + start)
         decode_s += gen.timings["decode"]
         tokens += gen.bill.decoded_tokens_total
-    return decode_s, tokens
+        steps += gen.bill.branch_steps
+    return decode_s, tokens, steps
 
 
 def _online(lm, tasks, args, family_index, rule, confidence, first=0):
@@ -101,20 +102,22 @@ def _online(lm, tasks, args, family_index, rule, confidence, first=0):
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
-    out, decode_s = [], 0.0
+    out, decode_s, steps = [], 0.0, 0
     for start in range(0, len(tasks), args.batch):
         chunk = tasks[start:start + args.batch]
         res = adaptive_self_consistency(
             lm, [t.prompt for t in chunk], params, max_n=args.max_n, window=args.window,
             rule=rule, threshold=args.threshold, confidence=confidence, warmup=args.warmup,
             group_size=args.group_size, extract="number", chat=True,
+            chunk_size=args.chunk_size,
             prompt_index_offset=family_index * 10_000 + first + start)
         decode_s += res.generation.timings["decode"]
+        steps += res.generation.bill.branch_steps
         for b, task in enumerate(chunk):
             out.append({"winner": res.winner[b], "correct": res.winner[b] == task.answer,
                         "n_used": int(res.n_used[b]), "terminated": int(res.terminated[b]),
                         "decoded_tokens": int(sum(res.generation.bill.decoded_tokens_per_branch[b]))})
-    return out, decode_s
+    return out, decode_s, steps
 
 
 def _replay(rec, args, rule, confidence):
@@ -170,22 +173,33 @@ def analyse(data) -> dict:
                               "n_used": float(np.mean([o["n_used"] for o in on["problems"]])),
                               "terminated": float(np.mean([o["terminated"] for o in on["problems"]])),
                               "decode_s": on["decode_s"], "agree_with_offline": int(agree),
+                              "branch_steps": on.get("branch_steps"),
                               "problems": len(on["problems"])})
             rules[name] = entry
         full = fixed[-1]
-        fixed_s = f["pool_decode_s"]
+        # maj@max_n's decode time: its own run without logprobs when --time-n holds
+        # max_n (the online ESC / Beta runs keep none either), else the pool's.
+        timed = {str(k): v for k, v in f.get("timed", {}).items()}
+        fixed_s = timed.get(str(n), f["pool_decode_s"])
+        base_steps = f.get("timed_counts", {}).get(str(n), {}).get("branch_steps")
         targets = {}
         for name, e in rules.items():
             if "acc" not in e:
                 continue
-            targets[name] = {
+            t = targets[name] = {
                 "acc_within_1se": e["acc"] >= full["maj"] - full["maj_se"],
                 "token_ratio": e["tokens"] / full["tokens"] if full["tokens"] else math.nan,
-                "time_ratio": e["decode_s"] / fixed_s if fixed_s else math.nan}
+                "time_ratio": e["decode_s"] / fixed_s if fixed_s else math.nan,
+                "slot_steps_ratio": (e["branch_steps"] / base_steps
+                                     if e.get("branch_steps") and base_steps else None)}
+            # Issue 21: a rule's token saving becomes time (decode time within 0.1 of tokens).
+            t["time_minus_tokens"] = t["time_ratio"] - t["token_ratio"]
         out[fam] = {"problems": len(recs), "pass1": float(np.mean(pass1)), "pass1_se": _se(pass1),
                     "fixed": fixed, "rules": rules, "targets": targets,
                     "fixed_decode_s": {str(k): v for k, v in f.get("timed", {}).items()},
-                    "pool_decode_s": fixed_s}
+                    "pool_decode_s": f["pool_decode_s"], "max_decode_s": fixed_s,
+                    "max_decode_source": ("maj@%d without logprobs" % n if str(n) in timed
+                                          else "the pool (top-20 logprobs)")}
     return out
 
 
@@ -200,9 +214,9 @@ def markdown(summary, config) -> str:
         for row in s["fixed"]:
             t = s["fixed_decode_s"].get(str(row["n"]))
             if row["n"] == n:
-                t = s["pool_decode_s"]
+                t = s["max_decode_s"]
             ts = "-" if t is None else f"{t:.1f}"
-            tr = "-" if t is None else f"{t / s['pool_decode_s']:.2f}"
+            tr = "-" if t is None else f"{t / s['max_decode_s']:.2f}"
             lines.append(f"| maj@{row['n']} | {row['maj']:.3f} ± {row['maj_se']:.3f} | "
                          f"{row['tokens']:.0f} | {row['tokens'] / full['tokens']:.2f} | {ts} | {tr} | {row['n']} |")
         for row in s["fixed"]:
@@ -213,13 +227,23 @@ def markdown(summary, config) -> str:
             if "acc" in e:
                 lines.append(f"| {name} (online) | {e['acc']:.3f} ± {e['se']:.3f} | {e['tokens']:.0f} | "
                              f"{e['tokens'] / full['tokens']:.2f} | {e['decode_s']:.1f} | "
-                             f"{e['decode_s'] / s['pool_decode_s']:.2f} | {e['n_used']:.1f} "
+                             f"{e['decode_s'] / s['max_decode_s']:.2f} | {e['n_used']:.1f} "
                              f"(terminated {e['terminated']:.1f}; online = offline on "
                              f"{e['agree_with_offline']}/{e['problems']}) |")
             else:
                 lines.append(f"| {name} (offline on the pool) | {e['offline_acc']:.3f} ± {e['offline_se']:.3f} | "
                              f"{e['offline_tokens']:.0f} | {e['offline_tokens'] / full['tokens']:.2f} | - | - | "
                              f"{e['offline_n_used']:.1f} |")
+        lines += ["", f"Decode time of maj@{n}: {s['max_decode_s']:.1f} s "
+                  f"({s['max_decode_source']}). Issue 21's check, a rule's token saving "
+                  "becoming time:", "",
+                  "| rule | tokens vs maj | slot-steps vs maj | decode time vs maj | "
+                  "time - tokens | within 0.1 |", "|---|---|---|---|---|---|"]
+        for name, t in s["targets"].items():
+            ss = "-" if t.get("slot_steps_ratio") is None else f"{t['slot_steps_ratio']:.2f}"
+            gap = t["time_ratio"] - t["token_ratio"]
+            lines.append(f"| {name} | {t['token_ratio']:.2f} | {ss} | {t['time_ratio']:.2f} | "
+                         f"{gap:+.2f} | {'yes' if abs(gap) <= 0.1 else 'no'} |")
         lines.append("")
         for name, t in s["targets"].items():
             ok = t["acc_within_1se"] and t["token_ratio"] <= 0.4 and t["time_ratio"] <= 0.5
@@ -261,14 +285,15 @@ def plot(summary, config, path):
         ax.legend(fontsize=7)
         ax = axes[1, j]
         pts = sorted((int(k), v) for k, v in s["fixed_decode_s"].items())
-        pts.append((config["max_n"], s["pool_decode_s"]))
+        pts = [(k, v) for k, v in pts if k != config["max_n"]] + [(config["max_n"],
+                                                                   s["max_decode_s"])]
         accs = {r["n"]: r["maj"] for r in s["fixed"]}
         ax.plot([t for _, t in pts], [accs[k] for k, _ in pts], marker="o", label="fixed-N maj@N (measured)")
         for name, e in s["rules"].items():
             if "acc" in e:
                 ax.errorbar([e["decode_s"]], [e["acc"]], yerr=[e["se"]], marker="*", markersize=12,
                             linestyle="none", label=name, color=colors[name])
-        ax.axvline(0.5 * s["pool_decode_s"], color="grey", linestyle=":", label="50% of maj@max time")
+        ax.axvline(0.5 * s["max_decode_s"], color="grey", linestyle=":", label="50% of maj@max time")
         ax.set_xlabel("decode wall time (s, all problems)")
         ax.set_ylabel("accuracy")
         ax.set_title(f"{fam}: accuracy vs decode time")
@@ -292,7 +317,11 @@ def main(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-n", default="8,16", help="fixed N whose decode time is measured")
+    ap.add_argument("--time-n", default="8,16",
+                    help="fixed N whose decode time is measured (without logprobs; with "
+                         "max_n among them, maj@max_n's time is that run's, not the pool's)")
+    ap.add_argument("--chunk-size", type=int, default=8,
+                    help="adaptive_self_consistency's chunk_size (decode steps between checks)")
     ap.add_argument("--from-json", type=pathlib.Path)
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "adaptive")
     args = ap.parse_args(argv)
@@ -324,13 +353,19 @@ def main(argv=None):
                 f["pool"] += pool
                 f["pool_decode_s"] += s
                 for n in [int(x) for x in args.time_n.split(",") if x]:
-                    s, _ = _timed_fixed(lm, part, sub, offset_fi, n, start)
+                    s, tok, steps = _timed_fixed(lm, part, sub, offset_fi, n, start)
                     f["timed"][n] = f["timed"].get(n, 0.0) + s
+                    t = f.setdefault("timed_counts", {}).setdefault(
+                        str(n), {"tokens": 0, "branch_steps": 0})
+                    t["tokens"] += tok
+                    t["branch_steps"] += steps
                 for name, rule, conf in ONLINE:
-                    probs, s = _online(lm, part, sub, offset_fi, rule, conf, start)
-                    on = f["online"].setdefault(name, {"problems": [], "decode_s": 0.0})
+                    probs, s, steps = _online(lm, part, sub, offset_fi, rule, conf, start)
+                    on = f["online"].setdefault(name, {"problems": [], "decode_s": 0.0,
+                                                       "branch_steps": 0})
                     on["problems"] += probs
                     on["decode_s"] += s
+                    on["branch_steps"] += steps
                 print(f"{fam} {start + len(part)}/{len(tasks)}: pool {f['pool_decode_s']:.1f} s; "
                       + "; ".join(f"{k} {v['decode_s']:.1f} s" for k, v in f["online"].items()),
                       flush=True)
