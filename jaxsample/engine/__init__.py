@@ -32,6 +32,9 @@ Data flow of one request, one file per stage:
                 copied to host arrays at (prompt, branch); with fewer rows x
                 slots than prompts x branches, a pool that refills slots and
                 rows between chunks (continuous batching)
+    pool.py     the pool's scheduling between chunks (`PoolSchedule`, a mixin
+                of Round): slot refill, row refill with lazy prefill, moves of
+                a prompt's last branches into fewer of its rows
     stops.py    stop strings seen on the way (incremental detokenisation),
                 cut exactly at the end
     api.py      generate() -> Generation (tokens/logprobs [B, N, T], texts, bill),
