@@ -65,16 +65,12 @@ class PoolSchedule:
                     free[j] = False
             self.waiting[r] = w
         self._migrate(reset)
-        for i in range(R_dev):
-            if not self.row_placed[i]:
-                continue
-            r = int(self.row_of[i])
-            cols = self.col_of[i]
-            free = (cols < 0) | self.done[r, np.maximum(cols, 0)]
-            if free.all() and not self.waiting[r]:  # nothing left of it for this row: free it
+        busy = self._live_slots().any(axis=1)
+        for i in np.nonzero(self.row_placed & ~busy)[0]:
+            if not self.waiting[int(self.row_of[i])]:  # nothing left of it for this row: free it
                 self.row_placed[i] = False
                 self.col_of[i] = -1
-                free_rows.append(i)
+                free_rows.append(int(i))
         inserted = []
         for i in free_rows:
             r = self._next_prompt(N_dev)
@@ -129,15 +125,14 @@ class PoolSchedule:
             if len(rows) < 2:
                 continue
             open_ = {i: [int(j) for j in np.nonzero(~live[i] & ~reset[i])[0]] for i in rows}
-            emptied, received = set(), set()
+            received = set()
             for src in sorted(rows, key=lambda i: int(live[i].sum())):
                 n_live = int(live[src].sum())
                 # A row that received a branch in this boundary is no source: the
                 # moves all read the state before any of them (`move_slots`).
                 if n_live == 0 or reset[src].any() or src in received:
                     continue
-                dests = [i for i in sorted(rows, key=lambda i: -int(live[i].sum()))
-                         if i != src and i not in emptied]
+                dests = [i for i in sorted(rows, key=lambda i: -int(live[i].sum())) if i != src]
                 if sum(len(open_[i]) for i in dests) < n_live:
                     continue
                 for j in np.nonzero(live[src])[0]:
@@ -148,8 +143,7 @@ class PoolSchedule:
                     self.col_of[d, dj] = self.col_of[src, j]
                     self.col_of[src, j] = -1
                     live[d, dj], live[src, j] = True, False
-                open_[src] = []
-                emptied.add(src)
+                open_[src] = []  # emptied: takes no branch back
         if moves:
             self._move(moves)
             self.moved += len(moves)
