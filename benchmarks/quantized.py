@@ -5,7 +5,8 @@ Three parts (`--parts`, default all):
 
 * speed: the decode step of SmolLM2 at P = 1024 for N = 1 and 16 with
   float32, bfloat16, int8 weight-only and int8 W8A8 weights (`models.quant`
-  modes), one process, the variants alternated call by call (A B C D A B
+  modes; both with `load`'s calibrated outlier channels, `models.outliers`)
+  and W8A8 without outlier channels (every channel int8), one process, the variants alternated call by call (A B C D A B
   ...) as in `benchmarks/step_ablation.py`; a call's step time is its decode
   seconds / (T - 1) forward steps; medians over `--reps` calls and the ratio
   of each median to float32's.
@@ -15,7 +16,8 @@ Three parts (`--parts`, default all):
   the int8 one (a float32 or int32 copy of a weight materialised per step),
   and the dots by result type (s32: XLA's int8 GEMM).
 * accuracy: per model (SmolLM2, Gemma 3 270M), 20 chat prompts: the
-  last-position logits of int8 in both modes (and bfloat16) against float32 (max |diff|,
+  last-position logits of int8 in both modes, W8A8 without outlier channels
+  (and bfloat16) against float32 (max |diff|,
   and that over the float32 logits' standard deviation, per prompt, then
   the max and median over prompts), and greedy decoding of 32 tokens (end
   of text ignored): the fraction of tokens equal before the first
@@ -48,6 +50,18 @@ PROMPTS = [
 ]
 
 
+def _without_outliers(f32):
+    """The float32 model quantised as `load(weights="int8")` did before outlier
+    channels (`models.outliers`): every input channel through the int8 product."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsample.models import quant
+
+    params = jax.tree_util.tree_map(jnp.asarray, quant.quantize_params(f32.params))
+    return dataclasses.replace(f32, params=params)
+
+
 def _variants():
     from jaxsample.loading import load
     from jaxsample.models import quant
@@ -59,7 +73,8 @@ def _variants():
     out = {"float32": f32, "bfloat16": load(None, dtype="bfloat16"),
            "int8 weight-only": dataclasses.replace(q8, params=quant.with_mode(q8.params,
                                                                               "weight_only")),
-           "int8 W8A8": dataclasses.replace(q8, params=quant.with_mode(q8.params, "w8a8"))}
+           "int8 W8A8": dataclasses.replace(q8, params=quant.with_mode(q8.params, "w8a8")),
+           "int8 W8A8, no outlier channels": _without_outliers(f32)}
     return {k: dataclasses.replace(v, tokenizer=NoEosTokenizer(v.tokenizer))
             for k, v in out.items()}
 
@@ -129,7 +144,8 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
         lms = {"float32": load(name), "bfloat16": load(name, dtype="bfloat16"),
                "int8 W8A8": dataclasses.replace(q8, params=quant.with_mode(q8.params, "w8a8")),
                "int8 weight-only": dataclasses.replace(
-                   q8, params=quant.with_mode(q8.params, "weight_only"))}
+                   q8, params=quant.with_mode(q8.params, "weight_only")),
+               "int8 W8A8, no outlier channels": _without_outliers(load(name))}
         tok = lms["float32"].tokenizer
         ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
                for p in PROMPTS]
@@ -143,7 +159,7 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
                             ids, sp).tokens[:, 0] for k, lm in lms.items()}
         ref, ref_t = logits["float32"], toks["float32"]
         row = {}
-        for k in ("bfloat16", "int8 W8A8", "int8 weight-only"):
+        for k in ("bfloat16", "int8 W8A8", "int8 weight-only", "int8 W8A8, no outlier channels"):
             d = np.abs(logits[k] - ref).max(axis=1)
             rel = d / ref.std(axis=1)
             same = ref_t == toks[k]

@@ -38,6 +38,15 @@ on SmolLM2 and Gemma 3 270M it about doubles weight-only's last-position
 logit error against float32 (RESULTS.md has the figures, and the greedy
 agreement); `with_mode(params, "weight_only")` trades that speed back for it.
 
+Outlier channels (`QuantizedWeight.outliers`, chosen by `models.outliers`'
+calibration, on by default in `load(weights="int8")`): a projection's few
+input channels that dwarf the rest are kept as a float32 `[K, out]` slice
+and multiplied apart (`x[..., idx] @ w`), and masked out of the int8
+product and of its activation scale. This is what W8A8's accuracy was
+missing: on SmolLM2 its logit error falls below weight-only's
+(RESULTS.md, "Outlier channels"), for a gather and a thin float dot per
+projection.
+
 Reference: Jacob et al. 2018, "Quantization and Training of Neural Networks
 for Efficient Integer-Arithmetic-Only Inference" (symmetric per-channel
 scales); MaxText / JetStream's int8 weights (AQT).
@@ -72,15 +81,23 @@ class QuantizedWeight:
         "bfloat16"); `.dtype` answers it, so code that casts to the weight's
         dtype keeps the model dtype.
       mode: one of `MODES`.
+      outliers: None, or `(idx, keep, w)`: the input channels kept in float
+        (`idx` int32 `[K]`; `keep` float32 `[in]`, 0 on those channels and 1
+        elsewhere; `w` float32 `[K, out]`, their rows of the matrix this stands
+        for). The product is then `(x * keep) @ (q * scale) + x[..., idx] @ w`:
+        the int8 part never sees those channels (their rows of q are zero, or
+        masked out of x), so one large channel no longer sets a row's W8A8
+        scale. Only for 2-D matrices (the serving layout).
     """
 
-    def __init__(self, q, scale, *, rows: bool = False, transposed: bool = False,
-                 compute: str = "float32", mode: str = DEFAULT_MODE):
-        self.q, self.scale = q, scale
+    def __init__(self, q, scale, outliers=None, *, rows: bool = False,
+                 transposed: bool = False, compute: str = "float32", mode: str = DEFAULT_MODE):
+        self.q, self.scale, self.outliers = q, scale, outliers
         self.rows, self.transposed, self.compute, self.mode = rows, transposed, compute, mode
 
     def tree_flatten(self):
-        return (self.q, self.scale), (self.rows, self.transposed, self.compute, self.mode)
+        return ((self.q, self.scale, self.outliers),
+                (self.rows, self.transposed, self.compute, self.mode))
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
@@ -91,7 +108,7 @@ class QuantizedWeight:
         kw = dict(rows=self.rows, transposed=self.transposed, compute=self.compute,
                   mode=self.mode)
         kw.update(changes)
-        return QuantizedWeight(self.q, self.scale, **kw)
+        return QuantizedWeight(self.q, self.scale, self.outliers, **kw)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -115,9 +132,15 @@ class QuantizedWeight:
         return matmul(x, self)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The float matrix it stands for, `q * scale` (transposed if it is)."""
+        """The float matrix it stands for, `q * scale` (transposed if it is), with
+        the outlier channels' rows (if any) from their float copy."""
         s = self.scale[..., :, None] if self.rows else self.scale[..., None, :]
         w = self.q.astype(jnp.float32) * s
+        if self.outliers is not None:  # rows of the projection [in, out] (an embedding's columns)
+            idx, _, w_out = self.outliers
+            proj = w.T if self.rows else w
+            proj = proj.at[idx].set(jnp.asarray(w_out, jnp.float32))
+            w = proj.T if self.rows else proj
         return (w.T if self.transposed else w).astype(dtype)
 
     def __repr__(self) -> str:
@@ -126,7 +149,7 @@ class QuantizedWeight:
 
 
 def quantize(w, *, rows: bool = False, compute: str = "float32",
-             mode: str = DEFAULT_MODE) -> QuantizedWeight:
+             mode: str = DEFAULT_MODE, outliers=None) -> QuantizedWeight:
     """Symmetric per-channel int8 quantisation of a float matrix (host numpy).
 
     Args:
@@ -146,12 +169,29 @@ def quantize(w, *, rows: bool = False, compute: str = "float32",
     w = np.asarray(w, dtype=np.float64)
     if w.ndim < 2 or not np.all(np.isfinite(w)):
         raise ValueError(f"quantize: needs a finite matrix, got shape {w.shape}")
+    kept = None
+    if outliers is not None:
+        n_in = w.shape[-1] if rows else w.shape[-2]
+        idx = np.asarray(outliers, np.int64)
+        idx = np.unique(idx) if idx.ndim == 1 else idx
+        if w.ndim != 2 or idx.ndim != 1 or not idx.size or idx[0] < 0 or idx[-1] >= n_in:
+            raise ValueError(f"quantize: outliers must be input channels in [0, {n_in}) of a "
+                             f"2-D matrix, got {np.asarray(outliers)!r} for shape {w.shape}")
+        keep = np.ones(n_in, np.float32)
+        keep[idx] = 0.0
+        kept = (idx.astype(np.int32), keep,
+                np.ascontiguousarray(w[:, idx].T if rows else w[idx]).astype(np.float32))
+        w = w.copy()  # the channels kept in float leave the int8 scales
+        if rows:
+            w[:, idx] = 0.0
+        else:
+            w[idx] = 0.0
     axis = -1 if rows else -2
     amax = np.max(np.abs(w), axis=axis)
     scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
     s = scale[..., :, None] if rows else scale[..., None, :]
     q = np.clip(np.rint(w / s.astype(np.float64)), -QMAX, QMAX).astype(np.int8)
-    return QuantizedWeight(q, scale, rows=rows, compute=compute, mode=mode)
+    return QuantizedWeight(q, scale, kept, rows=rows, compute=compute, mode=mode)
 
 
 def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
@@ -162,18 +202,31 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     result has dtype `preferred_element_type`, else x's.
     """
     if not isinstance(w, QuantizedWeight):
+        if hasattr(w, "calibration_product"):  # models.outliers' probe
+            return w.calibration_product(x, preferred_element_type)
         return jnp.einsum("...e,ev->...v", x, w, preferred_element_type=preferred_element_type)
     if w.ndim != 2 or w.rows != w.transposed:
         raise ValueError(f"matmul: {w!r} has no per-output-channel scales")
     out = preferred_element_type or x.dtype
     dims = (((x.ndim - 1,), (1 if w.transposed else 0,)), ((), ()))
+    extra = w.outliers or ()
     if w.mode == "w8a8":
-        return _w8a8_fn(bool(w.transposed))(x, w.q, w.scale).astype(out)
-    y = jax.lax.dot_general(x, w.q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
-    return (y * w.scale).astype(out)
+        return _w8a8_fn(bool(w.transposed))(x, w.q, w.scale, *extra).astype(out)
+    xr = x * extra[1].astype(x.dtype) if extra else x
+    y = jax.lax.dot_general(xr, w.q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    y = y * w.scale
+    if extra:
+        y = y + _outlier_part(x, extra[0], extra[2])
+    return y.astype(out)
 
 
-def _w8a8_rows(x, q, scale, *, transposed: bool):
+def _outlier_part(x, idx, w_out):
+    """The float32 product of x's outlier channels, `x[..., idx] @ w_out`."""
+    xo = jnp.take(x, idx, axis=-1).astype(jnp.float32)
+    return jnp.einsum("...k,ko->...o", xo, w_out.astype(jnp.float32))
+
+
+def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool):
     """x `[M, in]` -> float32 `[M, out]`: x quantised per row, int8 x int8 -> int32 dot.
 
     A single row is padded with a zero row: XLA CPU (jaxlib 0.10.2) lowers a
@@ -185,48 +238,57 @@ def _w8a8_rows(x, q, scale, *, transposed: bool):
     xf = x.astype(jnp.float32)
     if one:
         xf = jnp.concatenate([xf, jnp.zeros_like(xf)])
+    if idx is not None:  # the outlier channels: a float product, and out of the row scale
+        yo = _outlier_part(xf, idx, w_out)
+        xf = xf * keep
     sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / QMAX
     sx = jnp.where(sx > 0, sx, 1.0)
     xq = jnp.clip(jnp.round(xf / sx), -QMAX, QMAX).astype(jnp.int8)
     dims = (((1,), (1 if transposed else 0,)), ((), ()))
     y = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.int32)
     y = y.astype(jnp.float32) * sx * scale
+    if idx is not None:
+        y = y + yo
     return y[:1] if one else y
 
 
 @functools.lru_cache(maxsize=None)
 def _w8a8_fn(transposed: bool):
-    """The W8A8 product `f(x [..., in], q, scale) -> [..., out]` float32, with a
-    `custom_vmap` rule that folds vmapped axes of x into its rows (so the one-row
-    padding of `_w8a8_rows` sees the true row count of the decode step, B x N, not
-    one row per branch) and a `custom_vjp` (the gradient of x through the
-    dequantised weights, as the float model's; none for the weights)."""
+    """The W8A8 product `f(x [..., in], q, scale[, idx, keep, w_out]) -> [..., out]`
+    float32 (the outlier channels' leaves, if any), with a `custom_vmap` rule that folds
+    vmapped axes of x into its rows (so the one-row padding of `_w8a8_rows` sees
+    the true row count of the decode step, B x N, not one row per branch) and a
+    `custom_vjp` (the gradient of x through the dequantised weights, as the float
+    model's; none for the weights)."""
 
-    def flat(x, q, scale):
-        y = _w8a8_rows(x.reshape(-1, x.shape[-1]), q, scale, transposed=transposed)
+    def flat(x, *w):
+        y = _w8a8_rows(x.reshape(-1, x.shape[-1]), *w, transposed=transposed)
         return y.reshape(x.shape[:-1] + y.shape[-1:])
 
     f = custom_batching.custom_vmap(flat)
 
     @f.def_vmap
-    def rule(axis_size, in_batched, x, q, scale):
+    def rule(axis_size, in_batched, x, *w):
         if in_batched[0] and not any(in_batched[1:]):
-            return g(x, q, scale), True  # the batch axis leads x: flat folds it
+            return g(x, *w), True  # the batch axis leads x: flat folds it
         axes = tuple(0 if b else None for b in in_batched)
-        return jax.vmap(flat, in_axes=axes, axis_size=axis_size)(x, q, scale), True
+        return jax.vmap(flat, in_axes=axes, axis_size=axis_size)(x, *w), True
 
     @jax.custom_vjp
-    def g(x, q, scale):
-        return f(x, q, scale)
+    def g(x, *w):
+        return f(x, *w)
 
-    def fwd(x, q, scale):
-        return f(x, q, scale), (x, q, scale)
+    def fwd(x, *w):
+        return f(x, *w), (x, w)
 
     def bwd(res, ct):
-        x, q, scale = res
-        w = QuantizedWeight(q, scale, rows=transposed, transposed=transposed).dequantize()
-        dx = jnp.einsum("...o,io->...i", ct.astype(jnp.float32), w).astype(x.dtype)
-        return dx, np.zeros(q.shape, jax.dtypes.float0), jnp.zeros_like(scale)
+        x, w = res
+        dense = QuantizedWeight(w[0], w[1], tuple(w[2:]) or None, rows=transposed,
+                                transposed=transposed).dequantize()
+        dx = jnp.einsum("...o,io->...i", ct.astype(jnp.float32), dense).astype(x.dtype)
+        zero = lambda a: (np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+                          if jnp.issubdtype(a.dtype, jnp.integer) else jnp.zeros_like(a))
+        return (dx, *map(zero, w))
 
     g.defvjp(fwd, bwd)
     return g
@@ -236,14 +298,20 @@ def take_rows(table, tokens: jax.Array) -> jax.Array:
     """`table[tokens]`: the embedding gather, `[...]` int -> `[..., E]` (model dtype).
 
     A float table is exactly `jnp.take(table, tokens, axis=0)`; a quantised
-    one (per-row scales) gathers the int8 rows and their scales.
+    one (per-row scales) gathers the int8 rows and their scales, and its outlier
+    columns (if any) from their float copy.
     """
     if not isinstance(table, QuantizedWeight):
         return jnp.take(table, tokens, axis=0)
     if not table.rows or table.transposed or table.ndim != 2:
         raise ValueError(f"take_rows: {table!r} has no per-row scales")
     q = jnp.take(table.q, tokens, axis=0).astype(jnp.float32)
-    return (q * jnp.take(table.scale, tokens, axis=0)[..., None]).astype(table.dtype)
+    rows = q * jnp.take(table.scale, tokens, axis=0)[..., None]
+    if table.outliers is not None:
+        idx, _, w_out = table.outliers
+        kept = jnp.moveaxis(jnp.take(w_out, tokens, axis=1), 0, -1)  # [..., K]
+        rows = rows.at[..., idx].set(kept.astype(rows.dtype))
+    return rows.astype(table.dtype)
 
 
 # Per-layer keys that are projections [in, out]; everything else (norms, biases,
@@ -252,7 +320,7 @@ PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MODE,
-                    abstract: bool = False):
+                    abstract: bool = False, outliers: dict | None = None):
     """A parameter pytree (either layout, host or device arrays) with int8 projections.
 
     Quantised: every layer's `wq wk wv wo w_gate w_up w_down` (2-D, or 3-D in
@@ -265,6 +333,12 @@ def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MOD
     With `abstract=True`, `params` holds `jax.ShapeDtypeStruct`s and so does
     the result (for lowering a program without weights).
 
+    `outliers` (`models.outliers.outlier_channels`: {(layer, key): idx,
+    "head": idx}) keeps those input channels of each named projection in
+    float (`QuantizedWeight.outliers`); "head" goes to the embedding (the tied
+    head's input channels are its columns) or to an untied `lm_head`. Only in
+    the list layout; a projection it does not name is quantised whole.
+
     Returns:
       The same structure, `QuantizedWeight` where quantised, numpy arrays elsewhere.
     """
@@ -272,28 +346,42 @@ def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MOD
     flt = lambda a: np.asarray(jnp.asarray(a, dtype=dtype))  # noqa: E731
     if abstract:
         flt = lambda a: jax.ShapeDtypeStruct(a.shape, dtype)  # noqa: E731
-    qz = _abstract_quantize if abstract else quantize
-    layer_ndim = 2 if isinstance(params["layers"], (list, tuple)) else 3
+    layers = params["layers"]
+    listed = isinstance(layers, (list, tuple))
+    outliers = outliers or {}
+    if outliers and not listed:
+        raise ValueError("quantize_params: outliers need the list layout (unstack_layers)")
 
-    def one_layer(lp):
-        return {k: qz(a, compute=compute, mode=mode)
-                if k in PROJECTIONS and len(np.shape(a)) == layer_ndim else flt(a)
-                for k, a in lp.items()}
+    def qz(a, name, rows=False):
+        if abstract:
+            return _abstract_quantize(a, rows=rows, compute=compute, mode=mode,
+                                      n_outliers=len(outliers.get(name, ())))
+        return quantize(a, rows=rows, compute=compute, mode=mode, outliers=outliers.get(name))
+
+    def one_layer(i, lp):
+        return {k: qz(a, (i, k)) if k in PROJECTIONS and len(np.shape(a)) == (2 if listed else 3)
+                else flt(a) for k, a in lp.items()}
 
     out = {k: flt(a) for k, a in params.items() if k != "layers"}
-    out["embed"] = qz(params["embed"], rows=True, compute=compute, mode=mode)
-    if "lm_head" in params:
-        out["lm_head"] = qz(params["lm_head"], compute=compute, mode=mode)
-    layers = params["layers"]
-    out["layers"] = ([one_layer(lp) for lp in layers] if isinstance(layers, (list, tuple))
-                     else one_layer(layers))
+    head = "lm_head" in params
+    out["embed"] = qz(params["embed"], None if head else "head", rows=True)
+    if head:
+        out["lm_head"] = qz(params["lm_head"], "head")
+    out["layers"] = ([one_layer(i, lp) for i, lp in enumerate(layers)] if listed
+                     else one_layer(None, layers))
     return out
 
 
-def _abstract_quantize(a, *, rows=False, compute="float32", mode=DEFAULT_MODE):
+def _abstract_quantize(a, *, rows=False, compute="float32", mode=DEFAULT_MODE, n_outliers=0):
     scale = a.shape[:-1] if rows else a.shape[:-2] + a.shape[-1:]
+    kept = None
+    if n_outliers:
+        n_in, n_out = (a.shape[1], a.shape[0]) if rows else a.shape
+        kept = (jax.ShapeDtypeStruct((n_outliers,), jnp.int32),
+                jax.ShapeDtypeStruct((n_in,), jnp.float32),
+                jax.ShapeDtypeStruct((n_outliers, n_out), jnp.float32))
     return QuantizedWeight(jax.ShapeDtypeStruct(a.shape, jnp.int8),
-                           jax.ShapeDtypeStruct(scale, jnp.float32), rows=rows,
+                           jax.ShapeDtypeStruct(scale, jnp.float32), kept, rows=rows,
                            compute=compute, mode=mode)
 
 

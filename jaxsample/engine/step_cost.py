@@ -168,9 +168,10 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
     params = jax.eval_shape(
         lambda: fam.unstack_layers(fam.init_params(config, jax.random.key(0))))
     if weights is not None:
-        from jaxsample.models import quant
+        from jaxsample.models import outliers, quant
         params = quant.quantize_params(params, compute=config.dtype, abstract=True,
-                                       mode=mode or quant.DEFAULT_MODE)
+                                       mode=mode or quant.DEFAULT_MODE,
+                                       outliers=outliers.abstract_channels(params))
     dt = config.jnp_dtype
     K, D = config.n_kv_heads, config.head_dim
     from jaxsample.engine.prefill import window_extent
