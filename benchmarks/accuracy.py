@@ -260,9 +260,11 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--extract", default="number")
-    ap.add_argument("--weights", default=None, choices=["int8", "int8-weight-only"],
+    ap.add_argument("--weights", default=None,
+                    choices=["int8", "int8-weight-only", "int8-no-outliers"],
                     help="load(weights='int8'): int8 projections, W8A8 (the default) or "
-                         "weight-only (quant.with_mode), models/quant.py")
+                         "weight-only (quant.with_mode), models/quant.py; int8-no-outliers: "
+                         "W8A8 without the calibrated outlier channels (models/outliers.py)")
     ap.add_argument("--out", default=str(RESULTS / "accuracy.json"))
     ap.add_argument("--from-json", default=None, help="recompute tables/plot from a saved pool")
     ap.add_argument("--probe", default=None, help="comma-separated families to probe first")
@@ -286,12 +288,16 @@ def main(argv=None):
     RESULTS.mkdir(exist_ok=True)
     t_all = time.perf_counter()
     lm = jaxsample.load(weights=args.weights and "int8")
-    if args.weights == "int8-weight-only":
+    if args.weights in ("int8-weight-only", "int8-no-outliers"):
         import dataclasses
 
         from jaxsample.models import quant
 
-        lm = dataclasses.replace(lm, params=quant.with_mode(lm.params, "weight_only"))
+        if args.weights == "int8-weight-only":
+            lm = dataclasses.replace(lm, params=quant.with_mode(lm.params, "weight_only"))
+        else:
+            params = quant.quantize_params(jaxsample.load().params)
+            lm = dataclasses.replace(lm, params=jax.tree_util.tree_map(jax.numpy.asarray, params))
     if args.probe:
         print(f"Probe: {args.probe_problems} problems x {args.probe_n} samples per family")
         pr = probe(lm, args)

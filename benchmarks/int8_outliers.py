@@ -1,11 +1,14 @@
-"""Where W8A8's accuracy goes, and two known remedies measured (SmolLM2, CPU).
+"""Where W8A8's accuracy goes, and three known remedies measured (SmolLM2, CPU).
 
-The shipped W8A8 product (`models.quant`, activations quantised per row) more
-than doubles weight-only's last-position logit error against float32
-(benchmarks/RESULTS.md, "Int8 weights"). The usual cause is activation
-outlier channels: one large channel sets a row's scale and flattens the
-others. Two remedies, as experiments (neither is in the library):
+The W8A8 product (`models.quant`, activations quantised per row) with every
+input channel in int8 more than doubles weight-only's last-position logit
+error against float32 (benchmarks/RESULTS.md, "Int8 weights"). The usual
+cause is activation outlier channels: one large channel sets a row's scale
+and flattens the others. Three remedies:
 
+* outlier channels (the library's, `models.outliers`, on by default in
+  `load(weights="int8")`): each projection's K largest input channels by
+  calibration kept float; K = 16 as shipped, and 4, 8, 32;
 * activation blocks: each row's blocks of B input channels get their own
   scale (llama.cpp's Q8_0 activations use B = 32);
 * SmoothQuant (Xiao et al. 2023, arXiv 2211.10438): per input channel, s_j =
@@ -25,7 +28,8 @@ prompts, and how many argmaxes agree): the same metric as that script.
 
     python -m benchmarks.int8_outliers [--out benchmarks/results/int8_outliers.json]
 
-Speed is not measured here: see RESULTS.md for the blocks product's step time.
+Speed is not measured here: see RESULTS.md for the blocks product's step time,
+and `benchmarks/quantized.py` for the outlier channels'.
 """
 
 from __future__ import annotations
@@ -161,6 +165,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--alphas", default="0.4,0.5,0.6")
     ap.add_argument("--blocks", default="64,32")
+    ap.add_argument("--outlier-counts", default="4,8,32", help="K besides the shipped 16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -168,7 +173,7 @@ def main(argv=None):
     import jax.numpy as jnp
 
     from jaxsample.loading import load
-    from jaxsample.models import quant
+    from jaxsample.models import outliers, quant
 
     from benchmarks.quantized import PROMPTS
     from benchmarks.tasks import make_tasks
@@ -194,15 +199,24 @@ def main(argv=None):
         cfg = q8.config if tied else dataclasses.replace(q8.config, tie_embeddings=False)
         return dataclasses.replace(q8, params=qp, config=cfg)
 
-    rows = {"W8A8 per row (shipped)": error(q8),
-            "weight-only": error(dataclasses.replace(
+    plain = int8(f32.params)  # every channel in int8: what `load` shipped before outliers
+    rows = {"W8A8 per row, no outlier channels": error(plain),
+            "weight-only, no outlier channels": error(dataclasses.replace(
+                plain, params=quant.with_mode(plain.params, "weight_only"))),
+            "W8A8 + 16 outlier channels (shipped)": error(q8),
+            "weight-only + 16 outlier channels": error(dataclasses.replace(
                 q8, params=quant.with_mode(q8.params, "weight_only")))}
+    for k in [int(x) for x in args.outlier_counts.split(",") if x]:
+        kept = outliers.calibrate(f32.config, f32.params, tok, k)
+        rows[f"W8A8 + {k} outlier channels"] = error(dataclasses.replace(
+            q8, params=jax.tree_util.tree_map(
+                jnp.asarray, quant.quantize_params(f32.params, outliers=kept))))
     shipped = quant._w8a8_rows
     try:
         for b in [int(x) for x in args.blocks.split(",") if x]:
             quant._w8a8_rows = blocked_rows(b)
             quant._w8a8_fn.cache_clear()
-            rows[f"W8A8, activation blocks of {b}"] = error(q8)
+            rows[f"W8A8, activation blocks of {b}"] = error(plain)
     finally:
         quant._w8a8_rows = shipped
         quant._w8a8_fn.cache_clear()
