@@ -19,9 +19,11 @@ and flattens the others. Three remedies:
   the activations sees flatter channels. With `+ head`, the tied output head
   is untied into its own int8 matrix smoothed after the final norm (+28 MB).
 
-Calibration: the float32 model run eagerly on chat prompts of the bundled
-tasks (add1, word, compare; seed 1) and two long-answer prompts, recording
-max|x| per input channel at each projection. Evaluation: the 20 prompts of
+Calibration (SmoothQuant's): the float32 model run on chat prompts of the
+bundled tasks (add1, word, compare; seed 1) and two long-answer prompts,
+joined into one sequence, recording max|x| per input channel at each
+projection (`models.outliers.channel_maxima`; the outlier channels use the
+library's own built-in calibration text). Evaluation: the 20 prompts of
 `benchmarks/quantized.py`, whose last-position logits are compared with
 float32's (max |diff| / std of the float32 logits, median and max over
 prompts, and how many argmaxes agree): the same metric as that script.
@@ -69,66 +71,14 @@ def blocked_rows(block):
 
 
 def calibrate(lm, texts):
-    """{(layer, "wq" | "w_gate" | "w_down") or "head": max|x| per input channel}."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxsample.models import llama, quant
-
-    stats = {}
-
-    def record(name, x):
-        a = np.abs(np.asarray(x, np.float64)).reshape(-1, x.shape[-1]).max(0)
-        stats[name] = np.maximum(stats.get(name, 0.0), a)
-
-    @jax.tree_util.register_pytree_node_class
-    class Probe:  # a float weight that records its input's channel maxima (eager only)
-        def __init__(self, w, name):
-            self.w, self.name = w, name
-
-        def tree_flatten(self):
-            return (self.w,), self.name
-
-        @classmethod
-        def tree_unflatten(cls, name, leaves):
-            return cls(leaves[0], name)
-
-        @property
-        def shape(self):
-            return self.w.shape
-
-        @property
-        def dtype(self):
-            return self.w.dtype
-
-        def __rmatmul__(self, x):
-            record(self.name, x)
-            return x @ self.w
-
-    p = lm.params
-    probe = dict(p)
-    probe["layers"] = [{k: Probe(v, (i, k)) if k in ("wq", "w_gate", "w_down") else v
-                        for k, v in lp.items()} for i, lp in enumerate(p["layers"])]
-    probe["lm_head"] = Probe(np.asarray(p["embed"]).T.copy(), "head")
-    cfg = dataclasses.replace(lm.config, tie_embeddings=False)
-    matmul = quant.matmul
-
-    def probing_matmul(x, w, preferred_element_type=None):
-        if isinstance(w, Probe):
-            record(w.name, x)
-            w = w.w
-        return matmul(x, w, preferred_element_type)
+    """{(layer, key) or "head": max|x| per input channel}: `models.outliers.channel_maxima`
+    over the texts, each through the chat template, joined into one sequence."""
+    from jaxsample.models import outliers
 
     tok = lm.tokenizer
-    quant.matmul = probing_matmul
-    try:
-        with jax.disable_jit():
-            for text in texts:
-                ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-                llama.forward_one(cfg, probe, jnp.asarray(ids, jnp.int32))
-    finally:
-        quant.matmul = matmul
-    return stats
+    ids = [i for t in texts for i in tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": t}]))]
+    return outliers.channel_maxima(lm.config, lm.params, np.asarray(ids, np.int32))
 
 
 def _factor(x_max, w_max, alpha):

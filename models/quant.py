@@ -84,10 +84,10 @@ class QuantizedWeight:
       outliers: None, or `(idx, keep, w)`: the input channels kept in float
         (`idx` int32 `[K]`; `keep` float32 `[in]`, 0 on those channels and 1
         elsewhere; `w` float32 `[K, out]`, their rows of the matrix this stands
-        for). The product is then `(x * keep) @ (q * scale) + x[..., idx] @ w`:
-        the int8 part never sees those channels (their rows of q are zero, or
-        masked out of x), so one large channel no longer sets a row's W8A8
-        scale. Only for 2-D matrices (the serving layout).
+        for). The product is then `x @ (q * scale) + x[..., idx] @ w`: their
+        rows of q are zero, and W8A8 quantises `x * keep`, so one large
+        channel no longer sets a row's activation scale. Only for 2-D
+        matrices (the serving layout).
     """
 
     def __init__(self, q, scale, outliers=None, *, rows: bool = False,
@@ -157,12 +157,18 @@ def quantize(w, *, rows: bool = False, compute: str = "float32",
       rows: one scale per row (the embedding) instead of per column (a
         projection `[in, out]`: per output channel).
       compute, mode: as `QuantizedWeight`.
+      outliers: None, or int input channels to keep in float (a projection's
+        rows, an embedding's columns; `models.outliers.outlier_channels`):
+        their float32 copy goes to `QuantizedWeight.outliers` and they are
+        zeroed before the scales are taken.
     Returns:
       A `QuantizedWeight` with numpy leaves: `scale = max|w| / 127` over the
       reduced axis, as float32 (1 for an all-zero channel), `q = round(w /
-      scale)` in [-127, 127], so `|w - q * scale| <= scale / 2` per element.
+      scale)` in [-127, 127], so `|w - q * scale| <= scale / 2` per element
+      (outside the outlier channels, which are exact to float32).
     Raises:
-      ValueError: w has fewer than 2 axes or a non-finite value; mode unknown.
+      ValueError: w has fewer than 2 axes or a non-finite value; mode unknown;
+        outliers not a non-empty 1-D list of input channels of a 2-D w.
     """
     if mode not in MODES:
         raise ValueError(f"quantize: mode must be one of {MODES}, got {mode!r}")
@@ -212,8 +218,7 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     extra = w.outliers or ()
     if w.mode == "w8a8":
         return _w8a8_fn(bool(w.transposed))(x, w.q, w.scale, *extra).astype(out)
-    xr = x * extra[1].astype(x.dtype) if extra else x
-    y = jax.lax.dot_general(xr, w.q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(x, w.q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     y = y * w.scale
     if extra:
         y = y + _outlier_part(x, extra[0], extra[2])
