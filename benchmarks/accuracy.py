@@ -287,17 +287,17 @@ def main(argv=None):
 
     RESULTS.mkdir(exist_ok=True)
     t_all = time.perf_counter()
-    lm = jaxsample.load(weights=args.weights and "int8")
-    if args.weights in ("int8-weight-only", "int8-no-outliers"):
+    lm = jaxsample.load(weights="int8" if args.weights in ("int8", "int8-weight-only") else None)
+    if args.weights == "int8-weight-only":
         import dataclasses
 
         from jaxsample.models import quant
 
-        if args.weights == "int8-weight-only":
-            lm = dataclasses.replace(lm, params=quant.with_mode(lm.params, "weight_only"))
-        else:
-            params = quant.quantize_params(jaxsample.load().params)
-            lm = dataclasses.replace(lm, params=jax.tree_util.tree_map(jax.numpy.asarray, params))
+        lm = dataclasses.replace(lm, params=quant.with_mode(lm.params, "weight_only"))
+    elif args.weights == "int8-no-outliers":
+        from benchmarks.common import int8_without_outliers
+
+        lm = int8_without_outliers(lm)
     if args.probe:
         print(f"Probe: {args.probe_problems} problems x {args.probe_n} samples per family")
         pr = probe(lm, args)

@@ -238,13 +238,27 @@ class NoEosTokenizer:
         return getattr(self._inner, name)
 
 
+def int8_without_outliers(lm):
+    """`lm` (float, list layout) quantised as `load(weights="int8")` did before its
+    outlier channels (`models.outliers`): every input channel through the int8 W8A8
+    product. The baseline the outlier-channel benchmarks compare against."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsample.models import quant
+
+    params = jax.tree_util.tree_map(jnp.asarray, quant.quantize_params(lm.params))
+    return dataclasses.replace(lm, params=params)
+
+
 def load_jax_model(model, dtype, weights=None):
     """Returns (LanguageModel with a no-eos tokenizer, load seconds).
 
     model: "smollm2" (the embedded GGUF) or "llama-1b" (random weights of the
     `LLAMA_1B` shapes, byte tokenizer). weights: None, or "int8" (`load(...,
     weights="int8")`; the random weights through `quant.quantize_params`, the
-    load's own quantiser, in the time).
+    load's own quantiser, in the time, without outlier channels: the stacked
+    random model is not calibrated).
     """
     import jax
 

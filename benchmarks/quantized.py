@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import statistics
 
@@ -50,23 +51,11 @@ PROMPTS = [
 ]
 
 
-def _without_outliers(f32):
-    """The float32 model quantised as `load(weights="int8")` did before outlier
-    channels (`models.outliers`): every input channel through the int8 product."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxsample.models import quant
-
-    params = jax.tree_util.tree_map(jnp.asarray, quant.quantize_params(f32.params))
-    return dataclasses.replace(f32, params=params)
-
-
 def _variants():
     from jaxsample.loading import load
     from jaxsample.models import quant
 
-    from benchmarks.common import NoEosTokenizer
+    from benchmarks.common import NoEosTokenizer, int8_without_outliers
 
     f32 = load(None, dtype="float32")
     q8 = load(None, weights="int8")
@@ -74,7 +63,7 @@ def _variants():
            "int8 weight-only": dataclasses.replace(q8, params=quant.with_mode(q8.params,
                                                                               "weight_only")),
            "int8 W8A8": dataclasses.replace(q8, params=quant.with_mode(q8.params, "w8a8")),
-           "int8 W8A8, no outlier channels": _without_outliers(f32)}
+           "int8 W8A8, no outlier channels": int8_without_outliers(f32)}
     return {k: dataclasses.replace(v, tokenizer=NoEosTokenizer(v.tokenizer))
             for k, v in out.items()}
 
@@ -136,7 +125,7 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
     from jaxsample.loading import load
     from jaxsample.models import quant
 
-    from benchmarks.common import NoEosTokenizer
+    from benchmarks.common import NoEosTokenizer, int8_without_outliers
 
     out = {}
     for name in models:
@@ -145,7 +134,7 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
                "int8 W8A8": dataclasses.replace(q8, params=quant.with_mode(q8.params, "w8a8")),
                "int8 weight-only": dataclasses.replace(
                    q8, params=quant.with_mode(q8.params, "weight_only")),
-               "int8 W8A8, no outlier channels": _without_outliers(load(name))}
+               "int8 W8A8, no outlier channels": int8_without_outliers(load(name))}
         tok = lms["float32"].tokenizer
         ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
                for p in PROMPTS]
@@ -189,6 +178,14 @@ def main(argv=None):
     a = ap.parse_args(argv)
     parts = a.parts.split(",")
     res = {"environment": environment()}
+
+    def save():  # after every part: a later part's error or Ctrl-C keeps the earlier ones
+        if a.out:
+            tmp = a.out + ".tmp"
+            with open(tmp, "w") as fh:
+                json.dump(res, fh, indent=1)
+            os.replace(tmp, a.out)
+
     if "speed" in parts:
         sp = speed(a.prompt_length, [int(x) for x in a.branches.split(",")], a.new_tokens,
                    a.reps)
@@ -202,15 +199,15 @@ def main(argv=None):
                   f"| {len(xs)} | {med / base:.2f} |")
             res["speed"].append(dict(variant=v, N=N, P=a.prompt_length, T=a.new_tokens,
                                      step_s=xs, median_step_s=med, ratio_to_float32=med / base))
+        save()
     if "hlo" in parts:
         res["hlo"] = hlo(a.prompt_length)
         print(json.dumps(res["hlo"], indent=1))
+        save()
     if "accuracy" in parts:
         res["accuracy"] = accuracy(tuple(a.models.split(",")))
         print(json.dumps(res["accuracy"], indent=1))
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(res, fh, indent=1)
+    save()
 
 
 if __name__ == "__main__":
