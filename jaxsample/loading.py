@@ -70,8 +70,10 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         calibration text (`models.outliers`, about 3 s on two CPU cores),
         which stay float: without them W8A8's last-position logit error
         against float32 is 2.4x larger. Norms, biases and MoE experts stay
-        in `dtype`, which is also the activations' dtype. Quantised after
-        the load (the weight cache keeps the float32 weights).
+        in `dtype`, which is also the activations' dtype. The weight cache
+        keeps the int8 weights and their channels beside the float32 ones
+        (`weight_cache.int8_entry`, 150 MB for SmolLM2), so only the first
+        int8 load calibrates and quantises.
     Returns:
       A `LanguageModel`. Loads are also cached per (resolved path, the file's
       device, inode, size, mtime and ctime, dtype) for the process, so loading
@@ -171,7 +173,9 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
 
 def load_info(lm: LanguageModel) -> dict:
     """How `lm` was loaded: {"weights": "cache" or "checkpoint", "seconds": float,
-    "cache_entry": the weight-cache file or None}; {} for models not made by `load`."""
+    "cache_entry": the weight-cache file or None}, and for `weights="int8"`
+    "quantized": "cache" (the int8 entry read back) or "calibrated" (calibrated
+    and quantised in this load); {} for models not made by `load`."""
     return dict(_INFO.get(lm, {}))
 
 
@@ -298,26 +302,70 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
                    base: pathlib.Path | None, *, weights: str | None = None) -> LanguageModel:
     t0 = time.perf_counter()
     p = pathlib.Path(path)
-    info = {"weights": "checkpoint", "cache_entry": None}
-    with _backstop(p):
-        if p.is_dir():
-            from jaxsample.models.hf_loader import load_hf_dir
-            cfg, params, tokenizer = load_hf_dir(p, dtype=dtype)
-        elif _is_gguf(p):
-            cfg, params, tokenizer, info = _load_gguf(p, dtype, base)
-        else:
-            raise ModelLoadError(_not_a_checkpoint(p))
-    # The serving layout: one dict per layer (see models.llama.run_layers).
-    params = families.module_for(cfg).unstack_layers(params)
-    if weights == "int8":  # quantised from the float32 weights; leaves to device below
-        kept = outliers.calibrate(cfg, params, tokenizer)
-        params = quant.quantize_params(params, compute=dtype, outliers=kept)
+    hit = _cached_int8(p, base) if weights == "int8" else None
+    if hit is not None:
+        cfg, params, tokenizer, info = hit
+    else:
+        info = {"weights": "checkpoint", "cache_entry": None}
+        with _backstop(p):
+            if p.is_dir():
+                from jaxsample.models.hf_loader import load_hf_dir
+                cfg, params, tokenizer = load_hf_dir(p, dtype=dtype)
+            elif _is_gguf(p):
+                cfg, params, tokenizer, info = _load_gguf(p, dtype, base)
+            else:
+                raise ModelLoadError(_not_a_checkpoint(p))
+        # The serving layout: one dict per layer (see models.llama.run_layers).
+        params = families.module_for(cfg).unstack_layers(params)
+        if weights == "int8":  # quantised from the float32 weights; leaves to device below
+            params = quant.quantize_params(params, outliers=outliers.calibrate(cfg, params,
+                                                                              tokenizer))
+            info = {**info, **_store_int8(p, base, cfg, params, tokenizer)}
+    if weights == "int8":
+        params = quant.with_compute(params, dtype)
     params = jax.tree_util.tree_map(
         lambda a: jnp.asarray(a, dtype=a.dtype if weights else cfg.jnp_dtype), params)
-    lm = LanguageModel(config=cfg, params=params, tokenizer=tokenizer,
+    lm = LanguageModel(config=cfg.replace(dtype=dtype), params=params, tokenizer=tokenizer,
                        name=name or _file_name(p), source=path)
     _INFO[lm] = {**info, "seconds": time.perf_counter() - t0}
     return lm
+
+
+def _int8_key(p: pathlib.Path, base: pathlib.Path | None):
+    """(key, int8 entry) of a GGUF file the weight cache takes, else None."""
+    if base is None or p.is_dir() or not _is_gguf(p) or \
+            p.stat().st_size < weight_cache.WEIGHT_CACHE_MIN_BYTES:
+        return None
+    try:
+        key = weight_cache.WeightKey.of(p, base)
+    except OSError:
+        return None
+    return key, weight_cache.int8_entry(base, key)
+
+
+def _cached_int8(p: pathlib.Path, base: pathlib.Path | None):
+    """(cfg, list-layout int8 params, tokenizer, info) from the int8 entry, or None."""
+    found = _int8_key(p, base)
+    if found is None:
+        return None
+    key, entry = found
+    try:
+        cfg, params, tokenizer = weight_cache.load_int8(entry, key)
+    except cache_lib.CacheAbsent:
+        return None
+    except cache_lib.CacheMiss as e:  # stale or corrupt: say so, quantise again, rewrite
+        weight_cache.warn_bad_entry(entry, str(p), str(e))
+        return None
+    _take_header(p)
+    return cfg, params, tokenizer, {"weights": "cache", "cache_entry": str(entry),
+                                    "quantized": "cache"}
+
+
+def _store_int8(p: pathlib.Path, base, cfg, params, tokenizer) -> dict:
+    found = _int8_key(p, base)
+    if found is None or not weight_cache.store_int8(found[1], found[0], cfg, params, tokenizer):
+        return {"quantized": "calibrated"}
+    return {"quantized": "calibrated", "cache_entry": str(found[1])}
 
 
 def _has_gguf_magic(path: pathlib.Path) -> bool:

@@ -3,7 +3,11 @@
 Used by `jaxsample.load` (`cache=` chooses; on by default). An entry holds the
 float32 weights in the loader's stacked layout, with the model config and the
 tokenizer in its header, keyed by the SHA-256 of the whole GGUF file and its
-size (`jaxsample.disk_cache.source_sha256`), plus `FORMAT`. Each entry carries
+size (`jaxsample.disk_cache.source_sha256`), plus `FORMAT`. `load(weights="int8")`
+keeps a second entry per file (`int8_entry`): the int8 weights, their scales
+and calibrated outlier channels (`models.quant.quantize_params`), keyed also by
+`INT8_FORMAT` and the calibration recipe (`models.outliers.RECIPE`), so a second
+int8 load skips the calibration forward and the quantisation. Each entry carries
 the CRC-32 of every tensor's bytes, checked when it loads. An entry that cannot
 be read, is truncated, has a malformed header, belongs to another file or
 another format version, fails its CRC-32 check or does not match the shapes
@@ -12,7 +16,7 @@ the config implies is ignored (one warning line on stderr, logger
 written whole under a temporary name and renamed into place, so a crash or a
 concurrent writer leaves either the old entry or the new one; one path keeps
 one entry (writing a new content's entry removes the older one of the same
-path).
+path and kind).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from jaxsample.disk_cache import CacheMiss, HASH_BLOCK_BYTES, STALE_TMP_S, log, 
 
 
 FORMAT = "jaxsample-gguf-weights-2"  # bump when the cached layout or the loader's output changes
+INT8_FORMAT = "jaxsample-int8-weights-1"  # bump when quantize_params' output or its layout changes
 
 
 WEIGHT_CACHE_MIN_BYTES = 16 * 2**20  # smaller GGUF files dequantise fast: not cached
@@ -72,8 +77,18 @@ class WeightKey:
 
 def weights_entry(base: pathlib.Path, key: WeightKey) -> pathlib.Path:
     """The entry file of `key` under the cache directory `base`."""
+    return base / "weights" / f"{_stem(key)}-{key.digest}.safetensors"
+
+
+def int8_entry(base: pathlib.Path, key: WeightKey) -> pathlib.Path:
+    """The int8 entry of `key` (`load(weights="int8")`) under the cache directory `base`."""
+    digest = hashlib.sha256("|".join(_int8_meta(key).values()).encode()).hexdigest()[:24]
+    return base / "weights" / f"{_stem(key)}-int8-{digest}.safetensors"
+
+
+def _stem(key: WeightKey) -> str:
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in pathlib.Path(key.source).stem)
-    return base / "weights" / f"{stem[:64]}-{key.digest}.safetensors"
+    return stem[:64]
 
 
 def warn_bad_entry(entry: pathlib.Path, source: str, reason: str) -> None:
@@ -169,6 +184,13 @@ def _key_meta(key: WeightKey) -> dict[str, str]:
     return {"format": FORMAT, "size": str(key.size), "source_sha256": key.sha256}
 
 
+def _int8_meta(key: WeightKey) -> dict[str, str]:
+    from jaxsample.models import outliers
+
+    return {"format": INT8_FORMAT, "size": str(key.size), "source_sha256": key.sha256,
+            "recipe": outliers.RECIPE}
+
+
 def store_weights(entry: pathlib.Path, key: WeightKey, cfg, params, tokenizer) -> bool:
     """Write one entry atomically (a temporary file renamed into place).
 
@@ -183,13 +205,27 @@ def store_weights(entry: pathlib.Path, key: WeightKey, cfg, params, tokenizer) -
       tokenizer: the `CheckpointTokenizer` (stored as its JSON and ids).
     Returns:
       True if written; False (and a warning) if the directory is not writable
-      or the disk is full. The other entries of the same source path (an older
-      content of the file) are then removed: one entry per path.
+      or the disk is full. The other entries of the same source path and kind
+      (an older content of the file) are then removed: one entry per path.
     """
+    return _write_entry(entry, key, _flatten(params), _key_meta(key), cfg, tokenizer)
+
+
+def store_int8(entry: pathlib.Path, key: WeightKey, cfg, params, tokenizer) -> bool:
+    """`store_weights` for int8 weights: `params` is `quant.quantize_params`' output
+    (list layout, numpy leaves, float leaves float32); the entry holds each
+    `QuantizedWeight`'s q (int8), scale, and outlier channels (int32 idx, float32
+    keep and w) as `<name>.<field>` tensors and its orientation in the metadata.
+    Its key adds `INT8_FORMAT` and the calibration recipe (`models.outliers.RECIPE`)."""
+    flat, kinds = _flatten_int8(params)
+    return _write_entry(entry, key, flat, {**_int8_meta(key), "quantized": json.dumps(kinds)},
+                        cfg, tokenizer)
+
+
+def _write_entry(entry, key, flat, meta, cfg, tokenizer) -> bool:
     import safetensors.numpy
 
-    flat = _flatten(params)
-    meta = {**_key_meta(key), "source": key.source,
+    meta = {**meta, "source": key.source,
             "tensor_crc32": json.dumps({name: _crc32(a) for name, a in flat.items()},
                                        sort_keys=True),
             "config": _config_to_json(cfg.replace(dtype="float32")),
@@ -204,20 +240,22 @@ def store_weights(entry: pathlib.Path, key: WeightKey, cfg, params, tokenizer) -
         tmp = None
     except Exception as e:  # noqa: BLE001  (OSError, a full disk, safetensors' own errors)
         warnings.warn(f"jaxsample: weight cache not written to {entry.parent}: {e}",
-                      stacklevel=3)
+                      stacklevel=4)
         return False
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-    _remove_stale(entry, key)
+    _remove_stale(entry, key.source, meta["format"])
     return True
 
 
-def _remove_stale(entry: pathlib.Path, key: WeightKey) -> None:
-    """Remove the other entries written for the same source path (an older content, or
-    an older FORMAT), and temporary files left by a writer that died (older than
+def _remove_stale(entry: pathlib.Path, source: str, fmt: str) -> None:
+    """Remove the other entries of the same kind (float32 or int8: the format's
+    prefix) written for the same source path (an older content, an older format
+    or recipe), and temporary files left by a writer that died (older than
     `STALE_TMP_S`: a live writer renames its file within seconds)."""
+    kind = _kind(fmt)
     now = time.time()
     for other in entry.parent.iterdir():
         if other == entry:
@@ -226,16 +264,62 @@ def _remove_stale(entry: pathlib.Path, key: WeightKey) -> None:
             if other.name.endswith(".tmp"):
                 if now - other.stat().st_mtime > STALE_TMP_S:
                     other.unlink()
-            elif other.suffix == ".safetensors" and \
-                    read_header(other)[1].get("source") == key.source:
-                other.unlink()
+            elif other.suffix == ".safetensors":
+                meta = read_header(other)[1]
+                if meta.get("source") == source and _kind(meta.get("format", "")) == kind:
+                    other.unlink()
         except (CacheMiss, OSError):
             continue
 
 
-def _check_key(meta: dict[str, str], key: WeightKey) -> None:
-    if any(meta.get(k) != v for k, v in _key_meta(key).items()):
-        raise CacheMiss("written for another file or format")
+def _kind(fmt: str) -> str:
+    return "int8" if fmt.startswith("jaxsample-int8-") else "float32"
+
+
+def _check_key(meta: dict[str, str], want: dict[str, str]) -> None:
+    if any(meta.get(k) != v for k, v in want.items()):
+        raise CacheMiss("written for another file, format or calibration recipe")
+
+
+_DTYPES = {"F32": np.float32, "I8": np.int8, "I32": np.int32}
+
+
+def _map_entry(entry: pathlib.Path, key: WeightKey, want: dict[str, str], tokenizer,
+               dtypes: tuple[str, ...], verify: bool):
+    """(cfg, flat {name: read-only view}, tokenizer, metadata) of one entry whose
+    tensors have one of `dtypes`; raises CacheAbsent / CacheMiss as `load_weights`."""
+    header, meta, start = read_header(entry)
+    _check_key(meta, want)
+    try:
+        cfg = _config_from_json(meta["config"])
+        crcs = json.loads(meta["tensor_crc32"])
+        if not isinstance(crcs, dict) or sorted(crcs) != sorted(header):
+            raise ValueError("tensor_crc32 does not list the tensors")
+        if tokenizer is None:
+            tokenizer = _tokenizer_from_json(meta["tokenizer"], key.source)
+    except Exception as e:  # noqa: BLE001  (any malformed JSON, field or tokenizer)
+        raise CacheMiss(f"bad config or tokenizer: {type(e).__name__}: {e}") from None
+    try:
+        size = os.path.getsize(entry)
+        with open(entry, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:
+        raise CacheMiss(str(e)) from None
+    flat = {}
+    for name, spec in header.items():
+        try:
+            shape = tuple(int(d) for d in spec["shape"])
+            lo, hi = (int(x) for x in spec["data_offsets"])
+            dt = np.dtype(_DTYPES[spec["dtype"]]) if spec["dtype"] in dtypes else None
+            ok = dt is not None and 0 <= lo <= hi and start + hi <= size
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok or hi - lo != dt.itemsize * int(np.prod(shape, dtype=np.int64)):
+            raise CacheMiss(f"bad tensor entry {name!r}")
+        flat[name] = np.frombuffer(mm, dt, (hi - lo) // dt.itemsize, start + lo).reshape(shape)
+    if verify:
+        _verify_crc32(flat, crcs)
+    return cfg, flat, tokenizer, meta
 
 
 def load_weights(entry: pathlib.Path, key: WeightKey, tokenizer=None, *, verify: bool = True):
@@ -259,42 +343,109 @@ def load_weights(entry: pathlib.Path, key: WeightKey, tokenizer=None, *, verify:
     """
     from jaxsample.models import families
 
-    header, meta, start = read_header(entry)
-    _check_key(meta, key)
-    try:
-        cfg = _config_from_json(meta["config"])
-        crcs = json.loads(meta["tensor_crc32"])
-        if not isinstance(crcs, dict) or sorted(crcs) != sorted(header):
-            raise ValueError("tensor_crc32 does not list the tensors")
-        if tokenizer is None:
-            tokenizer = _tokenizer_from_json(meta["tokenizer"], key.source)
-    except Exception as e:  # noqa: BLE001  (any malformed JSON, field or tokenizer)
-        raise CacheMiss(f"bad config or tokenizer: {type(e).__name__}: {e}") from None
-    try:
-        size = os.path.getsize(entry)
-        with open(entry, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as e:
-        raise CacheMiss(str(e)) from None
-    flat = {}
-    for name, spec in header.items():
-        try:
-            shape = tuple(int(d) for d in spec["shape"])
-            lo, hi = (int(x) for x in spec["data_offsets"])
-            ok = spec["dtype"] == "F32" and 0 <= lo <= hi and start + hi <= size
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok or hi - lo != 4 * int(np.prod(shape, dtype=np.int64)):
-            raise CacheMiss(f"bad tensor entry {name!r}")
-        flat[name] = np.frombuffer(mm, np.float32, (hi - lo) // 4, start + lo).reshape(shape)
-    if verify:
-        _verify_crc32(flat, crcs)
+    cfg, flat, tokenizer, _ = _map_entry(entry, key, _key_meta(key), tokenizer, ("F32",), verify)
     params = _unflatten(flat)
     try:
         families.module_for(cfg).check_params(cfg, params, str(entry))
     except (ValueError, KeyError, TypeError) as e:
         raise CacheMiss(str(e)) from None
     return cfg, params, tokenizer
+
+
+def load_int8(entry: pathlib.Path, key: WeightKey, *, verify: bool = True):
+    """Read one int8 entry (`store_int8`): (cfg float32, list-layout params with
+    `QuantizedWeight`s of read-only numpy views, float leaves float32, tokenizer).
+
+    Raises:
+      CacheAbsent: no entry.
+      CacheMiss: as `load_weights`, and for another `INT8_FORMAT` or calibration
+        recipe, or int8 weights whose parts disagree with each other or the config.
+    """
+    from jaxsample.models import families
+
+    cfg, flat, tokenizer, meta = _map_entry(entry, key, _int8_meta(key), None,
+                                            ("F32", "I8", "I32"), verify)
+    try:
+        params = _unflatten_int8(flat, json.loads(meta["quantized"]))
+        shapes = _shape_view(params)
+        families.module_for(cfg).check_params(cfg, shapes, str(entry))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CacheMiss(f"bad int8 weights: {e}") from None
+    return cfg, params, tokenizer
+
+
+_QW_FIELDS = ("q", "scale", "idx", "keep", "w_out")
+
+
+def _flatten_int8(params) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """List-layout params -> ({"embed.q": .., "layers.3.wq.scale": .., "final_norm": ..},
+    {"embed": {"rows": .., "transposed": ..}, ...} for each QuantizedWeight)."""
+    from jaxsample.models import quant
+
+    flat, kinds = {}, {}
+
+    def put(name, a):
+        if isinstance(a, quant.QuantizedWeight):
+            kinds[name] = {"rows": a.rows, "transposed": a.transposed}
+            parts = (a.q, a.scale) + (tuple(a.outliers) if a.outliers is not None else ())
+            flat.update({f"{name}.{f}": np.ascontiguousarray(v)
+                         for f, v in zip(_QW_FIELDS, parts)})
+        else:
+            flat[name] = np.ascontiguousarray(np.asarray(a).astype(np.float32))
+
+    for k, v in params.items():
+        if k == "layers":
+            for i, lp in enumerate(v):
+                for name, a in lp.items():
+                    put(f"layers.{i}.{name}", a)
+        else:
+            put(k, v)
+    return flat, kinds
+
+
+def _unflatten_int8(flat: dict[str, np.ndarray], kinds: dict[str, dict]):
+    """`_flatten_int8` inverted (with checks: ValueError/KeyError on any mismatch)."""
+    from jaxsample.models import quant
+
+    parts: dict[str, dict] = {name: {} for name in kinds}
+    leaves: dict[str, Any] = {}
+    for name, a in flat.items():
+        base, _, field = name.rpartition(".")
+        if base in kinds and field in _QW_FIELDS:
+            parts[base][field] = a
+        else:
+            leaves[name] = a
+    for name, kind in kinds.items():
+        p = parts[name]
+        kept = (p["idx"], p["keep"], p["w_out"]) if "idx" in p else None
+        w = quant.QuantizedWeight(p["q"], p["scale"], kept, rows=bool(kind["rows"]),
+                                  transposed=bool(kind["transposed"]))
+        quant.check_quantized(w, name)
+        leaves[name] = w
+    params: dict[str, Any] = {}
+    layers: dict[int, dict] = {}
+    for name, a in leaves.items():
+        if name.startswith("layers."):
+            i, _, key = name[len("layers."):].partition(".")
+            layers.setdefault(int(i), {})[key] = a
+        else:
+            params[name] = a
+    if sorted(layers) != list(range(len(layers))):
+        raise ValueError(f"layers {sorted(layers)} are not 0..{len(layers) - 1}")
+    params["layers"] = [layers[i] for i in range(len(layers))]
+    return params
+
+
+def _shape_view(params):
+    """The params with each QuantizedWeight as a shape (for `check_params`)."""
+    import jax
+
+    from jaxsample.models import quant
+
+    is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, np.float32) if is_q(a) else a, params,
+        is_leaf=is_q)
 
 
 def read_cached_model(entry: pathlib.Path, key: WeightKey, *, tokenizer: bool = True):
@@ -305,7 +456,7 @@ def read_cached_model(entry: pathlib.Path, key: WeightKey, *, tokenizer: bool = 
       CacheAbsent: no entry. CacheMiss: unreadable, stale or malformed.
     """
     _, meta, _ = read_header(entry)
-    _check_key(meta, key)
+    _check_key(meta, _key_meta(key))
     try:
         cfg = _config_from_json(meta["config"])
         tok = _tokenizer_from_json(meta["tokenizer"], key.source) if tokenizer else None

@@ -27,6 +27,7 @@ channels").
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,11 @@ CALIBRATION = (
      "tallest volcano. 4. Jupiter has the most mass."),
     ("Translate 'the train leaves at noon' into French.", "Le train part à midi."),
 )
+
+
+# What the chosen channels depend on beside the model: the text, K and the int8 grid
+# (the int8 weight cache keys its entries on it).
+RECIPE = hashlib.sha256(repr((CALIBRATION, N_OUTLIERS, quant.QMAX)).encode()).hexdigest()[:16]
 
 
 def calibration_tokens(tokenizer) -> np.ndarray:

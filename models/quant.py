@@ -392,6 +392,41 @@ def _abstract_quantize(a, *, rows=False, compute="float32", mode=DEFAULT_MODE, n
                            compute=compute, mode=mode)
 
 
+def check_quantized(w: QuantizedWeight, name: str = "weight") -> None:
+    """Raises ValueError naming `name` unless w's parts agree: a 2-D int8 q, float32
+    scales along its output channels, and outlier channels (if any) that are
+    distinct sorted int32 input channels with their `keep` mask and `[K, out]` rows."""
+    q, scale = w.q, w.scale
+    if q.dtype != np.int8 or q.ndim != 2 or scale.dtype != np.float32 or \
+            scale.shape != (q.shape[0] if w.rows else q.shape[1],):
+        raise ValueError(f"{name}: q {q.dtype}{list(q.shape)} and scale "
+                         f"{scale.dtype}{list(scale.shape)} do not agree")
+    if w.outliers is not None:
+        idx, keep, w_out = w.outliers
+        n_in, n_out = (q.shape[1], q.shape[0]) if w.rows else q.shape
+        want_keep = np.ones(n_in, np.float32)
+        ok = (idx.dtype == np.int32 and idx.ndim == 1 and 0 < idx.size <= n_in
+              and np.all(np.diff(idx) > 0) and 0 <= idx[0] and idx[-1] < n_in
+              and w_out.dtype == np.float32 and w_out.shape == (idx.size, n_out))
+        if ok:
+            want_keep[idx] = 0.0
+        if not ok or keep.dtype != np.float32 or not np.array_equal(keep, want_keep):
+            raise ValueError(f"{name}: outlier channels do not agree with q "
+                             f"{list(q.shape)} (idx {idx.dtype}{list(idx.shape)}, keep "
+                             f"{list(keep.shape)}, w {list(w_out.shape)})")
+
+
+def with_compute(params, compute: str):
+    """The same parameters for activations of dtype `compute` ("float32" or
+    "bfloat16"): each `QuantizedWeight` says so (its q and scale unchanged), the
+    other (float) leaves are cast to it. Host numpy in, host numpy out."""
+    dtype = common.DTYPES[compute]
+    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
+    return jax.tree_util.tree_map(
+        lambda a: a._replace(compute=compute) if is_q(a)
+        else np.asarray(jnp.asarray(a, dtype=dtype)), params, is_leaf=is_q)
+
+
 def with_mode(params, mode: str):
     """The same parameters with every `QuantizedWeight` switched to `mode` (no copy)."""
     if mode not in MODES:

@@ -224,9 +224,7 @@ def _run(args) -> int:
     t_load = t_meta + time.perf_counter() - t0
     if progress is not None:
         info = loading.load_info(lm)
-        how = ("dequantised weights from the cache" if info.get("weights") == "cache"
-               else "dequantised; cached for the next run" if info.get("cache_entry")
-               else "read from the checkpoint")
+        how = _load_how(info)
         progress.line(f"loaded {lm.name} in {t_load:.2f} s ({how})")
     if getattr(args, "out", None) is not None:
         from jaxsample.cli.out_file import run_to_file
@@ -345,3 +343,15 @@ def _cache_command(args) -> int:
         print(f"  {Path(m['file']).name}  {fb(m['bytes'])}  written {_age(m['age_s'])} ago")
     print(f"total: {fb(info['total_bytes'])}")
     return EXIT_OK
+
+
+def _load_how(info: dict) -> str:
+    """The loaded line's parenthesis: where the weights came from (`loading.load_info`)."""
+    if info.get("quantized") == "cache":
+        return "int8 weights from the cache"
+    if info.get("quantized") == "calibrated":
+        return ("calibrated and quantised to int8; cached for the next run"
+                if info.get("cache_entry") else "calibrated and quantised to int8")
+    return ("dequantised weights from the cache" if info.get("weights") == "cache"
+            else "dequantised; cached for the next run" if info.get("cache_entry")
+            else "read from the checkpoint")

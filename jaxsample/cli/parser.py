@@ -301,7 +301,8 @@ def _add_cache_parser(sub) -> None:
     cache = sub.add_parser("cache", help="what the weight/compilation cache holds; clear it",
                            description="The cache directory ($JAXSAMPLE_CACHE_DIR, else "
                                        "$XDG_CACHE_HOME/jaxsample, else ~/.cache/jaxsample): "
-                                       "dequantised weights, compiled and exported programs "
+                                       "dequantised and int8 weights, compiled and exported "
+                                       "programs "
                                        "and assembled checkpoints.")
     what = cache.add_subparsers(dest="cache_command", metavar="ACTION", parser_class=_Parser)
     what.required = True
@@ -311,7 +312,7 @@ def _add_cache_parser(sub) -> None:
                             description="Delete the cache's weights, compiled and exported "
                                         "programs and assembled checkpoints; with flags, only "
                                         "those parts.")
-    for part, text in (("weights", "the dequantised weights (weights/)"),
+    for part, text in (("weights", "the dequantised and int8 weights (weights/)"),
                        ("compiled", "the compiled programs (xla/)"),
                        ("exported", "the exported programs (exported/: traced and lowered, "
                                     "so a second run skips tracing)"),
