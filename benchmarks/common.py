@@ -255,10 +255,11 @@ def load_jax_model(model, dtype, weights=None):
     """Returns (LanguageModel with a no-eos tokenizer, load seconds).
 
     model: "smollm2" (the embedded GGUF) or "llama-1b" (random weights of the
-    `LLAMA_1B` shapes, byte tokenizer). weights: None, or "int8" (`load(...,
-    weights="int8")`; the random weights through `quant.quantize_params`, the
-    load's own quantiser, in the time, without outlier channels: the stacked
-    random model is not calibrated).
+    `LLAMA_1B` shapes, byte tokenizer, in the serving layout `load` returns: one
+    dict per layer). weights: None, or "int8" as `load(..., weights="int8")`
+    makes it, in the time: for the random model, outlier channels calibrated
+    over 256 random token ids (the speed of the shipped product; its accuracy
+    means nothing) and `quant.quantize_params`.
     """
     import jax
 
@@ -269,22 +270,27 @@ def load_jax_model(model, dtype, weights=None):
         lm = load(None, dtype=dtype, weights=weights)
         lm = dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer))
     elif model == "llama-1b":
+        import numpy as np
+
         from jaxsample.lm import LanguageModel
         from jaxsample.models import llama
         from jaxsample.models.tokenizer import ByteTokenizer
 
+        if weights not in (None, "int8"):
+            raise ValueError(f"unknown weights {weights!r}")
         cfg = llama.LlamaConfig(**LLAMA_1B, dtype=dtype)
-        params = jax.jit(lambda k: llama.init_params(cfg, k, 0.02))(jax.random.key(0))
+        params = jax.jit(lambda k: llama.unstack_layers(llama.init_params(cfg, k, 0.02)))(
+            jax.random.key(0))
         jax.block_until_ready(params)
         if weights == "int8":
             import jax.numpy as jnp
 
-            from jaxsample.models import quant
+            from jaxsample.models import outliers, quant
 
-            params = jax.tree_util.tree_map(jnp.asarray,
-                                            quant.quantize_params(params, compute=dtype))
-        elif weights is not None:
-            raise ValueError(f"unknown weights {weights!r}")
+            tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 256, dtype=np.int32)
+            kept = outliers.outlier_channels(outliers.channel_maxima(cfg, params, tokens))
+            params = jax.tree_util.tree_map(
+                jnp.asarray, quant.quantize_params(params, compute=dtype, outliers=kept))
         lm = LanguageModel(config=cfg, params=params, tokenizer=ByteTokenizer(cfg.vocab_size),
                            name="llama-1b-random", source="random")
     else:

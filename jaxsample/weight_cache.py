@@ -39,7 +39,7 @@ from jaxsample.disk_cache import CacheMiss, HASH_BLOCK_BYTES, STALE_TMP_S, log, 
 
 
 FORMAT = "jaxsample-gguf-weights-2"  # bump when the cached layout or the loader's output changes
-INT8_FORMAT = "jaxsample-int8-weights-1"  # bump when quantize_params' output or its layout changes
+INT8_FORMAT = "jaxsample-int8-weights-2"  # bump when quantize_params' output or its layout changes
 
 
 WEIGHT_CACHE_MIN_BYTES = 16 * 2**20  # smaller GGUF files dequantise fast: not cached
