@@ -45,9 +45,10 @@ timeout 330 python -m benchmarks.decode --config llama-1b \
 echo "exit ${PIPESTATUS[0]}; results in $OUT/gpu_llama1b.jsonl"
 fi
 # Int8 weights (issue 22 part 5): the same random 1B Llama, bfloat16 weights
-# against int8 (`jaxsample-int8`: the random weights quantised by
-# `models.quant.quantize_params`, the load's own quantiser, inside the worker's
-# load_s; W8A8 with bfloat16 activations), P=4096, N in {1, 16, 64}, one run,
+# against int8 (`jaxsample-int8`: as load(weights="int8") makes it, outlier
+# channels calibrated over 256 random token ids, then the load's own quantiser
+# `models.quant.quantize_params`, inside the worker's load_s; W8A8 with
+# bfloat16 activations; both engines in the serving layout, one dict per layer), P=4096, N in {1, 16, 64}, one run,
 # the two engines back to back (one process each, N increasing; the int8
 # worker starts by 120 s and may take 200 s: quantising 1.2 B parameters on the
 # host takes about a minute, measured 0.8 s per 2048 x 8192 on the 2-core CPU,
