@@ -99,7 +99,8 @@ def hlo(P=1024, T=64):
     cfg = read_config(None)
     E, F, V = cfg.dim, cfg.ffn_dim, cfg.vocab_size
     HD, KD = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    shapes = {(E, HD), (E, KD), (KD, E), (HD, E), (E, F), (F, E), (V, E), (E, V)}
+    shapes = {(E, HD), (E, KD), (KD, E), (HD, E), (E, F), (F, E), (V, E), (E, V),
+              (HD + 2 * KD, E), (2 * F, E)}  # the fused q/k/v and gate/up, stored [out, in]
     rows = {}
     for name, kw in (("float32", {}), ("int8 weight-only", dict(weights="int8", mode="weight_only")),
                      ("int8 W8A8", dict(weights="int8", mode="w8a8"))):

@@ -39,7 +39,7 @@ from jaxsample.disk_cache import CacheMiss, HASH_BLOCK_BYTES, STALE_TMP_S, log, 
 
 
 FORMAT = "jaxsample-gguf-weights-2"  # bump when the cached layout or the loader's output changes
-INT8_FORMAT = "jaxsample-int8-weights-2"  # bump when quantize_params' output or its layout changes
+INT8_FORMAT = "jaxsample-int8-weights-3"  # bump when quantize_params' output or its layout changes
 
 
 WEIGHT_CACHE_MIN_BYTES = 16 * 2**20  # smaller GGUF files dequantise fast: not cached
@@ -367,8 +367,8 @@ def load_int8(entry: pathlib.Path, key: WeightKey, *, verify: bool = True):
                                             ("F32", "I8", "I32"), verify)
     try:
         params = _unflatten_int8(flat, json.loads(meta["quantized"]))
-        shapes = _shape_view(params)
-        families.module_for(cfg).check_params(cfg, shapes, str(entry))
+        family = families.module_for(cfg)
+        family.check_params(cfg, _shape_view(params, family.param_shapes(cfg)), str(entry))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CacheMiss(f"bad int8 weights: {e}") from None
     return cfg, params, tokenizer
@@ -436,16 +436,32 @@ def _unflatten_int8(flat: dict[str, np.ndarray], kinds: dict[str, dict]):
     return params
 
 
-def _shape_view(params):
-    """The params with each QuantizedWeight as a shape (for `check_params`)."""
+def _shape_view(params, want):
+    """The params with each QuantizedWeight as a shape and each fused projection
+    (`common.FUSED`) as its members' shapes, split by `want` (the family's
+    `param_shapes`), for `check_params`."""
     import jax
 
-    from jaxsample.models import quant
+    from jaxsample.models import common, quant
 
     is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
-    return jax.tree_util.tree_map(
+    view = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, np.float32) if is_q(a) else a, params,
         is_leaf=is_q)
+    layers = []
+    for lp in view["layers"]:
+        lp = dict(lp)
+        for fused, members in common.FUSED.items():
+            if fused in lp:
+                a = lp.pop(fused)
+                outs = [want["layers"][m][-1] for m in members]
+                if sum(outs) != a.shape[-1]:
+                    raise ValueError(f"{fused} has shape {list(a.shape)}, not its parts' "
+                                     f"{outs} outputs side by side")
+                lp.update({m: jax.ShapeDtypeStruct(a.shape[:-1] + (o,), a.dtype)
+                           for m, o in zip(members, outs)})
+        layers.append(lp)
+    return {**view, "layers": layers}
 
 
 def read_cached_model(entry: pathlib.Path, key: WeightKey, *, tokenizer: bool = True):

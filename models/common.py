@@ -70,6 +70,23 @@ class SoftCappedScale(float):
         return hash((float(self), self.softcap))
 
 
+# Projections of one layer that read the same input, which `models.quant.quantize_params`
+# may store as one matrix under the joined key (outputs concatenated in this order).
+FUSED = {"wq+wk+wv": ("wq", "wk", "wv"), "w_gate+w_up": ("w_gate", "w_up")}
+
+
+def project(h: jax.Array, lp: Params, keys: tuple[str, ...], sizes: tuple[int, ...]):
+    """`tuple(h @ lp[k] for k in keys)`: the families' projections of one input.
+
+    From one product when the layer holds them fused (`lp["+".join(keys)]`, whose
+    output columns are the members' `sizes` in order: `FUSED`), else one each.
+    """
+    fused = "+".join(keys)
+    if fused not in lp:
+        return tuple(h @ lp[k] for k in keys)
+    return tuple(jnp.split(h @ lp[fused], np.cumsum(sizes)[:-1].tolist(), axis=-1))
+
+
 def softcap_scores(scores: jax.Array, scale) -> jax.Array:
     """`c * tanh(scores / c)` when `scale` is a `SoftCappedScale` with cap c, else scores."""
     cap = getattr(scale, "softcap", None)

@@ -269,12 +269,11 @@ def qkv(cfg: Gemma3Config, lp: Params, x: jax.Array, positions: jax.Array, inv_f
     S = x.shape[0]
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-    q = (h @ lp["wq"]).reshape(S, H, D)
-    k = (h @ lp["wk"]).reshape(S, K, D)
+    q, k, v = common.project(h, lp, ("wq", "wk", "wv"), (H * D, K * D, K * D))
+    q, k, v = q.reshape(S, H, D), k.reshape(S, K, D), v.reshape(S, K, D)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
-    v = (h @ lp["wv"]).reshape(S, K, D)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -290,7 +289,8 @@ def attn_out_and_mlp(cfg: Gemma3Config, lp: Params, x: jax.Array, o: jax.Array) 
     a = o.reshape(S, -1).astype(x.dtype) @ lp["wo"]
     x = x + rms_norm(a, lp["post_attn_norm"], cfg.norm_eps)
     h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
-    m = (jax.nn.gelu(h @ lp["w_gate"], approximate=True) * (h @ lp["w_up"])) @ lp["w_down"]
+    g, u = common.project(h, lp, ("w_gate", "w_up"), (cfg.ffn_dim, cfg.ffn_dim))
+    m = (jax.nn.gelu(g, approximate=True) * u) @ lp["w_down"]
     return x + rms_norm(m, lp["post_mlp_norm"], cfg.norm_eps)
 
 

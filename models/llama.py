@@ -383,7 +383,7 @@ def qkv(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array):
     S = x.shape[0]
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    q, k, v = common.project(h, lp, ("wq", "wk", "wv"), (H * D, K * D, K * D))
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k = q.reshape(S, H, D), k.reshape(S, K, D)
@@ -415,7 +415,8 @@ def ffn(cfg: LlamaConfig, lp: Params, h: jax.Array) -> jax.Array:
     the dense SwiGLU, or with `cfg.n_experts` the sparse MoE (`models.moe.moe_ffn`)."""
     if cfg.n_experts:
         return moe.moe_ffn(lp, h, k=cfg.n_experts_per_tok, norm_topk=cfg.norm_topk)
-    return (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    g, u = common.project(h, lp, ("w_gate", "w_up"), (cfg.ffn_dim, cfg.ffn_dim))
+    return (jax.nn.silu(g) * u) @ lp["w_down"]
 
 
 def layer(cfg: LlamaConfig, lp: Params, x: jax.Array, positions: jax.Array, attend: AttendFn):

@@ -10,9 +10,11 @@ same numbers, and the gather reads one row of q and one scale.
 `QuantizedWeight` is a registered pytree (leaves q and scale, the rest
 static), so it flows through the loaders' unstack, the engine's placement
 (`place`: each leaf replicated over the mesh, as float weights are today),
-jit and vmap unchanged, and the families' `h @ lp["wq"]` reaches
+jit and vmap unchanged, and the families' `h @ lp["wo"]` reaches
 `QuantizedWeight.__rmatmul__` (a jax array defers `@` to an operand type it
-does not know). `matmul` and `take_rows` are the two helpers the families
+does not know). Projections of one input (q/k/v, gate/up) are stored as one
+matrix when their outlier channels agree (`quantize_params(fuse=True)`), read
+by the families through `common.project`. `matmul` and `take_rows` are the two helpers the families
 call where they use `einsum` / `take` (the output head, the embedding); for
 plain arrays they are exactly the old expressions, so float32 and bfloat16
 programs are unchanged.
@@ -327,7 +329,7 @@ PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MODE,
-                    abstract: bool = False, outliers: dict | None = None):
+                    abstract: bool = False, outliers: dict | None = None, fuse: bool = True):
     """A parameter pytree (either layout, host or device arrays) with int8 projections.
 
     Quantised: every layer's `wq wk wv wo w_gate w_up w_down` (2-D, or 3-D in
@@ -349,6 +351,14 @@ def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MOD
     float (`QuantizedWeight.outliers`); "head" goes to the embedding (the tied
     head's input channels are its columns) or to an untied `lm_head`. Only in
     the list layout; a projection it does not name is quantised whole.
+
+    With `fuse` (the default; list layout), the projections of one input
+    (`common.FUSED`: q/k/v, gate/up) whose outlier channels agree (as
+    calibration makes them: one input, one set of maxima) are stored as one
+    matrix under the joined key, e.g. `"wq+wk+wv"`, which the families read
+    through `common.project`: one activation quantisation, one gather and
+    one thin dot instead of three. The product is the same numbers (the int8
+    dot is exact in int32; per output column the same terms).
 
     Returns:
       The same structure, `QuantizedWeight` where quantised, numpy arrays elsewhere.
@@ -381,8 +391,9 @@ def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MOD
                             transposed=True, compute=compute, mode=mode)
 
     def one_layer(i, lp):
-        return {k: projection(a, (i, k)) if k in PROJECTIONS and
-                len(np.shape(a)) == (2 if listed else 3) else flt(a) for k, a in lp.items()}
+        out = {k: projection(a, (i, k)) if k in PROJECTIONS and
+               len(np.shape(a)) == (2 if listed else 3) else flt(a) for k, a in lp.items()}
+        return _fuse(out) if listed and fuse else out
 
     out = {k: flt(a) for k, a in params.items() if k != "layers"}
     head = "lm_head" in params
@@ -392,6 +403,49 @@ def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MOD
     out["layers"] = ([one_layer(i, lp) for i, lp in enumerate(layers)] if listed
                      else one_layer(None, layers))
     return out
+
+
+def _fuse(layer: dict) -> dict:
+    """`common.FUSED` groups of one quantised layer (list layout) as one weight each."""
+    for name, members in common.FUSED.items():
+        ws = [layer.get(k) for k in members]
+        if not all(isinstance(w, QuantizedWeight) and w.rows and w.transposed and w.ndim == 2
+                   for w in ws):
+            continue
+        kept = [w.outliers for w in ws]
+        if any(k is None for k in kept) and not all(k is None for k in kept):
+            continue
+        if kept[0] is not None and not all(_same_channels(kept[0][0], k[0]) for k in kept):
+            continue
+        layer = {k: v for k, v in layer.items() if k not in members}
+        layer[name] = _stack_rows(ws)
+    return layer
+
+
+def _same_channels(a, b) -> bool:
+    if isinstance(a, jax.ShapeDtypeStruct) or isinstance(b, jax.ShapeDtypeStruct):
+        return a.shape == b.shape
+    return np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def _stack_rows(ws: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights stored `[out, in]` (rows=transposed=True) with the same input and
+    channels, as one whose outputs are theirs in order."""
+    w0 = ws[0]
+
+    def cat(parts, axis):
+        if isinstance(parts[0], jax.ShapeDtypeStruct):
+            shape = list(parts[0].shape)
+            shape[axis] = sum(p.shape[axis] for p in parts)
+            return jax.ShapeDtypeStruct(tuple(shape), parts[0].dtype)
+        return np.concatenate(parts, axis=axis)
+
+    kept = None
+    if w0.outliers is not None:
+        idx, keep, _ = w0.outliers
+        kept = (idx, keep, cat([w.outliers[2] for w in ws], 1))
+    return QuantizedWeight(cat([w.q for w in ws], 0), cat([w.scale for w in ws], 0), kept,
+                           rows=True, transposed=True, compute=w0.compute, mode=w0.mode)
 
 
 def _abstract_quantize(a, *, rows=False, compute="float32", mode=DEFAULT_MODE, n_outliers=0):

@@ -66,7 +66,7 @@ def test_second_int8_load_reads_the_int8_entry_bit_identical(gguf, dtype):
     second = _load(path, base, dtype)
     info = loading.load_info(second)
     assert info == {**info, "quantized": "cache", "weights": "cache", "cache_entry": str(entry)}
-    assert second.params["layers"][0]["wq"].outliers is not None  # the channels came back
+    assert second.params["layers"][0]["wq+wk+wv"].outliers is not None  # the channels came back
     _assert_same(plain, first)
     _assert_same(plain, second)
     # The entry is the float32 product: the other activation dtype reads it too.

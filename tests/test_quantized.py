@@ -25,7 +25,7 @@ from jaxsample import engine, SamplingParams
 from jaxsample.errors import ConfigError
 from jaxsample.lm import LanguageModel
 from jaxsample.loading import load
-from jaxsample.models import llama, outliers, quant
+from jaxsample.models import common, llama, outliers, quant
 from ties import assert_same_tokens_up_to_ties
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -157,15 +157,47 @@ def test_tiny_logits_equal_the_dequantised_float_model(tiny_lm, qlm):
     assert np.abs(np.asarray(tiny_lm.forward(tokens)) - got).max() > 1e-3
 
 
+@pytest.mark.parametrize("mode", quant.MODES)
+def test_fused_projections_are_the_same_product(tiny_lm, mode):
+    """q/k/v and gate/up, calibrated on one input each, are stored as one weight
+    (`common.FUSED`): its dequantised matrix is the members' side by side, bit for
+    bit, and the model's logits match the unfused model's (the int8 dot is exact in
+    int32; the float parts add the same terms per output column)."""
+    params = llama.unstack_layers(tiny_lm.params)
+    kept = outliers.calibrate(tiny_lm.config, params, tiny_lm.tokenizer)
+    dev = lambda t: jax.tree_util.tree_map(jnp.asarray, t)  # noqa: E731
+    fused = dev(quant.quantize_params(params, mode=mode, outliers=kept))
+    apart = dev(quant.quantize_params(params, mode=mode, outliers=kept, fuse=False))
+    for f, a in zip(fused["layers"], apart["layers"]):
+        assert {"wq+wk+wv", "w_gate+w_up"} <= set(f) and not {"wq", "w_up"} & set(f)
+        for name, members in common.FUSED.items():
+            want = np.concatenate([np.asarray(a[m].dequantize()) for m in members], axis=1)
+            assert np.array_equal(np.asarray(f[name].dequantize()), want)
+    toks = np.arange(24, dtype=np.int32)[None] * 7 % 250
+    lf = np.asarray(dataclasses.replace(tiny_lm, params=fused).forward(toks))
+    la = np.asarray(dataclasses.replace(tiny_lm, params=apart).forward(toks))
+    np.testing.assert_allclose(lf, la, rtol=1e-5, atol=1e-5 * float(np.abs(la).max()))
+
+
+def test_projections_with_other_channels_stay_apart(tiny_lm):
+    params = llama.unstack_layers(tiny_lm.params)
+    kept = outliers.calibrate(tiny_lm.config, params, tiny_lm.tokenizer)
+    other = np.arange(kept[(0, "wq")].size, dtype=np.int32)  # layer 0's k: other channels
+    kept[(0, "wk")] = other + 1 if np.array_equal(other, kept[(0, "wq")]) else other
+    q = quant.quantize_params(params, outliers=kept)
+    assert {"wq", "wk", "wv", "w_gate+w_up"} <= set(q["layers"][0])
+    assert "wq+wk+wv" in q["layers"][1]
+
+
 @pytest.mark.parametrize("path", ["tiny_llama.gguf", "tiny_gemma3", "tiny_mixtral.gguf"])
 def test_load_int8_both_families_and_moe(path):
     """`load(weights="int8")`: projections int8 (MoE experts and norms stay float), logits
     within the bounds above of the same model with the dequantised weights."""
     qlm = load(DATA / path, weights="int8", cache=False)
     lp = qlm.params["layers"][0]
-    assert is_q(qlm.params["embed"]) and is_q(lp["wq"]) and is_q(lp["wo"])
+    assert is_q(qlm.params["embed"]) and is_q(lp["wq+wk+wv"]) and is_q(lp["wo"])
     head = qlm.params["lm_head" if "lm_head" in qlm.params else "embed"]
-    assert lp["wq"].outliers is not None and head.outliers is not None  # calibrated
+    assert lp["wq+wk+wv"].outliers is not None and head.outliers is not None  # calibrated
     assert not is_q(lp["attn_norm"]) and lp["attn_norm"].dtype == jnp.float32
     assert is_q(lp["w_down"]) == (lp["w_down"].ndim == 2)  # experts [X, F, E] stay float
     assert load(DATA / path, weights="int8", cache=False) is qlm  # the process cache
