@@ -305,7 +305,7 @@ def read_header(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, str], int
             if not 0 < n <= 100_000_000:  # safetensors' own header limit
                 raise CacheMiss("bad header length")
             raw = f.read(n)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a file where a directory would be: none
         raise CacheAbsent("no entry") from None
     except OSError as e:
         raise CacheMiss(str(e)) from None

@@ -362,9 +362,11 @@ def _cached_int8(p: pathlib.Path, base: pathlib.Path | None):
 
 
 def _store_int8(p: pathlib.Path, base, cfg, params, tokenizer) -> dict:
+    """The int8 model's own info: its entry, or None when none was written (the
+    float32 entry, if any, is not this model's)."""
     found = _int8_key(p, base)
     if found is None or not weight_cache.store_int8(found[1], found[0], cfg, params, tokenizer):
-        return {"quantized": "calibrated"}
+        return {"quantized": "calibrated", "cache_entry": None}
     return {"quantized": "calibrated", "cache_entry": str(found[1])}
 
 

@@ -8,10 +8,12 @@ keeps a second entry per file (`int8_entry`): the int8 weights, their scales
 and calibrated outlier channels (`models.quant.quantize_params`), keyed also by
 `INT8_FORMAT` and the calibration recipe (`models.outliers.RECIPE`), so a second
 int8 load skips the calibration forward and the quantisation. Each entry carries
-the CRC-32 of every tensor's bytes, checked when it loads. An entry that cannot
-be read, is truncated, has a malformed header, belongs to another file or
-another format version, fails its CRC-32 check or does not match the shapes
-the config implies is ignored (one warning line on stderr, logger
+the CRC-32 of every tensor's bytes and the SHA-256 of its metadata (config,
+tokenizer, int8 layout: `meta_digest`), checked when it loads. An entry that
+cannot be read, is truncated, has a malformed or changed header, belongs to
+another file, format version or recipe, fails its CRC-32 check, or whose
+tensors do not match the shapes the config implies (or, int8, the layout
+`quantize_params` writes) is ignored (one warning line on stderr, logger
 `jaxsample.disk_cache`) and rewritten, never an error. The file is only ever
 written whole under a temporary name and renamed into place, so a crash or a
 concurrent writer leaves either the old entry or the new one; one path keeps
@@ -38,8 +40,8 @@ import numpy as np
 from jaxsample.disk_cache import CacheMiss, HASH_BLOCK_BYTES, STALE_TMP_S, log, read_header, source_sha256
 
 
-FORMAT = "jaxsample-gguf-weights-2"  # bump when the cached layout or the loader's output changes
-INT8_FORMAT = "jaxsample-int8-weights-3"  # bump when quantize_params' output or its layout changes
+FORMAT = "jaxsample-gguf-weights-3"  # bump when the cached layout or the loader's output changes
+INT8_FORMAT = "jaxsample-int8-weights-4"  # bump when quantize_params' output or its layout changes
 
 
 WEIGHT_CACHE_MIN_BYTES = 16 * 2**20  # smaller GGUF files dequantise fast: not cached
@@ -230,6 +232,7 @@ def _write_entry(entry, key, flat, meta, cfg, tokenizer) -> bool:
                                        sort_keys=True),
             "config": _config_to_json(cfg.replace(dtype="float32")),
             "tokenizer": _tokenizer_to_json(tokenizer)}
+    meta["meta_sha256"] = meta_digest(meta)
     tmp = None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
@@ -272,6 +275,22 @@ def _remove_stale(entry: pathlib.Path, source: str, fmt: str) -> None:
             continue
 
 
+def meta_digest(meta: dict[str, str]) -> str:
+    """SHA-256 of an entry's metadata other than itself (the config, tokenizer and
+    layout that the tensors' CRC-32s do not cover), stored as "meta_sha256"."""
+    rest = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def _read_meta(entry: pathlib.Path, want: dict[str, str]):
+    """`read_header` with the key and the metadata's own SHA-256 checked."""
+    header, meta, start = read_header(entry)
+    _check_key(meta, want)
+    if meta.get("meta_sha256") != meta_digest(meta):
+        raise CacheMiss("its metadata (config, tokenizer or layout) changed since it was written")
+    return header, meta, start
+
+
 def _kind(fmt: str) -> str:
     return "int8" if fmt.startswith("jaxsample-int8-") else "float32"
 
@@ -288,8 +307,7 @@ def _map_entry(entry: pathlib.Path, key: WeightKey, want: dict[str, str], tokeni
                dtypes: tuple[str, ...], verify: bool):
     """(cfg, flat {name: read-only view}, tokenizer, metadata) of one entry whose
     tensors have one of `dtypes`; raises CacheAbsent / CacheMiss as `load_weights`."""
-    header, meta, start = read_header(entry)
-    _check_key(meta, want)
+    header, meta, start = _read_meta(entry, want)
     try:
         cfg = _config_from_json(meta["config"])
         crcs = json.loads(meta["tensor_crc32"])
@@ -311,12 +329,16 @@ def _map_entry(entry: pathlib.Path, key: WeightKey, want: dict[str, str], tokeni
             shape = tuple(int(d) for d in spec["shape"])
             lo, hi = (int(x) for x in spec["data_offsets"])
             dt = np.dtype(_DTYPES[spec["dtype"]]) if spec["dtype"] in dtypes else None
-            ok = dt is not None and 0 <= lo <= hi and start + hi <= size
+            ok = (dt is not None and 0 <= lo <= hi and start + hi <= size
+                  and all(d >= 0 for d in shape)
+                  and hi - lo == dt.itemsize * int(np.prod(shape, dtype=np.int64)))
+            if ok:
+                flat[name] = np.frombuffer(mm, dt, (hi - lo) // dt.itemsize,
+                                           start + lo).reshape(shape)
         except (KeyError, TypeError, ValueError):
             ok = False
-        if not ok or hi - lo != dt.itemsize * int(np.prod(shape, dtype=np.int64)):
+        if not ok:
             raise CacheMiss(f"bad tensor entry {name!r}")
-        flat[name] = np.frombuffer(mm, dt, (hi - lo) // dt.itemsize, start + lo).reshape(shape)
     if verify:
         _verify_crc32(flat, crcs)
     return cfg, flat, tokenizer, meta
@@ -418,8 +440,14 @@ def _unflatten_int8(flat: dict[str, np.ndarray], kinds: dict[str, dict]):
     for name, kind in kinds.items():
         p = parts[name]
         kept = (p["idx"], p["keep"], p["w_out"]) if "idx" in p else None
-        w = quant.QuantizedWeight(p["q"], p["scale"], kept, rows=bool(kind["rows"]),
-                                  transposed=bool(kind["transposed"]))
+        # As quantize_params stores them: the embedding per row, an untied head per
+        # column, every projection [out, in] used transposed.
+        want = {"embed": (True, False), "lm_head": (False, False)}.get(name, (True, True))
+        if (kind["rows"], kind["transposed"]) != want or not name.startswith(
+                ("embed", "lm_head", "layers.")):
+            raise ValueError(f"{name}: rows/transposed {kind['rows']!r}/"
+                             f"{kind['transposed']!r}, expected {want[0]}/{want[1]}")
+        w = quant.QuantizedWeight(p["q"], p["scale"], kept, rows=want[0], transposed=want[1])
         quant.check_quantized(w, name)
         leaves[name] = w
     params: dict[str, Any] = {}
@@ -471,8 +499,7 @@ def read_cached_model(entry: pathlib.Path, key: WeightKey, *, tokenizer: bool = 
     Raises:
       CacheAbsent: no entry. CacheMiss: unreadable, stale or malformed.
     """
-    _, meta, _ = read_header(entry)
-    _check_key(meta, _key_meta(key))
+    _, meta, _ = _read_meta(entry, _key_meta(key))
     try:
         cfg = _config_from_json(meta["config"])
         tok = _tokenizer_from_json(meta["tokenizer"], key.source) if tokenizer else None

@@ -139,7 +139,32 @@ def _corruptions():
         text += b" " * (-len(text) % 8)
         p.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
 
-    return [truncate, garbage, empty, header_json, wrong_shape, bad_tokenizer]
+    def negative_shape(p):  # the element count still matches: (-8) x (-8) = 64
+        raw = p.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        name, spec = next((k, v) for k, v in header.items()
+                          if k != "__metadata__" and len(v["shape"]) == 1)
+        size = spec["shape"][0]
+        root = int(round(size ** 0.5))
+        spec["shape"] = [-root, -(size // root)] if root * (size // root) == size else [-1, -size]
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        p.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+    def config_edit(p):  # still valid JSON and a valid config: only meta_sha256 tells
+        raw = p.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        cfg = json.loads(header["__metadata__"]["config"])
+        cfg["norm_eps"] = cfg["norm_eps"] * 10
+        header["__metadata__"]["config"] = json.dumps(cfg, sort_keys=True)
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        p.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+    return [truncate, garbage, empty, header_json, wrong_shape, bad_tokenizer, negative_shape,
+            config_edit]
 
 
 @pytest.mark.parametrize("corrupt", _corruptions(), ids=lambda f: f.__name__)

@@ -107,11 +107,15 @@ def test_corrupt_int8_entry_is_ignored_and_rewritten(gguf, corrupt, caplog):
     assert _int8_entries(base) == [entry]
 
 
-def _edit_metadata(entry, edit):
+def _edit_metadata(entry, edit, rehash=True):
+    """Edit the entry's metadata; with `rehash`, as a writer would that stored it so
+    (its meta_sha256 recomputed: the layout checks must catch it), else as a bit flip."""
     raw = entry.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
     edit(header["__metadata__"])
+    if rehash:
+        header["__metadata__"]["meta_sha256"] = weight_cache.meta_digest(header["__metadata__"])
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     entry.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
@@ -133,15 +137,37 @@ def _other_recipe(meta):
     meta["recipe"] = "0" * 16
 
 
-@pytest.mark.parametrize("edit", [_drop_a_weight, _flip_orientation, _other_recipe],
-                         ids=lambda f: f.__name__)
-def test_int8_entry_that_disagrees_with_itself_is_refused(gguf, edit, caplog):
-    """Bytes intact (the CRC-32s pass) but the parts do not fit together, or the entry
-    was written for another calibration recipe: ignored with one warning, rewritten."""
+def _square_projection_unrotated(meta):
+    """wo is square here: only the orientation check can tell [in, out] from [out, in]."""
+    kinds = json.loads(meta["quantized"])
+    kinds["layers.0.wo"] = {"rows": False, "transposed": False}
+    meta["quantized"] = json.dumps(kinds)
+
+
+def _not_a_bool(meta):
+    kinds = json.loads(meta["quantized"])
+    kinds["layers.0.wo"]["transposed"] = "no"
+    meta["quantized"] = json.dumps(kinds)
+
+
+def _config_bit_flip(meta):  # the tensors' CRC-32s do not cover the header
+    meta["config"] = meta["config"].replace('"rope_theta": 10000.0', '"rope_theta": 11000.0')
+    assert "11000.0" in meta["config"]
+
+
+EDITS = [(_drop_a_weight, True), (_flip_orientation, True), (_other_recipe, True),
+         (_square_projection_unrotated, True), (_not_a_bool, True), (_config_bit_flip, False)]
+
+
+@pytest.mark.parametrize("edit,rehash", EDITS, ids=[f.__name__ for f, _ in EDITS])
+def test_int8_entry_that_disagrees_with_itself_is_refused(gguf, edit, rehash, caplog):
+    """Bytes intact (the CRC-32s pass) but the parts do not fit together, the entry was
+    written for another calibration recipe, or its header changed after it was
+    written: ignored with one warning, rewritten."""
     path, base = gguf
     want = _load(path, base)
     (entry,) = _int8_entries(base)
-    _edit_metadata(entry, edit)
+    _edit_metadata(entry, edit, rehash)
     caplog.clear()
     lm = _load(path, base)
     assert loading.load_info(lm)["quantized"] == "calibrated"
@@ -194,3 +220,34 @@ def test_the_loaded_line_says_where_int8_weights_came_from(gguf):
     loading._LOADED.clear()
     assert _load_how(loading.load_info(loading.load(path, cache=base))) == \
         "dequantised weights from the cache"
+
+
+def test_an_int8_entry_that_cannot_be_written_is_not_claimed(gguf):
+    """A float32 entry written and the int8 one not (a directory squats its path):
+    the model says it has no entry and the loaded line does not say "cached"."""
+    from jaxsample.cli.app import _load_how
+
+    path, base = gguf
+    loading.load(path, cache=base)  # the float32 entry
+    key = weight_cache.WeightKey.of(path, base)
+    weight_cache.int8_entry(base, key).mkdir(parents=True)
+    with pytest.warns(UserWarning, match="weight cache not written"):
+        lm = _load(path, base)
+    info = loading.load_info(lm)
+    assert info["quantized"] == "calibrated" and info["cache_entry"] is None
+    assert _load_how(info) == "calibrated and quantised to int8"
+
+
+def test_a_file_where_the_cache_dir_would_be_is_no_entry(tmp_path, monkeypatch, caplog):
+    """ENOTDIR on reading is an absent entry (no "unusable entry" line), on writing a
+    warning; the model loads as without a cache."""
+    monkeypatch.setattr(weight_cache, "WEIGHT_CACHE_MIN_BYTES", 0)
+    monkeypatch.setattr(loading, "_LOADED", {})
+    path = tmp_path / "model.gguf"
+    shutil.copy(TINY_GGUF, path)
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a directory")
+    with pytest.warns(UserWarning, match="weight cache not written"):
+        lm = loading.load(path, cache=blocker / "inner", weights="int8")
+    assert not [r for r in caplog.records if r.name == "jaxsample.disk_cache"]
+    _assert_same(loading.load(path, cache=False, weights="int8"), lm)
