@@ -151,9 +151,9 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
         if not _is_gguf(path):
             raise ModelLoadError(_not_a_checkpoint(path))
         base = _cache_base(cache)
-        if base is not None and path.stat().st_size >= weight_cache.WEIGHT_CACHE_MIN_BYTES:
+        key = _cache_key(path, base)
+        if key is not None:
             try:
-                key = weight_cache.WeightKey.of(path, base)
                 entry = weight_cache.weights_entry(base, key)
                 cfg, tok = weight_cache.read_cached_model(entry, key, tokenizer=with_tokenizer)
                 if tok is not None:  # kept for the load that usually follows
@@ -267,15 +267,29 @@ def _not_a_checkpoint(p: pathlib.Path) -> str:
             f"{registry.known_names()}")
 
 
-def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None):
-    """(cfg, stacked numpy params, tokenizer, info) through the weight cache."""
+def _cache_key(p: pathlib.Path, base: pathlib.Path | None):
+    """The weight-cache key of a GGUF file the cache takes (a cache directory, at
+    least `WEIGHT_CACHE_MIN_BYTES`), else None; the float32 and the int8 entries of
+    one load share it."""
+    if base is None or p.is_dir() or not _is_gguf(p):
+        return None
+    try:
+        if p.stat().st_size < weight_cache.WEIGHT_CACHE_MIN_BYTES:
+            return None
+        return weight_cache.WeightKey.of(p, base)
+    except OSError:
+        return None
+
+
+def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None, key):
+    """(cfg, stacked numpy params, tokenizer, info) through the weight cache (`key`:
+    `_cache_key`, None for none)."""
     from jaxsample.models.gguf_loader import load_gguf
 
     info = {"weights": "checkpoint", "cache_entry": None}
-    entry = key = None
-    if base is not None and p.stat().st_size >= weight_cache.WEIGHT_CACHE_MIN_BYTES:
+    entry = None
+    if key is not None:
         try:
-            key = weight_cache.WeightKey.of(p, base)
             entry = weight_cache.weights_entry(base, key)
             cfg, params, tokenizer = weight_cache.load_weights(
                 entry, key, _CACHED_TOKENIZER.pop((str(entry), key), None))
@@ -283,7 +297,7 @@ def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None):
             return cfg.replace(dtype=dtype), params, tokenizer, {"weights": "cache",
                                                                  "cache_entry": str(entry)}
         except OSError:
-            key = entry = None
+            entry = None
         except cache_lib.CacheAbsent:
             pass  # the first load: read the checkpoint and write the entry
         except cache_lib.CacheMiss as e:  # stale or corrupt: say so, read, rewrite
@@ -302,7 +316,8 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
                    base: pathlib.Path | None, *, weights: str | None = None) -> LanguageModel:
     t0 = time.perf_counter()
     p = pathlib.Path(path)
-    hit = _cached_int8(p, base) if weights == "int8" else None
+    key = _cache_key(p, base)
+    hit = _cached_int8(p, base, key) if weights == "int8" else None
     if hit is not None:
         cfg, params, tokenizer, info = hit
     else:
@@ -312,7 +327,7 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
                 from jaxsample.models.hf_loader import load_hf_dir
                 cfg, params, tokenizer = load_hf_dir(p, dtype=dtype)
             elif _is_gguf(p):
-                cfg, params, tokenizer, info = _load_gguf(p, dtype, base)
+                cfg, params, tokenizer, info = _load_gguf(p, dtype, base, key)
             else:
                 raise ModelLoadError(_not_a_checkpoint(p))
         # The serving layout: one dict per layer (see models.llama.run_layers).
@@ -320,7 +335,7 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
         if weights == "int8":  # quantised from the float32 weights; leaves to device below
             params = quant.quantize_params(params, outliers=outliers.calibrate(cfg, params,
                                                                               tokenizer))
-            info = {**info, **_store_int8(p, base, cfg, params, tokenizer)}
+            info = {**info, **_store_int8(base, key, cfg, params, tokenizer)}
     if weights == "int8":
         params = quant.with_compute(params, dtype)
     params = jax.tree_util.tree_map(
@@ -331,24 +346,11 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
     return lm
 
 
-def _int8_key(p: pathlib.Path, base: pathlib.Path | None):
-    """(key, int8 entry) of a GGUF file the weight cache takes, else None."""
-    if base is None or p.is_dir() or not _is_gguf(p) or \
-            p.stat().st_size < weight_cache.WEIGHT_CACHE_MIN_BYTES:
-        return None
-    try:
-        key = weight_cache.WeightKey.of(p, base)
-    except OSError:
-        return None
-    return key, weight_cache.int8_entry(base, key)
-
-
-def _cached_int8(p: pathlib.Path, base: pathlib.Path | None):
+def _cached_int8(p: pathlib.Path, base, key):
     """(cfg, list-layout int8 params, tokenizer, info) from the int8 entry, or None."""
-    found = _int8_key(p, base)
-    if found is None:
+    if key is None:
         return None
-    key, entry = found
+    entry = weight_cache.int8_entry(base, key)
     try:
         cfg, params, tokenizer = weight_cache.load_int8(entry, key)
     except cache_lib.CacheAbsent:
@@ -361,13 +363,13 @@ def _cached_int8(p: pathlib.Path, base: pathlib.Path | None):
                                     "quantized": "cache"}
 
 
-def _store_int8(p: pathlib.Path, base, cfg, params, tokenizer) -> dict:
+def _store_int8(base, key, cfg, params, tokenizer) -> dict:
     """The int8 model's own info: its entry, or None when none was written (the
     float32 entry, if any, is not this model's)."""
-    found = _int8_key(p, base)
-    if found is None or not weight_cache.store_int8(found[1], found[0], cfg, params, tokenizer):
+    entry = weight_cache.int8_entry(base, key) if key is not None else None
+    if entry is None or not weight_cache.store_int8(entry, key, cfg, params, tokenizer):
         return {"quantized": "calibrated", "cache_entry": None}
-    return {"quantized": "calibrated", "cache_entry": str(found[1])}
+    return {"quantized": "calibrated", "cache_entry": str(entry)}
 
 
 def _has_gguf_magic(path: pathlib.Path) -> bool:
