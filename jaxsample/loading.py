@@ -79,7 +79,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
       device, inode, size, mtime and ctime, dtype) for the process, so loading
       twice is free.
     Raises:
-      ConfigError: an unknown dtype or weights (before any file is read).
+      ConfigError: an unknown dtype or weights, or a cache that is not None, a bool
+        or a path (before any file is read).
       ModelLoadError: unknown name, missing path, unreadable or inconsistent
         checkpoint (the message names the file and lists the known names);
         UnsupportedModelError (a subclass) for architectures or options the
@@ -88,8 +89,9 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         file, with the original as `__cause__`. Cache failures are never
         errors (a warning at most).
     """
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:  # np.dtype("float32") == "float32"
         raise ConfigError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+    _check_cache(cache)
     if not isinstance(weights, (str, type(None))) or weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
     path, name = _resolve(name_or_path)
@@ -114,6 +116,7 @@ def read_config(name_or_path: str | os.PathLike | None = None, *,
       name_or_path, cache: as `load`.
     Raises:
       ModelLoadError: as `load` (unknown name, missing or broken checkpoint).
+      ConfigError: a `cache` that is not None, a bool or a path.
     """
     return _read_model(name_or_path, cache, with_tokenizer=False)[0]
 
@@ -126,12 +129,13 @@ def read_model(name_or_path: str | os.PathLike | None = None, *,
     context, the chat template) before the load.
 
     Raises:
-      ModelLoadError: as `load`.
+      ModelLoadError, ConfigError: as `read_config`.
     """
     return _read_model(name_or_path, cache, with_tokenizer=True)
 
 
 def _read_model(name_or_path, cache, *, with_tokenizer: bool):
+    _check_cache(cache)
     path, _ = _resolve(name_or_path)
     source = str(path)
     with _backstop(path):
@@ -208,6 +212,13 @@ def _resolve(name_or_path) -> tuple[pathlib.Path, str | None]:
             f"{path}: no such file or directory, and not a known model name; known names: "
             f"{registry.known_names()} (or pass a .gguf file or a Hugging Face model directory)")
     return path.resolve(), None
+
+
+def _check_cache(cache) -> None:
+    """ConfigError unless `cache` is None, a bool, or a path (str / os.PathLike)."""
+    if not (cache is None or isinstance(cache, (bool, str, os.PathLike))):
+        raise ConfigError("cache must be None, True, False or a directory path (str or "
+                          f"os.PathLike), got {cache!r}")
 
 
 def _cache_base(cache) -> pathlib.Path | None:

@@ -233,6 +233,21 @@ def test_bad_weights_refused_before_any_load():
             load("/no/such/model.gguf", weights=bad)
 
 
+def test_bad_dtype_and_cache_refused_before_any_load():
+    """np.dtype("float32") compares equal to "float32" but is not a name: refused;
+    a cache that is not None, a bool or a path is refused naming `cache`, by
+    `load` and by `read_config` (never blamed on the checkpoint)."""
+    from jaxsample.loading import read_config
+
+    with pytest.raises(ConfigError, match=r"dtype must be one of \['float32', 'bfloat16'\]"):
+        load("/no/such/model.gguf", dtype=np.dtype("float32"), weights="int8")
+    for bad in (0, 1, 3.5, ["/tmp"]):
+        with pytest.raises(ConfigError, match="cache must be None, True, False or a directory"):
+            load("/no/such/model.gguf", cache=bad)
+        with pytest.raises(ConfigError, match="cache must be None, True, False or a directory"):
+            read_config(DATA / "tiny_llama.gguf", cache=bad)
+
+
 # ---------------------------------------------------------------------------
 # The engine with int8 weights
 
@@ -243,21 +258,49 @@ def sampled(qlm):
                                                         max_new_tokens=12, seed=7))
 
 
-def test_cached_decode_equals_own_forward(qlm, sampled):
-    """Every branch's logprobs equal log_softmax of the int8 model's own full forward."""
-    checked = 0
+def _decode_against_forward(lm, gen_out):
+    """|logprob of the cached decode - log_softmax of `lm`'s own full forward| per
+    generated token, over every prompt and branch."""
+    errs = []
     for b in range(len(PROMPTS)):
-        for n in range(4):
-            L = int(sampled.lengths[b, n])
-            prompt, gen = list(sampled.prompt_tokens[b]), list(sampled.tokens[b, n, :L])
+        for n in range(gen_out.tokens.shape[1]):
+            L = int(gen_out.lengths[b, n])
+            prompt, gen = list(gen_out.prompt_tokens[b]), list(gen_out.tokens[b, n, :L])
             seq = np.zeros((1, 64), np.int32)
             seq[0, :len(prompt) + L] = prompt + gen
-            logits = np.asarray(qlm.forward(seq))[0, len(prompt) - 1:len(prompt) + L - 1]
-            ref = jax.nn.log_softmax(jnp.asarray(logits[:, :qlm.vocab_limit]), axis=-1)
-            np.testing.assert_allclose(sampled.logprobs[b, n, :L],
-                                       np.asarray(ref)[np.arange(L), gen], atol=1e-4, rtol=0)
-            checked += L
-    assert checked > 30
+            logits = np.asarray(lm.forward(seq))[0, len(prompt) - 1:len(prompt) + L - 1]
+            ref = jax.nn.log_softmax(jnp.asarray(logits[:, :lm.vocab_limit]), axis=-1)
+            errs.extend(np.abs(gen_out.logprobs[b, n, :L] - np.asarray(ref)[np.arange(L), gen]))
+    return np.asarray(errs)
+
+
+def test_cached_decode_equals_own_forward_weight_only(qlm):
+    """The int8 weights through the KV-cached decode: every branch's logprobs equal
+    log_softmax of the same model's full forward to float32 rounding (weight-only
+    int8: the product is continuous in its input, so the two paths' rounding
+    differences stay at float32's scale)."""
+    wo = dataclasses.replace(qlm, params=quant.with_mode(qlm.params, "weight_only"))
+    out = engine.generate(wo, PROMPTS, SamplingParams(n=4, temperature=1.0,
+                                                      max_new_tokens=12, seed=7))
+    errs = _decode_against_forward(wo, out)
+    assert errs.size > 30 and errs.max() <= 1e-4, errs.max()
+
+
+def test_cached_decode_near_own_forward_w8a8(qlm, sampled):
+    """W8A8 (the default): the same comparison, bounded by the activation quantiser.
+    W8A8 rounds each activation row to int8 (`round(x / a)`), a step function: the
+    decode and the full forward compute x in a different order, so where x / a lies
+    within float32 rounding of a half-integer the two round it to neighbouring int8
+    values (one step, a / 127 of the row's largest |x|), and the difference then
+    flows through the KV cache to later tokens. Which elements sit on a boundary
+    depends on the CPU's float rounding (an AVX2 machine flipped some where AVX-512
+    ones did not: up to 0.065 nats). So most tokens agree to float32 rounding and
+    none is further than a few such steps; the exact check of the cached path is
+    the weight-only test above."""
+    errs = _decode_against_forward(qlm, sampled)
+    assert errs.size > 30
+    assert np.median(errs) <= 1e-4, np.median(errs)
+    assert errs.max() <= 0.25, errs.max()
 
 
 def test_the_bill_counts_the_weights_as_stored(tiny_lm, qlm, sampled):
