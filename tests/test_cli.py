@@ -322,7 +322,9 @@ def run_json():
 @pytest.mark.slow
 def test_run_json(run_json):
     d = run_json
-    assert set(d) == {"model", "prompt", "params", "branches", "result", "bill", "timings"}
+    assert set(d) == {"model", "dtype", "weights", "prompt", "params", "branches", "result",
+                      "bill", "timings"}
+    assert d["dtype"] == "float32" and d["weights"] is None
     assert d["prompt"] == QUESTION and d["params"]["n"] == 4 and d["params"]["seed"] == 0
     assert len(d["branches"]) == 4
     for b in d["branches"]:

@@ -84,7 +84,10 @@ def test_out_writes_one_strict_json_line_per_request(tmp_path):
     assert code == 0 and "all 3 requests are in" in err, err
     changed = _write_requests(tmp_path / "changed.jsonl",
                               [THREE[0], {"prompt": "three five"}, THREE[2]])
+    assert all(r["dtype"] == "float32" and r["weights"] is None for r in lines)
     for prompts, flags, needle in ((reqs, ["--temperature", "0.5"], "temperature 0.8 -> 0.5"),
+                                   (reqs, ["--weights", "int8"], "weights None -> 'int8'"),
+                                   (reqs, ["--dtype", "bfloat16"], "dtype 'float32' -> 'bfloat16'"),
                                    (changed, [], "prompt 'three four' -> 'three five'")):
         code, stdout, err = _main(["run", "--prompt-file", str(prompts), "--out", str(out),
                                    "--resume"] + FLAGS + flags)

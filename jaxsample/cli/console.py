@@ -135,7 +135,8 @@ def record_params(cfg, sampling, seed) -> dict:
 def json_record(lm, cfg, out, single: bool) -> dict:
     """The JSON object of one request (the documented schema of `run --json`)."""
     r, gen, b = out["request"], out["gen"], out["b"]
-    record = {"model": lm.name, "prompt": r.prompt if r.messages is None else None,
+    record = {"model": lm.name, "dtype": cfg.model.dtype, "weights": cfg.model.weights,
+              "prompt": r.prompt if r.messages is None else None,
               "params": record_params(cfg, out["cfg"].sampling, gen.params.seed),
               "branches": _branches(out), "result": _json_result(out["result"]),
               "bill": gen.bill.to_dict(), "timings": out["timings"]}

@@ -118,7 +118,8 @@ def open_results(args, requests, cfg, model: str) -> ResultsFile | None:
 
 def check_kept(results: ResultsFile, requests, cfg, model: str) -> None:
     """--resume: each kept line must record what its request asks now, so one file never
-    mixes two settings. Compared where the line records it: "model", "prompt" /
+    mixes two settings. Compared where the line records it: "model", "dtype",
+    "weights" (float32 and int8 results never share a file), "prompt" /
     "messages" and "params" (sampling settings, chat, reducer; the seed too unless the
     request's seed is None, a fresh draw each run).
 
@@ -130,7 +131,8 @@ def check_kept(results: ResultsFile, requests, cfg, model: str) -> None:
         if key not in results.kept:
             continue
         line, got = results.kept[key]
-        want = {"model": model, "prompt": r.prompt if r.messages is None else None,
+        want = {"model": model, "dtype": cfg.model.dtype, "weights": cfg.model.weights,
+                "prompt": r.prompt if r.messages is None else None,
                 "messages": r.messages,
                 "params": record_params(cfg, r.sampling, r.sampling.seed)}
         want = json.loads(dumps(want))  # as a line reads back (tuples as lists, ...)
