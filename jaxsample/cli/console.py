@@ -132,11 +132,16 @@ def record_params(cfg, sampling, seed) -> dict:
     return {**params, "chat": cfg.chat, "reducer": dataclasses.asdict(cfg.reducer)}
 
 
+def model_fields(name: str, cfg) -> dict:
+    """A record's model, with the dtype and weights it was loaded in (what `--resume`
+    compares, `out_file.check_kept`, besides the prompt and the params)."""
+    return {"model": name, "dtype": cfg.model.dtype, "weights": cfg.model.weights}
+
+
 def json_record(lm, cfg, out, single: bool) -> dict:
     """The JSON object of one request (the documented schema of `run --json`)."""
     r, gen, b = out["request"], out["gen"], out["b"]
-    record = {"model": lm.name, "dtype": cfg.model.dtype, "weights": cfg.model.weights,
-              "prompt": r.prompt if r.messages is None else None,
+    record = {**model_fields(lm.name, cfg), "prompt": r.prompt if r.messages is None else None,
               "params": record_params(cfg, out["cfg"].sampling, gen.params.seed),
               "branches": _branches(out), "result": _json_result(out["result"]),
               "bill": gen.bill.to_dict(), "timings": out["timings"]}

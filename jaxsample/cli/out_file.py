@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from jaxsample.cli.console import EXIT_OK, dumps, json_record, record_params
+from jaxsample.cli.console import EXIT_OK, dumps, json_record, model_fields, record_params
 from jaxsample.cli.requests import group_requests, is_jsonl, render
 from jaxsample.cli.results_file import ResultsFile
 from jaxsample.errors import InputError, short_repr
@@ -131,8 +131,7 @@ def check_kept(results: ResultsFile, requests, cfg, model: str) -> None:
         if key not in results.kept:
             continue
         line, got = results.kept[key]
-        want = {"model": model, "dtype": cfg.model.dtype, "weights": cfg.model.weights,
-                "prompt": r.prompt if r.messages is None else None,
+        want = {**model_fields(model, cfg), "prompt": r.prompt if r.messages is None else None,
                 "messages": r.messages,
                 "params": record_params(cfg, r.sampling, r.sampling.seed)}
         want = json.loads(dumps(want))  # as a line reads back (tuples as lists, ...)

@@ -49,7 +49,8 @@ def _signals_held():
             signal.raise_signal(held[0])
 
 
-SETTINGS = ("model", "dtype", "weights", "prompt", "messages", "params")  # what a line must share with its request
+# What a line must share with its request.
+SETTINGS = ("model", "dtype", "weights", "prompt", "messages", "params")
 
 
 class ResultsFile:
