@@ -1,7 +1,7 @@
 """Int8 weights (`load(..., weights="int8")`): decode-step time, the compiled step's
 HLO and the accuracy cost against float32, in one script (CPU).
 
-Three parts (`--parts`, default all):
+Four parts (`--parts`, default all):
 
 * speed: the decode step of SmolLM2 at P = 1024 for N = 1 and 16 with
   float32, bfloat16, int8 weight-only and int8 W8A8 weights (`models.quant`
@@ -22,10 +22,17 @@ Three parts (`--parts`, default all):
   the max and median over prompts), and greedy decoding of 32 tokens (end
   of text ignored): the fraction of tokens equal before the first
   divergence, and prompts whose 32 tokens are all equal.
+* invariance: per model, how far each variant's results move under changes
+  that float32 rounding alone makes: the same 20 prompts' last-position
+  logprobs in a batch of 20 against a batch of 10, against the model with
+  one layer-0 norm weight moved by one ulp, and (with 2 or more devices,
+  `XLA_FLAGS=--xla_force_host_platform_device_count=2`) under a
+  `shard_map` over 2 devices; max |diff| over the tokens with float32
+  probability > 0.01, max and median over prompts.
 
 Usage:
 
-    python -m benchmarks.quantized [--parts speed,hlo,accuracy] [--reps 5] \
+    python -m benchmarks.quantized [--parts speed,hlo,accuracy,invariance] [--reps 5] \
         [--out benchmarks/results/quantized.json]
 """
 
@@ -136,12 +143,8 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
                "int8 weight-only": dataclasses.replace(
                    q8, params=quant.with_mode(q8.params, "weight_only")),
                "int8 W8A8, no outlier channels": int8_without_outliers(load(name))}
-        tok = lms["float32"].tokenizer
-        ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
-               for p in PROMPTS]
-        S = max(map(len, ids))
-        batch = np.array([x + [tok.pad_token_id] * (S - len(x)) for x in ids], np.int32)
-        last = np.array([len(x) - 1 for x in ids])
+        batch, last = _chat_batch(lms["float32"].tokenizer)
+        ids = [[int(t) for t in r[:n + 1]] for r, n in zip(batch, last)]
         logits = {k: np.asarray(lm.forward(batch))[np.arange(len(ids)), last]
                   for k, lm in lms.items()}
         sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=T, seed=0)
@@ -165,11 +168,78 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
     return out
 
 
+def _chat_batch(tok):
+    """The 20 chat prompts padded into one batch: (tokens [20, S] int32, last index [20])."""
+    import numpy as np
+
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
+           for p in PROMPTS]
+    S = max(map(len, ids))
+    batch = np.array([x + [tok.pad_token_id] * (S - len(x)) for x in ids], np.int32)
+    return batch, np.array([len(x) - 1 for x in ids])
+
+
+def invariance(models=("smollm2-135m-instruct", "gemma3-270m")):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxsample.loading import load
+    from jaxsample.models import families, quant
+
+    out = {}
+    for name in models:
+        f32, q8 = load(name), load(name, weights="int8")
+        lms = {"float32": f32,
+               "int8 weight-only": dataclasses.replace(
+                   q8, params=quant.with_mode(q8.params, "weight_only")),
+               "int8 W8A8": dataclasses.replace(q8, params=quant.with_mode(q8.params, "w8a8"))}
+        batch, last = _chat_batch(f32.tokenizer)
+        rows = np.arange(len(last))
+        mod = families.module_for(f32.config)
+        fwd = jax.jit(lambda p, t: jax.nn.log_softmax(mod.forward(f32.config, p, t), -1))
+        mesh = jax.make_mesh((2,), ("d",)) if jax.device_count() >= 2 else None
+
+        def bump(params):  # layer 0's first norm weight, each element one ulp up
+            p = dict(params, layers=list(params["layers"]))
+            l0 = dict(p["layers"][0])
+            k = sorted(k for k in l0 if k.endswith("norm"))[0]
+            l0[k] = jnp.nextafter(l0[k], jnp.full_like(l0[k], jnp.inf))
+            p["layers"][0] = l0
+            return p
+
+        ref = np.asarray(fwd(f32.params, batch))[rows, last]
+        keep = np.exp(ref) > 0.01
+        row = {}
+        for k, lm in lms.items():
+            base = np.asarray(fwd(lm.params, batch))[rows, last]
+            half = len(rows) // 2
+            other = {"batch of 10": np.concatenate(
+                         [np.asarray(fwd(lm.params, batch[i:i + half]))[np.arange(half),
+                                                                        last[i:i + half]]
+                          for i in (0, half)]),
+                     "one-ulp norm weight": np.asarray(fwd(bump(lm.params), batch))[rows, last]}
+            if mesh is not None:
+                from jax.sharding import NamedSharding, PartitionSpec as Ps
+                g = jax.jit(jax.shard_map(lambda p, t: fwd(p, t), mesh=mesh,
+                                          in_specs=(Ps(), Ps("d")), out_specs=Ps("d")))
+                other["shard_map over 2 devices"] = np.asarray(g(
+                    jax.device_put(lm.params, NamedSharding(mesh, Ps())),
+                    jax.device_put(batch, NamedSharding(mesh, Ps("d")))))[rows, last]
+            other["float32 (the error itself)"] = ref
+            row[k] = {}
+            for what, y in other.items():
+                d = np.where(keep, np.abs(y - base), 0).max(axis=1)
+                row[k][what] = dict(max=float(d.max()), median=float(np.median(d)))
+        out[name] = row
+    return out
+
+
 def main(argv=None):
     from benchmarks.common import environment
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", default="speed,hlo,accuracy")
+    ap.add_argument("--parts", default="speed,hlo,accuracy,invariance")
     ap.add_argument("--prompt-length", type=int, default=1024)
     ap.add_argument("--branches", default="1,16")
     ap.add_argument("--new-tokens", type=int, default=16)
@@ -208,6 +278,10 @@ def main(argv=None):
     if "accuracy" in parts:
         res["accuracy"] = accuracy(tuple(a.models.split(",")))
         print(json.dumps(res["accuracy"], indent=1))
+        save()
+    if "invariance" in parts:
+        res["invariance"] = invariance(tuple(a.models.split(",")))
+        print(json.dumps(res["invariance"], indent=1))
     save()
 
 

@@ -65,8 +65,9 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         outlier channels below), multiplied as
         int8 x int8 dots with the activations quantised per row (W8A8, the
         faster on XLA CPU; `quant.with_mode(params, "weight_only")` for the
-        weight-only product), except each projection's 16 largest input
-        channels, found by running the float model over a short built-in
+        weight-only product, which unlike W8A8 reproduces across batch
+        shapes and meshes to float32 rounding), except each projection's 16
+        largest input channels, found by running the float model over a short built-in
         calibration text (`models.outliers`, about 3 s on two CPU cores),
         which stay float: without them W8A8's last-position logit error
         against float32 is 2.4x larger. Norms, biases and MoE experts stay
