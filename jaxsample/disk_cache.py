@@ -47,6 +47,8 @@ import time
 import warnings
 from typing import Any
 
+from jaxsample.errors import ConfigError
+
 
 ENV_DIR = "JAXSAMPLE_CACHE_DIR"
 
@@ -85,6 +87,10 @@ def cache_dir() -> pathlib.Path | None:
 
     `$JAXSAMPLE_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxsample` (an absolute
     XDG_CACHE_HOME only, as the XDG spec says), else `~/.cache/jaxsample`.
+
+    Raises:
+      ConfigError: `$JAXSAMPLE_CACHE_DIR` names a home directory that does not
+        exist (`~nosuchuser/...`).
     """
     if cache_disabled():
         return None
@@ -99,7 +105,10 @@ def cache_root() -> pathlib.Path:
     """
     explicit = os.environ.get(ENV_DIR, "").strip()
     if explicit:
-        return pathlib.Path(explicit).expanduser()
+        try:
+            return pathlib.Path(explicit).expanduser()
+        except RuntimeError as e:  # "~nosuchuser/..."
+            raise ConfigError(f"{ENV_DIR}={explicit!r}: cannot expand it: {e}") from None
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     base = pathlib.Path(xdg) if xdg and os.path.isabs(xdg) else pathlib.Path.home() / ".cache"
     return base / "jaxsample"
@@ -152,8 +161,11 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
         on (a second process would compile them again otherwise).
     Returns:
       The directory in use, or None when caching is off (`JAXSAMPLE_NO_CACHE`
-      and no explicit `path`) or the directory cannot be created (a warning
-      says why; never an error: the run only gets slower).
+      and no explicit `path`) or the directory cannot be created or written
+      (one warning line says why; never an error: the run only gets slower).
+
+    An entry JAX cannot read (corrupt, truncated) is compiled again and
+    rewritten (`_rewrite_unreadable_entries`; JAX itself keeps the old file).
     """
     base = cache_dir()
     if path is None:
@@ -163,9 +175,10 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
     path = pathlib.Path(path).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()  # writable (JAX would warn per program)
     except OSError as e:
-        warnings.warn(f"jaxsample: compilation cache off: cannot create {path}: {e}",
-                      stacklevel=2)
+        log.warning("jaxsample: warning: compilation cache off: cannot write %s: %s", path,
+                    " ".join(str(e).split()))
         return None
     import jax
 
@@ -176,6 +189,8 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
             _cc.reset_cache()
     except (ImportError, AttributeError):  # pragma: no cover - other jax versions
         pass
+    if _rewrite_unreadable_entries():  # then JAX's two-line warning repeats our one line
+        warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
@@ -188,6 +203,59 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
 
 
 log = logging.getLogger("jaxsample.disk_cache")
+
+
+def _rewrite_unreadable_entries() -> bool:
+    """Make JAX's persistent cache replace an entry it could not read.
+
+    JAX reads an entry before compiling and writes one after; a read that
+    fails (a corrupt or truncated file) only warns, and the write then skips
+    the key because its file exists (`jax._src.lru_cache.LRUCache.put`), so
+    every later process compiles again. JAX only writes a key after compiling
+    it, which it does only when the read found nothing usable, so a write to
+    an existing file means that file was unusable: remove it first, and the
+    fresh executable takes its place. (Two processes compiling one program at
+    once write equal executables.) Installed once per process; a JAX without
+    this private class is left as it is (returns False).
+    """
+    try:
+        from jax._src import lru_cache
+        put = lru_cache.LRUCache.put
+        suffix = lru_cache._CACHE_SUFFIX
+    except (ImportError, AttributeError):  # pragma: no cover - other jax versions
+        return False
+    if getattr(put, "_jaxsample_rewrites", False):
+        return True
+
+    def put_rewriting(self, key, value):
+        old = pathlib.Path(self.path) / f"{key}{suffix}"
+        if old.is_file():
+            log.warning("jaxsample: warning: compilation cache entry %s was unusable; "
+                        "rewritten", old.name)
+            with contextlib.suppress(OSError):
+                old.unlink()
+        return put(self, key, value)
+
+    put_rewriting._jaxsample_rewrites = True
+    lru_cache.LRUCache.put = put_rewriting
+    return True
+
+
+def in_the_way(path: pathlib.Path) -> bool:
+    """True when a directory that is not empty stands where the cache file `path`
+    goes: never ours to delete, so the file is not written and the caller says
+    so. An empty directory is removed (the file can then be written)."""
+    if not path.is_dir():
+        return False
+    with contextlib.suppress(OSError):
+        path.rmdir()
+    return path.is_dir()
+
+
+def warn_in_the_way(what: str, path: pathlib.Path) -> None:
+    """The one warning line for `in_the_way`."""
+    log.warning("jaxsample: warning: %s %s is a directory, not a cache file; ignored and "
+                "not rewritten (remove it to cache again)", what, path)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -242,8 +310,11 @@ def _remember(base: pathlib.Path | None, sid: str, source: str, sha256: str) -> 
 def atomic_write(path: pathlib.Path, data: bytes) -> bool:
     """Write `data` to a temporary file beside `path`, then rename it over `path`
     (a reader sees the old file or the new one, never a part). Creates the
-    directory. Returns False (and leaves nothing behind) on an OSError."""
+    directory. Returns False (and leaves nothing behind) on an OSError, or when a
+    directory that is not empty stands at `path` (`in_the_way`)."""
     tmp = None
+    if in_the_way(path):
+        return False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)

@@ -32,11 +32,11 @@ import os
 import pathlib
 import tempfile
 import time
-import warnings
 import zlib
 from typing import Any
 import numpy as np
 
+from jaxsample import disk_cache
 from jaxsample.disk_cache import CacheMiss, HASH_BLOCK_BYTES, STALE_TMP_S, log, read_header, source_sha256
 
 
@@ -95,7 +95,12 @@ def _stem(key: WeightKey) -> str:
 
 def warn_bad_entry(entry: pathlib.Path, source: str, reason: str) -> None:
     """The one line on stderr (logger `jaxsample.disk_cache`, WARNING) for an entry that
-    exists but cannot be used; without a logging configuration, Python prints it bare."""
+    exists but cannot be used; without a logging configuration, Python prints it bare.
+    A directory that is not empty at the entry's path is named as such (it is never
+    rewritten: `disk_cache.in_the_way`)."""
+    if disk_cache.in_the_way(entry):
+        disk_cache.warn_in_the_way("weight cache entry", entry)
+        return
     log.warning("jaxsample: warning: weight cache entry %s is unusable (%s); ignored: reading "
                 "%s again and rewriting it", entry, " ".join(str(reason).split())[:200], source)
 
@@ -234,6 +239,8 @@ def _write_entry(entry, key, flat, meta, cfg, tokenizer) -> bool:
             "tokenizer": _tokenizer_to_json(tokenizer)}
     meta["meta_sha256"] = meta_digest(meta)
     tmp = None
+    if disk_cache.in_the_way(entry):  # said when it was read (`warn_bad_entry`)
+        return False
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=entry.name + ".", suffix=".tmp", dir=entry.parent)
@@ -242,8 +249,8 @@ def _write_entry(entry, key, flat, meta, cfg, tokenizer) -> bool:
         os.replace(tmp, entry)
         tmp = None
     except Exception as e:  # noqa: BLE001  (OSError, a full disk, safetensors' own errors)
-        warnings.warn(f"jaxsample: weight cache not written to {entry.parent}: {e}",
-                      stacklevel=4)
+        log.warning("jaxsample: warning: weight cache not written to %s: %s", entry.parent,
+                    " ".join(str(e).split())[:200])
         return False
     finally:
         if tmp is not None:

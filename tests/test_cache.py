@@ -398,13 +398,14 @@ def test_concurrent_writers_leave_one_good_entry(gguf):
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(want), _leaves(lm)))
 
 
-def test_unwritable_cache_dir_only_warns(gguf, tmp_path):
+def test_unwritable_cache_dir_only_warns(gguf, tmp_path, caplog):
     path, _ = gguf
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.warns(UserWarning, match="weight cache not written"):
-        lm = _load(path, blocker / "cache")
+    lm = _load(path, blocker / "cache")
     assert loading.load_info(lm)["weights"] == "checkpoint"
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "jaxsample.disk_cache"]
+    assert "weight cache not written" in msg and "\n" not in msg
 
 
 def test_small_files_are_not_cached(tmp_path, monkeypatch):
@@ -468,13 +469,71 @@ def test_aot_programs_hit_the_persistent_cache(tmp_path):
     assert sorted(p.name for p in (tmp_path / "xla").iterdir()) == files
 
 
-def test_enable_compilation_cache_off_and_unwritable(monkeypatch, tmp_path):
+def test_enable_compilation_cache_off_and_unwritable(monkeypatch, tmp_path, caplog):
+    """Off, a path that cannot be created and a directory that cannot be written: one
+    warning line each and the cache left off (JAX would warn twice per program)."""
     monkeypatch.setenv(cache.ENV_OFF, "1")
     assert cache.enable_compilation_cache() is None  # nothing changed
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.warns(UserWarning, match="compilation cache off"):
-        assert cache.enable_compilation_cache(blocker / "xla") is None
+    assert cache.enable_compilation_cache(blocker / "xla") is None
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    monkeypatch.setattr(cache.tempfile, "TemporaryFile",
+                        lambda dir: (_ for _ in ()).throw(PermissionError(13, "denied", dir)))
+    assert cache.enable_compilation_cache(read_only) is None  # (root may write anywhere)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "jaxsample.disk_cache"]
+    assert len(msgs) == 2 and all("compilation cache off" in m and "\n" not in m for m in msgs)
+    assert str(read_only) in msgs[1] and jax.config.jax_compilation_cache_dir != str(read_only)
+
+
+_CORRUPT_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    from jaxsample import disk_cache as cache
+    cache.enable_compilation_cache(sys.argv[1])
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
+    jax.jit(lambda x: jnp.tanh(x @ x.T).sum()).lower(jnp.ones((16, 16))).compile()
+    print(json.dumps({"hits": len(hits)}))
+""")
+
+
+def test_a_corrupt_compilation_cache_entry_is_rewritten(tmp_path):
+    """JAX skips writing a key whose file exists, so an entry it cannot read was
+    compiled again in every process; now the fresh executable replaces it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop(cache.ENV_OFF, None)
+    xla = tmp_path / "xla"
+
+    def child():
+        out = subprocess.run([sys.executable, "-c", _CORRUPT_CHILD, str(xla)], env=env,
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])["hits"], out.stderr
+
+    assert child()[0] == 0
+    entries = [p for p in xla.iterdir() if p.name.startswith("jit_")]
+    assert entries
+    good = {p: p.read_bytes() for p in entries}
+    for p in entries:
+        p.write_bytes(b"not an executable")
+    hits, err = child()  # unreadable: compiled again, and the entry rewritten
+    assert hits == 0 and "compilation cache entry" in err and "rewritten" in err
+    assert "Error reading" not in err  # JAX's own warning: ours replaces it
+    assert all(p.read_bytes() != b"not an executable" and len(p.read_bytes()) > 100
+               for p in entries)
+    assert child()[0] >= 1  # and read back by the next process
+    assert {p.name for p in good} == {p.name for p in xla.iterdir() if p.name.startswith("jit_")}
+
+
+def test_a_cache_dir_naming_an_unknown_home_is_a_config_error(monkeypatch):
+    from jaxsample.errors import ConfigError
+
+    monkeypatch.setenv(cache.ENV_DIR, "~no-such-user-jaxsample/x")
+    with pytest.raises(ConfigError, match="JAXSAMPLE_CACHE_DIR"):
+        cache.cache_root()
 
 
 # ---------------------------------------------------------------------------

@@ -170,6 +170,33 @@ def test_a_corrupt_or_stale_entry_is_ignored_and_rewritten(exported_dir, spoil, 
     jax.tree_util.tree_map(np.testing.assert_array_equal, prog(*args), want)
 
 
+def test_a_directory_at_an_entry_path_is_named_and_left_alone(exported_dir, caplog):
+    """A directory with a file in it where an entry goes is not ours to delete: one
+    line says so (not "rewriting"), the program runs, the directory stays; once it is
+    empty it is removed and the entry written."""
+    calls = []
+    f, args = _toy(calls)
+    want = jax.jit(f)(*args)
+    Programs().get(("toy",), f, args)
+    entry = _one_entry(exported_dir)
+    entry.unlink()
+    entry.mkdir()
+    (entry / "keep.txt").write_text("the user's")
+    for _ in range(2):  # every run says the same one line
+        _fresh()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jaxsample.disk_cache"):
+            prog, _ = Programs().get(("toy",), f, args)
+        (record,) = caplog.records
+        assert "is a directory" in record.getMessage() and "not rewritten" in record.getMessage()
+        jax.tree_util.tree_map(np.testing.assert_array_equal, prog(*args), want)
+    assert (entry / "keep.txt").read_text() == "the user's"
+    (entry / "keep.txt").unlink()
+    _fresh()
+    Programs().get(("toy",), f, args)
+    assert entry.is_file()
+
+
 def test_donation_survives_and_a_new_signature_is_a_new_entry(exported_dir):
     calls = []
     f, args = _toy(calls)

@@ -222,20 +222,32 @@ def test_the_loaded_line_says_where_int8_weights_came_from(gguf):
         "dequantised weights from the cache"
 
 
-def test_an_int8_entry_that_cannot_be_written_is_not_claimed(gguf):
-    """A float32 entry written and the int8 one not (a directory squats its path):
-    the model says it has no entry and the loaded line does not say "cached"."""
+def test_an_int8_entry_that_cannot_be_written_is_not_claimed(gguf, caplog):
+    """A float32 entry written and the int8 one not (a directory with a file in it
+    squats its path, never ours to delete): one line says so, the model says it has no
+    entry and the loaded line does not say "cached". An empty directory there is
+    removed and the entry written."""
     from jaxsample.cli.app import _load_how
 
     path, base = gguf
     loading.load(path, cache=base)  # the float32 entry
     key = weight_cache.WeightKey.of(path, base)
-    weight_cache.int8_entry(base, key).mkdir(parents=True)
-    with pytest.warns(UserWarning, match="weight cache not written"):
-        lm = _load(path, base)
+    squat = weight_cache.int8_entry(base, key)
+    squat.mkdir(parents=True)
+    (squat / "keep.txt").write_text("the user's")
+    lm = _load(path, base)
     info = loading.load_info(lm)
     assert info["quantized"] == "calibrated" and info["cache_entry"] is None
     assert _load_how(info) == "calibrated and quantised to int8"
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "jaxsample.disk_cache"]
+    assert "is a directory" in msg and "not rewritten" in msg
+    assert (squat / "keep.txt").read_text() == "the user's"
+    (squat / "keep.txt").unlink()
+    caplog.clear()
+    lm = _load(path, base)
+    assert loading.load_info(lm)["cache_entry"] == str(squat) and squat.is_file()
+    assert [r.getMessage() for r in caplog.records if r.name == "jaxsample.disk_cache"
+            if "rewriting" not in r.getMessage()] == []
 
 
 def test_a_file_where_the_cache_dir_would_be_is_no_entry(tmp_path, monkeypatch, caplog):
@@ -247,7 +259,7 @@ def test_a_file_where_the_cache_dir_would_be_is_no_entry(tmp_path, monkeypatch, 
     shutil.copy(TINY_GGUF, path)
     blocker = tmp_path / "cache"
     blocker.write_text("not a directory")
-    with pytest.warns(UserWarning, match="weight cache not written"):
-        lm = loading.load(path, cache=blocker / "inner", weights="int8")
-    assert not [r for r in caplog.records if r.name == "jaxsample.disk_cache"]
+    lm = loading.load(path, cache=blocker / "inner", weights="int8")
+    msgs = [r.getMessage() for r in caplog.records if r.name == "jaxsample.disk_cache"]
+    assert msgs and all("weight cache not written" in m for m in msgs)
     _assert_same(loading.load(path, cache=False, weights="int8"), lm)

@@ -308,8 +308,12 @@ def build(directory: pathlib.Path, key, fn, args, donate=()) -> tuple[FlatProgra
     except disk_cache.CacheAbsent:
         pass
     except Exception as e:  # noqa: BLE001 - a corrupt, stale or unusable entry
-        log.warning("jaxsample: warning: exported program %s is unusable (%s); ignored: "
-                    "tracing it again and rewriting it", path, e)
+        if disk_cache.in_the_way(path):
+            disk_cache.warn_in_the_way("exported program", path)
+        else:
+            log.warning("jaxsample: warning: exported program %s is unusable (%s); ignored: "
+                        "tracing it again and rewriting it", path,
+                        " ".join(str(e).split())[:200])
     trees = []
 
     def flat(*xs):
