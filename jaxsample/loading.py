@@ -28,7 +28,11 @@ if TYPE_CHECKING:
     from jaxsample.models import llama
 
 _DTYPES = ("float32", "bfloat16")
-WEIGHTS = (None, "int8")  # the `weights=` values of `load`
+WEIGHTS = (None, "int8", "int8-weight-only")  # the `weights=` values of `load`
+
+
+# The int8 product of each `weights=` value (`models.quant.MODES`).
+INT8_MODES = {"int8": "w8a8", "int8-weight-only": "weight_only"}
 
 # How each loaded model was read: {"weights": "cache" | "checkpoint", "seconds": ...,
 # "cache_entry": path or None}; see `load_info`.
@@ -64,10 +68,11 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         scales (`models.quant`: 28% of float32's bytes on SmolLM2 with the
         outlier channels below), multiplied as
         int8 x int8 dots with the activations quantised per row (W8A8, the
-        faster on XLA CPU; `quant.with_mode(params, "weight_only")` for the
-        weight-only product, which unlike W8A8 reproduces across batch
-        shapes and meshes to float32 rounding), except each projection's 16
-        largest input channels, found by running the float model over a short built-in
+        faster on XLA CPU); "int8-weight-only" stores the same weights and
+        converts them into a float dot (more accurate and slower on CPU, and
+        unlike W8A8 it reproduces across batch shapes and meshes to float32
+        rounding). Both keep each projection's 16
+        largest input channels float, found by running the float model over a short built-in
         calibration text (`models.outliers`, about 3 s on two CPU cores),
         which stay float: without them W8A8's last-position logit error
         against float32 is 2.4x larger. Norms, biases and MoE experts stay
@@ -329,7 +334,7 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
     t0 = time.perf_counter()
     p = pathlib.Path(path)
     key = _cache_key(p, base)
-    hit = _cached_int8(p, base, key) if weights == "int8" else None
+    hit = _cached_int8(p, base, key) if weights in INT8_MODES else None
     if hit is not None:
         cfg, params, tokenizer, info = hit
     else:
@@ -344,12 +349,12 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
                 raise ModelLoadError(_not_a_checkpoint(p))
         # The serving layout: one dict per layer (see models.llama.run_layers).
         params = families.module_for(cfg).unstack_layers(params)
-        if weights == "int8":  # quantised from the float32 weights; leaves to device below
+        if weights in INT8_MODES:  # quantised from the float32 weights; leaves to device below
             params = quant.quantize_params(params, outliers=outliers.calibrate(cfg, params,
                                                                               tokenizer))
             info = {**info, **_store_int8(base, key, cfg, params, tokenizer)}
-    if weights == "int8":
-        params = quant.with_compute(params, dtype)
+    if weights in INT8_MODES:
+        params = quant.with_mode(quant.with_compute(params, dtype), INT8_MODES[weights])
     params = jax.tree_util.tree_map(
         lambda a: jnp.asarray(a, dtype=a.dtype if weights else cfg.jnp_dtype), params)
     lm = LanguageModel(config=cfg.replace(dtype=dtype), params=params, tokenizer=tokenizer,

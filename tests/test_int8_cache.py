@@ -4,6 +4,7 @@ quantising again; the oracle is the same load without the cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -78,6 +79,20 @@ def test_second_int8_load_reads_the_int8_entry_bit_identical(gguf, dtype):
     loading._LOADED.clear()
     assert loading.load_info(loading.load(path, cache=base))["weights"] == "cache"
     assert _int8_entries(base) == [entry] and len(_float_entries(base)) == 1
+
+
+def test_weight_only_int8_shares_the_entry_and_runs_weight_only(gguf):
+    """`weights="int8-weight-only"`: the same int8 weights (one cache entry for both
+    values), every QuantizedWeight in the weight-only mode; "int8" is W8A8."""
+    path, base = gguf
+    w8a8 = _load(path, base)
+    loading._LOADED.clear()
+    wo = loading.load(path, cache=base, weights="int8-weight-only")
+    assert loading.load_info(wo)["quantized"] == "cache" and len(_int8_entries(base)) == 1
+    modes = lambda lm: {a.mode for a in jax.tree_util.tree_leaves(lm.params, is_leaf=is_q)  # noqa: E731
+                        if is_q(a)}
+    assert modes(w8a8) == {"w8a8"} and modes(wo) == {"weight_only"}
+    _assert_same(w8a8, dataclasses.replace(wo, params=quant.with_mode(wo.params, "w8a8")))
 
 
 def test_int8_cache_off(gguf):

@@ -263,7 +263,8 @@ def test_bfloat16_activations_with_int8_weights():
 
 def test_bad_weights_refused_before_any_load():
     for bad in ("int4", "INT8", "q8_0", 8, True):
-        with pytest.raises(ConfigError, match=r"weights must be one of \[None, 'int8'\]"):
+        with pytest.raises(ConfigError, match=r"weights must be one of \[None, 'int8', "
+                                              r"'int8-weight-only'\]"):
             load("/no/such/model.gguf", weights=bad)
 
 
@@ -416,7 +417,7 @@ def test_cli_weights_flag_and_config(tmp_path, monkeypatch):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {weights: int4}\n")
     code, out, err = main_captured(["run", "--prompt", "x", "--config", str(bad)])
-    assert code == 2 and "model.weights must be one of null, int8" in err
+    assert code == 2 and "model.weights must be one of null, int8, int8-weight-only" in err
     seen = []
     real = cli.app._load_model
     monkeypatch.setattr(cli.app, "_load_model", lambda *a, **k: seen.append(k) or real(*a, **k))
@@ -425,3 +426,9 @@ def test_cli_weights_flag_and_config(tmp_path, monkeypatch):
                                     "--json", "--quiet"])
     assert code == 0, err
     assert seen[-1]["weights"] == "int8" and json.loads(out)
+    code, out, err = main_captured(["run", "--model", gguf, "--prompt", "hi", "--n", "2",
+                                    "--max-new-tokens", "4", "--seed", "0", "--weights",
+                                    "int8-weight-only", "--json", "--quiet"])
+    assert code == 0, err
+    assert seen[-1]["weights"] == "int8-weight-only"
+    assert json.loads(out)["weights"] == "int8-weight-only"

@@ -19,7 +19,7 @@ Fields of the sections:
 
     model.name        str or null   a model name or a checkpoint path (null: embedded)
     model.dtype       float32 | bfloat16
-    model.weights     null | int8        (int8: `load(weights="int8")`, models/quant.py)
+    model.weights     null | int8 | int8-weight-only   (`load(weights=...)`, models/quant.py)
     sampling.*        the fields of SamplingParams: n, temperature, top_k, top_p,
                       min_p, max_new_tokens (or vLLM's max_tokens), stop_token_ids,
                       stop, seed, logprobs, min_tokens, ignore_eos, presence_penalty,
@@ -52,7 +52,7 @@ from jaxsample.errors import ConfigError, short_repr
 from jaxsample.sampling_params import FOREIGN_KEYWORDS
 
 DTYPES = ("float32", "bfloat16")
-WEIGHTS = (None, "int8")
+WEIGHTS = (None, "int8", "int8-weight-only")  # jaxsample.loading.WEIGHTS
 REDUCER_KINDS = ("vote", "best", "none")
 EXTRACT_KINDS = ("number", "boxed", "choice", "text", "auto")
 VOTE_WEIGHTS = (None, "mean_logprob")
@@ -88,7 +88,8 @@ class ModelConfig:
     Attributes:
       name: a model name or checkpoint path; None for the embedded default.
       dtype: "float32" or "bfloat16" (weights and activations).
-      weights: None (weights in `dtype`) or "int8" (`jaxsample.load(weights="int8")`).
+      weights: None (weights in `dtype`), "int8" or "int8-weight-only"
+        (`jaxsample.load(weights=...)`).
     """
 
     name: str | None = None

@@ -157,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", metavar="YAML", type=_non_empty,
                      help="a run configuration (configs/NAME.yaml, or just NAME)")
     run.add_argument("--dtype", choices=config_lib.DTYPES, help="weights/activations dtype")
-    run.add_argument("--weights", choices=config_lib.WEIGHTS[1:], help="int8: quantised weights")
+    run.add_argument("--weights", choices=config_lib.WEIGHTS[1:],
+                     help="int8: int8 weights and activations (W8A8); int8-weight-only: int8 "
+                          "weights in a float product (reproducible across meshes)")
     # Sampling: None means "not given" so the config file's value stands.
     d = config_lib.DEFAULT_SAMPLING
     run.add_argument("--n", type=_int, help=f"branches N (default {d['n']})")
