@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import pathlib
-import shutil
 import tempfile
 import time
 import warnings
@@ -105,13 +104,18 @@ def cache_root() -> pathlib.Path:
     """
     explicit = os.environ.get(ENV_DIR, "").strip()
     if explicit:
-        try:
-            return pathlib.Path(explicit).expanduser()
-        except RuntimeError as e:  # "~nosuchuser/..."
-            raise ConfigError(f"{ENV_DIR}={explicit!r}: cannot expand it: {e}") from None
+        return _expand(explicit, ENV_DIR)
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     base = pathlib.Path(xdg) if xdg and os.path.isabs(xdg) else pathlib.Path.home() / ".cache"
     return base / "jaxsample"
+
+
+def _expand(path, what: str) -> pathlib.Path:
+    """`Path(path).expanduser()`, or a ConfigError naming `what` (`~nosuchuser/...`)."""
+    try:
+        return pathlib.Path(path).expanduser()
+    except RuntimeError as e:
+        raise ConfigError(f"{what}={str(path)!r}: cannot expand it: {e}") from None
 
 
 def models_dir() -> pathlib.Path:
@@ -161,8 +165,11 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
         on (a second process would compile them again otherwise).
     Returns:
       The directory in use, or None when caching is off (`JAXSAMPLE_NO_CACHE`
-      and no explicit `path`) or the directory cannot be created or written
-      (one warning line says why; never an error: the run only gets slower).
+      and no explicit `path`) or the directory cannot be created (one warning
+      line says why; never an error: the run only gets slower). A directory
+      that cannot be written is still read (one warning line).
+    Raises:
+      ConfigError: `path` or `exported` names an unknown home (`~nosuchuser`).
 
     An entry JAX cannot read (corrupt, truncated) is compiled again and
     rewritten (`_rewrite_unreadable_entries`; JAX itself keeps the old file).
@@ -172,14 +179,20 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
         if base is None:
             return None
         path = base / "xla"
-    path = pathlib.Path(path).expanduser()
+    path = _expand(path, "enable_compilation_cache(path=...)")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()  # writable (JAX would warn per program)
     except OSError as e:
-        log.warning("jaxsample: warning: compilation cache off: cannot write %s: %s", path,
+        log.warning("jaxsample: warning: compilation cache off: cannot create %s: %s", path,
                     " ".join(str(e).split()))
         return None
+    try:
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:  # read what is there; JAX would warn twice per program it writes
+        log.warning("jaxsample: warning: compilation cache read-only: cannot write %s: %s; "
+                    "programs it lacks are compiled, not cached", path,
+                    " ".join(str(e).split()))
+        warnings.filterwarnings("ignore", message="Error writing persistent compilation cache")
     import jax
 
     try:  # a cache already opened on another directory must be re-opened (private API)
@@ -198,7 +211,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
         _EXPORTED.clear()
     else:
         _EXPORTED[:] = [base / "exported" if exported is True
-                        else pathlib.Path(exported).expanduser()]
+                        else _expand(exported, "enable_compilation_cache(exported=...)")]
     return path
 
 
@@ -211,32 +224,49 @@ def _rewrite_unreadable_entries() -> bool:
     JAX reads an entry before compiling and writes one after; a read that
     fails (a corrupt or truncated file) only warns, and the write then skips
     the key because its file exists (`jax._src.lru_cache.LRUCache.put`), so
-    every later process compiles again. JAX only writes a key after compiling
-    it, which it does only when the read found nothing usable, so a write to
-    an existing file means that file was unusable: remove it first, and the
-    fresh executable takes its place. (Two processes compiling one program at
-    once write equal executables.) Installed once per process; a JAX without
-    this private class is left as it is (returns False).
+    every later process compiles again. So `get` notes each key whose file
+    this process read, and `put` of a noted key (read, yet compiled again: the
+    file was unusable) replaces the file atomically, with one warning line. A
+    key another process wrote meanwhile was never read here and is left to
+    JAX. A directory at an entry's path is named (`in_the_way`) and read as
+    no entry. Installed once per process; a JAX without this private class is
+    left as it is (returns False).
     """
     try:
         from jax._src import lru_cache
-        put = lru_cache.LRUCache.put
+        get, put = lru_cache.LRUCache.get, lru_cache.LRUCache.put
         suffix = lru_cache._CACHE_SUFFIX
     except (ImportError, AttributeError):  # pragma: no cover - other jax versions
         return False
     if getattr(put, "_jaxsample_rewrites", False):
         return True
+    read: set[tuple[str, str]] = set()
+
+    def entry(cache, key) -> pathlib.Path:
+        return pathlib.Path(str(cache.path)) / f"{key}{suffix}"
+
+    def get_noting(self, key):
+        path = entry(self, key)
+        if in_the_way(path):
+            warn_in_the_way("compilation cache entry", path)
+            return None
+        value = get(self, key)
+        if value is not None:
+            read.add((str(path), key))
+        return value
 
     def put_rewriting(self, key, value):
-        old = pathlib.Path(self.path) / f"{key}{suffix}"
-        if old.is_file():
+        path = entry(self, key)
+        if (str(path), key) not in read or not path.is_file():
+            return put(self, key, value)
+        read.discard((str(path), key))
+        if atomic_write(path, value):
             log.warning("jaxsample: warning: compilation cache entry %s was unusable; "
-                        "rewritten", old.name)
-            with contextlib.suppress(OSError):
-                old.unlink()
-        return put(self, key, value)
+                        "rewritten", path.name)
+        return None
 
     put_rewriting._jaxsample_rewrites = True
+    lru_cache.LRUCache.get = get_noting
     lru_cache.LRUCache.put = put_rewriting
     return True
 
@@ -462,8 +492,10 @@ _PART_DIRS = {"weights": "weights", "compiled": "xla", "exported": "exported",
 def clear(parts=CLEAR_PARTS, base: pathlib.Path | None = None) -> int:
     """Delete parts of the cache directory: "weights" (`weights/`, its hash index
     included), "compiled" (`xla/`), "exported" (`exported/`), "models"
-    (`models/`: re-assembled on the next load, seconds). Other files under the
-    directory are left alone.
+    (`models/`: re-assembled on the next load, seconds). Only the files the
+    caches write are removed (`_OURS`: entries, their temporary files, JAX's
+    `-cache` / `-atime` files); anything else, and the folder holding it, is left
+    (a cache directory shared with other files loses none of them).
 
     Args:
       parts: a subset of `CLEAR_PARTS`.
@@ -482,10 +514,21 @@ def clear(parts=CLEAR_PARTS, base: pathlib.Path | None = None) -> int:
         d = base / _PART_DIRS[part]
         if d.is_symlink() or not d.is_dir():
             continue
-        for root, _, names in os.walk(d):
-            for name in names:
-                with contextlib.suppress(OSError):
-                    freed += os.lstat(os.path.join(root, name)).st_size
-        shutil.rmtree(d)
+        for p in _files(d):
+            if _OURS[part](p.name):
+                freed += p.stat().st_size
+                p.unlink()
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only when nothing else is in it
     _HASHES.clear()
     return freed
+
+
+# The files each part's writer makes (entries and their temporary files), the
+# only ones `clear` removes.
+_OURS = {
+    "weights": lambda n: n.endswith((".safetensors", ".tmp")) or n == HASH_INDEX,
+    "compiled": lambda n: n.endswith(("-cache", "-atime", ".tmp")) or n == ".lockfile",
+    "exported": lambda n: n.endswith((".jaxexport", ".tmp")),
+    "models": lambda n: n.endswith((".gguf", ".tmp")),
+}

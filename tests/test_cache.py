@@ -481,10 +481,45 @@ def test_enable_compilation_cache_off_and_unwritable(monkeypatch, tmp_path, capl
     read_only.mkdir()
     monkeypatch.setattr(cache.tempfile, "TemporaryFile",
                         lambda dir: (_ for _ in ()).throw(PermissionError(13, "denied", dir)))
-    assert cache.enable_compilation_cache(read_only) is None  # (root may write anywhere)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "jaxsample.disk_cache"]
-    assert len(msgs) == 2 and all("compilation cache off" in m and "\n" not in m for m in msgs)
-    assert str(read_only) in msgs[1] and jax.config.jax_compilation_cache_dir != str(read_only)
+    before = jax.config.jax_compilation_cache_dir
+    try:  # a filled cache on a read-only disk is still read (root may write anywhere)
+        assert cache.enable_compilation_cache(read_only, exported=False) == read_only
+        assert jax.config.jax_compilation_cache_dir == str(read_only)
+    finally:
+        msgs = [r.getMessage() for r in caplog.records if r.name == "jaxsample.disk_cache"]
+        monkeypatch.undo()
+        cache.enable_compilation_cache(before, min_compile_time_s=0.5)  # as tests/conftest.py
+    assert len(msgs) == 2 and all("\n" not in m for m in msgs)
+    assert "compilation cache off" in msgs[0] and "read-only" in msgs[1]
+
+
+def test_compilation_cache_rewrites_only_what_it_read_and_could_not_use(tmp_path, caplog):
+    """The wrapper of JAX's LRUCache (installed by tests/conftest.py's
+    enable_compilation_cache): a key read here and written again (JAX compiled it: the
+    file was unusable) is replaced atomically, with one line; a key another process
+    wrote after this one found nothing is left as JAX leaves it, without a word; a
+    directory with files at an entry's path is a miss, named and left alone."""
+    from jax._src import lru_cache
+
+    c = lru_cache.LRUCache(str(tmp_path), max_size=-1)
+    assert c.get("raced") is None
+    (tmp_path / "raced-cache").write_bytes(b"another process's")
+    c.put("raced", b"ours")
+    assert (tmp_path / "raced-cache").read_bytes() == b"another process's" and not caplog.records
+    (tmp_path / "bad-cache").write_bytes(b"corrupt")
+    assert c.get("bad") == b"corrupt"
+    c.put("bad", b"fresh")
+    assert (tmp_path / "bad-cache").read_bytes() == b"fresh"
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "bad-cache was unusable; rewritten" in msg
+    caplog.clear()
+    (tmp_path / "squat-cache").mkdir()
+    (tmp_path / "squat-cache" / "keep.txt").write_text("the user's")
+    assert c.get("squat") is None
+    c.put("squat", b"x")
+    assert (tmp_path / "squat-cache" / "keep.txt").read_text() == "the user's"
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "is a directory" in msg
 
 
 _CORRUPT_CHILD = textwrap.dedent("""
@@ -534,6 +569,9 @@ def test_a_cache_dir_naming_an_unknown_home_is_a_config_error(monkeypatch):
     monkeypatch.setenv(cache.ENV_DIR, "~no-such-user-jaxsample/x")
     with pytest.raises(ConfigError, match="JAXSAMPLE_CACHE_DIR"):
         cache.cache_root()
+    monkeypatch.setenv(cache.ENV_DIR, os.environ["XDG_CACHE_HOME"])
+    with pytest.raises(ConfigError, match=r"enable_compilation_cache\(path=...\)"):
+        cache.enable_compilation_cache("~no-such-user-jaxsample/xla")
 
 
 # ---------------------------------------------------------------------------
@@ -641,6 +679,24 @@ def _strict_json(text):
 
 def _du(base):
     return sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
+
+
+def test_clear_leaves_files_it_did_not_write(tmp_path):
+    """A cache directory shared with other files (JAXSAMPLE_CACHE_DIR=~): only the files
+    the caches write go, the user's stay with their folders."""
+    for part in ("weights", "exported", "models", "xla"):
+        (tmp_path / part).mkdir()
+        (tmp_path / part / "notes.txt").write_text("the user's")
+    (tmp_path / "models" / "my-llama").mkdir()
+    (tmp_path / "models" / "my-llama" / "model.safetensors").write_text("the user's")
+    (tmp_path / "xla" / "jit_g-0-cache").write_bytes(b"x")
+    (tmp_path / "exported" / "decode-0.jaxexport").write_bytes(b"xy")
+    (tmp_path / "models" / "m.gguf").write_bytes(b"xyz")
+    (tmp_path / "weights" / cache.HASH_INDEX).write_bytes(b"{}")
+    assert cache.clear(base=tmp_path) == 1 + 2 + 3 + 2
+    kept = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert kept == ["exported/notes.txt", "models/my-llama/model.safetensors",
+                    "models/notes.txt", "weights/notes.txt", "xla/notes.txt"]
 
 
 def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):

@@ -197,6 +197,29 @@ def test_a_directory_at_an_entry_path_is_named_and_left_alone(exported_dir, capl
     assert entry.is_file()
 
 
+def test_an_exported_dir_that_cannot_be_written_is_said_once(tmp_path, caplog):
+    """`exported/` under a file: no entry (not "unusable"), the program runs, and one
+    line per process says the programs are not written."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    disk_cache.enable_compilation_cache(COMPILATION_CACHE_DIR, min_compile_time_s=0.0,
+                                        exported=blocker / "exported")
+    try:
+        calls = []
+        f, args = _toy(calls)
+        want = jax.jit(f)(*args)
+        with caplog.at_level(logging.WARNING, logger="jaxsample.disk_cache"):
+            for _ in range(2):
+                _fresh()
+                prog, _ = Programs().get(("toy",), f, args)
+                jax.tree_util.tree_map(np.testing.assert_array_equal, prog(*args), want)
+        (record,) = caplog.records
+        assert "not written" in record.getMessage() and "unusable" not in record.getMessage()
+    finally:
+        disk_cache.enable_compilation_cache(COMPILATION_CACHE_DIR, min_compile_time_s=0.5)
+        _fresh()
+
+
 def test_donation_survives_and_a_new_signature_is_a_new_entry(exported_dir):
     calls = []
     f, args = _toy(calls)

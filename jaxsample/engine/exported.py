@@ -236,7 +236,7 @@ def read_entry(path: pathlib.Path, text: str):
     when there is none) for a file that is truncated, corrupt or stale."""
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a file where a folder should be)
         raise disk_cache.CacheAbsent("no entry") from None
     except OSError as e:
         raise disk_cache.CacheMiss(str(e)) from None
@@ -288,6 +288,9 @@ def _flat_donate(args, donate) -> tuple[int, ...]:
     return tuple(out)
 
 
+_UNWRITABLE: set = set()  # directories an entry could not be written to (said once)
+
+
 def build(directory: pathlib.Path, key, fn, args, donate=()) -> tuple[FlatProgram, bool]:
     """(program, whether its entry was read) for `fn(*args)`: the entry read
     and compiled, or `fn` exported, written, then compiled from the export.
@@ -330,7 +333,11 @@ def build(directory: pathlib.Path, key, fn, args, donate=()) -> tuple[FlatProgra
         raise
     except Exception as e:  # noqa: BLE001 - not exportable: the plain path
         raise Unsupported(f"jax.export: {type(e).__name__}: {e}") from None
-    write_entry(path, text, exp, trees[-1])
+    if (not write_entry(path, text, exp, trees[-1]) and not path.is_dir()  # (said above)
+            and directory not in _UNWRITABLE):
+        _UNWRITABLE.add(directory)  # one line per directory and process
+        log.warning("jaxsample: warning: exported programs not written to %s (cannot write "
+                    "there); traced again by the next process", directory)
     jax.monitoring.record_event_duration_secs(WRITE_EVENT, time.perf_counter() - t0)
     prog = FlatProgram(jax.jit(exp.call, donate_argnums=flat_donate).lower(*leaves).compile(),
                        trees[-1])
