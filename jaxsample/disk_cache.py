@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import pathlib
 import tempfile
@@ -46,6 +45,8 @@ import time
 import warnings
 from typing import Any
 
+from jaxsample import xla_cache
+from jaxsample.cache_files import atomic_write, in_the_way, log, warn_in_the_way  # noqa: F401
 from jaxsample.errors import ConfigError
 
 
@@ -172,7 +173,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
       ConfigError: `path` or `exported` names an unknown home (`~nosuchuser`).
 
     An entry JAX cannot read (corrupt, truncated) is compiled again and
-    rewritten (`_rewrite_unreadable_entries`; JAX itself keeps the old file).
+    rewritten (`xla_cache.rewrite_unreadable_entries`; JAX itself keeps the old file).
     """
     base = cache_dir()
     if path is None:
@@ -202,7 +203,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
             _cc.reset_cache()
     except (ImportError, AttributeError):  # pragma: no cover - other jax versions
         pass
-    if _rewrite_unreadable_entries():  # then JAX's two-line warning repeats our one line
+    if xla_cache.rewrite_unreadable_entries():  # then JAX's two-line warning repeats ours
         warnings.filterwarnings("ignore", message="Error reading persistent compilation cache")
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
@@ -215,77 +216,9 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
     return path
 
 
-log = logging.getLogger("jaxsample.disk_cache")
 
 
-def _rewrite_unreadable_entries() -> bool:
-    """Make JAX's persistent cache replace an entry it could not read.
 
-    JAX reads an entry before compiling and writes one after; a read that
-    fails (a corrupt or truncated file) only warns, and the write then skips
-    the key because its file exists (`jax._src.lru_cache.LRUCache.put`), so
-    every later process compiles again. So `get` notes each key whose file
-    this process read, and `put` of a noted key (read, yet compiled again: the
-    file was unusable) replaces the file atomically, with one warning line. A
-    key another process wrote meanwhile was never read here and is left to
-    JAX. A directory at an entry's path is named (`in_the_way`) and read as
-    no entry. Installed once per process; a JAX without this private class is
-    left as it is (returns False).
-    """
-    try:
-        from jax._src import lru_cache
-        get, put = lru_cache.LRUCache.get, lru_cache.LRUCache.put
-        suffix = lru_cache._CACHE_SUFFIX
-    except (ImportError, AttributeError):  # pragma: no cover - other jax versions
-        return False
-    if getattr(put, "_jaxsample_rewrites", False):
-        return True
-    read: set[tuple[str, str]] = set()
-
-    def entry(cache, key) -> pathlib.Path:
-        return pathlib.Path(str(cache.path)) / f"{key}{suffix}"
-
-    def get_noting(self, key):
-        path = entry(self, key)
-        if in_the_way(path):
-            warn_in_the_way("compilation cache entry", path)
-            return None
-        value = get(self, key)
-        if value is not None:
-            read.add((str(path), key))
-        return value
-
-    def put_rewriting(self, key, value):
-        path = entry(self, key)
-        if (str(path), key) not in read or not path.is_file():
-            return put(self, key, value)
-        read.discard((str(path), key))
-        if atomic_write(path, value):
-            log.warning("jaxsample: warning: compilation cache entry %s was unusable; "
-                        "rewritten", path.name)
-        return None
-
-    put_rewriting._jaxsample_rewrites = True
-    lru_cache.LRUCache.get = get_noting
-    lru_cache.LRUCache.put = put_rewriting
-    return True
-
-
-def in_the_way(path: pathlib.Path) -> bool:
-    """True when a directory that is not empty stands where the cache file `path`
-    goes: never ours to delete, so the file is not written and the caller says
-    so. An empty directory is removed (the file can then be written)."""
-    if not path.is_dir():
-        return False
-    with contextlib.suppress(OSError):
-        path.rmdir()
-    return path.is_dir()
-
-
-def warn_in_the_way(what: str, path: pathlib.Path) -> None:
-    """The one warning line for `in_the_way`."""
-    log.warning("jaxsample: warning: %s %s is a directory, not a cache file; ignored and "
-                "not rewritten (remove it to cache again)", what, path)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -335,28 +268,6 @@ def _remember(base: pathlib.Path | None, sid: str, source: str, sha256: str) -> 
     index[sid] = {"source": source, "sha256": sha256}
     index = dict(list(index.items())[-HASH_INDEX_MAX:])
     atomic_write(_index_path(base), json.dumps(index, indent=0).encode())
-
-
-def atomic_write(path: pathlib.Path, data: bytes) -> bool:
-    """Write `data` to a temporary file beside `path`, then rename it over `path`
-    (a reader sees the old file or the new one, never a part). Creates the
-    directory. Returns False (and leaves nothing behind) on an OSError, or when a
-    directory that is not empty stands at `path` (`in_the_way`)."""
-    tmp = None
-    if in_the_way(path):
-        return False
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-        return True
-    except OSError:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        return False
 
 
 def source_sha256(path: str | os.PathLike, base: pathlib.Path | None = None) -> tuple[str, bool]:

@@ -30,8 +30,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("jaxsample", "jaxsample.errors", "jaxsample.sharding", "jaxsample.sampling_params",
               "jaxsample.progress")),
-    ("load", ("jaxsample.models", "jaxsample.lm", "jaxsample.loading", "jaxsample.disk_cache",
-              "jaxsample.weight_cache")),
+    ("load", ("jaxsample.models", "jaxsample.lm", "jaxsample.loading", "jaxsample.cache_files",
+              "jaxsample.xla_cache", "jaxsample.disk_cache", "jaxsample.weight_cache")),
     ("cost", ("jaxsample.cost",)),
     ("generation", ("jaxsample.generation",)),
     ("bridge", ("jaxsample.bridge",)),
