@@ -216,11 +216,6 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
     return path
 
 
-
-
-
-
-
 def file_sha256(path: str | os.PathLike) -> str:
     """SHA-256 (hex) of a whole file, read in `HASH_BLOCK_BYTES` blocks (constant memory;
     hashlib releases the GIL). Raises OSError."""

@@ -34,7 +34,7 @@ def rewrite_unreadable_entries() -> bool:
         return False
     if getattr(put, "_jaxsample_rewrites", False):
         return True
-    read: set[tuple[str, str]] = set()
+    read: set[pathlib.Path] = set()  # the entries this process read
 
     def entry(cache, key) -> pathlib.Path:
         return pathlib.Path(str(cache.path)) / f"{key}{suffix}"
@@ -46,14 +46,14 @@ def rewrite_unreadable_entries() -> bool:
             return None
         value = get(self, key)
         if value is not None:
-            read.add((str(path), key))
+            read.add(path)
         return value
 
     def put_rewriting(self, key, value):
         path = entry(self, key)
-        if (str(path), key) not in read or not path.is_file():
+        if path not in read or not path.is_file():
             return put(self, key, value)
-        read.discard((str(path), key))
+        read.discard(path)
         if atomic_write(path, value):
             log.warning("jaxsample: warning: compilation cache entry %s was unusable; "
                         "rewritten", path.name)
