@@ -351,6 +351,7 @@ def cache_info(base: pathlib.Path | None = None) -> dict[str, Any]:
        "compiled_programs" (JAX's `*-cache` files), "compiled_bytes",
        "exported_programs" (`*.jaxexport` files), "exported_bytes",
        "models": [{"file", "bytes", "age_s"}], "models_bytes",
+       "kernels_bytes" (the int8 CPU kernels built here, `kernels/`),
        "total_bytes" (every file under the directory)}; bytes are file sizes.
     """
     base = pathlib.Path(base) if base is not None else cache_root()
@@ -385,20 +386,22 @@ def cache_info(base: pathlib.Path | None = None) -> dict[str, Any]:
             "exported_programs": len(exported),
             "exported_bytes": sum(p.stat().st_size for p in _files(base / "exported")),
             "models": models, "models_bytes": sum(m["bytes"] for m in models),
+            "kernels_bytes": sum(p.stat().st_size for p in _files(base / "kernels")),
             "total_bytes": total}
 
 
-CLEAR_PARTS = ("weights", "compiled", "exported", "models")
+CLEAR_PARTS = ("weights", "compiled", "exported", "models", "kernels")
 
 
 _PART_DIRS = {"weights": "weights", "compiled": "xla", "exported": "exported",
-              "models": "models"}
+              "models": "models", "kernels": "kernels"}
 
 
 def clear(parts=CLEAR_PARTS, base: pathlib.Path | None = None) -> int:
     """Delete parts of the cache directory: "weights" (`weights/`, its hash index
     included), "compiled" (`xla/`), "exported" (`exported/`), "models"
-    (`models/`: re-assembled on the next load, seconds). Only the files the
+    (`models/`: re-assembled on the next load, seconds), "kernels" (`kernels/`,
+the int8 CPU kernels: rebuilt on the next int8 load, seconds). Only the files the
     caches write are removed (`_OURS`: entries, their temporary files, JAX's
     `-cache` / `-atime` files); anything else, and the folder holding it, is left
     (a cache directory shared with other files loses none of them).
@@ -437,4 +440,5 @@ _OURS = {
     "compiled": lambda n: n.endswith(("-cache", "-atime", ".tmp")) or n == ".lockfile",
     "exported": lambda n: n.endswith((".jaxexport", ".tmp")),
     "models": lambda n: n.endswith((".gguf", ".tmp")),
+    "kernels": lambda n: n.startswith("cpu_kernels-") and n.endswith((".so", ".sha256", ".tmp")),
 }

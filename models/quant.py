@@ -26,19 +26,16 @@ Two ways to run the product (`MODES`, a static field, chosen per model):
 * "w8a8": activations quantised per row on the fly (`s_x = max|x| / 127`),
   an int8 x int8 -> int32 `lax.dot_general`, then `* s_x * scale`.
 
-`DEFAULT_MODE` is the faster of the two on XLA CPU: W8A8 (benchmarks/quantized.py,
-benchmarks/RESULTS.md "Int8 weights": SmolLM2, P = 1024, the decode step at
-0.57x float32's time at N = 1 and 0.53x at N = 16, one run, interleaved).
-XLA CPU does not fuse a convert into a dot's operand: the weight-only
-product materialises a float32 copy of every weight each step (211 per
-SmolLM2 step, the 113 MB head among them) and ran 2.5x (N = 1) and 1.6x
-(N = 16) slower than float32. Its int8 x int8 -> int32 dot is a real int8
-GEMM from two rows up, reading the int8 weight as it is, so W8A8 reads a
-quarter of float32's bytes (a one-row product is padded to two, see
-`_w8a8_rows`). The activations' per-row rounding is the accuracy price:
-on SmolLM2 and Gemma 3 270M it about doubles weight-only's last-position
-logit error against float32 (RESULTS.md has the figures, and the greedy
-agreement); `with_mode(params, "weight_only")` trades that speed back for it.
+`DEFAULT_MODE` is W8A8, the faster of the two on XLA CPU. On an x86-64
+CPU with AVX2 both products of a weight stored `[out, in]` run as
+`models.cpu_kernels`' custom calls (built on first use; XLA's int8 GEMM has a
+fixed cost per small product, and XLA gives a float x int8 dot a float32 copy
+of the weight each step); W8A8's int32 sums are exact, so its int8 product
+equals `lax.dot_general`'s bit for bit, and weight-only's kernel sums in an order
+that does not depend on the batch. Without the kernels (`JAXSAMPLE_CPU_KERNELS=0`,
+no compiler, another platform) the products are `lax.dot_general`.
+The activations' per-row rounding is W8A8's accuracy price (RESULTS.md):
+`with_mode(params, "weight_only")` trades speed back for it.
 
 Outlier channels (`QuantizedWeight.outliers`, chosen by `models.outliers`'
 calibration, on by default in `load(weights="int8")`): a projection's few
@@ -63,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import custom_batching
 
-from jaxsample.models import common
+from jaxsample.models import common, cpu_kernels
 
 MODES = ("weight_only", "w8a8")
 DEFAULT_MODE = "w8a8"
@@ -219,7 +216,9 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     dims = (((x.ndim - 1,), (1 if w.transposed else 0,)), ((), ()))
     extra = w.outliers or ()
     if w.mode == "w8a8":
-        return _w8a8_fn(bool(w.transposed))(x, w.q, w.scale, *extra).astype(out)
+        return _product_fn(bool(w.transposed), "w8a8")(x, w.q, w.scale, *extra).astype(out)
+    if w.transposed and x.dtype == jnp.float32 and cpu_kernels.active():
+        return _product_fn(True, "weight_only")(x, w.q, w.scale, *extra).astype(out)
     y = jax.lax.dot_general(x, w.q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     y = y * w.scale
     if extra:
@@ -238,12 +237,15 @@ def _outlier_part(x, idx, w_out):
 def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool):
     """x `[M, in]` -> float32 `[M, out]`: x quantised per row, int8 x int8 -> int32 dot.
 
-    A single row is padded with a zero row: XLA CPU (jaxlib 0.10.2) lowers a
+    The dot is `cpu_kernels.int8_dot` for a weight stored `[out, in]` when the
+    CPU kernels are on (exact: the same int32 as `lax.dot_general`). Else a
+    single row is padded with a zero row: XLA CPU (jaxlib 0.10.2) lowers a
     one-row int8 dot to a matrix-vector loop over an int32 copy of the whole
     weight (0.42 ms for 576 x 1536, 150 ms for SmolLM2's head), and two rows
     to its int8 GEMM (0.09 ms, 2.5 ms: faster than the float32 dot).
     """
-    one = x.shape[0] == 1
+    kernel = transposed and cpu_kernels.active()
+    one = x.shape[0] == 1 and not kernel
     xf = x.astype(jnp.float32)
     if one:
         xf = jnp.concatenate([xf, jnp.zeros_like(xf)])
@@ -253,25 +255,40 @@ def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool
     sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / QMAX
     sx = jnp.where(sx > 0, sx, 1.0)
     xq = jnp.clip(jnp.round(xf / sx), -QMAX, QMAX).astype(jnp.int8)
-    dims = (((1,), (1 if transposed else 0,)), ((), ()))
-    y = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.int32)
+    if kernel:
+        y = cpu_kernels.int8_dot(xq, q)
+    else:
+        dims = (((1,), (1 if transposed else 0,)), ((), ()))
+        y = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.int32)
     y = y.astype(jnp.float32) * sx * scale
     if idx is not None:
         y = y + yo
     return y[:1] if one else y
 
 
+def _weight_only_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool):
+    """x float32 `[M, in]` -> float32 `[M, out]` through `cpu_kernels.f32_int8_dot`
+    (q stored `[out, in]`); the outlier channels, if any, are zero in q and added
+    as their float product, as in `matmul`'s weight-only expression."""
+    y = cpu_kernels.f32_int8_dot(x, q) * scale
+    if idx is not None:
+        y = y + _outlier_part(x, idx, w_out)
+    return y
+
+
 @functools.lru_cache(maxsize=None)
-def _w8a8_fn(transposed: bool):
-    """The W8A8 product `f(x [..., in], q, scale[, idx, keep, w_out]) -> [..., out]`
-    float32 (the outlier channels' leaves, if any), with a `custom_vmap` rule that folds
-    vmapped axes of x into its rows (so the one-row padding of `_w8a8_rows` sees
-    the true row count of the decode step, B x N, not one row per branch) and a
-    `custom_vjp` (the gradient of x through the dequantised weights, as the float
-    model's; none for the weights)."""
+def _product_fn(transposed: bool, mode: str):
+    """The product `f(x [..., in], q, scale[, idx, keep, w_out]) -> [..., out]` float32
+    (the outlier channels' leaves, if any) of `mode` ("w8a8": `_w8a8_rows`;
+    "weight_only": `_weight_only_rows`, the CPU kernel), with a `custom_vmap` rule
+    that folds vmapped axes of x into its rows (so the product sees the true row
+    count of the decode step, B x N, not one row per branch) and a `custom_vjp`
+    (the gradient of x through the dequantised weights, as the float model's; none
+    for the weights)."""
+    rows = _w8a8_rows if mode == "w8a8" else _weight_only_rows
 
     def flat(x, *w):
-        y = _w8a8_rows(x.reshape(-1, x.shape[-1]), *w, transposed=transposed)
+        y = rows(x.reshape(-1, x.shape[-1]), *w, transposed=transposed)
         return y.reshape(x.shape[:-1] + y.shape[-1:])
 
     f = custom_batching.custom_vmap(flat)

@@ -341,6 +341,7 @@ def _cache_command(args) -> int:
     print(f"assembled checkpoints: {len(info['models'])}, {fb(info['models_bytes'])}")
     for m in info["models"]:
         print(f"  {Path(m['file']).name}  {fb(m['bytes'])}  written {_age(m['age_s'])} ago")
+    print(f"int8 CPU kernels: {fb(info['kernels_bytes'])}")
     print(f"total: {fb(info['total_bytes'])}")
     return EXIT_OK
 

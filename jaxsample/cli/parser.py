@@ -305,7 +305,7 @@ def _add_cache_parser(sub) -> None:
                                        "$XDG_CACHE_HOME/jaxsample, else ~/.cache/jaxsample): "
                                        "dequantised and int8 weights, compiled and exported "
                                        "programs "
-                                       "and assembled checkpoints.")
+                                       "assembled checkpoints and the int8 CPU kernels.")
     what = cache.add_subparsers(dest="cache_command", metavar="ACTION", parser_class=_Parser)
     what.required = True
     info = what.add_parser("info", help="where the cache is and what it holds (sizes, ages)")
@@ -319,6 +319,8 @@ def _add_cache_parser(sub) -> None:
                        ("exported", "the exported programs (exported/: traced and lowered, "
                                     "so a second run skips tracing)"),
                        ("models", "the assembled checkpoints (models/; re-assembled on the "
-                                  "next load)")):
+                                  "next load)"),
+                       ("kernels", "the int8 CPU kernels (kernels/; rebuilt on the next int8 "
+                                   "load)")):
         clear.add_argument(f"--{part}", action="store_true", help=f"clear {text}")
     clear.add_argument("--json", action="store_true", help="print one JSON object")

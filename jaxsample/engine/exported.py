@@ -20,7 +20,11 @@ structure, shapes, dtypes, weak types, shardings: a new kind of parameter
 leaf such as int8 weights changes it by itself), the donated arguments, the
 trace-time module constants (`TRACE_KNOBS`), the jax/jaxlib and jaxsample
 versions, a SHA-256 of the library's source files (`source_digest`: any code
-change invalidates every entry), the platform and the devices.
+change invalidates every entry), the platform and the devices, and, for a
+program with int8 arguments, the int8 CPU kernels' fingerprint
+(`models.cpu_kernels`: their custom calls are in the program, registered by
+any process whose key matches; `jax.export`'s check of custom-call targets is
+lifted for those two only).
 
 A program is always built the same way when the exported cache is on:
 exported first (traced and lowered once, written), then
@@ -51,6 +55,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxsample import disk_cache
 
@@ -146,11 +151,22 @@ def entry_key(key, args, donate) -> str:
         "device_kind": devices[0].device_kind,
         "devices": len(devices),
         "processes": jax.process_count(),
+        "cpu_kernels": _kernels(args),
     }
     text = json.dumps(material, sort_keys=True, default=repr)
     if re.search(r" at 0x[0-9a-fA-F]+", text):  # the key or an argument's pytree node
         raise Unsupported("the key names an object address")
     return text
+
+
+def _kernels(args) -> str:
+    """The int8 CPU kernels' fingerprint when an argument is int8 (its program may call
+    them: `models.cpu_kernels`), else "" (a float program never builds them)."""
+    if not any(getattr(a, "dtype", None) == jnp.int8 for a in jax.tree_util.tree_leaves(args)):
+        return ""
+    from jaxsample.models import cpu_kernels
+
+    return cpu_kernels.fingerprint()
 
 
 def _version() -> str:
@@ -327,7 +343,10 @@ def build(directory: pathlib.Path, key, fn, args, donate=()) -> tuple[FlatProgra
 
     t0 = time.perf_counter()
     try:
-        exp = jax.export.export(jax.jit(flat))(*leaves)
+        from jaxsample.models import cpu_kernels
+
+        checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in cpu_kernels.TARGETS]
+        exp = jax.export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
         encode_tree(trees[-1])
     except Unsupported:
         raise

@@ -1,0 +1,221 @@
+// Int8 products for XLA CPU, as typed FFI custom calls (models/cpu_kernels.py builds,
+// loads and registers this file; models/quant.py calls them).
+//
+//   jaxsample_int8_dot:   x int8 [M, K], w int8 [N, K] -> int32 [M, N], y = x w^T (exact)
+//   jaxsample_f32_int8_dot: x f32 [M, K], w int8 [N, K] -> f32 [M, N], y = x float(w)^T
+//
+// Why: XLA CPU (jaxlib 0.10.2) runs a small-M int8 x int8 dot through its int8 GEMM
+// with a fixed cost of 0.1-0.3 ms per product on an AVX2 CPU, whatever the weight's
+// size, and lowers a one-row one to a loop over an int32 copy of the weight; a
+// float x int8 dot materialises a float32 copy of the weight first. These loops read
+// each weight row once from memory for all M rows (benchmarks/RESULTS.md, "CPU
+// kernels"). Requires AVX2; jaxsample_int8_cpu_supported() says whether this CPU has it.
+//
+// The int8 product is exact (int32 sums of products of values in [-127, 127]: with
+// K < 2^17 no sum overflows), so it equals lax.dot_general bit for bit. The float one
+// sums each output in an order fixed by K alone (8 lanes over k, then the lanes),
+// so a row's result does not depend on M or on the other rows.
+//
+// The int8 inner loop is the AVX2 sign trick of llama.cpp's ggml (ggml-cpu quants):
+// maddubs(|x|, sign(w, x)) multiplies unsigned by signed bytes into int16 pairs.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kRowsPerTask = 64;  // output rows n per unit of work
+constexpr int64_t kBlock = 4;         // output rows n per inner loop
+
+inline int32_t HorizontalSum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[m, n] = sum_k x[m, k] w[n, k] for n in [n0, n1).
+void Int8Rows(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t N,
+              int64_t K, int64_t n0, int64_t n1) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t K32 = K / 32 * 32;
+  int64_t n = n0;
+  for (; n + kBlock <= n1; n += kBlock) {
+    const int8_t* wn = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xm = x + m * K;
+      __m256i acc[kBlock];
+      for (int j = 0; j < kBlock; ++j) acc[j] = _mm256_setzero_si256();
+      for (int64_t k = 0; k < K32; k += 32) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + k));
+        const __m256i ax = _mm256_sign_epi8(xv, xv);
+        for (int j = 0; j < kBlock; ++j) {
+          const __m256i wv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + j * K + k));
+          const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv));
+          acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(p, ones));
+        }
+      }
+      for (int j = 0; j < kBlock; ++j) {
+        int32_t s = HorizontalSum(acc[j]);
+        for (int64_t k = K32; k < K; ++k) s += int32_t(xm[k]) * int32_t(wn[j * K + k]);
+        out[m * N + n + j] = s;
+      }
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < K; ++k) s += int32_t(x[m * K + k]) * int32_t(w[n * K + k]);
+      out[m * N + n] = s;
+    }
+}
+
+// Rows m0 .. m0 + MR - 1 of x against the kBlock float rows in `buf`: MR x kBlock
+// independent accumulators (an FMA's latency hidden), each summed over k in 8 lanes,
+// then the lanes: the order depends on K alone.
+template <int MR>
+inline void F32Tile(const float* x, const float* buf, float* out, int64_t N, int64_t K,
+                    int64_t m0, int64_t n, int64_t rows) {
+  const int64_t K8 = K / 8 * 8;
+  __m256 acc[MR][kBlock];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kBlock; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[kBlock];
+    for (int j = 0; j < kBlock; ++j) wv[j] = _mm256_loadu_ps(buf + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + (m0 + i) * K + k);
+      for (int j = 0; j < kBlock; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < rows; ++j) {
+      float s = HorizontalSum(acc[i][j]);
+      for (int64_t k = K8; k < K; ++k) s += x[(m0 + i) * K + k] * buf[j * K + k];
+      out[(m0 + i) * N + n + j] = s;
+    }
+}
+
+// out[m, n] = sum_k x[m, k] float(w[n, k]) for n in [n0, n1); `buf` holds kBlock * K
+// floats: a block's weight rows converted once for all M (rows past N left zero).
+void F32Rows(const float* x, const int8_t* w, float* out, int64_t M, int64_t N, int64_t K,
+             int64_t n0, int64_t n1, float* buf) {
+  const int64_t K8 = K / 8 * 8;
+  for (int64_t n = n0; n < n1; n += kBlock) {
+    const int64_t rows = std::min<int64_t>(kBlock, n1 - n);
+    std::fill(buf, buf + kBlock * K, 0.0f);
+    for (int64_t j = 0; j < rows; ++j) {
+      const int8_t* wr = w + (n + j) * K;
+      float* br = buf + j * K;
+      int64_t k = 0;
+      for (; k < K8; k += 8) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k));
+        _mm256_storeu_ps(br + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+      }
+      for (; k < K; ++k) br[k] = float(wr[k]);
+    }
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) F32Tile<2>(x, buf, out, N, K, m, n, rows);
+    if (m < M) F32Tile<1>(x, buf, out, N, K, m, n, rows);
+  }
+}
+
+// Runs body(n0, n1) over [0, N) in chunks of kRowsPerTask output rows, on the calling
+// thread and the intra-op pool's. The caller claims chunks too and waits only for
+// chunks already claimed by another thread (never for a task still queued), so it
+// cannot deadlock on a busy pool; a task that starts late finds no chunk and returns.
+template <typename Body>
+void ParallelRows(ffi::ThreadPool& pool, int64_t N, Body body) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  const int64_t chunks = (N + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, chunks - 1);
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, chunks, N, body]() {
+    for (;;) {
+      const int64_t c = shared->next.fetch_add(1);
+      if (c >= chunks) return;
+      body(c * kRowsPerTask, std::min(N, (c + 1) * kRowsPerTask));
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { work(); });
+  work();
+  while (shared->done.load(std::memory_order_acquire) < chunks) _mm_pause();
+}
+
+ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
+                       ffi::Span<const int64_t> od) {
+  if (xd.size() != 2 || wd.size() != 2 || od.size() != 2 || xd[1] != wd[1] ||
+      od[0] != xd[0] || od[1] != wd[0])
+    return ffi::Error::InvalidArgument("expected x [M, K], w [N, K] and out [M, N]");
+  if (xd[1] >= (int64_t(1) << 17))
+    return ffi::Error::InvalidArgument("K >= 2^17 could overflow the int32 sums");
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                   ffi::ResultBuffer<ffi::S32> out) {
+  if (ffi::Error e = CheckShapes(x.dimensions(), w.dimensions(), out->dimensions());
+      e.failure())
+    return e;
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
+  const int8_t* xp = x.typed_data();
+  const int8_t* wp = w.typed_data();
+  int32_t* op = out->typed_data();
+  ParallelRows(pool, N, [=](int64_t n0, int64_t n1) { Int8Rows(xp, wp, op, M, N, K, n0, n1); });
+  return ffi::Error::Success();
+}
+
+ffi::Error F32Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  if (ffi::Error e = CheckShapes(x.dimensions(), w.dimensions(), out->dimensions());
+      e.failure())
+    return e;
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
+  const float* xp = x.typed_data();
+  const int8_t* wp = w.typed_data();
+  float* op = out->typed_data();
+  ParallelRows(pool, N, [=](int64_t n0, int64_t n1) {
+    std::vector<float> buf(kBlock * K);
+    F32Rows(xp, wp, op, M, N, K, n0, n1, buf.data());
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsample_int8_dot, Int8Dot,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsample_f32_int8_dot, F32Int8Dot,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" int jaxsample_int8_cpu_supported() { return __builtin_cpu_supports("avx2") &&
+                                                      __builtin_cpu_supports("fma"); }

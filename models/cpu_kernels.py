@@ -1,0 +1,234 @@
+"""The int8 products on XLA CPU as FFI custom calls: built from `cpu_kernels.cc` on first use.
+
+Two products, each `x [M, K]` against an int8 weight stored `[N, K]` (a
+`QuantizedWeight` with `transposed=True`, the layout `quant.quantize_params`
+writes):
+
+* `int8_dot(xq, q)`: int8 x int8 -> int32 `[M, N]`, W8A8's product. Exact, so
+  it equals `lax.dot_general` bit for bit whatever the kernel's order.
+* `f32_int8_dot(x, q)`: float32 x int8 -> float32 `[M, N]`, weight-only int8's
+  product, summed in an order fixed by K alone (a row's result does not depend
+  on M or on the other rows: batch-invariant).
+
+Why (benchmarks/RESULTS.md, "CPU kernels"): XLA CPU (jaxlib 0.10.2) runs a
+small-M int8 x int8 dot through its int8 GEMM at a fixed 0.1-0.3 ms per
+product on an AVX2 CPU, lowers a one-row one to a loop over an int32 copy of
+the weight, and gives a float x int8 dot a float32 copy of the weight each
+call. The kernels read each weight row once for all M rows, on the intra-op
+thread pool.
+
+Built on first use in a process that runs an int8 model: `$CXX` (default
+`c++`) compiles the source against the installed jaxlib's FFI headers
+(`jax.ffi.include_dir()`, a few seconds) into the cache directory's
+`kernels/` (`cpu_kernels-<key>.so`, key = SHA-256 of the source, the command
+and jaxlib's version; a `.sha256` beside it is checked before loading), or a
+temporary directory when the caches are off. The loaded library must pass a
+self-test against numpy before it is used. Where any of this fails (no
+compiler, not x86-64 with AVX2, `JAXSAMPLE_CPU_KERNELS=0`), one log line says
+why and the products stay XLA's `dot_general`: same results (bit for bit for
+W8A8), slower. Where JAX's default backend is not the CPU (a GPU, a TPU)
+nothing is built and the programs keep `dot_general` (`active()`).
+
+Reference: the AVX2 int8 dot is ggml's sign trick (llama.cpp, ggml-cpu);
+the FFI is XLA's typed custom-call API (`jax.ffi`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ENV = "JAXSAMPLE_CPU_KERNELS"
+"""Set to 0 / false / no / off to keep XLA's dot_general (the A/B of the benchmarks)."""
+
+SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
+TARGETS = ("jaxsample_int8_dot", "jaxsample_f32_int8_dot")
+
+log = logging.getLogger("jaxsample.cpu_kernels")
+
+_STATE: dict[str, str] = {}  # "status": "on" | the reason it is off; "key"
+
+
+def _off_reason() -> str | None:
+    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return f"{ENV}={os.environ[ENV]}"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"not x86-64 Linux ({platform.system()} {platform.machine()})"
+    return None
+
+
+def _compiler() -> list[str] | None:
+    cxx = shlex.split(os.environ.get("CXX", "").strip() or "c++")
+    return cxx if cxx and shutil.which(cxx[0]) else None
+
+
+def _key(cxx: list[str]) -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(cxx + list(FLAGS)).encode(),
+                 jax.lib.__version__.encode() if hasattr(jax.lib, "__version__") else b""):
+        h.update(part + b"\0")
+    return h.hexdigest()[:32]
+
+
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _build(cxx: list[str], out: pathlib.Path) -> None:
+    """Compile SOURCE to `out` (through a temporary file renamed over it) and write
+    `out.sha256`. Raises OSError or RuntimeError (the compiler's last line)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            lines = [ln for ln in r.stderr.splitlines() if "error" in ln] or r.stderr.splitlines()
+            raise RuntimeError(f"{cxx[0]} failed: {(lines or ['no output'])[0][:200]}")
+        digest = _sha256(pathlib.Path(tmp))
+        os.replace(tmp, out)
+        out.with_suffix(".sha256").write_text(digest + "\n")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def _library(cxx: list[str], key: str) -> ctypes.CDLL:
+    """The built library, from the cache when its checksum holds, else built again."""
+    from jaxsample import disk_cache
+
+    base = disk_cache.cache_dir()
+    if base is not None:
+        so = base / "kernels" / f"cpu_kernels-{key}.so"
+        with contextlib.suppress(OSError):
+            if (so.is_file() and so.with_suffix(".sha256").is_file()
+                    and so.with_suffix(".sha256").read_text().strip() == _sha256(so)):
+                return ctypes.CDLL(str(so))
+        try:
+            _build(cxx, so)
+            return ctypes.CDLL(str(so))
+        except OSError:
+            pass  # not writable: build in a temporary directory instead
+    with tempfile.TemporaryDirectory(prefix="jaxsample-kernels-") as d:
+        so = pathlib.Path(d) / f"cpu_kernels-{key}.so"
+        _build(cxx, so)
+        return ctypes.CDLL(str(so))  # stays mapped after the directory is removed
+
+
+def _self_test() -> None:
+    """Both products on small shapes (a K tail, an N tail, M = 1 and 3) against
+    numpy; raises RuntimeError on a difference beyond float32 summation's bound
+    (K * 2^-24 * sum |x w|)."""
+    with jax.ensure_compile_time_eval():  # the first call may come while a program traces
+        _check_on_cpu(np.random.default_rng(0), jax.devices("cpu")[0])
+
+
+def _check_on_cpu(rng, cpu) -> None:
+    for M, K, N in ((1, 100, 37), (3, 576, 70)):
+        x8, w, xf = (rng.integers(-127, 128, (M, K), dtype=np.int8),
+                     rng.integers(-127, 128, (N, K), dtype=np.int8),
+                     rng.standard_normal((M, K)).astype(np.float32))
+        on_cpu = jax.device_put((x8, w, xf), cpu)
+        got8 = np.asarray(jax.jit(_int8_kernel)(on_cpu[0], on_cpu[1]))
+        gotf = np.asarray(jax.jit(_f32_kernel)(on_cpu[2], on_cpu[1]), np.float64)
+        if not np.array_equal(got8, x8.astype(np.int64) @ w.T.astype(np.int64)):
+            raise RuntimeError("self-test: the int8 product differs from numpy")
+        want = xf.astype(np.float64) @ w.T.astype(np.float64)
+        bound = K * 2.0**-24 * (np.abs(xf).astype(np.float64) @ np.abs(w.T).astype(np.float64))
+        if not np.all(np.abs(gotf - want) <= bound):
+            raise RuntimeError("self-test: the float32 x int8 product differs from numpy")
+
+
+def enabled() -> bool:
+    """Whether the kernels are built, registered and passed their self-test in this
+    process (the first call builds or loads them; later calls are free). False
+    with one log line saying why where they cannot be."""
+    if "status" not in _STATE:
+        reason = _off_reason()
+        cxx = _compiler() if reason is None else None
+        if reason is None and cxx is None:
+            reason = "no C++ compiler (set CXX)"
+        if reason is None:
+            try:
+                key = _key(cxx)
+                lib = _library(cxx, key)
+                if not lib.jaxsample_int8_cpu_supported():
+                    raise RuntimeError("this CPU has no AVX2 and FMA")
+                for name in TARGETS:
+                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
+                                                platform="cpu")
+                _self_test()
+                _STATE["key"] = key
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+                reason = " ".join(str(e).split())[:240] or type(e).__name__
+        _STATE["status"] = "on" if reason is None else reason
+        if reason is not None and os.environ.get(ENV, "").strip().lower() not in (
+                "0", "false", "no", "off"):
+            log.warning("jaxsample: warning: int8 CPU kernels off (%s); int8 products run "
+                        "as XLA's dot_general, slower", reason)
+    return _STATE["status"] == "on"
+
+
+def active() -> bool:
+    """Whether a program traced now calls the kernels: `enabled()` and JAX's default
+    backend is the CPU (on a GPU or TPU the products stay `dot_general`)."""
+    return jax.default_backend() == "cpu" and enabled()
+
+
+def fingerprint() -> str:
+    """What the traced programs depend on: "off", or the kernels' key (the exported
+    programs' cache keys carry it, so no process reads a program whose custom calls
+    it has not registered)."""
+    return _STATE.get("key", "off") if active() else "off"
+
+
+def _call(target, dtype, x, w):
+    """The custom call `x [M, K], w [N, K] -> [M, N]`; under a `shard_map` its result
+    varies over the mesh axes its operands vary over (as `dot_general`'s does)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), dtype)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
+
+
+def _int8_kernel(x, w):
+    return _call(TARGETS[0], jnp.int32, x, w)
+
+
+def _f32_kernel(x, w):
+    return _call(TARGETS[1], jnp.float32, x, w)
+
+
+def _xla(x, w, out_dtype):
+    w = w if x.dtype == w.dtype else w.astype(x.dtype)
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x int8 [M, K] . w int8 [N, K]^T -> int32 [M, N]`, exact: the kernel on CPU when
+    `active()`, else `lax.dot_general`."""
+    if not active():
+        return _xla(x, w, jnp.int32)
+    return _int8_kernel(x, w)
+
+
+def f32_int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x float32 [M, K] . float(w int8 [N, K])^T -> float32 [M, N]`: the kernel on CPU
+    when `active()`, else `lax.dot_general` of x and
+    `w.astype(float32)`."""
+    if not active():
+        return _xla(x, w, jnp.float32)
+    return _f32_kernel(x, w)

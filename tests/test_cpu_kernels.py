@@ -1,0 +1,157 @@
+"""The int8 CPU kernels (`models.cpu_kernels`) against independent oracles.
+
+Oracles: int64 numpy for the int8 x int8 product (exact, so equality), float64
+numpy for the float32 x int8 product (within float32 summation's bound), XLA's
+`dot_general` for the whole W8A8 model (the int32 product is exact, so the
+logits agree bit for bit), the one-row product for a batch (the kernel's sums
+do not depend on M), and fresh processes for the build, the cache and the
+fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from jaxsample.models import cpu_kernels, families, quant
+from test_quantized import int8_lm
+
+CAN_BUILD = (platform.system() == "Linux" and platform.machine() == "x86_64"
+             and shutil.which("c++") is not None
+             and "avx2" in open("/proc/cpuinfo").read() and "fma" in open("/proc/cpuinfo").read())
+needs_kernels = pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 Linux, AVX2+FMA, c++")
+
+
+@needs_kernels
+def test_the_kernels_build_here():
+    """On a machine that can build them (CI's) the kernels must be on: a silent
+    fallback would leave every other test here checking XLA against itself."""
+    assert cpu_kernels.enabled(), cpu_kernels._STATE
+
+
+shapes = st.tuples(st.integers(1, 20), st.integers(1, 700), st.integers(1, 150))
+
+
+@needs_kernels
+@given(shapes, st.integers(0, 2**31 - 1))
+def test_int8_product_is_exact(mkn, seed):
+    """Values at the ends of [-127, 127] included: the int32 sums equal int64 numpy's."""
+    M, K, N = mkn
+    rng = np.random.default_rng(seed)
+    x = rng.choice(np.array([-127, -1, 0, 1, 127], np.int8), (M, K))
+    x[:, ::3] = rng.integers(-127, 128, x[:, ::3].shape)
+    w = rng.integers(-127, 128, (N, K), dtype=np.int8)
+    got = np.asarray(jax.jit(cpu_kernels.int8_dot)(x, w))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, x.astype(np.int64) @ w.T.astype(np.int64))
+
+
+@needs_kernels
+@given(shapes, st.integers(0, 2**31 - 1))
+def test_float_product_within_float32_summation_and_batch_invariant(mkn, seed):
+    """Against float64 numpy within K * 2^-24 * sum |x w| (recursive float32
+    summation's bound), and each row equal bit for bit to the same row alone."""
+    M, K, N = mkn
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((M, K)) * rng.choice([1e-3, 1.0, 30.0])).astype(np.float32)
+    w = rng.integers(-127, 128, (N, K), dtype=np.int8)
+    f = jax.jit(cpu_kernels.f32_int8_dot)
+    got = np.asarray(f(x, w), np.float64)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = K * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(w.T).astype(np.float64))
+    assert np.all(np.abs(got - exact) <= bound)
+    for i in {0, M - 1}:
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w))[0], got[i].astype(np.float32))
+
+
+@needs_kernels
+def test_under_vmap_and_a_mesh():
+    """A vmapped call (the engine's branch axis) and a 2-device shard_map give the
+    unbatched results."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(-127, 128, (3, 2, 64), dtype=np.int8)
+    w = rng.integers(-127, 128, (40, 64), dtype=np.int8)
+    want = np.einsum("bmk,nk->bmn", x.astype(np.int64), w.astype(np.int64))
+    got = jax.jit(jax.vmap(cpu_kernels.int8_dot, in_axes=(0, None)))(x, w)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    if jax.device_count() >= 2:
+        from jax.sharding import NamedSharding, PartitionSpec as Ps
+        mesh = jax.make_mesh((2,), ("d",))
+        g = jax.jit(jax.shard_map(cpu_kernels.int8_dot, mesh=mesh, in_specs=(Ps("d"), Ps()),
+                                  out_specs=Ps("d")))
+        x2 = x.reshape(6, 64)
+        got = g(jax.device_put(x2, NamedSharding(mesh, Ps("d"))), w)
+        np.testing.assert_array_equal(np.asarray(got), want.reshape(6, 40))
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["w8a8", "weight_only"])
+def test_model_with_kernels_against_xla(tiny_lm, mode, monkeypatch):
+    """The tiny model's logits over two prompts' rows: W8A8 equal to XLA's
+    `dot_general` path bit for bit (exact int32 products, the same float epilogue at
+    M >= 2); weight-only within float32 rounding of it."""
+    lm = int8_lm(tiny_lm, mode)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, lm.vocab_limit, (2, 9)), jnp.int32)
+    module = families.module_for(lm.config)
+
+    def run():  # a new function each time: traced again, never a cached program
+        quant._product_fn.cache_clear()
+        return np.asarray(jax.jit(lambda p: module.forward(lm.config, p, ids))(lm.params))
+
+    assert cpu_kernels.enabled()
+    on = run()
+    monkeypatch.setitem(cpu_kernels._STATE, "status", "off for this test")
+    off = run()
+    quant._product_fn.cache_clear()
+    if mode == "w8a8":
+        np.testing.assert_array_equal(on, off)
+    else:
+        np.testing.assert_allclose(on, off, rtol=1e-4, atol=1e-4 * np.abs(off).max())
+
+
+def _fresh(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env})
+
+
+PROBE = ("import logging; logging.basicConfig(format='%(message)s')\n"
+         "from jaxsample.models import cpu_kernels as k\n"
+         "print('on' if k.enabled() else 'off', k._STATE.get('status'))\n")
+
+
+@needs_kernels
+def test_built_once_then_loaded_and_a_corrupt_library_rebuilt(tmp_path):
+    env = dict(JAXSAMPLE_CACHE_DIR=str(tmp_path))
+    first = _fresh(PROBE, **env)
+    assert first.stdout.startswith("on"), first.stderr
+    [so] = (tmp_path / "kernels").glob("cpu_kernels-*.so")
+    stamp = so.stat().st_mtime_ns
+    again = _fresh(PROBE, **env)
+    assert again.stdout.startswith("on") and so.stat().st_mtime_ns == stamp  # read, not built
+    so.write_bytes(so.read_bytes()[:1000])  # truncated: its checksum fails
+    third = _fresh(PROBE, **env)
+    assert third.stdout.startswith("on"), third.stderr
+    assert so.stat().st_size > 1000 and so.stat().st_mtime_ns != stamp
+
+
+def test_without_a_compiler_the_products_stay_xla(tmp_path):
+    """No compiler: one warning line, and the int8 product still right (dot_general)."""
+    code = PROBE + ("import numpy as np\n"
+                    "x = np.arange(-6, 6, dtype=np.int8).reshape(2, 6); w = x[::-1].copy()\n"
+                    "print(np.asarray(k.int8_dot(x, w)).tolist() == (x.astype(int) @ w.T).tolist())\n")
+    r = _fresh(code, JAXSAMPLE_CACHE_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-c++"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["off no C++ compiler (set CXX)", "True"]
+    warnings = [ln for ln in r.stderr.splitlines() if "CPU kernels off" in ln]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
+    off = _fresh(PROBE, JAXSAMPLE_CPU_KERNELS="0")
+    assert off.stdout.startswith("off") and "CPU kernels off" not in off.stderr
