@@ -276,13 +276,13 @@ def load_jax_model(model, dtype, weights=None):
         from jaxsample.models import llama
         from jaxsample.models.tokenizer import ByteTokenizer
 
-        if weights not in (None, "int8"):
+        if weights not in (None, "int8", "int8-weight-only"):
             raise ValueError(f"unknown weights {weights!r}")
         cfg = llama.LlamaConfig(**LLAMA_1B, dtype=dtype)
         params = jax.jit(lambda k: llama.unstack_layers(llama.init_params(cfg, k, 0.02)))(
             jax.random.key(0))
         jax.block_until_ready(params)
-        if weights == "int8":
+        if weights in ("int8", "int8-weight-only"):
             import jax.numpy as jnp
 
             from jaxsample.models import outliers, quant
@@ -290,7 +290,9 @@ def load_jax_model(model, dtype, weights=None):
             tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 256, dtype=np.int32)
             kept = outliers.outlier_channels(outliers.channel_maxima(cfg, params, tokens))
             params = jax.tree_util.tree_map(
-                jnp.asarray, quant.quantize_params(params, compute=dtype, outliers=kept))
+                jnp.asarray, quant.quantize_params(params, compute=dtype, outliers=kept,
+                                                   mode="w8a8" if weights == "int8" else
+                                                   "weight_only"))
         lm = LanguageModel(config=cfg, params=params, tokenizer=ByteTokenizer(cfg.vocab_size),
                            name="llama-1b-random", source="random")
     else:

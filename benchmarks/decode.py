@@ -6,7 +6,8 @@ benchmarks/peers/llamacpp.py:
 `--llamacpp-bin DIR --llamacpp-model F32.gguf`, skipped with the reason in the
 row when absent) and the hardware limit (a memory-bandwidth roofline measured
 in the same run). Engine `jaxsample-int8`: the shared-prefix engine on
-`load(..., weights="int8")` (W8A8, models/quant.py).
+`load(..., weights="int8")` (W8A8, models/quant.py); `jaxsample-int8-wo` on
+`weights="int8-weight-only"`.
 
 The quantised side by side (issue 22 part 4: jaxsample float32 and int8
 against llama.cpp F32, Q8_0 and the shipped Q4_1, one run, engines back to
@@ -94,8 +95,8 @@ import traceback
 from benchmarks import common
 from benchmarks.common import fmt
 
-ENGINES = ("jaxsample", "jaxsample-int8", "naive", "hf", "llamacpp")
-SUBJECTS = ("jaxsample", "jaxsample-int8")  # the engines the pairs put first
+ENGINES = ("jaxsample", "jaxsample-int8", "jaxsample-int8-wo", "naive", "hf", "llamacpp")
+SUBJECTS = ("jaxsample", "jaxsample-int8", "jaxsample-int8-wo")  # the engines pairs put first
 
 # Named configurations (presets for --config).
 CONFIGS = {
@@ -251,7 +252,7 @@ def _pairs(cells):
                                                              _engine_order(kv[0][0]))):
         if eng not in SUBJECTS:
             continue
-        for other in (["jaxsample"] if eng == "jaxsample-int8" else []) + names:
+        for other in (["jaxsample"] if eng.startswith("jaxsample-int8") else []) + names:
             o = by.get((other, P, N))
             if o is None:
                 continue

@@ -68,10 +68,11 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         scales (`models.quant`: 28% of float32's bytes on SmolLM2 with the
         outlier channels below), multiplied as
         int8 x int8 dots with the activations quantised per row (W8A8, the
-        faster on XLA CPU); "int8-weight-only" stores the same weights and
-        converts them into a float dot (more accurate and slower on CPU, and
+        faster on XLA CPU); "int8-weight-only" stores the same weights in a
+        float x int8 product (more accurate, a little slower on CPU, and
         unlike W8A8 it reproduces across batch shapes and meshes to float32
-        rounding). Both keep each projection's 16
+        rounding). On an x86-64 CPU with AVX2 both products run as
+        `models.cpu_kernels`' custom calls, compiled on first use. Both keep each projection's 16
         largest input channels float, found by running the float model over a short built-in
         calibration text (`models.outliers`, about 3 s on two CPU cores),
         which stay float: without them W8A8's last-position logit error

@@ -57,6 +57,13 @@ ENV = "JAXSAMPLE_CPU_KERNELS"
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
 TARGETS = ("jaxsample_int8_dot", "jaxsample_f32_int8_dot")
+MAX_ROWS = 64
+"""int8 x int8 products of more rows (a prefill) stay `dot_general`: XLA CPU's int8
+GEMM is as fast there, and reads the int8 weight as it is. The float32 x int8
+product keeps the kernel at any M, though XLA's float GEMM is faster from about 64
+rows (576 x 1536 at 1024 rows: 13 ms against 26): XLA's path first writes a float32
+copy of each weight, which took the SmolLM2 prefill's peak from 113 to 528 MB for
+0.2 s of 3 (RESULTS.md, "CPU kernels")."""
 
 log = logging.getLogger("jaxsample.cpu_kernels")
 
@@ -219,15 +226,15 @@ def _xla(x, w, out_dtype):
 
 def int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x int8 [M, K] . w int8 [N, K]^T -> int32 [M, N]`, exact: the kernel on CPU when
-    `active()`, else `lax.dot_general`."""
-    if not active():
+    `active()` and M <= MAX_ROWS, else `lax.dot_general`."""
+    if not active() or x.shape[0] > MAX_ROWS:
         return _xla(x, w, jnp.int32)
     return _int8_kernel(x, w)
 
 
 def f32_int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x float32 [M, K] . float(w int8 [N, K])^T -> float32 [M, N]`: the kernel on CPU
-    when `active()`, else `lax.dot_general` of x and
+    when `active()` (at any M), else `lax.dot_general` of x and
     `w.astype(float32)`."""
     if not active():
         return _xla(x, w, jnp.float32)

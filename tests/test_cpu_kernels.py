@@ -39,10 +39,12 @@ def test_the_kernels_build_here():
 
 
 shapes = st.tuples(st.integers(1, 20), st.integers(1, 700), st.integers(1, 150))
+rows_either_side = st.tuples(st.sampled_from([1, 2, 63, 64, 65, 80]), st.integers(1, 300),
+                             st.integers(1, 70))  # MAX_ROWS = 64: the kernel, then XLA
 
 
 @needs_kernels
-@given(shapes, st.integers(0, 2**31 - 1))
+@given(st.one_of(shapes, rows_either_side), st.integers(0, 2**31 - 1))
 def test_int8_product_is_exact(mkn, seed):
     """Values at the ends of [-127, 127] included: the int32 sums equal int64 numpy's."""
     M, K, N = mkn

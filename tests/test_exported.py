@@ -95,6 +95,29 @@ def test_exported_programs_give_the_same_tokens_and_skip_tracing(tiny_lm, export
     _same(plain, read)
 
 
+def test_int8_programs_calling_the_cpu_kernels_round_trip(tiny_lm, exported_dir, monkeypatch):
+    """An int8 (W8A8) model's programs hold the kernels' custom calls: exported past
+    jax.export's check of custom-call targets, read back, the same tokens as the plain
+    jit path."""
+    from jaxsample.models import cpu_kernels
+    from test_quantized import int8_lm
+
+    qlm = int8_lm(tiny_lm)
+    monkeypatch.setenv(disk_cache.ENV_NO_EXPORTED, "1")
+    plain = _run(qlm)
+    monkeypatch.delenv(disk_cache.ENV_NO_EXPORTED)
+    _fresh()
+    written = _run(qlm)
+    if cpu_kernels.active():
+        assert any(b"jaxsample_int8_dot" in p.read_bytes() for p in exported_dir.iterdir())
+    _fresh()
+    reads = engine.PROGRAMS.from_exported
+    read = _run(qlm)
+    assert engine.PROGRAMS.from_exported - reads == 3
+    _same(plain, written)
+    _same(plain, read)
+
+
 def test_the_progress_line_says_loaded_from_cache(tiny_lm, exported_dir):
     _run(tiny_lm)
     _fresh()

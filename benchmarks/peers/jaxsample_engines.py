@@ -23,7 +23,8 @@ def platform():
     return jax.devices()[0].platform
 
 
-WEIGHTS = {"jaxsample-int8": "int8"}  # engine -> `load(weights=)`; the others: None
+WEIGHTS = {"jaxsample-int8": "int8",  # engine -> `load(weights=)`; the others: None
+           "jaxsample-int8-wo": "int8-weight-only"}
 
 
 def load(model, dtype, engine="jaxsample"):

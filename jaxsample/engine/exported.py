@@ -66,6 +66,7 @@ MAGIC = b"JAXSAMPLE-EXPORTED\n"
 SUFFIX = ".jaxexport"
 
 TRACE_KNOBS = ("jaxsample.models.flash", "jaxsample.models.moe", "jaxsample.models.common",
+               "jaxsample.models.cpu_kernels",
                "jaxsample.engine.prefill",
                "jaxsample.engine.state", "jaxsample.engine.sampling.select",
                "jaxsample.engine.sampling.logprobs", "jaxsample.bridge")
