@@ -99,9 +99,11 @@ def speed(P, Ns, T, reps):
 
 
 def hlo(P=1024, T=64):
-    """Per variant: the N = 1 step's float32 weight copies and int8-operand dots."""
+    """Per variant: the N = 1 step's float32 weight copies, its dots by result type and
+    its calls of the int8 CPU kernels (`models.cpu_kernels`, when they are on)."""
     from jaxsample.engine.step_cost import compile_decode_step
     from jaxsample.loading import read_config
+    from jaxsample.models import cpu_kernels
 
     cfg = read_config(None)
     E, F, V = cfg.dim, cfg.ffn_dim, cfg.vocab_size
@@ -121,8 +123,9 @@ def hlo(P=1024, T=64):
             d = re.match(r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[[\d,]*\]\{[^}]*\} dot\(", line)
             if d:
                 dots[d[1]] = dots.get(d[1], 0) + 1
+        kernels = {t: text.count(f'custom_call_target="{t}"') for t in cpu_kernels.TARGETS}
         rows[name] = dict(weight_copies_per_step=len(copies), examples=copies[:3],
-                          dots_by_result_type=dots)
+                          dots_by_result_type=dots, cpu_kernel_calls=kernels)
     return rows
 
 
