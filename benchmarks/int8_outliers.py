@@ -165,11 +165,11 @@ def main(argv=None):
     try:
         for b in [int(x) for x in args.blocks.split(",") if x]:
             quant._w8a8_rows = blocked_rows(b)
-            quant._product_fn.cache_clear()
+            quant._w8a8_fn.cache_clear()
             rows[f"W8A8, activation blocks of {b}"] = error(plain)
     finally:
         quant._w8a8_rows = shipped
-        quant._product_fn.cache_clear()
+        quant._w8a8_fn.cache_clear()
     calib = [t.prompt for fam in ("add1", "word", "compare") for t in make_tasks(fam, 4, 1)]
     calib += ["Write a short story about a lighthouse.", "Explain how a bicycle works in detail."]
     stats = calibrate(f32, calib)

@@ -386,7 +386,8 @@ def cache_info(base: pathlib.Path | None = None) -> dict[str, Any]:
             "exported_programs": len(exported),
             "exported_bytes": sum(p.stat().st_size for p in _files(base / "exported")),
             "models": models, "models_bytes": sum(m["bytes"] for m in models),
-            "kernels_bytes": sum(p.stat().st_size for p in _files(base / "kernels")),
+            "kernels_bytes": sum(p.stat().st_size for p in _files(base / "kernels")
+                                 if _OURS["kernels"](p.name)),
             "total_bytes": total}
 
 

@@ -22,7 +22,7 @@ from jaxsample import disk_cache as cache_lib
 from jaxsample import weight_cache
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import LanguageModel
-from jaxsample.models import families, outliers, quant, registry
+from jaxsample.models import cpu_kernels, families, outliers, quant, registry
 
 if TYPE_CHECKING:
     from jaxsample.models import llama
@@ -356,6 +356,7 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
             info = {**info, **_store_int8(base, key, cfg, params, tokenizer)}
     if weights in INT8_MODES:
         params = quant.with_mode(quant.with_compute(params, dtype), INT8_MODES[weights])
+        cpu_kernels.active()  # built or loaded here, before any program traces them
     params = jax.tree_util.tree_map(
         lambda a: jnp.asarray(a, dtype=a.dtype if weights else cfg.jnp_dtype), params)
     lm = LanguageModel(config=cfg.replace(dtype=dtype), params=params, tokenizer=tokenizer,

@@ -11,13 +11,16 @@
 // each weight row once from memory for all M rows (benchmarks/RESULTS.md, "CPU
 // kernels"). Requires AVX2; jaxsample_int8_cpu_supported() says whether this CPU has it.
 //
-// The int8 product is exact (int32 sums of products of values in [-127, 127]: with
-// K < 2^17 no sum overflows), so it equals lax.dot_general bit for bit. The float one
+// The int8 product is exact for x in [-127, 127] (W8A8's activations, clipped there)
+// and any int8 w (int32 sums: with K < 2^17 none overflows), so it equals
+// lax.dot_general bit for bit. The float one
 // sums each output in an order fixed by K alone (8 lanes over k, then the lanes),
 // so a row's result does not depend on M or on the other rows.
 //
-// The int8 inner loop is the AVX2 sign trick of llama.cpp's ggml (ggml-cpu quants):
-// maddubs(|x|, sign(w, x)) multiplies unsigned by signed bytes into int16 pairs.
+// The int8 inner loop is the AVX2 sign trick of llama.cpp's ggml (ggml-cpu quants),
+// with the roles of x and w swapped:
+// maddubs(|w|, sign(x, w)) multiplies unsigned by signed bytes into int16 pairs
+// (at most 2 * 128 * 127 = 32512: no saturation).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -63,11 +66,13 @@ void Int8Rows(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t
       for (int j = 0; j < kBlock; ++j) acc[j] = _mm256_setzero_si256();
       for (int64_t k = 0; k < K32; k += 32) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + k));
-        const __m256i ax = _mm256_sign_epi8(xv, xv);
         for (int j = 0; j < kBlock; ++j) {
           const __m256i wv =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + j * K + k));
-          const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv));
+          // |w| as unsigned bytes (-128 -> 128) times x with w's sign: right for any w
+          // while x stays in [-127, 127] (negating -128 would overflow).
+          const __m256i p =
+              _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
           acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(p, ones));
         }
       }
@@ -163,18 +168,18 @@ void ParallelRows(ffi::ThreadPool& pool, int64_t N, Body body) {
 }
 
 ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
-                       ffi::Span<const int64_t> od) {
+                       ffi::Span<const int64_t> od, bool int32_sums) {
   if (xd.size() != 2 || wd.size() != 2 || od.size() != 2 || xd[1] != wd[1] ||
       od[0] != xd[0] || od[1] != wd[0])
     return ffi::Error::InvalidArgument("expected x [M, K], w [N, K] and out [M, N]");
-  if (xd[1] >= (int64_t(1) << 17))
+  if (int32_sums && xd[1] >= (int64_t(1) << 17))  // cpu_kernels.py routes these to XLA
     return ffi::Error::InvalidArgument("K >= 2^17 could overflow the int32 sums");
   return ffi::Error::Success();
 }
 
 ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
                    ffi::ResultBuffer<ffi::S32> out) {
-  if (ffi::Error e = CheckShapes(x.dimensions(), w.dimensions(), out->dimensions());
+  if (ffi::Error e = CheckShapes(x.dimensions(), w.dimensions(), out->dimensions(), true);
       e.failure())
     return e;
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
@@ -185,19 +190,36 @@ ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// x [B..., M, K], w [B'..., N, K] -> out [B..., M, N], where B' is all ones (one weight
+// for every batch: the rows of all B are one product) or equals B (a weight per batch
+// element): what vmap gives with vmap_method="expand_dims".
 ffi::Error F32Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                       ffi::ResultBuffer<ffi::F32> out) {
-  if (ffi::Error e = CheckShapes(x.dimensions(), w.dimensions(), out->dimensions());
-      e.failure())
-    return e;
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
-  const float* xp = x.typed_data();
-  const int8_t* wp = w.typed_data();
-  float* op = out->typed_data();
-  ParallelRows(pool, N, [=](int64_t n0, int64_t n1) {
-    std::vector<float> buf(kBlock * K);
-    F32Rows(xp, wp, op, M, N, K, n0, n1, buf.data());
-  });
+  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  const size_t r = xd.size();
+  if (r < 2 || wd.size() != r || od.size() != r || xd[r - 1] != wd[r - 1] ||
+      od[r - 2] != xd[r - 2] || od[r - 1] != wd[r - 2])
+    return ffi::Error::InvalidArgument("expected x [..., M, K], w [..., N, K], out [..., M, N]");
+  int64_t bx = 1, bw = 1;
+  for (size_t i = 0; i + 2 < r; ++i) {
+    if (od[i] != xd[i] || (wd[i] != 1 && wd[i] != xd[i]))
+      return ffi::Error::InvalidArgument("the batch dimensions of x, w and out disagree");
+    bx *= xd[i];
+    bw *= wd[i];
+  }
+  if (bw != 1 && bw != bx)
+    return ffi::Error::InvalidArgument("w is batched over some of x's batch dimensions only");
+  const int64_t M = xd[r - 2], K = xd[r - 1], N = wd[r - 2];
+  const int64_t rows = bw == 1 ? bx * M : M;  // one weight: every batch's rows at once
+  for (int64_t b = 0; b < (bw == 1 ? 1 : bx); ++b) {
+    const float* xp = x.typed_data() + b * M * K;
+    const int8_t* wp = w.typed_data() + b * N * K;
+    float* op = out->typed_data() + b * M * N;
+    ParallelRows(pool, N, [=](int64_t n0, int64_t n1) {
+      std::vector<float> buf(kBlock * K);
+      F32Rows(xp, wp, op, rows, N, K, n0, n1, buf.data());
+    });
+  }
   return ffi::Error::Success();
 }
 

@@ -35,6 +35,7 @@ the FFI is XLA's typed custom-call API (`jax.ffi`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import hashlib
@@ -79,7 +80,12 @@ def _off_reason() -> str | None:
 
 
 def _compiler() -> list[str] | None:
-    cxx = shlex.split(os.environ.get("CXX", "").strip() or "c++")
+    """`$CXX` split as a shell would (default `c++`), or None when not found.
+    Raises ValueError for a `$CXX` a shell could not split."""
+    try:
+        cxx = shlex.split(os.environ.get("CXX", "").strip() or "c++")
+    except ValueError as e:
+        raise ValueError(f"CXX={os.environ.get('CXX')!r}: {e}") from None
     return cxx if cxx and shutil.which(cxx[0]) else None
 
 
@@ -107,6 +113,7 @@ def _build(cxx: list[str], out: pathlib.Path) -> None:
         if r.returncode != 0:
             lines = [ln for ln in r.stderr.splitlines() if "error" in ln] or r.stderr.splitlines()
             raise RuntimeError(f"{cxx[0]} failed: {(lines or ['no output'])[0][:200]}")
+        os.chmod(tmp, 0o755)  # readable by whoever shares the cache directory
         digest = _sha256(pathlib.Path(tmp))
         os.replace(tmp, out)
         out.with_suffix(".sha256").write_text(digest + "\n")
@@ -141,8 +148,10 @@ def _self_test() -> None:
     """Both products on small shapes (a K tail, an N tail, M = 1 and 3) against
     numpy; raises RuntimeError on a difference beyond float32 summation's bound
     (K * 2^-24 * sum |x w|)."""
-    with jax.ensure_compile_time_eval():  # the first call may come while a program traces
-        _check_on_cpu(np.random.default_rng(0), jax.devices("cpu")[0])
+    # On a thread of its own: the first call may come while a program traces or inside
+    # `jax.set_mesh`, and JAX keeps both per thread.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(_check_on_cpu, np.random.default_rng(0), jax.devices("cpu")[0]).result()
 
 
 def _check_on_cpu(rng, cpu) -> None:
@@ -167,11 +176,11 @@ def enabled() -> bool:
     with one log line saying why where they cannot be."""
     if "status" not in _STATE:
         reason = _off_reason()
-        cxx = _compiler() if reason is None else None
-        if reason is None and cxx is None:
-            reason = "no C++ compiler (set CXX)"
         if reason is None:
-            try:
+            try:  # anything that goes wrong turns them off: never an error of a product
+                cxx = _compiler()
+                if cxx is None:
+                    raise RuntimeError("no C++ compiler (set CXX)")
                 key = _key(cxx)
                 lib = _library(cxx, key)
                 if not lib.jaxsample_int8_cpu_supported():
@@ -181,8 +190,10 @@ def enabled() -> bool:
                                                 platform="cpu")
                 _self_test()
                 _STATE["key"] = key
-            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            except Exception as e:  # noqa: BLE001 - see above
                 reason = " ".join(str(e).split())[:240] or type(e).__name__
+                if isinstance(e, AttributeError):  # a library without our symbols
+                    reason += "; `jaxsample cache clear --kernels` rebuilds them"
         _STATE["status"] = "on" if reason is None else reason
         if reason is not None and os.environ.get(ENV, "").strip().lower() not in (
                 "0", "false", "no", "off"):
@@ -204,19 +215,19 @@ def fingerprint() -> str:
     return _STATE.get("key", "off") if active() else "off"
 
 
-def _call(target, dtype, x, w):
-    """The custom call `x [M, K], w [N, K] -> [M, N]`; under a `shard_map` its result
-    varies over the mesh axes its operands vary over (as `dot_general`'s does)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), dtype)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
-
-
 def _int8_kernel(x, w):
-    return _call(TARGETS[0], jnp.int32, x, w)
+    """The custom call `x [M, K], w [N, K] -> [M, N]` (vmapped: one call per element;
+    `quant` folds the engine's vmapped axes into M before it)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32)
+    return jax.ffi.ffi_call(TARGETS[0], out, vmap_method="sequential")(x, w)
 
 
 def _f32_kernel(x, w):
-    return _call(TARGETS[1], jnp.float32, x, w)
+    """The custom call `x [M, K], w [N, K] -> [M, N]`; vmapped, x gains leading axes
+    and w leading ones of size 1 (or its own batch), and the kernel runs every
+    batch's rows against one weight in one pass."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGETS[1], out, vmap_method="expand_dims")(x, w)
 
 
 def _xla(x, w, out_dtype):
@@ -225,13 +236,15 @@ def _xla(x, w, out_dtype):
 
 
 def int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x int8 [M, K] . w int8 [N, K]^T -> int32 [M, N]`, exact: the kernel on CPU when
-    `active()` and M <= MAX_ROWS, else `lax.dot_general`."""
-    if not active() or x.shape[0] > MAX_ROWS:
+    """`x int8 [M, K] . w int8 [N, K]^T -> int32 [M, N]`, exact for x in [-127, 127]
+    (W8A8's activations) and any w: the kernel on CPU when `active()`, M <= MAX_ROWS
+    and K < 2^17, else `lax.dot_general`. Not differentiable (integers)."""
+    if not active() or x.shape[0] > MAX_ROWS or x.shape[1] >= 2**17:  # (int32 sums' bound)
         return _xla(x, w, jnp.int32)
     return _int8_kernel(x, w)
 
 
+@jax.custom_jvp
 def f32_int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x float32 [M, K] . float(w int8 [N, K])^T -> float32 [M, N]`: the kernel on CPU
     when `active()` (at any M), else `lax.dot_general` of x and
@@ -239,3 +252,11 @@ def f32_int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     if not active():
         return _xla(x, w, jnp.float32)
     return _f32_kernel(x, w)
+
+
+@f32_int8_dot.defjvp
+def _f32_int8_dot_jvp(primals, tangents):
+    """Linear in x: the tangent is XLA's `dx . float(w)^T` (differentiable both ways:
+    jvp, and grad by its transpose); w is int8 and has no tangent."""
+    x, w = primals
+    return f32_int8_dot(x, w), _xla(tangents[0], w, jnp.float32)

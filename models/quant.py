@@ -216,10 +216,12 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     dims = (((x.ndim - 1,), (1 if w.transposed else 0,)), ((), ()))
     extra = w.outliers or ()
     if w.mode == "w8a8":
-        return _product_fn(bool(w.transposed), "w8a8")(x, w.q, w.scale, *extra).astype(out)
+        return _w8a8_fn(bool(w.transposed))(x, w.q, w.scale, *extra).astype(out)
     if w.transposed and x.dtype == jnp.float32 and cpu_kernels.active():
-        return _product_fn(True, "weight_only")(x, w.q, w.scale, *extra).astype(out)
-    y = jax.lax.dot_general(x, w.q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+        y = cpu_kernels.f32_int8_dot(x.reshape(-1, x.shape[-1]), w.q)  # vmaps as one call
+        y = y.reshape(x.shape[:-1] + y.shape[-1:])
+    else:
+        y = jax.lax.dot_general(x, w.q.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     y = y * w.scale
     if extra:
         y = y + _outlier_part(x, extra[0], extra[2])
@@ -266,29 +268,16 @@ def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool
     return y[:1] if one else y
 
 
-def _weight_only_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool):
-    """x float32 `[M, in]` -> float32 `[M, out]` through `cpu_kernels.f32_int8_dot`
-    (q stored `[out, in]`); the outlier channels, if any, are zero in q and added
-    as their float product, as in `matmul`'s weight-only expression."""
-    y = cpu_kernels.f32_int8_dot(x, q) * scale
-    if idx is not None:
-        y = y + _outlier_part(x, idx, w_out)
-    return y
-
-
 @functools.lru_cache(maxsize=None)
-def _product_fn(transposed: bool, mode: str):
-    """The product `f(x [..., in], q, scale[, idx, keep, w_out]) -> [..., out]` float32
-    (the outlier channels' leaves, if any) of `mode` ("w8a8": `_w8a8_rows`;
-    "weight_only": `_weight_only_rows`, the CPU kernel), with a `custom_vmap` rule
-    that folds vmapped axes of x into its rows (so the product sees the true row
-    count of the decode step, B x N, not one row per branch) and a `custom_vjp`
-    (the gradient of x through the dequantised weights, as the float model's; none
-    for the weights)."""
-    rows = _w8a8_rows if mode == "w8a8" else _weight_only_rows
+def _w8a8_fn(transposed: bool):
+    """The W8A8 product `f(x [..., in], q, scale[, idx, keep, w_out]) -> [..., out]`
+    float32 (the outlier channels' leaves, if any), with a `custom_vmap` rule that folds
+    vmapped axes of x into its rows (so the product sees the true row count of the
+    decode step, B x N, not one row per branch) and a `custom_vjp` (the gradient of
+    x through the dequantised weights, as the float model's; none for the weights)."""
 
     def flat(x, *w):
-        y = rows(x.reshape(-1, x.shape[-1]), *w, transposed=transposed)
+        y = _w8a8_rows(x.reshape(-1, x.shape[-1]), *w, transposed=transposed)
         return y.reshape(x.shape[:-1] + y.shape[-1:])
 
     f = custom_batching.custom_vmap(flat)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from jaxsample.models import cpu_kernels, families, quant
 from test_quantized import int8_lm
@@ -44,6 +44,7 @@ rows_either_side = st.tuples(st.sampled_from([1, 2, 63, 64, 65, 80]), st.integer
 
 
 @needs_kernels
+@settings(deadline=None)  # each new shape compiles
 @given(st.one_of(shapes, rows_either_side), st.integers(0, 2**31 - 1))
 def test_int8_product_is_exact(mkn, seed):
     """Values at the ends of [-127, 127] included: the int32 sums equal int64 numpy's."""
@@ -58,6 +59,7 @@ def test_int8_product_is_exact(mkn, seed):
 
 
 @needs_kernels
+@settings(deadline=None)
 @given(shapes, st.integers(0, 2**31 - 1))
 def test_float_product_within_float32_summation_and_batch_invariant(mkn, seed):
     """Against float64 numpy within K * 2^-24 * sum |x w| (recursive float32
@@ -96,6 +98,42 @@ def test_under_vmap_and_a_mesh():
 
 
 @needs_kernels
+def test_weight_only_product_vmaps_as_one_call_and_differentiates():
+    """Vmapped (a batch of x, one weight; and a weight per element) it equals the
+    products one by one; its jvp and grad in x equal those of XLA's expression."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 2, 40)).astype(np.float32)
+    w = rng.integers(-128, 128, (4, 7, 40), dtype=np.int8)  # -128 included
+    f = jax.jit(jax.vmap(cpu_kernels.f32_int8_dot, in_axes=(0, None)))
+    one = np.stack([np.asarray(cpu_kernels.f32_int8_dot(x[i], w[0])) for i in range(3)])
+    np.testing.assert_array_equal(np.asarray(f(x, w[0])), one)
+    both = jax.jit(jax.vmap(cpu_kernels.f32_int8_dot))(x, w[:3])
+    one = np.stack([np.asarray(cpu_kernels.f32_int8_dot(x[i], w[i])) for i in range(3)])
+    np.testing.assert_array_equal(np.asarray(both), one)
+    c = rng.standard_normal((2, 7)).astype(np.float32)  # a linear loss: exact oracles
+    loss = lambda a: jnp.sum(c * cpu_kernels.f32_int8_dot(a, w[0]))  # noqa: E731
+    wf = w[0].astype(np.float64)
+    bound = 7 * 2.0**-24 * (np.abs(c) @ np.abs(wf))  # float32 summation of 7 terms
+    assert np.all(np.abs(np.asarray(jax.grad(loss)(x[0]), np.float64) - c @ wf) <= bound)
+    t = rng.standard_normal(x[0].shape).astype(np.float32)
+    tangent = float(jax.jvp(loss, (x[0],), (t,))[1])
+    exact = float(np.sum(c * (t.astype(np.float64) @ wf.T)))
+    assert abs(tangent - exact) <= 54 * 2.0**-24 * float(np.sum(np.abs(c) * (np.abs(t) @ np.abs(wf.T))))
+
+
+@needs_kernels
+def test_int8_weights_of_minus_128_and_long_rows():
+    """-128 in a weight (a hand-built QuantizedWeight may hold it) is multiplied right,
+    and K >= 2^17 (int32 sums could overflow in the kernel) is left to XLA."""
+    x = np.full((2, 64), -127, np.int8)
+    w = np.full((3, 64), -128, np.int8)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.int8_dot)(x, w)),
+                                  np.full((2, 3), 64 * 127 * 128))
+    x = np.ones((1, 2**17), np.int8)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.int8_dot(x, x)), [[2**17]])
+
+
+@needs_kernels
 @pytest.mark.parametrize("mode", ["w8a8", "weight_only"])
 def test_model_with_kernels_against_xla(tiny_lm, mode, monkeypatch):
     """The tiny model's logits over two prompts' rows: W8A8 equal to XLA's
@@ -106,14 +144,14 @@ def test_model_with_kernels_against_xla(tiny_lm, mode, monkeypatch):
     module = families.module_for(lm.config)
 
     def run():  # a new function each time: traced again, never a cached program
-        quant._product_fn.cache_clear()
+        quant._w8a8_fn.cache_clear()
         return np.asarray(jax.jit(lambda p: module.forward(lm.config, p, ids))(lm.params))
 
     assert cpu_kernels.enabled()
     on = run()
     monkeypatch.setitem(cpu_kernels._STATE, "status", "off for this test")
     off = run()
-    quant._product_fn.cache_clear()
+    quant._w8a8_fn.cache_clear()
     if mode == "w8a8":
         np.testing.assert_array_equal(on, off)
     else:
@@ -143,6 +181,26 @@ def test_built_once_then_loaded_and_a_corrupt_library_rebuilt(tmp_path):
     third = _fresh(PROBE, **env)
     assert third.stdout.startswith("on"), third.stderr
     assert so.stat().st_size > 1000 and so.stat().st_mtime_ns != stamp
+
+
+def test_a_bad_cxx_or_a_mesh_at_the_first_call_never_raises(tmp_path):
+    """A `$CXX` a shell cannot split: one warning line, XLA's product. The first
+    product inside `jax.set_mesh` over 2 devices: the kernels build and work."""
+    code = PROBE + "print(k.int8_dot(*[__import__('numpy').ones((1, 4), 'int8')] * 2))\n"
+    r = _fresh(code, JAXSAMPLE_CACHE_DIR=str(tmp_path), CXX="g++ '-O0")
+    assert r.returncode == 0 and r.stdout.startswith("off CXX="), r.stderr
+    assert "[[4]]" in r.stdout
+    if not CAN_BUILD:
+        return
+    code = ("import jax, numpy as np\n"
+            "from jaxsample.models import cpu_kernels as k\n"
+            "with jax.set_mesh(jax.make_mesh((2,), ('d',))):\n"
+            "    y = jax.jit(k.int8_dot)(np.ones((1, 4), np.int8), np.ones((3, 4), np.int8))\n"
+            "print(k._STATE['status'], np.asarray(y).tolist())\n")
+    r = _fresh(code, JAXSAMPLE_CACHE_DIR=str(tmp_path),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == "on" and "[[4, 4, 4]]" in r.stdout
 
 
 def test_without_a_compiler_the_products_stay_xla(tmp_path):
