@@ -167,34 +167,13 @@ void ParallelRows(ffi::ThreadPool& pool, int64_t N, Body body) {
   while (shared->done.load(std::memory_order_acquire) < chunks) _mm_pause();
 }
 
-ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
-                       ffi::Span<const int64_t> od, bool int32_sums) {
-  if (xd.size() != 2 || wd.size() != 2 || od.size() != 2 || xd[1] != wd[1] ||
-      od[0] != xd[0] || od[1] != wd[0])
-    return ffi::Error::InvalidArgument("expected x [M, K], w [N, K] and out [M, N]");
-  if (int32_sums && xd[1] >= (int64_t(1) << 17))  // cpu_kernels.py routes these to XLA
-    return ffi::Error::InvalidArgument("K >= 2^17 could overflow the int32 sums");
-  return ffi::Error::Success();
-}
-
-ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
-                   ffi::ResultBuffer<ffi::S32> out) {
-  if (ffi::Error e = CheckShapes(x.dimensions(), w.dimensions(), out->dimensions(), true);
-      e.failure())
-    return e;
-  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[0];
-  const int8_t* xp = x.typed_data();
-  const int8_t* wp = w.typed_data();
-  int32_t* op = out->typed_data();
-  ParallelRows(pool, N, [=](int64_t n0, int64_t n1) { Int8Rows(xp, wp, op, M, N, K, n0, n1); });
-  return ffi::Error::Success();
-}
-
 // x [B..., M, K], w [B'..., N, K] -> out [B..., M, N], where B' is all ones (one weight
 // for every batch: the rows of all B are one product) or equals B (a weight per batch
-// element): what vmap gives with vmap_method="expand_dims".
-ffi::Error F32Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                      ffi::ResultBuffer<ffi::F32> out) {
+// element): what vmap gives with vmap_method="expand_dims". `rows(x, w, out, M, N, K,
+// n0, n1)` writes output columns [n0, n1) of one product.
+template <ffi::DataType X, ffi::DataType O, typename Rows>
+ffi::Error BatchedDot(ffi::ThreadPool& pool, ffi::Buffer<X> x, ffi::Buffer<ffi::S8> w,
+                      ffi::ResultBuffer<O> out, bool int32_sums, Rows rows) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   const size_t r = xd.size();
   if (r < 2 || wd.size() != r || od.size() != r || xd[r - 1] != wd[r - 1] ||
@@ -210,17 +189,31 @@ ffi::Error F32Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (bw != 1 && bw != bx)
     return ffi::Error::InvalidArgument("w is batched over some of x's batch dimensions only");
   const int64_t M = xd[r - 2], K = xd[r - 1], N = wd[r - 2];
-  const int64_t rows = bw == 1 ? bx * M : M;  // one weight: every batch's rows at once
+  if (int32_sums && K >= (int64_t(1) << 17))  // cpu_kernels.py routes these to XLA
+    return ffi::Error::InvalidArgument("K >= 2^17 could overflow the int32 sums");
+  const int64_t m = bw == 1 ? bx * M : M;  // one weight: every batch's rows at once
   for (int64_t b = 0; b < (bw == 1 ? 1 : bx); ++b) {
-    const float* xp = x.typed_data() + b * M * K;
+    const auto* xp = x.typed_data() + b * M * K;
     const int8_t* wp = w.typed_data() + b * N * K;
-    float* op = out->typed_data() + b * M * N;
-    ParallelRows(pool, N, [=](int64_t n0, int64_t n1) {
-      std::vector<float> buf(kBlock * K);
-      F32Rows(xp, wp, op, rows, N, K, n0, n1, buf.data());
-    });
+    auto* op = out->typed_data() + b * M * N;
+    ParallelRows(pool, N, [=](int64_t n0, int64_t n1) { rows(xp, wp, op, m, N, K, n0, n1); });
   }
   return ffi::Error::Success();
+}
+
+ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                   ffi::ResultBuffer<ffi::S32> out) {
+  return BatchedDot(pool, x, w, out, true, Int8Rows);
+}
+
+ffi::Error F32Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  return BatchedDot(pool, x, w, out, false,
+                    [](const float* xp, const int8_t* wp, float* op, int64_t M, int64_t N,
+                       int64_t K, int64_t n0, int64_t n1) {
+                      std::vector<float> buf(kBlock * K);
+                      F32Rows(xp, wp, op, M, N, K, n0, n1, buf.data());
+                    });
 }
 
 }  // namespace

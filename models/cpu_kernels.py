@@ -215,19 +215,21 @@ def fingerprint() -> str:
     return _STATE.get("key", "off") if active() else "off"
 
 
+def _call(target, dtype, x, w):
+    """The custom call `x [M, K], w [N, K] -> [M, N]`. Vmapped, x gains leading axes and
+    w leading ones of size 1 (or its own batch), and the kernel runs every batch's rows
+    against one weight in one pass (`quant` also folds the engine's vmapped axes into
+    M before an int8 product, for its per-row activation scales)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), dtype)
+    return jax.ffi.ffi_call(target, out, vmap_method="expand_dims")(x, w)
+
+
 def _int8_kernel(x, w):
-    """The custom call `x [M, K], w [N, K] -> [M, N]` (vmapped: one call per element;
-    `quant` folds the engine's vmapped axes into M before it)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32)
-    return jax.ffi.ffi_call(TARGETS[0], out, vmap_method="sequential")(x, w)
+    return _call(TARGETS[0], jnp.int32, x, w)
 
 
 def _f32_kernel(x, w):
-    """The custom call `x [M, K], w [N, K] -> [M, N]`; vmapped, x gains leading axes
-    and w leading ones of size 1 (or its own batch), and the kernel runs every
-    batch's rows against one weight in one pass."""
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGETS[1], out, vmap_method="expand_dims")(x, w)
+    return _call(TARGETS[1], jnp.float32, x, w)
 
 
 def _xla(x, w, out_dtype):
@@ -235,11 +237,17 @@ def _xla(x, w, out_dtype):
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
+def uses_int8_kernel(m: int, k: int) -> bool:
+    """Whether `int8_dot` of an `[m, k]` x runs the kernel: `active()`, m <= MAX_ROWS
+    (the prefill stays XLA's GEMM) and k < 2^17 (the kernel's int32 sums' bound)."""
+    return m <= MAX_ROWS and k < 2**17 and active()
+
+
 def int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x int8 [M, K] . w int8 [N, K]^T -> int32 [M, N]`, exact for x in [-127, 127]
-    (W8A8's activations) and any w: the kernel on CPU when `active()`, M <= MAX_ROWS
-    and K < 2^17, else `lax.dot_general`. Not differentiable (integers)."""
-    if not active() or x.shape[0] > MAX_ROWS or x.shape[1] >= 2**17:  # (int32 sums' bound)
+    (W8A8's activations) and any w: the kernel where `uses_int8_kernel(M, K)`, else
+    `lax.dot_general`. Not differentiable (integers)."""
+    if not uses_int8_kernel(*x.shape):
         return _xla(x, w, jnp.int32)
     return _int8_kernel(x, w)
 

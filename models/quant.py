@@ -246,7 +246,7 @@ def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool
     weight (0.42 ms for 576 x 1536, 150 ms for SmolLM2's head), and two rows
     to its int8 GEMM (0.09 ms, 2.5 ms: faster than the float32 dot).
     """
-    kernel = transposed and cpu_kernels.active() and x.shape[0] <= cpu_kernels.MAX_ROWS
+    kernel = transposed and cpu_kernels.uses_int8_kernel(*x.shape)
     one = x.shape[0] == 1 and not kernel
     xf = x.astype(jnp.float32)
     if one:

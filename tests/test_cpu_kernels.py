@@ -79,14 +79,18 @@ def test_float_product_within_float32_summation_and_batch_invariant(mkn, seed):
 
 @needs_kernels
 def test_under_vmap_and_a_mesh():
-    """A vmapped call (the engine's branch axis) and a 2-device shard_map give the
-    unbatched results."""
+    """A vmapped call (the engine's branch axis; one weight, or a weight per element)
+    and a 2-device shard_map give the unbatched results."""
     rng = np.random.default_rng(1)
     x = rng.integers(-127, 128, (3, 2, 64), dtype=np.int8)
     w = rng.integers(-127, 128, (40, 64), dtype=np.int8)
     want = np.einsum("bmk,nk->bmn", x.astype(np.int64), w.astype(np.int64))
     got = jax.jit(jax.vmap(cpu_kernels.int8_dot, in_axes=(0, None)))(x, w)
     np.testing.assert_array_equal(np.asarray(got), want)
+    ws = rng.integers(-128, 128, (3, 40, 64), dtype=np.int8)  # a weight per element
+    got = jax.jit(jax.vmap(cpu_kernels.int8_dot))(x, ws)
+    np.testing.assert_array_equal(
+        np.asarray(got), np.einsum("bmk,bnk->bmn", x.astype(np.int64), ws.astype(np.int64)))
     if jax.device_count() >= 2:
         from jax.sharding import NamedSharding, PartitionSpec as Ps
         mesh = jax.make_mesh((2,), ("d",))
