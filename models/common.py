@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.models import flash
+from jaxsample.models import cpu_kernels, flash
 
 Params = dict[str, Any]
 # attend(q [S, H, D], k [S, K, D], v [S, K, D]) -> out [S, H, D]
@@ -157,7 +157,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, mscale: float = 1.0
 # Attention kernels
 
 
-def partial_attention(q, k, v, mask, scale: float | None = None):
+def partial_attention(q, k, v, mask, scale: float | None = None, kernel: bool = False):
     """Un-normalised attention over one segment of keys (for log-sum-exp merges).
 
     Keys and values are in kv-head-major layout `[K, M, D]` (the KV caches'
@@ -169,6 +169,9 @@ def partial_attention(q, k, v, mask, scale: float | None = None):
         bool (True = may attend; a sliding window is part of the mask).
       scale: the score scale, a Python float (the config's `attention_scale`;
         a `SoftCappedScale` also soft-caps the scores); None means `1/sqrt(D)`.
+      kernel: with a one-row mask `[1, M]` (every query sees the same keys), use
+        `cpu_kernels.segment_attention` where it runs (`uses_attention_kernel`):
+        the same result to float32 rounding, not bit for bit.
     Returns:
       (out `[S, H, D]` float32 normalised within the segment,
        lse `[S, H]` float32 log-sum-exp of the segment's scores, -inf where
@@ -180,6 +183,10 @@ def partial_attention(q, k, v, mask, scale: float | None = None):
     # [S, H, D] -> [K, G*S, D]: query heads sharing a kv head are one matmul's rows.
     qg = q.reshape(S, K, G, D).transpose(1, 2, 0, 3).reshape(K, G * S, D)
     qg = qg * jnp.asarray(1.0 / math.sqrt(D) if scale is None else float(scale), qg.dtype)
+    if kernel and mask.shape[0] == 1 and cpu_kernels.uses_attention_kernel(qg, k, v, scale):
+        out, lse = cpu_kernels.segment_attention(qg, k, v, mask[0])
+        out, lse = out.reshape(K, G, S, D), lse.reshape(K, G, S)
+        return out.transpose(2, 0, 1, 3).reshape(S, H, D), lse.transpose(2, 0, 1).reshape(S, H)
     scores = jnp.einsum("kqd,kmd->kqm", qg, k, preferred_element_type=jnp.float32)
     scores = softcap_scores(scores, scale)
     scores = jnp.where(mask[None, None], scores.reshape(K, G, S, M), -jnp.inf)

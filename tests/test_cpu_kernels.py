@@ -1,7 +1,8 @@
-"""The int8 CPU kernels (`models.cpu_kernels`) against independent oracles.
+"""The int8 decode's CPU kernels (`models.cpu_kernels`) against independent oracles.
 
 Oracles: int64 numpy for the int8 x int8 product (exact, so equality), float64
-numpy for the float32 x int8 product (within float32 summation's bound), XLA's
+numpy for the float32 x int8 product (within float32 summation's bound) and for
+the segment attention (within a bound derived from float32's roundoff), XLA's
 `dot_general` for the whole W8A8 model (the int32 product is exact, so the
 logits agree bit for bit), the one-row product for a batch (the kernel's sums
 do not depend on M), and fresh processes for the build, the cache and the
@@ -160,6 +161,99 @@ def test_model_with_kernels_against_xla(tiny_lm, mode, monkeypatch):
         np.testing.assert_array_equal(on, off)
     else:
         np.testing.assert_allclose(on, off, rtol=1e-4, atol=1e-4 * np.abs(off).max())
+
+
+U = 2.0**-24  # float32's unit roundoff
+
+
+def _attention_oracle(q, k, v, mask):
+    """float64 softmax attention, and the kernel's error bounds per output and lse.
+
+    With E_r = D u max_j sum_d |q_rd k_jd| (float32 scores' error), each softmax
+    weight moves by a relative 2 E_r at most; the exp (a few ulp), the M-term sums
+    and the merge of chunks add (2 M + 32) u. So |out - exact| <= (2 E_r + (2M + 32) u)
+    sum_j p_j |v_jd| / sum_j p_j, and |lse - exact| <= E_r + (M + 16) u + 2 u (|lse| + 1).
+    """
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    s = np.where(mask, np.einsum("hqd,hmd->hqm", q, k), -np.inf)
+    top = s.max(-1, keepdims=True)
+    ok = np.isfinite(top)
+    p = np.exp(s - np.where(ok, top, 0.0))
+    denom = p.sum(-1, keepdims=True)
+    safe = np.where(ok, denom, 1.0)
+    out = np.einsum("hqm,hmd->hqd", p, v) / safe
+    lse = np.where(ok[..., 0], np.log(safe[..., 0]) + np.where(ok, top, 0.0)[..., 0], -np.inf)
+    D, M = q.shape[-1], k.shape[1]
+    E = D * U * np.where(mask, np.einsum("hqd,hmd->hqm", np.abs(q), np.abs(k)), 0).max(-1)
+    out_tol = (2 * E + (2 * M + 32) * U)[..., None] * np.einsum("hqm,hmd->hqd", p, np.abs(v)) / safe
+    lse_tol = E + (M + 16) * U + 2 * U * (np.where(ok[..., 0], np.abs(lse), 0) + 1)
+    return out, lse, out_tol, lse_tol
+
+
+@needs_kernels
+@pytest.mark.parametrize("H,Q,M,D,visible,q_scale", [
+    (3, 48, 1024, 64, "prefix", 0.3),   # the SmolLM2 step at N = 16: a bucket's padding
+    (3, 3, 300, 64, "random", 1.0),     # N = 1, a key-chunk tail, holes in the mask
+    (1, 5, 17, 256, "all", 0.2),        # Gemma's D, fewer keys than a block of 8
+    (2, 9, 600, 16, "last", 3.0),       # only the last chunk visible; scores up to ~50
+    (2, 9, 40, 8, "none", 1.0),         # nothing visible: out 0, lse -inf
+])
+def test_segment_attention_against_float64(H, Q, M, D, visible, q_scale):
+    """The attention kernel against float64 numpy, within the bound derived in
+    `_attention_oracle`, over query-block and key-chunk tails, masks with holes,
+    no visible key, and large scores (the exp's range)."""
+    rng = np.random.default_rng(H * Q + M)
+    q = (rng.standard_normal((H, Q, D)) * q_scale).astype(np.float32)
+    k, v = (rng.standard_normal((H, M, D)).astype(np.float32) for _ in range(2))
+    mask = {"prefix": np.arange(M) < M - 24, "random": rng.random(M) < 0.7,
+            "all": np.ones(M, bool), "last": np.arange(M) >= M - 5,
+            "none": np.zeros(M, bool)}[visible]
+    assert cpu_kernels.uses_attention_kernel(q, k, v), cpu_kernels._STATE  # not XLA's fallback
+    out, lse = (np.asarray(a, np.float64)
+                for a in jax.jit(cpu_kernels.segment_attention)(q, k, v, mask))
+    want, want_lse, out_tol, lse_tol = _attention_oracle(q, k, v, mask)
+    assert np.all(np.abs(out - want) <= out_tol), np.max(np.abs(out - want) - out_tol)
+    assert np.array_equal(np.isfinite(lse), np.isfinite(want_lse))
+    fin = np.isfinite(want_lse)
+    assert np.all(np.abs(lse[fin] - want_lse[fin]) <= lse_tol[fin])
+    if visible == "none":
+        assert not np.any(out) and np.all(lse == -np.inf)
+
+
+@needs_kernels
+def test_segment_attention_vmaps_differentiates_and_serves_the_prefix():
+    """Vmapped (the engine's row axis) it equals the calls one by one; its jvp is XLA
+    expression's; and `prefix_attention(kernel=True)`, vmapped over branches as in
+    the decode step, agrees with the XLA path within the kernel's bound."""
+    from jaxsample.engine.prefix_attention import prefix_attention
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s).astype(np.float32)
+               for s in ((2, 2, 6, 16), (2, 2, 70, 16), (2, 2, 70, 16)))
+    mask = rng.random((2, 70)) < 0.8
+    assert cpu_kernels.uses_attention_kernel(q, k, v), cpu_kernels._STATE
+    both = jax.jit(jax.vmap(cpu_kernels.segment_attention))(q, k, v, mask)
+    for i in range(2):
+        one = cpu_kernels.segment_attention(q[i], k[i], v[i], mask[i])
+        for a, b in zip(both, one):
+            np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
+    t = rng.standard_normal(q[0].shape).astype(np.float32)
+    got = jax.jvp(lambda a: cpu_kernels.segment_attention(a, k[0], v[0], mask[0]), (q[0],), (t,))
+    want = jax.jvp(lambda a: cpu_kernels._attention_xla(a, k[0], v[0], mask[0]), (q[0],), (t,))
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.all(np.isfinite(np.asarray(jax.grad(
+        lambda a: cpu_kernels.segment_attention(a, k[0], v[0], mask[0])[0].sum())(q[0]))))
+    # the decode step's use: 5 branches of one query [1, H=4, D] over a [K=2, P, D] prefix
+    qb = rng.standard_normal((5, 1, 4, 16)).astype(np.float32)
+    run = lambda kernel: jax.jit(jax.vmap(  # noqa: E731
+        lambda a: prefix_attention(a, k[0], v[0], mask[0], 0.25, kernel)))(qb)
+    (o1, l1), (o0, l0) = run(True), run(False)
+    qg = (qb * 0.25).reshape(5, 2, 2, 16).transpose(1, 2, 0, 3).reshape(2, 10, 16)
+    _, _, out_tol, lse_tol = _attention_oracle(qg, k[0], v[0], mask[0])
+    out_tol = out_tol.reshape(2, 2, 5, 16).transpose(2, 0, 1, 3).reshape(5, 1, 4, 16)
+    lse_tol = lse_tol.reshape(2, 2, 5).transpose(2, 0, 1).reshape(5, 1, 4)
+    assert np.all(np.abs(np.asarray(o1) - np.asarray(o0)) <= 2 * out_tol)
+    assert np.all(np.abs(np.asarray(l1) - np.asarray(l0)) <= 2 * lse_tol)
 
 
 def _fresh(code: str, **env) -> subprocess.CompletedProcess:

@@ -21,6 +21,11 @@ concatenated rows: the same dot products, softmax and normalisation per
 (branch, head), so results agree with the plain vmap to float32 rounding
 (the matmul's blocking may differ).
 
+With `kernel=True` (the int8 decode step) that concatenated block goes to
+`models.cpu_kernels.segment_attention` on CPU: scores, softmax and the
+product with V in one pass over the prefix, split over the intra-op pool
+(benchmarks/RESULTS.md, "CPU kernels").
+
 Hydragen (Juravsky et al. 2024, arXiv 2402.05099) batches the shared
 prefix's attention across sequences in the same way.
 """
@@ -35,7 +40,7 @@ from jaxsample.models import common
 
 
 def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     scale: float | None = None):
+                     scale: float | None = None, kernel: bool = False):
     """`common.partial_attention(q, k, v, mask[None], scale)` for one branch, batched well.
 
     Args:
@@ -44,12 +49,14 @@ def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
       mask: `[P]` bool, the prefix positions the query may see (the same for
         every query position of the call).
       scale: the score scale (a Python float), None for `1/sqrt(D)`.
+      kernel: use the CPU kernel `cpu_kernels.segment_attention` where it runs
+        (the int8 decode step: `branch_step` passes it for quantised params).
     Returns:
       (out `[S, H, D]` float32, lse `[S, H]` float32), as `partial_attention`.
     """
 
     def one(q, k, v, mask):
-        return common.partial_attention(q, k, v, mask[None], scale)
+        return common.partial_attention(q, k, v, mask[None], scale, kernel)
 
     f = custom_batching.custom_vmap(one)
 

@@ -17,7 +17,7 @@ from jaxsample.engine import sampling
 from jaxsample.engine.prefill import prefix_start
 from jaxsample.engine.prefix_attention import prefix_attention
 from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
-from jaxsample.models import common, families
+from jaxsample.models import common, families, quant
 
 
 def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, post_layer=None,
@@ -49,6 +49,7 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
     self_mask = jnp.ones((1, 1), bool)
 
     base = 0 if context is None else context.length  # position of the prefix's slot 0
+    kernel = quant.is_quantized(params)  # the int8 step's prefix attention: the CPU kernel
 
     def attend_for_layer(xs):
         lpk, lpv, ltk, ltv, window, lck, lcv = xs
@@ -75,7 +76,7 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
             # The context and the prefix are unbatched over the branches: one
             # matmul per kv head for all branches (`prefix_attention`).
             out = common.merge_attention(
-                [prefix_attention(q, a, b, m, scale) for a, b, m in shared]
+                [prefix_attention(q, a, b, m, scale, kernel) for a, b, m in shared]
                 + [common.partial_attention(q, ltk, ltv, tail_mask[None], scale),
                    common.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask,
                                             scale)])
