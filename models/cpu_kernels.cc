@@ -1,8 +1,11 @@
-// Int8 products for XLA CPU, as typed FFI custom calls (models/cpu_kernels.py builds,
-// loads and registers this file; models/quant.py calls them).
+// The int8 decode's CPU kernels for XLA, as typed FFI custom calls
+// (models/cpu_kernels.py builds, loads and registers this file; models/quant.py and
+// models/common.py call them).
 //
 //   jaxsample_int8_dot:   x int8 [M, K], w int8 [N, K] -> int32 [M, N], y = x w^T (exact)
 //   jaxsample_f32_int8_dot: x f32 [M, K], w int8 [N, K] -> f32 [M, N], y = x float(w)^T
+//   jaxsample_segment_attention: q [H, Q, D], k, v [H, M, D], mask [M] -> out [H, Q, D],
+//       lse [H, Q]: the decode step's attention over the shared prefix (below)
 //
 // Why: XLA CPU (jaxlib 0.10.2) runs a small-M int8 x int8 dot through its int8 GEMM
 // with a fixed cost of 0.1-0.3 ms per product on an AVX2 CPU, whatever the weight's
@@ -279,17 +282,42 @@ inline __m256 Scores8(const float* q, const float* k, int64_t D) {
   return Sum8(acc);
 }
 
-// out[0, 8C) = sum_i p[i] v[i * D, + 8C) over the n keys (zero p skipped).
-template <int C>
-inline void WeightedSum(const float* p, const float* v, int64_t n, int64_t D, float* out) {
-  __m256 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    if (p[i] == 0.0f) continue;
-    const __m256 pi = _mm256_set1_ps(p[i]);
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + i * D + 8 * c), acc[c]);
+// Two query rows q0, q1 against 4 keys k [4, D]: [q0 . k_0..3, q1 . k_0..3] (each key
+// loaded once for both rows).
+inline __m256 Scores2x4(const float* q0, const float* q1, const float* k, int64_t D) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 a = _mm256_loadu_ps(q0 + d), b = _mm256_loadu_ps(q1 + d);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 kv = _mm256_loadu_ps(k + i * D + d);
+      acc[i] = _mm256_fmadd_ps(a, kv, acc[i]);
+      acc[4 + i] = _mm256_fmadd_ps(b, kv, acc[4 + i]);
+    }
   }
-  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+  return Sum8(acc);
+}
+
+// out_r[0, 8C) = sum_i p_r[i] v[i * D, + 8C) over the n keys, for the rows r < R
+// (R = 1 or 2: each value row loaded once for both; keys whose p are all 0 skipped).
+template <int R, int C>
+inline void WeightedSum(const float* const* p, const float* v, int64_t n, int64_t D,
+                        float* const* out) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    bool zero = true;
+    for (int r = 0; r < R; ++r) zero &= p[r][i] == 0.0f;
+    if (zero) continue;
+    for (int c = 0; c < C; ++c) {
+      const __m256 vv = _mm256_loadu_ps(v + i * D + 8 * c);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][i]), vv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[r] + 8 * c, acc[r][c]);
 }
 
 // One task: rows [0, R) of q against keys [0, n) of k, v (n <= kKeyChunk).
@@ -312,6 +340,17 @@ void AttendChunk(const float* q, const float* k, const float* v, const bool* mas
         continue;
       }
       const float* qr = q + r * D;
+      if (kn == 8 && r + 1 < R) {  // two rows at once
+        const __m256 lo = Scores2x4(qr, qr + D, k + j * D, D);
+        const __m256 hi = Scores2x4(qr, qr + D, k + (j + 4) * D, D);
+        _mm256_storeu_ps(sr, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(sr + kKeyChunk, _mm256_permute2f128_ps(lo, hi, 0x31));
+        if (!all)
+          for (int64_t i = 0; i < 8; ++i)
+            if (!mask[j + i]) sr[i] = sr[kKeyChunk + i] = ninf;
+        ++r;
+        continue;
+      }
       if (kn == 8) {
         _mm256_storeu_ps(sr, Scores8(qr, k + j * D, D));
       } else {
@@ -335,11 +374,10 @@ void AttendChunk(const float* q, const float* k, const float* v, const bool* mas
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, m8);
     const float m = *std::max_element(lanes, lanes + 8);
-    float* orow = o + r * D;
     mx[r] = m;
-    if (m == ninf) {
+    if (m == ninf) {  // no visible key: p = 0, so out = 0
       sum[r] = 0.0f;
-      std::fill(orow, orow + D, 0.0f);
+      std::fill(sr, sr + n8, 0.0f);
       continue;
     }
     __m256 l8 = _mm256_setzero_ps();
@@ -349,9 +387,22 @@ void AttendChunk(const float* q, const float* k, const float* v, const bool* mas
       l8 = _mm256_add_ps(l8, e);
     }
     sum[r] = HorizontalSum(l8);
-    int64_t d0 = 0;  // out += p_j v_j: 64 columns at a time, then 8
-    for (; d0 + 64 <= D; d0 += 64) WeightedSum<8>(sr, v + d0, n, D, orow + d0);
-    for (; d0 < D; d0 += 8) WeightedSum<1>(sr, v + d0, n, D, orow + d0);
+  }
+  for (int64_t r = 0; r < R; r += 2) {  // out += p_j v_j: two rows, 32 columns at a time
+    const float* p[2] = {s + r * kKeyChunk, s + (r + 1) * kKeyChunk};
+    float* out[2] = {o + r * D, o + (r + 1) * D};
+    const bool two = r + 1 < R;
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const float* vd = v + d0;
+      float* od[2] = {out[0] + d0, out[1] + d0};
+      if (d0 + 32 <= D)
+        two ? WeightedSum<2, 4>(p, vd, n, D, od) : WeightedSum<1, 4>(p, vd, n, D, od);
+      else
+        for (int64_t c = d0; c < D; c += 8) {
+          float* oc[2] = {out[0] + c, out[1] + c};
+          two ? WeightedSum<2, 1>(p, v + c, n, D, oc) : WeightedSum<1, 1>(p, v + c, n, D, oc);
+        }
+    }
   }
 }
 

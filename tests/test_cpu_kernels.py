@@ -197,6 +197,7 @@ def _attention_oracle(q, k, v, mask):
     (1, 5, 17, 256, "all", 0.2),        # Gemma's D, fewer keys than a block of 8
     (2, 9, 600, 16, "last", 3.0),       # only the last chunk visible; scores up to ~50
     (2, 9, 40, 8, "none", 1.0),         # nothing visible: out 0, lse -inf
+    (1, 6, 64, 8, "mixed", 1.0),        # rows 0, 2, 4 x 100: their softmax underflows
 ])
 def test_segment_attention_against_float64(H, Q, M, D, visible, q_scale):
     """The attention kernel against float64 numpy, within the bound derived in
@@ -207,7 +208,9 @@ def test_segment_attention_against_float64(H, Q, M, D, visible, q_scale):
     k, v = (rng.standard_normal((H, M, D)).astype(np.float32) for _ in range(2))
     mask = {"prefix": np.arange(M) < M - 24, "random": rng.random(M) < 0.7,
             "all": np.ones(M, bool), "last": np.arange(M) >= M - 5,
-            "none": np.zeros(M, bool)}[visible]
+            "none": np.zeros(M, bool), "mixed": np.ones(M, bool)}[visible]
+    if visible == "mixed":  # most of these rows' keys get p = 0 where the others' do not
+        q[:, ::2] *= 100
     assert cpu_kernels.uses_attention_kernel(q, k, v), cpu_kernels._STATE  # not XLA's fallback
     out, lse = (np.asarray(a, np.float64)
                 for a in jax.jit(cpu_kernels.segment_attention)(q, k, v, mask))
