@@ -241,11 +241,12 @@ constexpr int64_t kKeyChunk = 256;
 constexpr int64_t kQueryBlock = 8;
 
 // e^x for x <= 0 (a score minus the maximum), within a few ulp; exactly 0 below -87
-// and at -inf. Cody-Waite reduction by ln 2 and Cephes' expf polynomial on
-// [-ln2/2, ln2/2] (S. Moshier, Cephes Math Library), times 2^n.
+// and at -inf, NaN at NaN (a NaN score must reach the output, as in XLA's softmax).
+// Cody-Waite reduction by ln 2 and Cephes' expf polynomial on [-ln2/2, ln2/2]
+// (S. Moshier, Cephes Math Library), times 2^n.
 inline __m256 ExpNonPositive(__m256 x) {
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);  // NaN kept
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // max_ps returns its 2nd operand at NaN
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -436,13 +437,19 @@ ffi::Error SegmentAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   for (int64_t h = 0; h < H; ++h)
     for (int64_t r = 0; r < Q; ++r) {  // merge the chunks by log-sum-exp
       float m = ninf;
-      for (int64_t c = 0; c < nc; ++c) m = std::max(m, mx[(h * nc + c) * Q + r]);
+      bool nan = false;
+      for (int64_t c = 0; c < nc; ++c) {
+        const float x = mx[(h * nc + c) * Q + r];
+        nan |= std::isnan(x);
+        m = std::max(m, x);
+      }
       float* orow = op + (h * Q + r) * D;
-      std::fill(orow, orow + D, 0.0f);
-      if (m == ninf) {
-        lp[h * Q + r] = ninf;
+      if (nan || m == ninf) {  // a NaN score: NaN out (as XLA's); no visible key: 0, -inf
+        std::fill(orow, orow + D, nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+        lp[h * Q + r] = nan ? std::numeric_limits<float>::quiet_NaN() : ninf;
         continue;
       }
+      std::fill(orow, orow + D, 0.0f);
       float l = 0.0f;
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t at = (h * nc + c) * Q + r;

@@ -224,6 +224,24 @@ def test_segment_attention_against_float64(H, Q, M, D, visible, q_scale):
 
 
 @needs_kernels
+def test_segment_attention_passes_nan_on():
+    """A NaN in a query, key or value reaches the outputs it touches, as in XLA's
+    softmax (never a silently finite row)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 3, 8), (1, 300, 8), (1, 300, 8)))
+    mask = np.ones(300, bool)
+    q[0, 0, 3] = np.nan  # row 0's scores
+    k[0, 280, 1] = np.nan  # every row's score at key 280 (the second chunk)
+    out, lse = (np.asarray(a) for a in jax.jit(cpu_kernels.segment_attention)(q, k, v, mask))
+    assert np.all(np.isnan(out)) and np.all(np.isnan(lse))
+    k[0, 280, 1] = 0.0
+    v[0, 7, 2] = np.nan  # one value column
+    out, lse = (np.asarray(a) for a in jax.jit(cpu_kernels.segment_attention)(q, k, v, mask))
+    assert np.all(np.isnan(out[0, 0])) and np.all(np.isnan(out[0, 1:, 2]))
+    assert np.all(np.isfinite(np.delete(out[0, 1:], 2, axis=-1))) and np.all(np.isfinite(lse[0, 1:]))
+
+
+@needs_kernels
 def test_segment_attention_vmaps_differentiates_and_serves_the_prefix():
     """Vmapped (the engine's row axis) it equals the calls one by one; its jvp is XLA
     expression's; and `prefix_attention(kernel=True)`, vmapped over branches as in
