@@ -370,11 +370,16 @@ void AttendChunk(const float* q, const float* k, const float* v, const bool* mas
   const int64_t n8 = j;  // n rounded up to 8
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * kKeyChunk;
-    __m256 m8 = _mm256_set1_ps(ninf);
-    for (int64_t i = 0; i < n8; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sr + i));
+    __m256 m8 = _mm256_set1_ps(ninf), nan8 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n8; i += 8) {
+      const __m256 x = _mm256_loadu_ps(sr + i);
+      m8 = _mm256_max_ps(m8, x);
+      nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // max_ps drops NaN
+    }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, m8);
-    const float m = *std::max_element(lanes, lanes + 8);
+    const float m = _mm256_movemask_ps(nan8) ? std::numeric_limits<float>::quiet_NaN()
+                                             : *std::max_element(lanes, lanes + 8);
     mx[r] = m;
     if (m == ninf) {  // no visible key: p = 0, so out = 0
       sum[r] = 0.0f;

@@ -309,7 +309,7 @@ def _segment_attention_jvp(primals, tangents):
     q, k, v, mask = primals
     dq, dk, dv, _ = tangents
     _, tangent = jax.jvp(lambda a, b, c: _attention_xla(a, b, c, mask), (q, k, v), (dq, dk, dv))
-    return segment_attention(q, k, v, mask), tangent
+    return _vary_like(segment_attention(q, k, v, mask), tangent), tangent
 
 
 def uses_int8_kernel(m: int, k: int) -> bool:
@@ -337,9 +337,25 @@ def f32_int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return _f32_kernel(x, w)
 
 
+def _vary_like(primal, tangent):
+    """`primal` marked as varying over the mesh axes `tangent` varies over: inside a
+    `shard_map` (check_vma) a custom call's result carries no varying axes, while the
+    tangent, computed by XLA from the sharded inputs, does, and a custom_jvp rule's
+    primal and tangent types must agree."""
+
+    def one(p, t):
+        varying = lambda a: getattr(getattr(jax.typeof(a), "mat", None), "varying",  # noqa: E731
+                                    frozenset())
+        extra = tuple(sorted(varying(t) - varying(p), key=str))
+        return jax.lax.pcast(p, extra, to="varying") if extra else p
+
+    return jax.tree_util.tree_map(one, primal, tangent)
+
+
 @f32_int8_dot.defjvp
 def _f32_int8_dot_jvp(primals, tangents):
     """Linear in x: the tangent is XLA's `dx . float(w)^T` (differentiable both ways:
     jvp, and grad by its transpose); w is int8 and has no tangent."""
     x, w = primals
-    return f32_int8_dot(x, w), _xla(tangents[0], w, jnp.float32)
+    tangent = _xla(tangents[0], w, jnp.float32)
+    return _vary_like(f32_int8_dot(x, w), tangent), tangent

@@ -103,6 +103,34 @@ def test_under_vmap_and_a_mesh():
 
 
 @needs_kernels
+def test_gradients_inside_shard_map():
+    """The float kernels' gradients under a 2-device `shard_map` (its varying-axes check
+    on): equal to those of XLA's expressions, which the jvp rules use."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    from jax.sharding import NamedSharding, PartitionSpec as Ps
+    mesh = jax.make_mesh((2,), ("d",))
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 40)).astype(np.float32)
+    w = rng.integers(-127, 128, (7, 40), dtype=np.int8)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((4, 6, 16), (4, 30, 16), (4, 30, 16)))
+    mask = np.arange(30) < 25
+
+    def grads(dot, attend):
+        g1 = jax.shard_map(jax.grad(lambda a: dot(a, w).sum()), mesh=mesh,
+                           in_specs=Ps("d"), out_specs=Ps("d"))
+        g2 = jax.shard_map(jax.grad(lambda a, b, c: attend(a, b, c, mask)[0].sum(), (0, 1, 2)),
+                           mesh=mesh, in_specs=(Ps("d"),) * 3, out_specs=(Ps("d"),) * 3)
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, Ps("d")))  # noqa: E731
+        return jax.jit(g1)(put(x)), jax.jit(g2)(*map(put, (q, k, v)))
+
+    got = grads(cpu_kernels.f32_int8_dot, cpu_kernels.segment_attention)
+    want = grads(lambda a, b: cpu_kernels._xla(a, b, jnp.float32), cpu_kernels._attention_xla)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@needs_kernels
 def test_weight_only_product_vmaps_as_one_call_and_differentiates():
     """Vmapped (a batch of x, one weight; and a weight per element) it equals the
     products one by one; its jvp and grad in x equal those of XLA's expression."""
@@ -239,6 +267,13 @@ def test_segment_attention_passes_nan_on():
     out, lse = (np.asarray(a) for a in jax.jit(cpu_kernels.segment_attention)(q, k, v, mask))
     assert np.all(np.isnan(out[0, 0])) and np.all(np.isnan(out[0, 1:, 2]))
     assert np.all(np.isfinite(np.delete(out[0, 1:], 2, axis=-1))) and np.all(np.isfinite(lse[0, 1:]))
+    # a NaN score as the only visible one of its chunk, in a lane other than the first,
+    # with masked padding after it (a prefix padded to its bucket)
+    q, k = np.ones((1, 1, 8), np.float32), np.ones((1, 300, 8), np.float32)
+    k[0, 3, 0] = np.nan
+    for visible in (np.arange(300) == 3, (np.arange(300) == 3) | (np.arange(300) >= 256)):
+        out, _ = jax.jit(cpu_kernels.segment_attention)(q, k, k, visible)
+        assert np.all(np.isnan(np.asarray(out)))
 
 
 @needs_kernels

@@ -312,8 +312,8 @@ def _add_cache_parser(sub) -> None:
     info.add_argument("--json", action="store_true", help="print one JSON object")
     clear = what.add_parser("clear", help="delete the cache (all of it, or the parts named)",
                             description="Delete the cache's weights, compiled and exported "
-                                        "programs and assembled checkpoints; with flags, only "
-                                        "those parts.")
+                                        "programs, assembled checkpoints and built CPU "
+                                        "kernels; with flags, only those parts.")
     for part, text in (("weights", "the dequantised and int8 weights (weights/)"),
                        ("compiled", "the compiled programs (xla/)"),
                        ("exported", "the exported programs (exported/: traced and lowered, "
