@@ -1,4 +1,7 @@
-"""The int8 decode's CPU kernels as XLA FFI custom calls: built from `cpu_kernels.cc` on first use.
+"""The int8 decode's CPU kernels as XLA FFI custom calls, built on first use.
+
+The sources: `cpu_kernels.cc` (the products), `cpu_attention.cc` (the attention)
+and `cpu_kernels.h` (what they share), compiled into one library.
 
 Two products, each `x [M, K]` against an int8 weight stored `[N, K]` (a
 `QuantizedWeight` with `transposed=True`, the layout `quant.quantize_params`
@@ -63,7 +66,8 @@ import numpy as np
 ENV = "JAXSAMPLE_CPU_KERNELS"
 """Set to 0 / false / no / off to keep XLA's dot_general (the A/B of the benchmarks)."""
 
-SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
+SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("cpu_kernels.cc", "cpu_attention.cc"))
+HEADER = pathlib.Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
 TARGETS = ("jaxsample_int8_dot", "jaxsample_f32_int8_dot", "jaxsample_segment_attention")
 MAX_ROWS = 64
@@ -99,7 +103,8 @@ def _compiler() -> list[str] | None:
 
 def _key(cxx: list[str]) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(cxx + list(FLAGS)).encode(),
+    sources = [f.read_bytes() for f in (*SOURCES, HEADER)]
+    for part in (*sources, " ".join(cxx + list(FLAGS)).encode(),
                  jax.lib.__version__.encode() if hasattr(jax.lib, "__version__") else b""):
         h.update(part + b"\0")
     return h.hexdigest()[:32]
@@ -110,13 +115,13 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 def _build(cxx: list[str], out: pathlib.Path) -> None:
-    """Compile SOURCE to `out` (through a temporary file renamed over it) and write
+    """Compile SOURCES to `out` (through a temporary file renamed over it) and write
     `out.sha256`. Raises OSError or RuntimeError (the compiler's last line)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        cmd = [*cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             lines = [ln for ln in r.stderr.splitlines() if "error" in ln] or r.stderr.splitlines()

@@ -113,7 +113,8 @@ def test_gradients_inside_shard_map():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((4, 40)).astype(np.float32)
     w = rng.integers(-127, 128, (7, 40), dtype=np.int8)
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((4, 6, 16), (4, 30, 16), (4, 30, 16)))
+    q, k, v = (rng.standard_normal(s).astype(np.float32)
+               for s in ((4, 6, 16), (4, 30, 16), (4, 30, 16)))
     mask = np.arange(30) < 25
 
     def grads(dot, attend):
@@ -256,7 +257,8 @@ def test_segment_attention_passes_nan_on():
     """A NaN in a query, key or value reaches the outputs it touches, as in XLA's
     softmax (never a silently finite row)."""
     rng = np.random.default_rng(5)
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((1, 3, 8), (1, 300, 8), (1, 300, 8)))
+    q, k, v = (rng.standard_normal(s).astype(np.float32)
+               for s in ((1, 3, 8), (1, 300, 8), (1, 300, 8)))
     mask = np.ones(300, bool)
     q[0, 0, 3] = np.nan  # row 0's scores
     k[0, 280, 1] = np.nan  # every row's score at key 280 (the second chunk)
@@ -266,7 +268,8 @@ def test_segment_attention_passes_nan_on():
     v[0, 7, 2] = np.nan  # one value column
     out, lse = (np.asarray(a) for a in jax.jit(cpu_kernels.segment_attention)(q, k, v, mask))
     assert np.all(np.isnan(out[0, 0])) and np.all(np.isnan(out[0, 1:, 2]))
-    assert np.all(np.isfinite(np.delete(out[0, 1:], 2, axis=-1))) and np.all(np.isfinite(lse[0, 1:]))
+    assert np.all(np.isfinite(np.delete(out[0, 1:], 2, axis=-1)))
+    assert np.all(np.isfinite(lse[0, 1:]))
     # a NaN score as the only visible one of its chunk, in a lane other than the first,
     # with masked padding after it (a prefix padded to its bucket)
     q, k = np.ones((1, 1, 8), np.float32), np.ones((1, 300, 8), np.float32)
