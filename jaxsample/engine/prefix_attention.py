@@ -24,7 +24,7 @@ concatenated rows: the same dot products, softmax and normalisation per
 With `kernel=True` (the int8 decode step) that concatenated block goes to
 `models.cpu_kernels.segment_attention` on CPU: scores, softmax and the
 product with V in one pass over the prefix, split over the intra-op pool
-(benchmarks/RESULTS.md, "CPU kernels").
+(benchmarks/RESULTS.md, "Prefix attention kernel").
 
 Hydragen (Juravsky et al. 2024, arXiv 2402.05099) batches the shared
 prefix's attention across sequences in the same way.
