@@ -35,46 +35,102 @@ namespace {
 using namespace jaxsample_cpu;  // NOLINT: the shared helpers
 
 constexpr int64_t kRowsPerTask = 64;  // output rows n per unit of work
-constexpr int64_t kBlock = 4;         // output rows n per inner loop
+constexpr int64_t kBlock = 4;         // output rows n per inner loop (the float product)
+constexpr int64_t kAhead = 4;         // weight rows prefetched ahead (the VNNI loop)
 
-// out[m, n] = sum_k x[m, k] w[n, k] for n in [n0, n1).
+// out[m, n] = sum_k x[m, k] w[n, k] for n in [n0, n1): one weight row at a time, read in
+// order for each x row (from cache after the first). Four rows interleaved, as this loop
+// read them before, streamed SmolLM2's projections at 8 GB/s on a Zen 4 core at M = 1,
+// one row at 24 GB/s (the hardware prefetcher follows one stream).
 void Int8Rows(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t N,
               int64_t K, int64_t n0, int64_t n1) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t K32 = K / 32 * 32;
-  int64_t n = n0;
-  for (; n + kBlock <= n1; n += kBlock) {
+  for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wn = w + n * K;
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* xm = x + m * K;
-      __m256i acc[kBlock];
-      for (int j = 0; j < kBlock; ++j) acc[j] = _mm256_setzero_si256();
+      __m256i acc = _mm256_setzero_si256();
       for (int64_t k = 0; k < K32; k += 32) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + k));
-        for (int j = 0; j < kBlock; ++j) {
-          const __m256i wv =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + j * K + k));
-          // |w| as unsigned bytes (-128 -> 128) times x with w's sign: right for any w
-          // while x stays in [-127, 127] (negating -128 would overflow).
-          const __m256i p =
-              _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-          acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(p, ones));
-        }
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + k));
+        // |w| as unsigned bytes (-128 -> 128) times x with w's sign: right for any w
+        // while x stays in [-127, 127] (negating -128 would overflow).
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
       }
-      for (int j = 0; j < kBlock; ++j) {
-        int32_t s = HorizontalSum(acc[j]);
-        for (int64_t k = K32; k < K; ++k) s += int32_t(xm[k]) * int32_t(wn[j * K + k]);
-        out[m * N + n + j] = s;
-      }
-    }
-  }
-  for (; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      int32_t s = 0;
-      for (int64_t k = 0; k < K; ++k) s += int32_t(x[m * K + k]) * int32_t(w[n * K + k]);
+      int32_t s = HorizontalSum(acc);
+      for (int64_t k = K32; k < K; ++k) s += int32_t(xm[k]) * int32_t(wn[k]);
       out[m * N + n] = s;
     }
+  }
 }
+
+// The same product with AVX-512 VNNI, where the CPU has it (jaxsample_set_isa). vpdpbusd
+// multiplies unsigned by signed bytes and sums each four into an int32 lane with no int16
+// step, so x is offset to unsigned, x + 128 = x ^ 0x80, and the offset taken off with the
+// weight row's sum: sum_k (x + 128) w = sum_k x w + 128 sum_k w. The int32 sums wrap
+// (modulo 2^32) where the offset one overflows, and the true result fits: exact, as the
+// AVX2 loop. One instruction per 64 byte products, against five per 32 there.
+#define JAXSAMPLE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// x rows m0 .. m0 + MR - 1 against weight row n (at wn), K in 64-byte steps, the last one
+// masked. kSums (the first tile of a row): also sum the weight row, times 128 (the offset),
+// into *wsum, and prefetch the row kAhead rows on. One weight row at a time, read in order:
+// at M = 1 this streamed 106 MB of SmolLM2's projections at 17-20 GB/s on one Zen 4 core,
+// against 8 GB/s for four rows interleaved (a first version, as the AVX2 loop's was).
+template <int MR, bool kSums>
+JAXSAMPLE_VNNI inline void Int8TileVnni(const int8_t* x, const int8_t* wn, int32_t* out,
+                                        int64_t N, int64_t K, int64_t m0, int64_t n,
+                                        int32_t* wsum) {
+  const __m512i offset = _mm512_set1_epi8(char(0x80)), ones = _mm512_set1_epi8(1);
+  __m512i acc[MR], sums = _mm512_setzero_si512();
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 live = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+    const __m512i wv = _mm512_maskz_loadu_epi8(live, wn + k);  // 0 past K
+    if (kSums) {
+      sums = _mm512_dpbusd_epi32(sums, ones, wv);
+      _mm_prefetch(reinterpret_cast<const char*>(wn + kAhead * K + k), _MM_HINT_T0);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512i xu =
+          _mm512_xor_si512(_mm512_maskz_loadu_epi8(live, x + (m0 + i) * K + k), offset);
+      acc[i] = _mm512_dpbusd_epi32(acc[i], xu, wv);
+    }
+  }
+  if (kSums) *wsum = int32_t(uint32_t(_mm512_reduce_add_epi32(sums)) << 7);
+  for (int i = 0; i < MR; ++i)  // int32 lanes wrap: the offset sums' overflow cancels
+    out[(m0 + i) * N + n] =
+        int32_t(uint32_t(_mm512_reduce_add_epi32(acc[i])) - uint32_t(*wsum));
+}
+
+JAXSAMPLE_VNNI void Int8RowsVnni(const int8_t* x, const int8_t* w, int32_t* out, int64_t M,
+                                 int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  if (M == 0) return;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wn = w + n * K;
+    int32_t wsum;
+    int64_t m = M >= 4 ? 4 : 1;
+    if (M >= 4)
+      Int8TileVnni<4, true>(x, wn, out, N, K, 0, n, &wsum);
+    else
+      Int8TileVnni<1, true>(x, wn, out, N, K, 0, n, &wsum);
+    for (; m + 4 <= M; m += 4) Int8TileVnni<4, false>(x, wn, out, N, K, m, n, &wsum);
+    for (; m < M; ++m) Int8TileVnni<1, false>(x, wn, out, N, K, m, n, &wsum);
+  }
+}
+
+// 1 where the CPU (and the OS's saved state) has AVX-512 with VNNI, else 0: the most
+// jaxsample_set_isa allows.
+int BestIsa() {
+  static const int best = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return best;
+}
+std::atomic<int> g_isa{-1};  // -1: not set, BestIsa()
 
 // Rows m0 .. m0 + MR - 1 of x against the kBlock float rows in `buf`: MR x kBlock
 // independent accumulators (an FMA's latency hidden), each summed over k in 8 lanes,
@@ -167,9 +223,17 @@ ffi::Error BatchedDot(ffi::ThreadPool& pool, ffi::Buffer<X> x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+// The int8 product's row loop on the instruction set in use (jaxsample_set_isa).
+void Int8RowsNow(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t N,
+                 int64_t K, int64_t n0, int64_t n1) {
+  const int isa = g_isa.load(std::memory_order_relaxed);
+  (isa < 0 ? BestIsa() : isa) ? Int8RowsVnni(x, w, out, M, N, K, n0, n1)
+                              : Int8Rows(x, w, out, M, N, K, n0, n1);
+}
+
 ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
                    ffi::ResultBuffer<ffi::S32> out) {
-  return BatchedDot(pool, x, w, out, true, Int8Rows);
+  return BatchedDot(pool, x, w, out, true, Int8RowsNow);
 }
 
 ffi::Error F32Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
@@ -200,3 +264,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsample_f32_int8_dot, F32Int8Dot,
 
 extern "C" int jaxsample_int8_cpu_supported() { return __builtin_cpu_supports("avx2") &&
                                                       __builtin_cpu_supports("fma"); }
+
+// The int8 product's instruction set: level 0 AVX2, 1 AVX-512 VNNI (at most what this
+// CPU has); a level < 0 changes nothing. Returns the level in use (at first the best).
+// For models/cpu_kernels.py's `isa` and `use_isa`: the results are the same bit for bit.
+extern "C" int jaxsample_set_isa(int level) {
+  if (level >= 0) g_isa.store(std::min(level, BestIsa()));
+  const int isa = g_isa.load();
+  return isa < 0 ? BestIsa() : isa;
+}

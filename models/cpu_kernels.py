@@ -8,7 +8,10 @@ Two products, each `x [M, K]` against an int8 weight stored `[N, K]` (a
 writes), and the decode step's attention over the shared prefix:
 
 * `int8_dot(xq, q)`: int8 x int8 -> int32 `[M, N]`, W8A8's product. Exact, so
-  it equals `lax.dot_general` bit for bit whatever the kernel's order.
+  it equals `lax.dot_general` bit for bit whatever the kernel's order. On a CPU
+  with AVX-512 VNNI it runs one `vpdpbusd` per 64 byte products (x offset to
+  unsigned, the offset taken off with the weight row's sum), else AVX2's sign
+  trick; `isa()` says which, `use_isa` picks one (the same bits).
 * `f32_int8_dot(x, q)`: float32 x int8 -> float32 `[M, N]`, weight-only int8's
   product, summed in an order fixed by K alone (a row's result does not depend
   on M or on the other rows: batch-invariant).
@@ -40,8 +43,9 @@ why and the products stay XLA's `dot_general`: same results (bit for bit for
 W8A8), slower. Where JAX's default backend is not the CPU (a GPU, a TPU)
 nothing is built and the programs keep `dot_general` (`active()`).
 
-Reference: the AVX2 int8 dot is ggml's sign trick (llama.cpp, ggml-cpu);
-the FFI is XLA's typed custom-call API (`jax.ffi`).
+Reference: the AVX2 int8 dot is ggml's sign trick (llama.cpp, ggml-cpu); the
+VNNI one the unsigned-offset form of oneDNN's u8 x s8 GEMMs; the FFI is XLA's
+typed custom-call API (`jax.ffi`).
 """
 
 from __future__ import annotations
@@ -64,7 +68,10 @@ import jax.numpy as jnp
 import numpy as np
 
 ENV = "JAXSAMPLE_CPU_KERNELS"
-"""Set to 0 / false / no / off to keep XLA's dot_general (the A/B of the benchmarks)."""
+"""Set to 0 / false / no / off to keep XLA's dot_general (the A/B of the benchmarks), or
+to avx2 to keep the kernels but not their AVX-512 VNNI int8 product (`isa`)."""
+ISAS = ("avx2", "avx512-vnni")
+"""The int8 product's instruction sets, by level (`isa`, `use_isa`)."""
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("cpu_kernels.cc", "cpu_attention.cc"))
 HEADER = pathlib.Path(__file__).with_name("cpu_kernels.h")
@@ -81,6 +88,7 @@ copy of each weight, which took the SmolLM2 prefill's peak from 113 to 528 MB fo
 log = logging.getLogger("jaxsample.cpu_kernels")
 
 _STATE: dict[str, str] = {}  # "status": "on" | the reason it is off; "key"
+_LIB: list[ctypes.CDLL] = []  # the loaded library, once enabled()
 
 
 def _off_reason() -> str | None:
@@ -211,9 +219,18 @@ def enabled() -> bool:
                 for name in TARGETS:
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
                                                 platform="cpu")
-                _self_test()
+                lib.jaxsample_set_isa.restype = ctypes.c_int
+                lib.jaxsample_set_isa.argtypes = (ctypes.c_int,)
+                _LIB[:] = [lib]
+                best = lib.jaxsample_set_isa(len(ISAS))  # as high as this CPU goes
+                for level in range(best + 1):  # every instruction set this CPU runs
+                    with use_isa(ISAS[level]):
+                        _self_test()
+                cap = os.environ.get(ENV, "").strip().lower()
+                lib.jaxsample_set_isa(ISAS.index(cap) if cap in ISAS else best)
                 _STATE["key"] = key
             except Exception as e:  # noqa: BLE001 - see above
+                _LIB.clear()
                 reason = " ".join(str(e).split())[:240] or type(e).__name__
                 if isinstance(e, AttributeError):  # a library without our symbols
                     reason += "; `jaxsample cache clear --kernels` rebuilds them"
@@ -223,6 +240,35 @@ def enabled() -> bool:
             log.warning("jaxsample: warning: int8 CPU kernels off (%s); int8 products run "
                         "as XLA's dot_general, slower", reason)
     return _STATE["status"] == "on"
+
+
+_LEVEL = -1  # jaxsample_set_isa's "no change"
+
+
+def isa() -> str | None:
+    """The instruction set the int8 product runs now (an `ISAS` name: AVX-512 VNNI where
+    the CPU has it, unless `JAXSAMPLE_CPU_KERNELS=avx2`), or None when the kernels are
+    off. Results are the same bit for bit on every one (exact int32 sums)."""
+    return ISAS[_LIB[0].jaxsample_set_isa(_LEVEL)] if enabled() else None
+
+
+@contextlib.contextmanager
+def use_isa(name: str):
+    """Within the block, calls of the int8 product (compiled programs included: the
+    choice is made per call) run on instruction set `name` (one of `ISAS`), or the
+    best this CPU has below it. For tests and A/B benchmarks. Raises ValueError for
+    another name, RuntimeError where the kernels are not loaded (`enabled()`)."""
+    if name not in ISAS:
+        raise ValueError(f"isa must be one of {', '.join(ISAS)}, got {name!r}")
+    if not _LIB:
+        raise RuntimeError(f"the CPU kernels are not loaded ({_STATE.get('status', 'not tried')})")
+    lib = _LIB[0]
+    before = lib.jaxsample_set_isa(_LEVEL)
+    lib.jaxsample_set_isa(ISAS.index(name))
+    try:
+        yield
+    finally:
+        lib.jaxsample_set_isa(before)
 
 
 def active() -> bool:

@@ -44,19 +44,56 @@ rows_either_side = st.tuples(st.sampled_from([1, 2, 63, 64, 65, 80]), st.integer
                              st.integers(1, 70))  # MAX_ROWS = 64: the kernel, then XLA
 
 
+def isas_here() -> list[str]:
+    """The int8 product's instruction sets this CPU runs (AVX2; AVX-512 VNNI where it has it)."""
+    if not cpu_kernels.enabled():
+        return []
+    with cpu_kernels.use_isa(cpu_kernels.ISAS[-1]):
+        best = cpu_kernels.isa()
+    return list(cpu_kernels.ISAS[:cpu_kernels.ISAS.index(best) + 1])
+
+
 @needs_kernels
 @settings(deadline=None)  # each new shape compiles
 @given(st.one_of(shapes, rows_either_side), st.integers(0, 2**31 - 1))
 def test_int8_product_is_exact(mkn, seed):
-    """Values at the ends of [-127, 127] included: the int32 sums equal int64 numpy's."""
+    """Values at the ends of [-127, 127] (and -128 in w) included: the int32 sums equal
+    int64 numpy's, on every instruction set this CPU runs (`cpu_kernels.use_isa`)."""
     M, K, N = mkn
     rng = np.random.default_rng(seed)
     x = rng.choice(np.array([-127, -1, 0, 1, 127], np.int8), (M, K))
     x[:, ::3] = rng.integers(-127, 128, x[:, ::3].shape)
-    w = rng.integers(-127, 128, (N, K), dtype=np.int8)
-    got = np.asarray(jax.jit(cpu_kernels.int8_dot)(x, w))
-    assert got.dtype == np.int32
-    np.testing.assert_array_equal(got, x.astype(np.int64) @ w.T.astype(np.int64))
+    w = rng.integers(-128, 128, (N, K), dtype=np.int8)
+    want = x.astype(np.int64) @ w.T.astype(np.int64)
+    f = jax.jit(cpu_kernels.int8_dot)
+    for isa in isas_here():
+        with cpu_kernels.use_isa(isa):
+            got = np.asarray(f(x, w))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, want, err_msg=isa)
+
+
+@needs_kernels
+def test_int8_product_at_the_int32_limits_on_every_isa():
+    """Sums that reach int32's range (K near 2^17, the largest magnitudes; VNNI's offset
+    sums wrap on the way) and K tails on both sides of a 64-byte step are exact, and
+    `use_isa` restores the instruction set it found and refuses an unknown name."""
+    before = cpu_kernels.isa()
+    for M, K, N, xv, wv in ((2, 2**17 - 1, 3, -127, -128), (5, 2**17 - 1, 2, 127, 127),
+                            (9, 63, 6, 127, -128), (4, 65, 5, -127, 127), (3, 1, 1, 1, -1)):
+        x = np.full((M, K), xv, np.int8)
+        x[1::2] = -x[1::2]
+        w = np.full((N, K), wv, np.int8)
+        want = x.astype(np.int64) @ w.T.astype(np.int64)
+        assert np.abs(want).max() < 2**31
+        for isa in isas_here():
+            with cpu_kernels.use_isa(isa):
+                np.testing.assert_array_equal(np.asarray(cpu_kernels._int8_kernel(x, w)), want,
+                                              err_msg=f"{isa} {M}x{K}x{N}")
+    assert cpu_kernels.isa() == before
+    with pytest.raises(ValueError, match="isa must be one of avx2, avx512-vnni"):
+        with cpu_kernels.use_isa("sse2"):
+            pass
 
 
 @needs_kernels
@@ -372,3 +409,17 @@ def test_without_a_compiler_the_products_stay_xla(tmp_path):
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
     off = _fresh(PROBE, JAXSAMPLE_CPU_KERNELS="0")
     assert off.stdout.startswith("off") and "CPU kernels off" not in off.stderr
+
+
+@needs_kernels
+def test_the_environment_caps_the_int8_product_at_avx2(tmp_path):
+    """`JAXSAMPLE_CPU_KERNELS=avx2`: the kernels on, the int8 product on AVX2 (whatever
+    the CPU has), still exact; unset: the best this CPU runs."""
+    code = PROBE + ("import numpy as np\n"
+                    "x = np.arange(-60, 60, dtype=np.int8).reshape(2, 60); w = x[::-1].copy()\n"
+                    "print(k.isa(), np.asarray(k.int8_dot(x, w)).tolist() == "
+                    "(x.astype(int) @ w.T).tolist())\n")
+    capped = _fresh(code, JAXSAMPLE_CACHE_DIR=str(tmp_path), JAXSAMPLE_CPU_KERNELS="avx2")
+    assert capped.stdout.split("\n")[:2] == ["on on", "avx2 True"], capped.stderr
+    best = _fresh(code, JAXSAMPLE_CACHE_DIR=str(tmp_path))
+    assert best.stdout.split("\n")[1] == f"{isas_here()[-1]} True", best.stderr
