@@ -62,6 +62,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,9 @@ log = logging.getLogger("jaxsample.cpu_kernels")
 
 _STATE: dict[str, str] = {}  # "status": "on" | the reason it is off; "key"
 _LIB: list[ctypes.CDLL] = []  # the loaded library, once enabled()
+_CAP: list[int] = []  # the highest ISAS level in use: this CPU's best, or the environment's cap
+_ISA_LOCK = threading.RLock()  # one use_isa block at a time (the level is the process's)
+_ON = ("", "1", "on", "true", "yes")  # ENV values that keep the kernels on at the best ISA
 
 
 def _off_reason() -> str | None:
@@ -176,7 +180,7 @@ def _self_test() -> None:
 
 
 def _check_on_cpu(rng, cpu) -> None:
-    for M, K, N in ((1, 100, 37), (3, 576, 70)):
+    for M, K, N in ((1, 100, 37), (3, 576, 70), (5, 130, 9)):  # 5: VNNI's 4-row tile + 1
         x8, w, xf = (rng.integers(-127, 128, (M, K), dtype=np.int8),
                      rng.integers(-127, 128, (N, K), dtype=np.int8),
                      rng.standard_normal((M, K)).astype(np.float32))
@@ -223,14 +227,19 @@ def enabled() -> bool:
                 lib.jaxsample_set_isa.argtypes = (ctypes.c_int,)
                 _LIB[:] = [lib]
                 best = lib.jaxsample_set_isa(len(ISAS))  # as high as this CPU goes
-                for level in range(best + 1):  # every instruction set this CPU runs
+                value = os.environ.get(ENV, "").strip().lower()
+                if value not in ISAS + _ON:
+                    log.warning("jaxsample: warning: %s=%s is not one of 0, off, %s or 1: the "
+                                "kernels stay on", ENV, os.environ[ENV], ", ".join(ISAS))
+                _CAP[:] = [min(best, ISAS.index(value)) if value in ISAS else best]
+                for level in range(_CAP[0] + 1):  # every instruction set the kernels may run
                     with use_isa(ISAS[level]):
                         _self_test()
-                cap = os.environ.get(ENV, "").strip().lower()
-                lib.jaxsample_set_isa(ISAS.index(cap) if cap in ISAS else best)
+                lib.jaxsample_set_isa(_CAP[0])
                 _STATE["key"] = key
             except Exception as e:  # noqa: BLE001 - see above
                 _LIB.clear()
+                _CAP.clear()
                 reason = " ".join(str(e).split())[:240] or type(e).__name__
                 if isinstance(e, AttributeError):  # a library without our symbols
                     reason += "; `jaxsample cache clear --kernels` rebuilds them"
@@ -248,27 +257,35 @@ _LEVEL = -1  # jaxsample_set_isa's "no change"
 def isa() -> str | None:
     """The instruction set the int8 product runs now (an `ISAS` name: AVX-512 VNNI where
     the CPU has it, unless `JAXSAMPLE_CPU_KERNELS=avx2`), or None when the kernels are
-    off. Results are the same bit for bit on every one (exact int32 sums)."""
+    off. Results are the same bit for bit on every one for x in [-127, 127] (exact int32
+    sums; AVX2's sign trick cannot take x = -128, which W8A8's clipping never makes)."""
     return ISAS[_LIB[0].jaxsample_set_isa(_LEVEL)] if enabled() else None
 
 
 @contextlib.contextmanager
 def use_isa(name: str):
     """Within the block, calls of the int8 product (compiled programs included: the
-    choice is made per call) run on instruction set `name` (one of `ISAS`), or the
-    best this CPU has below it. For tests and A/B benchmarks. Raises ValueError for
-    another name, RuntimeError where the kernels are not loaded (`enabled()`)."""
+    choice is made when a call runs) run on instruction set `name` (one of `ISAS`), or
+    the highest below it that this CPU has and `JAXSAMPLE_CPU_KERNELS` allows. The
+    setting is the process's: blocks in other threads wait for this one to end (nested
+    blocks in one thread do not). JAX dispatches asynchronously, so wait for the
+    results inside the block (`jax.block_until_ready`, `np.asarray`). For tests and
+    A/B benchmarks. Raises ValueError for another name, RuntimeError where the kernels
+    cannot load (`enabled()` is False)."""
     if name not in ISAS:
         raise ValueError(f"isa must be one of {', '.join(ISAS)}, got {name!r}")
+    if not _LIB and "status" not in _STATE:
+        enabled()  # load them (inside enabled() itself _LIB is already set)
     if not _LIB:
-        raise RuntimeError(f"the CPU kernels are not loaded ({_STATE.get('status', 'not tried')})")
+        raise RuntimeError(f"the CPU kernels are off ({_STATE.get('status')})")
     lib = _LIB[0]
-    before = lib.jaxsample_set_isa(_LEVEL)
-    lib.jaxsample_set_isa(ISAS.index(name))
-    try:
-        yield
-    finally:
-        lib.jaxsample_set_isa(before)
+    with _ISA_LOCK:
+        before = lib.jaxsample_set_isa(_LEVEL)
+        lib.jaxsample_set_isa(min(ISAS.index(name), _CAP[0]))
+        try:
+            yield
+        finally:
+            lib.jaxsample_set_isa(before)
 
 
 def active() -> bool:

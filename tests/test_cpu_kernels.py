@@ -417,9 +417,30 @@ def test_the_environment_caps_the_int8_product_at_avx2(tmp_path):
     the CPU has), still exact; unset: the best this CPU runs."""
     code = PROBE + ("import numpy as np\n"
                     "x = np.arange(-60, 60, dtype=np.int8).reshape(2, 60); w = x[::-1].copy()\n"
-                    "print(k.isa(), np.asarray(k.int8_dot(x, w)).tolist() == "
-                    "(x.astype(int) @ w.T).tolist())\n")
-    capped = _fresh(code, JAXSAMPLE_CACHE_DIR=str(tmp_path), JAXSAMPLE_CPU_KERNELS="avx2")
-    assert capped.stdout.split("\n")[:2] == ["on on", "avx2 True"], capped.stderr
+                    "with k.use_isa(k.ISAS[-1]):\n"  # a block asks for more: the cap holds
+                    "    y = np.asarray(k.int8_dot(x, w)); inside = k.isa()\n"
+                    "print(k.isa(), inside, y.tolist() == (x.astype(int) @ w.T).tolist())\n")
+    capped = _fresh(code, JAXSAMPLE_CACHE_DIR=str(tmp_path), JAXSAMPLE_CPU_KERNELS=" AVX2 ")
+    assert capped.stdout.split("\n")[:2] == ["on on", "avx2 avx2 True"], capped.stderr
     best = _fresh(code, JAXSAMPLE_CACHE_DIR=str(tmp_path))
-    assert best.stdout.split("\n")[1] == f"{isas_here()[-1]} True", best.stderr
+    assert best.stdout.split("\n")[1] == f"{isas_here()[-1]} {isas_here()[-1]} True", best.stderr
+    odd = _fresh(PROBE, JAXSAMPLE_CACHE_DIR=str(tmp_path), JAXSAMPLE_CPU_KERNELS="avx-2")
+    assert odd.stdout.startswith("on on"), odd.stderr
+    assert "JAXSAMPLE_CPU_KERNELS=avx-2 is not one of" in odd.stderr
+
+
+@needs_kernels
+def test_use_isa_blocks_from_threads_restore_the_isa():
+    """Blocks in several threads at once (the level is the process's) end where they began."""
+    import concurrent.futures
+
+    before = cpu_kernels.isa()
+
+    def toggle(_):
+        for _ in range(200):
+            with cpu_kernels.use_isa("avx2"):
+                assert cpu_kernels.isa() == "avx2"
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(toggle, range(4)))
+    assert cpu_kernels.isa() == before
