@@ -74,6 +74,16 @@ void Int8Rows(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t
 // AVX2 loop. One instruction per 64 byte products, against five per 32 there.
 #define JAXSAMPLE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
+// The sum of v's 16 int32 lanes modulo 2^32 (_mm512_reduce_add_epi32's last add is a
+// signed int one, undefined where it overflows; these vector adds wrap).
+JAXSAMPLE_VNNI inline uint32_t WrappingSum(__m512i v) {
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return uint32_t(_mm_cvtsi128_si32(s));
+}
+
 // x rows m0 .. m0 + MR - 1 against weight row n (at wn), K in 64-byte steps, the last one
 // masked. kSums (the first tile of a row): also sum the weight row, times 128 (the offset),
 // into *wsum, and prefetch the row kAhead rows on. One weight row at a time, read in order:
@@ -99,10 +109,9 @@ JAXSAMPLE_VNNI inline void Int8TileVnni(const int8_t* x, const int8_t* wn, int32
       acc[i] = _mm512_dpbusd_epi32(acc[i], xu, wv);
     }
   }
-  if (kSums) *wsum = int32_t(uint32_t(_mm512_reduce_add_epi32(sums)) << 7);
+  if (kSums) *wsum = int32_t(WrappingSum(sums) << 7);
   for (int i = 0; i < MR; ++i)  // int32 lanes wrap: the offset sums' overflow cancels
-    out[(m0 + i) * N + n] =
-        int32_t(uint32_t(_mm512_reduce_add_epi32(acc[i])) - uint32_t(*wsum));
+    out[(m0 + i) * N + n] = int32_t(WrappingSum(acc[i]) - uint32_t(*wsum));
 }
 
 JAXSAMPLE_VNNI void Int8RowsVnni(const int8_t* x, const int8_t* w, int32_t* out, int64_t M,
