@@ -9,8 +9,11 @@
 #   bash benchmarks/gpu_run.sh            # from the repository root
 #
 # Needs jax (with its CUDA plugin), torch and transformers on the machine; the
-# scripts run as `python -m benchmarks.<name>` from the repository root, which
-# finds the repo's jaxsample too (no install needed). Every part records its
+# scripts run as `python -m benchmarks.<name>` from the repository root. The
+# models/ folder installs as jaxsample.models (pyproject's package-dir), so a
+# checkout that is not installed is installed first, editable and offline
+# (--no-deps --no-index: no package is fetched; gguf, tokenizers and the rest
+# are needed only for GGUF files, which this run does not load). Every part records its
 # error in the JSONL instead of stopping the run: a missing torch only loses
 # the hf rows, a naive out-of-memory at N=64 is a row with the error.
 #
@@ -26,21 +29,32 @@
 #   PARTS=int8 INT8_LENGTHS=64 INT8_BRANCHES=1,2 INT8_NEW_TOKENS=4 \
 #   INT8_OVERRIDE='{"n_layers": 2, "dim": 256, "ffn_dim": 512, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 1024}' \
 #   bash benchmarks/gpu_run.sh
+#
+# The decode part takes the same overrides (DECODE_LENGTHS, DECODE_BRANCHES,
+# DECODE_NEW_TOKENS, DECODE_OVERRIDE) and DECODE_ENGINES (default
+# jaxsample,hf,naive; add jaxsample-int8 and jaxsample-int8-wo for the int8
+# rows in the same table); DECODE_DEADLINE (240 s) and DECODE_CELL_TIMEOUT
+# (150 s) bound it, DECODE_TIMEOUT (330 s) the whole part.
 set -u
 cd "$(dirname "$0")/.."
 export XLA_PYTHON_CLIENT_PREALLOCATE=false   # jax and torch share the GPU, one after the other
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
+python -c "import jaxsample.models" 2>/dev/null ||
+    python -m pip install -q --no-deps --no-build-isolation --no-index -e . ||
+    { echo "could not install this checkout (pip install -e .)"; exit 1; }
 python - <<'EOF' || true
 import jax; print("jax", jax.__version__, jax.devices())
 EOF
 PARTS=",${PARTS:-decode,int8,prefill},"
 if [[ $PARTS == *,decode,* ]]; then
-timeout 330 python -m benchmarks.decode --config llama-1b \
-    --prompt-lengths 4096 --branches 1,16,64 --new-tokens 128 \
-    --engines jaxsample,hf,naive --isolate engine --warmup full \
-    --cell-timeout 150 --deadline 240 --hf-skip-above 0 \
+timeout "${DECODE_TIMEOUT:-330}" python -m benchmarks.decode --config llama-1b \
+    --prompt-lengths "${DECODE_LENGTHS:-4096}" --branches "${DECODE_BRANCHES:-1,16,64}" \
+    --new-tokens "${DECODE_NEW_TOKENS:-128}" --llama-override "${DECODE_OVERRIDE:-}" \
+    --engines "${DECODE_ENGINES:-jaxsample,hf,naive}" --isolate engine --warmup full \
+    --cell-timeout "${DECODE_CELL_TIMEOUT:-150}" --deadline "${DECODE_DEADLINE:-240}" \
+    --hf-skip-above 0 \
     --out "$OUT/gpu_llama1b.jsonl" --plot "$OUT/gpu_llama1b.png" 2>&1 | tee "$OUT/gpu_llama1b.log"
 echo "exit ${PIPESTATUS[0]}; results in $OUT/gpu_llama1b.jsonl"
 fi
@@ -68,13 +82,14 @@ fi
 # random 1B Llama in bfloat16, one prompt of 4096 and 16384 tokens, one process
 # per cell (a dense out-of-memory at 16384 is a row with its error). Runs after
 # the decode rows, so a failure here loses only these rows. Sizes can be
-# shrunk for a CPU smoke run: PREFILL_LENGTHS=64 PREFILL_MODEL=smollm2 bash ...
+# shrunk for a CPU smoke run: PREFILL_LENGTHS=64 PREFILL_MODEL=smollm2 bash ...;
+# PREFILL_TIMEOUT (300 s) and PREFILL_CELL_TIMEOUT (120 s) bound it.
 # The float32 exactness checks are the CPU run's (--layer-check 0 here); the
 # bfloat16 logits/KV comparison is reported against a bfloat16-sized 5e-2.
 if [[ $PARTS == *,prefill,* ]]; then
-timeout 300 python -m benchmarks.prefill --model "${PREFILL_MODEL:-llama-1b}" --dtype bfloat16 \
+timeout "${PREFILL_TIMEOUT:-300}" python -m benchmarks.prefill --model "${PREFILL_MODEL:-llama-1b}" --dtype bfloat16 \
     --prompt-lengths "${PREFILL_LENGTHS:-4096,16384}" --kernels dense,blockwise --repeats 3 \
-    --cell-timeout 120 --layer-check 0 --check-rtol 5e-2 \
+    --cell-timeout "${PREFILL_CELL_TIMEOUT:-120}" --layer-check 0 --check-rtol 5e-2 \
     --out "$OUT/gpu_prefill.json" 2>&1 | tee "$OUT/gpu_prefill.log"
 echo "prefill exit ${PIPESTATUS[0]}; results in $OUT/gpu_prefill.json"
 fi

@@ -85,9 +85,9 @@ def worker(spec):
     from jaxsample.models import flash
 
     if spec["kernel"] == "dense":
-        flash.BLOCKWISE_MIN_LEN = 2**31
+        flash.BLOCKWISE_MIN_LEN = flash.GPU_BLOCKWISE_MIN_LEN = 2**31
     elif spec["kernel"] == "blockwise":
-        flash.BLOCKWISE_MIN_LEN = 1
+        flash.BLOCKWISE_MIN_LEN = flash.GPU_BLOCKWISE_MIN_LEN = 1
         flash.BLOCK = spec["block"] or flash.BLOCK
     elif spec["kernel"] == "noattn":  # the identity on q: everything but the attention
         from jaxsample.models import gemma3, llama

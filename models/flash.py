@@ -56,11 +56,21 @@ BLOCK = 256
 # prompt bucket and process; the persistent compilation cache keeps it).
 # Read at trace time.
 BLOCKWISE_MIN_LEN = 1024
+# The same threshold where the default backend is a GPU. Measured on one H200
+# (jax 0.11.2, the random 1B Llama in bfloat16, H = 32, one prompt,
+# benchmarks/gpu_run.sh's prefill part): dense 0.05 s against blockwise 0.14 s
+# at P = 4096, 0.58 s against 1.80 s at P = 16384, where dense's device peak was
+# 5.1 GB. Above 16384 nothing was measured, so the blockwise kernel keeps the
+# memory bounded there. Read at trace time.
+GPU_BLOCKWISE_MIN_LEN = 16385
 
 
 def use_blockwise(S: int) -> bool:
-    """The one place that chooses the causal kernel for a call of S positions."""
-    return S >= BLOCKWISE_MIN_LEN
+    """The one place that chooses the causal kernel for a call of S positions:
+    blockwise from `BLOCKWISE_MIN_LEN` on, or `GPU_BLOCKWISE_MIN_LEN` on a GPU
+    (`jax.default_backend()` when the program is traced)."""
+    floor = GPU_BLOCKWISE_MIN_LEN if jax.default_backend() == "gpu" else BLOCKWISE_MIN_LEN
+    return S >= floor
 
 
 def blockwise_attention(q, k, v, *, window=None, scale: float | None = None,
