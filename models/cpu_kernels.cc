@@ -114,10 +114,111 @@ JAXSAMPLE_VNNI inline void Int8TileVnni(const int8_t* x, const int8_t* wn, int32
     out[(m0 + i) * N + n] = int32_t(WrappingSum(acc[i]) - uint32_t(*wsum));
 }
 
+// At M >= 4 (the branches of a decode step): 4 x rows against 4 weight rows n .. n + 3,
+// 16 sums in registers, each x and w vector loaded once per 64-byte step for four
+// products (one weight row at a time loads both once per product, as many loads as
+// vpdpbusd). xu holds x offset to unsigned once per call, rows of Kp (K rounded up to 64)
+// bytes, zero past K. An x row's four sums are reduced together and stored as four
+// consecutive outputs. On one Zen 4 core at M = 16, SmolLM2's projection shapes: 130
+// GMAC/s in cache against 65 for one row at a time, 87 against 57 streaming the weights.
+//
+// The sums of four vectors' 16 lanes each, as four int32 lanes (wrapping adds).
+JAXSAMPLE_VNNI inline __m128i SumsOfFour(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+#define JAXSAMPLE_STEP4X4(LOADW)                                                         \
+  {                                                                                     \
+    const __m512i w0 = LOADW(w0p + k), w1 = LOADW(w1p + k), w2 = LOADW(w2p + k),        \
+                  w3 = LOADW(w3p + k);                                                  \
+    __m512i xv = _mm512_loadu_si512(x0 + k);                                            \
+    a00 = _mm512_dpbusd_epi32(a00, xv, w0); a01 = _mm512_dpbusd_epi32(a01, xv, w1);     \
+    a02 = _mm512_dpbusd_epi32(a02, xv, w2); a03 = _mm512_dpbusd_epi32(a03, xv, w3);     \
+    xv = _mm512_loadu_si512(x1 + k);                                                    \
+    a10 = _mm512_dpbusd_epi32(a10, xv, w0); a11 = _mm512_dpbusd_epi32(a11, xv, w1);     \
+    a12 = _mm512_dpbusd_epi32(a12, xv, w2); a13 = _mm512_dpbusd_epi32(a13, xv, w3);     \
+    xv = _mm512_loadu_si512(x2 + k);                                                    \
+    a20 = _mm512_dpbusd_epi32(a20, xv, w0); a21 = _mm512_dpbusd_epi32(a21, xv, w1);     \
+    a22 = _mm512_dpbusd_epi32(a22, xv, w2); a23 = _mm512_dpbusd_epi32(a23, xv, w3);     \
+    xv = _mm512_loadu_si512(x3 + k);                                                    \
+    a30 = _mm512_dpbusd_epi32(a30, xv, w0); a31 = _mm512_dpbusd_epi32(a31, xv, w1);     \
+    a32 = _mm512_dpbusd_epi32(a32, xv, w2); a33 = _mm512_dpbusd_epi32(a33, xv, w3);     \
+    if (kSums) {                                                                        \
+      s0 = _mm512_dpbusd_epi32(s0, ones, w0); s1 = _mm512_dpbusd_epi32(s1, ones, w1);   \
+      s2 = _mm512_dpbusd_epi32(s2, ones, w2); s3 = _mm512_dpbusd_epi32(s3, ones, w3);   \
+    }                                                                                   \
+  }
+
+#define JAXSAMPLE_LOAD(p) _mm512_loadu_si512(p)
+#define JAXSAMPLE_MLOAD(p) _mm512_maskz_loadu_epi8(live, p)  // 0 past K
+
+template <bool kSums>
+JAXSAMPLE_VNNI inline void Int8Tile4x4(const uint8_t* xu, int64_t Kp, const int8_t* w,
+                                       int32_t* out, int64_t N, int64_t K, int64_t m0,
+                                       int64_t n, __m128i* wsum) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i z = _mm512_setzero_si512();
+  __m512i a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+  __m512i a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
+  __m512i s0 = z, s1 = z, s2 = z, s3 = z;
+  const int8_t *w0p = w + n * K, *w1p = w0p + K, *w2p = w1p + K, *w3p = w2p + K;
+  const uint8_t *x0 = xu + m0 * Kp, *x1 = x0 + Kp, *x2 = x1 + Kp, *x3 = x2 + Kp;
+  const int64_t K64 = K / 64 * 64;
+  int64_t k = 0;
+  for (; k < K64; k += 64) {
+    if (kSums) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0p + 4 * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1p + 4 * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w2p + 4 * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w3p + 4 * K + k), _MM_HINT_T0);
+    }
+    JAXSAMPLE_STEP4X4(JAXSAMPLE_LOAD)
+  }
+  if (k < K) {  // the last, partial step: w masked (0 past K), xu is zero there anyway
+    const __mmask64 live = (__mmask64(1) << (K - k)) - 1;
+    JAXSAMPLE_STEP4X4(JAXSAMPLE_MLOAD)
+  }
+  if (kSums) *wsum = _mm_slli_epi32(SumsOfFour(s0, s1, s2, s3), 7);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (m0 + 0) * N + n),
+                   _mm_sub_epi32(SumsOfFour(a00, a01, a02, a03), *wsum));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (m0 + 1) * N + n),
+                   _mm_sub_epi32(SumsOfFour(a10, a11, a12, a13), *wsum));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (m0 + 2) * N + n),
+                   _mm_sub_epi32(SumsOfFour(a20, a21, a22, a23), *wsum));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (m0 + 3) * N + n),
+                   _mm_sub_epi32(SumsOfFour(a30, a31, a32, a33), *wsum));
+}
+
+#undef JAXSAMPLE_STEP4X4
+#undef JAXSAMPLE_LOAD
+#undef JAXSAMPLE_MLOAD
+
 JAXSAMPLE_VNNI void Int8RowsVnni(const int8_t* x, const int8_t* w, int32_t* out, int64_t M,
                                  int64_t N, int64_t K, int64_t n0, int64_t n1) {
   if (M == 0) return;
-  for (int64_t n = n0; n < n1; ++n) {
+  int64_t n = n0;
+  if (M >= 4) {
+    const int64_t Kp = (K + 63) / 64 * 64;
+    std::vector<uint8_t> xu(M * Kp, 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xu[m * Kp + k] = uint8_t(x[m * K + k]) ^ 0x80;
+    for (; n + 4 <= n1; n += 4) {
+      __m128i wsum;
+      Int8Tile4x4<true>(xu.data(), Kp, w, out, N, K, 0, n, &wsum);
+      int64_t m = 4;
+      for (; m + 4 <= M; m += 4) Int8Tile4x4<false>(xu.data(), Kp, w, out, N, K, m, n, &wsum);
+      alignas(16) int32_t ws[4];
+      _mm_store_si128(reinterpret_cast<__m128i*>(ws), wsum);
+      for (; m < M; ++m)
+        for (int j = 0; j < 4; ++j)
+          Int8TileVnni<1, false>(x, w + (n + j) * K, out, N, K, m, n + j, &ws[j]);
+    }
+  }
+  for (; n < n1; ++n) {  // M < 4 (the one-branch step: one weight row at a time), or n's tail
     const int8_t* wn = w + n * K;
     int32_t wsum;
     int64_t m = M >= 4 ? 4 : 1;

@@ -76,11 +76,13 @@ def test_int8_product_is_exact(mkn, seed):
 @needs_kernels
 def test_int8_product_at_the_int32_limits_on_every_isa():
     """Sums that reach int32's range (K near 2^17, the largest magnitudes; VNNI's offset
-    sums wrap on the way) and K tails on both sides of a 64-byte step are exact, and
+    sums wrap on the way), K tails on both sides of a 64-byte step, and M and N on both
+    sides of VNNI's 4 x 4 tile (rows of M past it, rows of N past it) are exact, and
     `use_isa` restores the instruction set it found and refuses an unknown name."""
     before = cpu_kernels.isa()
     for M, K, N, xv, wv in ((2, 2**17 - 1, 3, -127, -128), (5, 2**17 - 1, 2, 127, 127),
-                            (9, 63, 6, 127, -128), (4, 65, 5, -127, 127), (3, 1, 1, 1, -1)):
+                            (9, 63, 6, 127, -128), (4, 65, 5, -127, 127), (3, 1, 1, 1, -1),
+                            (8, 2**17 - 1, 4, -127, -128), (6, 2**17 - 1, 9, 127, 127)):
         x = np.full((M, K), xv, np.int8)
         x[1::2] = -x[1::2]
         w = np.full((N, K), wv, np.int8)
