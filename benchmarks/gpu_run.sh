@@ -4,7 +4,12 @@
 # engine, plus the bandwidth roofline, then the int8 rows (jaxsample on
 # bfloat16 against int8 weights, the same grid), then the prefill (dense vs
 # blockwise attention, P=4096/16384). Budget: about ten minutes including
-# compile without the int8 part, up to 5.5 minutes more with it.
+# compile without the int8 part, up to 5.5 minutes more with it. Seen on one
+# H200 (2026-12-04, benchmarks/RESULTS.md "The first GPU run"): a jaxsample
+# worker's load (the random init) 61-66 s, its compile 10-18 s per N; the int8
+# worker's load 101 s; the HF worker's 10 s; prefill cells 4-30 s each. A
+# device lent for 15 minutes does not fit every part: pick them with PARTS and
+# DECODE_ENGINES.
 #
 #   bash benchmarks/gpu_run.sh            # from the repository root
 #
