@@ -37,6 +37,7 @@ using namespace jaxsample_cpu;  // NOLINT: the shared helpers
 constexpr int64_t kRowsPerTask = 64;  // output rows n per unit of work
 constexpr int64_t kBlock = 4;         // output rows n per inner loop (the float product)
 constexpr int64_t kAhead = 4;         // weight rows prefetched ahead (the VNNI loop)
+constexpr int64_t kTileRows = 256;    // x rows per block of the VNNI 4 x 4 tile
 
 // out[m, n] = sum_k x[m, k] w[n, k] for n in [n0, n1): one weight row at a time, read in
 // order for each x row (from cache after the first). Four rows interleaved, as this loop
@@ -202,21 +203,34 @@ JAXSAMPLE_VNNI void Int8RowsVnni(const int8_t* x, const int8_t* w, int32_t* out,
   if (M == 0) return;
   int64_t n = n0;
   if (M >= 4) {
-    const int64_t Kp = (K + 63) / 64 * 64;
-    std::vector<uint8_t> xu(M * Kp, 0);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xu[m * Kp + k] = uint8_t(x[m * K + k]) ^ 0x80;
-    for (; n + 4 <= n1; n += 4) {
-      __m128i wsum;
-      Int8Tile4x4<true>(xu.data(), Kp, w, out, N, K, 0, n, &wsum);
-      int64_t m = 4;
-      for (; m + 4 <= M; m += 4) Int8Tile4x4<false>(xu.data(), Kp, w, out, N, K, m, n, &wsum);
-      alignas(16) int32_t ws[4];
-      _mm_store_si128(reinterpret_cast<__m128i*>(ws), wsum);
-      for (; m < M; ++m)
-        for (int j = 0; j < 4; ++j)
-          Int8TileVnni<1, false>(x, w + (n + j) * K, out, N, K, m, n + j, &ws[j]);
+    // x in blocks of kTileRows rows (a prefill's x, offset, stays in L2 with the task's
+    // weight rows), each block against all of the task's weight rows, 4 at a time.
+    const int64_t Kp = (K + 63) / 64 * 64, n4 = n0 + (n1 - n0) / 4 * 4;
+    std::vector<uint8_t> xu(std::min(M, kTileRows) * Kp, 0);
+    for (int64_t mb = 0; mb < M; mb += kTileRows) {
+      const int64_t rows = std::min(M - mb, kTileRows), full = rows / 4 * 4;
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t k = 0; k < K; ++k) xu[m * Kp + k] = uint8_t(x[(mb + m) * K + k]) ^ 0x80;
+      int32_t* ob = out + mb * N;
+      const int8_t* xb = x + mb * K;
+      for (int64_t nt = n0; nt < n4; nt += 4) {
+        alignas(16) int32_t ws[4];  // the weight rows' sums times 128, from the first tile
+        if (full > 0) {
+          __m128i wsum;
+          Int8Tile4x4<true>(xu.data(), Kp, w, ob, N, K, 0, nt, &wsum);
+          for (int64_t m = 4; m < full; m += 4)
+            Int8Tile4x4<false>(xu.data(), Kp, w, ob, N, K, m, nt, &wsum);
+          _mm_store_si128(reinterpret_cast<__m128i*>(ws), wsum);
+        } else {  // a last block of 1 to 3 rows: its first row one weight row at a time
+          for (int j = 0; j < 4; ++j)
+            Int8TileVnni<1, true>(xb, w + (nt + j) * K, ob, N, K, 0, nt + j, &ws[j]);
+        }
+        for (int64_t m = full > 0 ? full : 1; m < rows; ++m)  // rows past the last tile
+          for (int j = 0; j < 4; ++j)
+            Int8TileVnni<1, false>(xb, w + (nt + j) * K, ob, N, K, m, nt + j, &ws[j]);
+      }
     }
+    n = n4;
   }
   for (; n < n1; ++n) {  // M < 4 (the one-branch step: one weight row at a time), or n's tail
     const int8_t* wn = w + n * K;

@@ -79,8 +79,11 @@ HEADER = pathlib.Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
 TARGETS = ("jaxsample_int8_dot", "jaxsample_f32_int8_dot", "jaxsample_segment_attention")
 MAX_ROWS = 64
-"""int8 x int8 products of more rows (a prefill) stay `dot_general`: XLA CPU's int8
-GEMM is as fast there, and reads the int8 weight as it is. The float32 x int8
+"""On AVX2, int8 x int8 products of more rows (a prefill) stay `dot_general`: XLA
+CPU's int8 GEMM is as fast there, and reads the int8 weight as it is. On AVX-512 VNNI
+the kernel takes every M: its 4 x 4 register tile ran SmolLM2's prefill shapes at
+1.1-2.8x XLA's int8 GEMM from M = 257 to 8192 on a Zen 4 (RESULTS.md, "The VNNI
+product's 4 x 4 register tile"). The float32 x int8
 product keeps the kernel at any M, though XLA's float GEMM is faster from about 64
 rows (576 x 1536 at 1024 rows: 13 ms against 26): XLA's path first writes a float32
 copy of each weight, which took the SmolLM2 prefill's peak from 113 to 528 MB for
@@ -295,10 +298,10 @@ def active() -> bool:
 
 
 def fingerprint() -> str:
-    """What the traced programs depend on: "off", or the kernels' key (the exported
-    programs' cache keys carry it, so no process reads a program whose custom calls
-    it has not registered)."""
-    return _STATE.get("key", "off") if active() else "off"
+    """What the traced programs depend on: "off", or the kernels' key and `isa()` (the
+    exported programs' cache keys carry it, so no process reads a program whose custom
+    calls it has not registered, or whose prefill was routed for another ISA)."""
+    return f"{_STATE['key']}:{isa()}" if active() else "off"
 
 
 def _call(target, dtype, x, w):
@@ -382,8 +385,9 @@ def _segment_attention_jvp(primals, tangents):
 
 def uses_int8_kernel(m: int, k: int) -> bool:
     """Whether `int8_dot` of an `[m, k]` x runs the kernel: `active()`, m <= MAX_ROWS
-    (the prefill stays XLA's GEMM) and k < 2^17 (the kernel's int32 sums' bound)."""
-    return m <= MAX_ROWS and k < 2**17 and active()
+    or the int8 product runs on AVX-512 VNNI (`isa()` when the program is traced: on
+    AVX2 the prefill stays XLA's GEMM), and k < 2^17 (the kernel's int32 sums' bound)."""
+    return k < 2**17 and active() and (m <= MAX_ROWS or isa() == "avx512-vnni")
 
 
 def int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:

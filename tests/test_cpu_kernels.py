@@ -41,7 +41,7 @@ def test_the_kernels_build_here():
 
 shapes = st.tuples(st.integers(1, 20), st.integers(1, 700), st.integers(1, 150))
 rows_either_side = st.tuples(st.sampled_from([1, 2, 63, 64, 65, 80]), st.integers(1, 300),
-                             st.integers(1, 70))  # MAX_ROWS = 64: the kernel, then XLA
+                             st.integers(1, 70))  # MAX_ROWS = 64: the kernel, then XLA (AVX2)
 
 
 def isas_here() -> list[str]:
@@ -96,6 +96,28 @@ def test_int8_product_at_the_int32_limits_on_every_isa():
     with pytest.raises(ValueError, match="isa must be one of avx2, avx512-vnni"):
         with cpu_kernels.use_isa("sse2"):
             pass
+
+
+@needs_kernels
+def test_int8_product_over_blocks_of_rows_on_every_isa():
+    """Prefill-sized M (VNNI's tile takes x in blocks of 256 rows; a last block of
+    1 to 3 rows runs apart) with K and N tails is exact; the routing sends such M to
+    the kernel on AVX-512 VNNI only (on AVX2, XLA's GEMM from MAX_ROWS on)."""
+    rng = np.random.default_rng(7)
+    for M, K, N in ((257, 65, 9), (259, 577, 6), (515, 64, 4), (1027, 63, 7), (256, 1, 5)):
+        x = rng.integers(-127, 128, (M, K), dtype=np.int8)
+        w = rng.integers(-128, 128, (N, K), dtype=np.int8)
+        want = x.astype(np.int64) @ w.T.astype(np.int64)
+        for isa in isas_here():
+            with cpu_kernels.use_isa(isa):
+                got = np.asarray(cpu_kernels._int8_kernel(x, w))
+            np.testing.assert_array_equal(got, want, err_msg=f"{isa} {M}x{K}x{N}")
+    for isa in isas_here():
+        with cpu_kernels.use_isa(isa):
+            assert cpu_kernels.uses_int8_kernel(cpu_kernels.MAX_ROWS, 576)
+            assert cpu_kernels.uses_int8_kernel(1024, 576) == (isa == "avx512-vnni")
+            assert not cpu_kernels.uses_int8_kernel(4, 2**17)
+            assert cpu_kernels.fingerprint().endswith(":" + isa)
 
 
 @needs_kernels
