@@ -31,7 +31,7 @@
 #
 # Parts, in order: decode, int8, prefill; PARTS=int8 (comma-separated) runs a
 # subset, e.g. the int8 part alone at CPU smoke sizes:
-#   PARTS=int8 INT8_LENGTHS=64 INT8_BRANCHES=1,2 INT8_NEW_TOKENS=4 \
+#   OUT=/tmp/gpu_smoke PARTS=int8 INT8_LENGTHS=64 INT8_BRANCHES=1,2 INT8_NEW_TOKENS=4 \
 #   INT8_OVERRIDE='{"n_layers": 2, "dim": 256, "ffn_dim": 512, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 1024}' \
 #   bash benchmarks/gpu_run.sh
 #
@@ -46,9 +46,19 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false   # jax and torch share the GPU, one 
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
-python -c "import jaxsample.models" 2>/dev/null ||
-    python -m pip install -q --no-deps --no-build-isolation --no-index -e . ||
-    { echo "could not install this checkout (pip install -e .)"; exit 1; }
+# The checkout's own jaxsample.models, not another install's: from the root,
+# `import jaxsample` finds ./jaxsample, but jaxsample.models comes from whichever
+# editable install is on the path.
+ours='import pathlib, sys, jaxsample.models as m
+sys.exit(pathlib.Path(m.__file__).resolve().parent != pathlib.Path("models").resolve())'
+# Where the offline install cannot build (a setuptools before 70.1 without the
+# `wheel` package has no bdist_wheel), the link jaxsample/models -> ../models
+# (git-ignored) serves the same layout with no install.
+python -c "$ours" 2>/dev/null || {
+    python -m pip install -q --no-deps --no-build-isolation --no-index -e . &&
+    python -c "$ours"; } 2>/dev/null || {
+    ln -sfn ../models jaxsample/models && python -c "$ours"; } ||
+    { echo "could not install this checkout (pip install -e .), or it imports another"; exit 1; }
 python - <<'EOF' || true
 import jax; print("jax", jax.__version__, jax.devices())
 EOF

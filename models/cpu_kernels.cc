@@ -37,7 +37,8 @@ using namespace jaxsample_cpu;  // NOLINT: the shared helpers
 constexpr int64_t kRowsPerTask = 64;  // output rows n per unit of work
 constexpr int64_t kBlock = 4;         // output rows n per inner loop (the float product)
 constexpr int64_t kAhead = 4;         // weight rows prefetched ahead (the VNNI loop)
-constexpr int64_t kTileRows = 256;    // x rows per block of the VNNI 4 x 4 tile
+constexpr int64_t kTileRows = 256;    // x rows per block of the VNNI 4 x 4 tile, at most
+constexpr int64_t kTileBytes = 1 << 18;  // and at most this many bytes of offset x per block
 
 // out[m, n] = sum_k x[m, k] w[n, k] for n in [n0, n1): one weight row at a time, read in
 // order for each x row (from cache after the first). Four rows interleaved, as this loop
@@ -118,8 +119,8 @@ JAXSAMPLE_VNNI inline void Int8TileVnni(const int8_t* x, const int8_t* wn, int32
 // At M >= 4 (the branches of a decode step): 4 x rows against 4 weight rows n .. n + 3,
 // 16 sums in registers, each x and w vector loaded once per 64-byte step for four
 // products (one weight row at a time loads both once per product, as many loads as
-// vpdpbusd). xu holds x offset to unsigned once per call, rows of Kp (K rounded up to 64)
-// bytes, zero past K. An x row's four sums are reduced together and stored as four
+// vpdpbusd). xu holds x offset to unsigned (once per task of weight rows), rows of
+// Kp (K rounded up to 64) bytes, zero past K. An x row's four sums are reduced together and stored as four
 // consecutive outputs. On one Zen 4 core at M = 16, SmolLM2's projection shapes: 130
 // GMAC/s in cache against 65 for one row at a time, 87 against 57 streaming the weights.
 //
@@ -203,12 +204,14 @@ JAXSAMPLE_VNNI void Int8RowsVnni(const int8_t* x, const int8_t* w, int32_t* out,
   if (M == 0) return;
   int64_t n = n0;
   if (M >= 4) {
-    // x in blocks of kTileRows rows (a prefill's x, offset, stays in L2 with the task's
-    // weight rows), each block against all of the task's weight rows, 4 at a time.
+    // x in blocks of up to kTileRows rows and kTileBytes bytes (a prefill's x, offset,
+    // stays in L2 with the task's weight rows), each block against all of the task's
+    // weight rows, 4 at a time. Each task (kRowsPerTask weight rows) offsets x itself.
     const int64_t Kp = (K + 63) / 64 * 64, n4 = n0 + (n1 - n0) / 4 * 4;
-    std::vector<uint8_t> xu(std::min(M, kTileRows) * Kp, 0);
-    for (int64_t mb = 0; mb < M; mb += kTileRows) {
-      const int64_t rows = std::min(M - mb, kTileRows), full = rows / 4 * 4;
+    const int64_t block = std::clamp<int64_t>(kTileBytes / Kp / 4 * 4, 4, kTileRows);
+    std::vector<uint8_t> xu(std::min(M, block) * Kp, 0);
+    for (int64_t mb = 0; mb < M; mb += block) {
+      const int64_t rows = std::min(M - mb, block), full = rows / 4 * 4;
       for (int64_t m = 0; m < rows; ++m)
         for (int64_t k = 0; k < K; ++k) xu[m * Kp + k] = uint8_t(x[(mb + m) * K + k]) ^ 0x80;
       int32_t* ob = out + mb * N;

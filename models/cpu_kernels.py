@@ -272,7 +272,11 @@ def use_isa(name: str):
     the highest below it that this CPU has and `JAXSAMPLE_CPU_KERNELS` allows. The
     setting is the process's: blocks in other threads wait for this one to end (nested
     blocks in one thread do not). JAX dispatches asynchronously, so wait for the
-    results inside the block (`jax.block_until_ready`, `np.asarray`). For tests and
+    results inside the block (`jax.block_until_ready`, `np.asarray`). Which products
+    call the kernel at all is fixed when a program is traced (`uses_int8_kernel`: on
+    VNNI the prefill's too): a program traced under VNNI and run in an AVX2 block runs
+    its prefill on the AVX2 loop, not XLA's GEMM (the same results, slower), so an A/B
+    of prefills traces each ISA's programs afresh. For tests and
     A/B benchmarks. Raises ValueError for another name, RuntimeError where the kernels
     cannot load (`enabled()` is False)."""
     if name not in ISAS:

@@ -68,7 +68,9 @@ GPU_BLOCKWISE_MIN_LEN = 16385
 def use_blockwise(S: int) -> bool:
     """The one place that chooses the causal kernel for a call of S positions:
     blockwise from `BLOCKWISE_MIN_LEN` on, or `GPU_BLOCKWISE_MIN_LEN` on a GPU
-    (`jax.default_backend()` when the program is traced)."""
+    (`jax.default_backend()` when the program is traced: a program placed on a mesh
+    of another backend's devices, a CPU mesh on a GPU host, chooses by the default
+    backend, as the exported programs' keys do)."""
     floor = GPU_BLOCKWISE_MIN_LEN if jax.default_backend() == "gpu" else BLOCKWISE_MIN_LEN
     return S >= floor
 

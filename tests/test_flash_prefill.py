@@ -242,12 +242,13 @@ FAMILIES = {"llama": (llama, lambda: TINY), "gemma3": (gemma3, _gemma_cfg)}
 def _with_kernel(use_blockwise: bool, fn, *args):
     """Run fn(*args) (jitted, traced afresh) with causal_attend's auto choice forced
     to one kernel (blocks of 16 positions)."""
-    old = flash.BLOCKWISE_MIN_LEN, flash.BLOCK
-    flash.BLOCKWISE_MIN_LEN, flash.BLOCK = (1 if use_blockwise else 10**9), 16
+    old = flash.BLOCKWISE_MIN_LEN, flash.GPU_BLOCKWISE_MIN_LEN, flash.BLOCK
+    floor = 1 if use_blockwise else 10**9
+    flash.BLOCKWISE_MIN_LEN, flash.GPU_BLOCKWISE_MIN_LEN, flash.BLOCK = floor, floor, 16
     try:
         return jax.tree_util.tree_map(np.asarray, jax.jit(lambda *a: fn(*a))(*args))
     finally:
-        flash.BLOCKWISE_MIN_LEN, flash.BLOCK = old
+        flash.BLOCKWISE_MIN_LEN, flash.GPU_BLOCKWISE_MIN_LEN, flash.BLOCK = old
 
 
 def test_kernel_choice_by_backend(monkeypatch):
