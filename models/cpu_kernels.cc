@@ -120,8 +120,8 @@ JAXSAMPLE_VNNI inline void Int8TileVnni(const int8_t* x, const int8_t* wn, int32
 // 16 sums in registers, each x and w vector loaded once per 64-byte step for four
 // products (one weight row at a time loads both once per product, as many loads as
 // vpdpbusd). xu holds x offset to unsigned (once per task of weight rows), rows of
-// Kp (K rounded up to 64) bytes, zero past K. An x row's four sums are reduced together and stored as four
-// consecutive outputs. On one Zen 4 core at M = 16, SmolLM2's projection shapes: 130
+// Kp (K rounded up to 64) bytes, zero past K. An x row's four sums are reduced
+// together and stored as four consecutive outputs. On one Zen 4 core at M = 16, SmolLM2's projection shapes: 130
 // GMAC/s in cache against 65 for one row at a time, 87 against 57 streaming the weights.
 //
 // The sums of four vectors' 16 lanes each, as four int32 lanes (wrapping adds).
