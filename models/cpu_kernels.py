@@ -218,7 +218,9 @@ def enabled() -> bool:
             try:  # anything that goes wrong turns them off: never an error of a product
                 cxx = _compiler()
                 if cxx is None:
-                    raise RuntimeError("no C++ compiler (set CXX)")
+                    given = os.environ.get("CXX", "").strip()
+                    raise RuntimeError(f"no C++ compiler at CXX={given!r}" if given else
+                                       "no C++ compiler (c++ not found; set CXX)")
                 key = _key(cxx)
                 lib = _library(cxx, key)
                 if not lib.jaxsample_int8_cpu_supported():

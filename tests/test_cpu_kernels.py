@@ -428,7 +428,8 @@ def test_without_a_compiler_the_products_stay_xla(tmp_path):
                     "print(np.asarray(k.int8_dot(x, w)).tolist() == (x.astype(int) @ w.T).tolist())\n")
     r = _fresh(code, JAXSAMPLE_CACHE_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-c++"))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split("\n")[:2] == ["off no C++ compiler (set CXX)", "True"]
+    cxx = str(tmp_path / "no-such-c++")
+    assert r.stdout.split("\n")[:2] == [f"off no C++ compiler at CXX={cxx!r}", "True"]
     warnings = [ln for ln in r.stderr.splitlines() if "CPU kernels off" in ln]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
     off = _fresh(PROBE, JAXSAMPLE_CPU_KERNELS="0")
