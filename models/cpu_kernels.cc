@@ -76,11 +76,16 @@ void Int8Rows(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t
 // AVX2 loop. One instruction per 64 byte products, against five per 32 there.
 #define JAXSAMPLE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
+// v's four 128-bit lanes added, int32 lane by lane (wrapping).
+JAXSAMPLE_VNNI inline __m128i LanesAdded(__m512i v) {
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
 // The sum of v's 16 int32 lanes modulo 2^32 (_mm512_reduce_add_epi32's last add is a
 // signed int one, undefined where it overflows; these vector adds wrap).
 JAXSAMPLE_VNNI inline uint32_t WrappingSum(__m512i v) {
-  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  __m128i s = LanesAdded(v);
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
   return uint32_t(_mm_cvtsi128_si32(s));
@@ -129,9 +134,8 @@ JAXSAMPLE_VNNI inline void Int8TileVnni(const int8_t* x, const int8_t* wn, int32
 JAXSAMPLE_VNNI inline __m128i SumsOfFour(__m512i a, __m512i b, __m512i c, __m512i d) {
   const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
   const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
-  const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
-  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  return LanesAdded(
+      _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd)));
 }
 
 #define JAXSAMPLE_STEP4X4(LOADW)                                                         \
