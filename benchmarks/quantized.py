@@ -21,7 +21,10 @@ Four parts (`--parts`, default all):
   and that over the float32 logits' standard deviation, per prompt, then
   the max and median over prompts), and greedy decoding of 32 tokens (end
   of text ignored): the fraction of tokens equal before the first
-  divergence, and prompts whose 32 tokens are all equal.
+  divergence, and prompts whose 32 tokens are all equal. Where the int8 models
+  store the prefix KV in float16 (`engine.state.prefix_kv_dtype`), the same
+  greedy run with a float32 prefix against it: agreement as above and the
+  largest logprob difference before the first divergence.
 * invariance: per model, how far each variant's results move under changes
   that float32 rounding alone makes: the same 20 prompts' last-position
   logprobs in a batch of 20 against a batch of 10, against the model with
@@ -133,6 +136,7 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
     import numpy as np
 
     from jaxsample import SamplingParams, generate
+    from jaxsample.engine import state
     from jaxsample.loading import load
     from jaxsample.models import quant
 
@@ -151,10 +155,28 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
         logits = {k: np.asarray(lm.forward(batch))[np.arange(len(ids)), last]
                   for k, lm in lms.items()}
         sp = SamplingParams(n=1, temperature=0.0, max_new_tokens=T, seed=0)
-        toks = {k: generate(dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer)),
-                            ids, sp).tokens[:, 0] for k, lm in lms.items()}
+        greedy = lambda lm: generate(  # noqa: E731
+            dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer)), ids, sp)
+        gens = {k: greedy(lm) for k, lm in lms.items()}
+        toks = {k: g.tokens[:, 0] for k, g in gens.items()}
         ref, ref_t = logits["float32"], toks["float32"]
         row = {}
+        for k in ("int8 W8A8", "int8 weight-only"):  # the float16 prefix's own cost
+            if state.prefix_kv_dtype(lms[k].config, lms[k].params) is None:
+                continue  # stored float32 already (sliding windows, kernels off)
+            state.PREFIX_KV_FLOAT16 = False
+            try:
+                g32 = greedy(lms[k])
+            finally:
+                state.PREFIX_KV_FLOAT16 = True
+            same = g32.tokens[:, 0] == toks[k]
+            first = np.where(same.all(1), T, np.argmin(same, axis=1))
+            agree = np.arange(T)[None] < first[:, None]  # tokens before the first divergence
+            d = np.abs(g32.logprobs[:, 0] - gens[k].logprobs[:, 0])[agree]
+            row[f"{k}: float16 prefix against float32 prefix"] = dict(
+                greedy_prefix_fraction=float(first.mean() / T),
+                greedy_prompts_equal=int((first == T).sum()), prompts=len(ids), tokens=T,
+                logprob_max_abs=float(d.max()), logprob_median_abs=float(np.median(d)))
         for k in ("bfloat16", "int8 W8A8", "int8 weight-only", "int8 W8A8, no outlier channels"):
             d = np.abs(logits[k] - ref).max(axis=1)
             rel = d / ref.std(axis=1)

@@ -39,9 +39,23 @@ def _old_prefix_attention():
         step.prefix_attention = new
 
 
+@contextlib.contextmanager
+def _prefix_kv_float32():
+    """A quantised model's prefix KV kept float32 (before `engine.state.prefix_kv_dtype`);
+    with `--weights int8`."""
+    from jaxsample.engine import state
+
+    state.PREFIX_KV_FLOAT16 = False
+    try:
+        yield
+    finally:
+        state.PREFIX_KV_FLOAT16 = True
+
+
 PATCHES = {
     "now": contextlib.nullcontext,
     "old_prefix_attention": _old_prefix_attention,
+    "prefix_kv_float32": _prefix_kv_float32,
 }
 
 
@@ -57,7 +71,7 @@ def _decode(s, N, T):
     return (s.timings["decode"] - d0) / max(s.decode_steps - k0 - 1, 1)
 
 
-def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0):
+def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=None):
     """{(variant, N): [step seconds per call]}, the variants interleaved call by call."""
     import dataclasses
 
@@ -67,7 +81,7 @@ def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0):
 
     from benchmarks.common import NoEosTokenizer, prompt_ids as _prompt_ids
 
-    lm = load(None, dtype="float32")
+    lm = load(None, dtype="float32", weights=weights)
     lm = dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer))
     ids = _prompt_ids(0, P, lm.vocab_limit)
     programs = {v: loop.Programs() for v in variants}
@@ -101,6 +115,8 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--weights", default=None, choices=["int8", "int8-weight-only"],
+                    help="quantised weights (default: float32)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
@@ -108,7 +124,7 @@ def main(argv=None):
         if v not in PATCHES:
             ap.error(f"unknown variant {v!r}; choose from {sorted(PATCHES)}")
     res = run(variants, a.prompt_length, [int(x) for x in a.branches.split(",")],
-              a.new_tokens, a.reps, a.temperature, a.top_k, a.top_p)
+              a.new_tokens, a.reps, a.temperature, a.top_k, a.top_p, a.weights)
     print("| variant | N | median step ms | min | max | calls |\n|---|---|---|---|---|---|")
     for (v, N), xs in sorted(res.items(), key=lambda kv: (kv[0][1], variants.index(kv[0][0]))):
         print(f"| {v} | {N} | {statistics.median(xs) * 1e3:.2f} | {min(xs) * 1e3:.2f} | "
@@ -116,7 +132,8 @@ def main(argv=None):
     if a.out:
         with open(a.out, "a") as fh:
             for (v, N), xs in res.items():
-                fh.write(json.dumps(dict(variant=v, N=N, P=a.prompt_length, T=a.new_tokens,
+                fh.write(json.dumps(dict(variant=v, weights=a.weights, N=N, P=a.prompt_length,
+                                         T=a.new_tokens,
                                          step_s=xs, median_step_s=statistics.median(xs))) + "\n")
 
 

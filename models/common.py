@@ -195,9 +195,10 @@ def partial_attention(q, k, v, mask, scale: float | None = None, kernel: bool = 
     p = jnp.exp(scores - m_safe)  # exactly 0 at masked keys
     denom = jnp.sum(p, axis=-1, keepdims=True)  # [K, G, S, 1]
     # p is cast to the cache dtype (not the cache to float32: no f32 copy of a
-    # bf16 cache per step); the product accumulates in float32.
-    out = jnp.einsum("kqm,kmd->kqd", p.reshape(K, G * S, M).astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+    # bf16 cache per step), unless the queries are wider (a float16 prefix of a
+    # float32 model: v is widened); the product accumulates in float32.
+    out = jnp.einsum("kqm,kmd->kqd", p.reshape(K, G * S, M).astype(jnp.promote_types(
+        v.dtype, q.dtype)), v, preferred_element_type=jnp.float32)
     safe = jnp.where(denom > 0, denom, 1.0)
     out = out.reshape(K, G, S, D) / safe
     lse = jnp.where(denom > 0, jnp.log(safe) + m_safe, -jnp.inf)[..., 0]  # [K, G, S]

@@ -3,7 +3,8 @@
 // models/common.py's partial_attention calls it for the int8 decode step's prefix).
 //
 // jaxsample_segment_attention: q [H, Q, D] (scaled), k, v [H, M, D], mask [M] (the same
-// keys visible to every query) -> out [H, Q, D] normalised over the segment, lse [H, Q]
+// keys visible to every query; jaxsample_segment_attention_f16: k, v float16, each
+// element widened to float32 as it is loaded, F16C's exact conversion) -> out [H, Q, D] normalised over the segment, lse [H, Q]
 // the log-sum-exp of the scores (-inf, with out 0, where no key is visible; NaN where a
 // score is NaN): common.partial_attention for one mask row. Tasks are (head,
 // kQueryBlock queries, kKeyChunk keys); each keeps its chunk's maximum, sum and
@@ -24,6 +25,7 @@ using namespace jaxsample_cpu;  // NOLINT: the shared helpers
 
 constexpr int64_t kKeyChunk = 256;
 constexpr int64_t kQueryBlock = 8;
+constexpr int64_t kAheadKeys = 32;  // how far ahead of the scores the keys are prefetched
 
 // e^x for x <= 0 (a score minus the maximum), within a few ulp; exactly 0 below -87
 // and at -inf, NaN at NaN (a NaN score must reach the output, as in XLA's softmax).
@@ -57,27 +59,35 @@ inline __m256 Sum8(const __m256* a) {
                        _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// 8 keys' or values' elements as float32: a float32 load, or float16 widened (exact).
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // q . k_i for the 8 keys k [8, D] (D a multiple of 8), in registers.
-inline __m256 Scores8(const float* q, const float* k, int64_t D) {
+template <typename T>
+inline __m256 Scores8(const float* q, const T* k, int64_t D) {
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
     for (int i = 0; i < 8; ++i)
-      acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * D + d), acc[i]);
+      acc[i] = _mm256_fmadd_ps(qv, Load8(k + i * D + d), acc[i]);
   }
   return Sum8(acc);
 }
 
 // Two query rows q0, q1 against 4 keys k [4, D]: [q0 . k_0..3, q1 . k_0..3] (each key
 // loaded once for both rows).
-inline __m256 Scores2x4(const float* q0, const float* q1, const float* k, int64_t D) {
+template <typename T>
+inline __m256 Scores2x4(const float* q0, const float* q1, const T* k, int64_t D) {
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 a = _mm256_loadu_ps(q0 + d), b = _mm256_loadu_ps(q1 + d);
     for (int i = 0; i < 4; ++i) {
-      const __m256 kv = _mm256_loadu_ps(k + i * D + d);
+      const __m256 kv = Load8(k + i * D + d);
       acc[i] = _mm256_fmadd_ps(a, kv, acc[i]);
       acc[4 + i] = _mm256_fmadd_ps(b, kv, acc[4 + i]);
     }
@@ -87,8 +97,8 @@ inline __m256 Scores2x4(const float* q0, const float* q1, const float* k, int64_
 
 // out_r[0, 8C) = sum_i p_r[i] v[i * D, + 8C) over the n keys, for the rows r < R
 // (R = 1 or 2: each value row loaded once for both; keys whose p are all 0 skipped).
-template <int R, int C>
-inline void WeightedSum(const float* const* p, const float* v, int64_t n, int64_t D,
+template <int R, int C, typename T>
+inline void WeightedSum(const float* const* p, const T* v, int64_t n, int64_t D,
                         float* const* out) {
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -98,7 +108,7 @@ inline void WeightedSum(const float* const* p, const float* v, int64_t n, int64_
     for (int r = 0; r < R; ++r) zero &= p[r][i] == 0.0f;
     if (zero) continue;
     for (int c = 0; c < C; ++c) {
-      const __m256 vv = _mm256_loadu_ps(v + i * D + 8 * c);
+      const __m256 vv = Load8(v + i * D + 8 * c);
       for (int r = 0; r < R; ++r)
         acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][i]), vv, acc[r][c]);
     }
@@ -110,13 +120,23 @@ inline void WeightedSum(const float* const* p, const float* v, int64_t n, int64_
 // One task: rows [0, R) of q against keys [0, n) of k, v (n <= kKeyChunk).
 // Writes mx[r] (the chunk's maximum score, -inf if none visible), sum[r] and
 // o[r * D ...] (sum_j e^(s_rj - mx_r) v_j).
-void AttendChunk(const float* q, const float* k, const float* v, const bool* mask,
+template <typename T>
+void AttendChunk(const float* q, const T* k, const T* v, const bool* mask,
                  int64_t R, int64_t n, int64_t D, float* mx, float* sum, float* o) {
   alignas(32) float s[kQueryBlock * kKeyChunk];
   const float ninf = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
   for (; j < n; j += 8) {  // scores, 8 keys at a time (a tail block padded with -inf)
     const int64_t kn = std::min<int64_t>(8, n - j);
+    {  // ask for the keys kAheadKeys on and this block's values (read after the softmax)
+      const char* kp = reinterpret_cast<const char*>(k + std::min(j + kAheadKeys, n - 1) * D);
+      const char* vp = reinterpret_cast<const char*>(v + j * D);
+      const int64_t bytes = kn * D * int64_t(sizeof(T));
+      for (int64_t b = 0; b < bytes; b += 64) {
+        _mm_prefetch(kp + b, _MM_HINT_T0);
+        _mm_prefetch(vp + b, _MM_HINT_T1);
+      }
+    }
     int64_t visible = 0;
     for (int64_t i = 0; i < kn; ++i) visible += mask[j + i];
     const bool any = visible > 0, all = visible == 8;
@@ -144,8 +164,7 @@ void AttendChunk(const float* q, const float* k, const float* v, const bool* mas
         for (int64_t i = 0; i < kn; ++i) {
           __m256 acc = _mm256_setzero_ps();
           for (int64_t d = 0; d < D; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d),
-                                  _mm256_loadu_ps(k + (j + i) * D + d), acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), Load8(k + (j + i) * D + d), acc);
           sr[i] = HorizontalSum(acc);
         }
       }
@@ -186,7 +205,7 @@ void AttendChunk(const float* q, const float* k, const float* v, const bool* mas
     float* out[2] = {o + r * D, o + (r + 1) * D};
     const bool two = r + 1 < R;
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      const float* vd = v + d0;
+      const T* vd = v + d0;
       float* od[2] = {out[0] + d0, out[1] + d0};
       if (d0 + 32 <= D)
         two ? WeightedSum<2, 4>(p, vd, n, D, od) : WeightedSum<1, 4>(p, vd, n, D, od);
@@ -199,8 +218,9 @@ void AttendChunk(const float* q, const float* k, const float* v, const bool* mas
   }
 }
 
+template <ffi::DataType KV>
 ffi::Error SegmentAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                            ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                            ffi::Buffer<KV> k, ffi::Buffer<KV> v,
                             ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
                             ffi::ResultBuffer<ffi::F32> lse) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -212,7 +232,8 @@ ffi::Error SegmentAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t H = qd[0], Q = qd[1], D = qd[2], M = kd[1];
   const int64_t nb = (Q + kQueryBlock - 1) / kQueryBlock, nc = (M + kKeyChunk - 1) / kKeyChunk;
   std::vector<float> mx(H * Q * nc), sum(H * Q * nc), part(H * Q * nc * D);
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const float* qp = q.typed_data();
+  const auto *kp = k.typed_data(), *vp = v.typed_data();
   const bool* mp = mask.typed_data();
   float *mxp = mx.data(), *sump = sum.data(), *partp = part.data();
   if (M > 0)
@@ -258,12 +279,16 @@ ffi::Error SegmentAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsample_segment_attention, SegmentAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define JAXSAMPLE_SEGMENT_ATTENTION(NAME, KV)                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, SegmentAttention<KV>,      \
+                                ffi::Ffi::Bind()                 \
+                                    .Ctx<ffi::ThreadPool>()      \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<KV>>()      \
+                                    .Arg<ffi::Buffer<KV>>()      \
+                                    .Arg<ffi::Buffer<ffi::PRED>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+JAXSAMPLE_SEGMENT_ATTENTION(jaxsample_segment_attention, ffi::F32)
+JAXSAMPLE_SEGMENT_ATTENTION(jaxsample_segment_attention_f16, ffi::F16)

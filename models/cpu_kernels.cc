@@ -395,7 +395,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsample_f32_int8_dot, F32Int8Dot,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" int jaxsample_int8_cpu_supported() { return __builtin_cpu_supports("avx2") &&
-                                                      __builtin_cpu_supports("fma"); }
+                                                      __builtin_cpu_supports("fma") &&
+                                                      __builtin_cpu_supports("f16c"); }
 
 // The int8 product's instruction set: level 0 AVX2, 1 AVX-512 VNNI (at most what this
 // CPU has); a level < 0 changes nothing. Returns the level in use (at first the best).

@@ -16,7 +16,8 @@ writes), and the decode step's attention over the shared prefix:
   product, summed in an order fixed by K alone (a row's result does not depend
   on M or on the other rows: batch-invariant).
 * `segment_attention(q, k, v, mask)`: queries `[H, Q, D]` float32 over one
-  segment of keys `[H, M, D]` that every query sees alike (`mask [M]`), the
+  segment of keys `[H, M, D]` (float32, or float16: a W8A8 model's prefix,
+  `engine.state.prefix_kv_dtype`) that every query sees alike (`mask [M]`), the
   core of `common.partial_attention`: scores, softmax and the product with V in
   one pass per (head, 8 queries, 256 keys), merged by log-sum-exp (split-K,
   as flash-decoding). The int8 decode step's prefix attention
@@ -76,8 +77,9 @@ ISAS = ("avx2", "avx512-vnni")
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("cpu_kernels.cc", "cpu_attention.cc"))
 HEADER = pathlib.Path(__file__).with_name("cpu_kernels.h")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
-TARGETS = ("jaxsample_int8_dot", "jaxsample_f32_int8_dot", "jaxsample_segment_attention")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC")
+TARGETS = ("jaxsample_int8_dot", "jaxsample_f32_int8_dot", "jaxsample_segment_attention",
+           "jaxsample_segment_attention_f16")
 MAX_ROWS = 64
 """On AVX2, int8 x int8 products of more rows (a prefill) stay `dot_general`: XLA
 CPU's int8 GEMM is as fast there, and reads the int8 weight as it is. On AVX-512 VNNI
@@ -174,8 +176,9 @@ def _library(cxx: list[str], key: str) -> ctypes.CDLL:
 
 def _self_test() -> None:
     """Both products on small shapes (a K tail, an N tail, M = 1 and 3) and the
-    attention against numpy; raises RuntimeError on a difference beyond float32
-    summation's bound (K * 2^-24 * sum |x w|; the attention: 1e-5 at unit scale)."""
+    attention (float32 and float16 keys) against numpy; raises RuntimeError on a
+    difference beyond float32 summation's bound (K * 2^-24 * sum |x w|; the attention:
+    1e-5 at unit scale)."""
     # On a thread of its own: the first call may come while a program traces or inside
     # `jax.set_mesh`, and JAX keeps both per thread.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -199,13 +202,17 @@ def _check_on_cpu(rng, cpu) -> None:
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in
                ((2, 9, 16), (2, 300, 16), (2, 300, 16)))  # a chunk tail, a query block tail
     mask = np.arange(300) % 7 != 3
-    out, lse = jax.jit(_attention_kernel)(*jax.device_put((q, k, v, mask), cpu))
-    s = np.where(mask, np.einsum("hqd,hmd->hqm", q, k, dtype=np.float64), -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    want = np.einsum("hqm,hmd->hqd", p, v) / p.sum(-1)[..., None]
-    want_lse = np.log(p.sum(-1)) + s.max(-1)
-    if not (np.allclose(out, want, rtol=0, atol=1e-5) and np.allclose(lse, want_lse, atol=1e-5)):
-        raise RuntimeError("self-test: the segment attention differs from numpy")
+    for dtype in (np.float32, np.float16):  # float16 k, v: the exact widening of their values
+        k, v = k.astype(dtype), v.astype(dtype)
+        out, lse = jax.jit(_attention_kernel)(*jax.device_put((q, k, v, mask), cpu))
+        s = np.where(mask, np.einsum("hqd,hmd->hqm", q, k, dtype=np.float64), -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("hqm,hmd->hqd", p, v.astype(np.float64)) / p.sum(-1)[..., None]
+        want_lse = np.log(p.sum(-1)) + s.max(-1)
+        if not (np.allclose(out, want, rtol=0, atol=1e-5)
+                and np.allclose(lse, want_lse, atol=1e-5)):
+            raise RuntimeError(f"self-test: the segment attention ({np.dtype(dtype).name} "
+                               "keys) differs from numpy")
 
 
 def enabled() -> bool:
@@ -224,7 +231,7 @@ def enabled() -> bool:
                 key = _key(cxx)
                 lib = _library(cxx, key)
                 if not lib.jaxsample_int8_cpu_supported():
-                    raise RuntimeError("this CPU has no AVX2 and FMA")
+                    raise RuntimeError("this CPU lacks AVX2, FMA or F16C")
                 for name in TARGETS:
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
                                                 platform="cpu")
@@ -334,14 +341,18 @@ def _xla(x, w, out_dtype):
 
 def uses_attention_kernel(q: jax.Array, k: jax.Array, v: jax.Array, scale=None) -> bool:
     """Whether `segment_attention` runs the kernel for queries `q [..., D]` over keys
-    `k` and values `v`: `active()`, all float32, D a multiple of 8 and no score
-    soft-cap (a `common.SoftCappedScale`)."""
-    return (q.dtype == k.dtype == v.dtype == jnp.float32 and q.shape[-1] % 8 == 0
+    `k` and values `v`: `active()`, q float32, k and v both float32 or both float16
+    (a quantised model's prefix, `engine.prefill.prefix_kv_dtype`), D a multiple of 8
+    and no score soft-cap (a `common.SoftCappedScale`)."""
+    return (q.dtype == jnp.float32 and k.dtype == v.dtype
+            and k.dtype in (jnp.float32, jnp.float16) and q.shape[-1] % 8 == 0
             and getattr(scale, "softcap", None) is None and active())
 
 
 def _attention_xla(q, k, v, mask):
-    """The XLA expression of `segment_attention` (its fallback and its jvp)."""
+    """The XLA expression of `segment_attention` (its fallback and its jvp); float16
+    keys and values are widened to float32 first."""
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     s = jnp.einsum("kqd,kmd->kqm", q, k, preferred_element_type=jnp.float32)
     s = jnp.where(mask[None, None], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -356,7 +367,8 @@ def _attention_xla(q, k, v, mask):
 def _attention_kernel(q, k, v, mask):
     H, Q, D = q.shape
     out = (jax.ShapeDtypeStruct((H, Q, D), jnp.float32), jax.ShapeDtypeStruct((H, Q), jnp.float32))
-    return jax.ffi.ffi_call(TARGETS[2], out, vmap_method="sequential")(q, k, v, mask)
+    target = TARGETS[3] if k.dtype == jnp.float16 else TARGETS[2]
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(q, k, v, mask)
 
 
 @jax.custom_jvp
@@ -366,7 +378,8 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     Args:
       q: `[H, Q, D]` float32, scaled (the scores are `q . k`); H kv heads, the
         Q queries of each head (its query heads x branches x positions).
-      k, v: `[H, M, D]` float32.
+      k, v: `[H, M, D]` float32, or both float16 (each element widened to float32
+        exactly as it is read: half the bytes of a float32 prefix).
       mask: `[M]` bool, the keys visible to every query.
     Returns:
       (out `[H, Q, D]` float32 softmax(q k^T) v over the visible keys, lse

@@ -511,6 +511,12 @@ def with_mode(params, mode: str):
                                   is_leaf=is_q)
 
 
+def modes(params) -> set[str]:
+    """The `mode`s of the `QuantizedWeight` leaves of `params` (empty for float params)."""
+    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
+    return {a.mode for a in jax.tree_util.tree_leaves(params, is_leaf=is_q) if is_q(a)}
+
+
 def is_quantized(params) -> bool:
     """Whether any leaf of `params` is a `QuantizedWeight`."""
     is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731

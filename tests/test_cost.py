@@ -178,6 +178,21 @@ def test_bill_by_hand():
     assert "never saves" in s and len(s.splitlines()) >= 3
 
 
+def test_bill_prices_a_float16_prefix_by_hand():
+    """A quantised model's float16 prefix (`prefix_dtype_bytes=2`): each step reads the
+    7 prompt tokens' KV at 32 bytes a token (2 layers x 2 x 1 head x 4 x 2 bytes), the
+    tails still at 64; the separate-retries count likewise; a bad value is refused."""
+    lengths = np.array([[3, 1, 2, 3], [0, 3, 3, 1]])
+    args = dict(prompt_lengths=[5, 2], branch_lengths=lengths, n=4, prefix_cache_bytes=0,
+                tail_cache_bytes=0, decode_steps=3)
+    b = cost.make_bill(TINY, prefix_dtype_bytes=2, **args)
+    assert b.decode_bytes_read_shared == 3 * (5088 + 7 * 32) + 35 * 64
+    assert b.decode_bytes_read_if_separate == 3 * (5088 + 4 * 7 * 32) + 35 * 64
+    assert cost.make_bill(TINY, prefix_dtype_bytes=4, **args) == cost.make_bill(TINY, **args)
+    with pytest.raises(ValueError, match="dtype_bytes"):
+        cost.make_bill(TINY, prefix_dtype_bytes=0, **args)
+
+
 def test_bill_properties_and_n1():
     b = _bill()
     assert b.kv_bytes_held <= b.kv_bytes_if_separate

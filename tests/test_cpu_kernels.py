@@ -289,13 +289,16 @@ def _attention_oracle(q, k, v, mask):
     (2, 9, 40, 8, "none", 1.0),         # nothing visible: out 0, lse -inf
     (1, 6, 64, 8, "mixed", 1.0),        # rows 0, 2, 4 x 100: their softmax underflows
 ])
-def test_segment_attention_against_float64(H, Q, M, D, visible, q_scale):
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_segment_attention_against_float64(H, Q, M, D, visible, q_scale, kv_dtype):
     """The attention kernel against float64 numpy, within the bound derived in
     `_attention_oracle`, over query-block and key-chunk tails, masks with holes,
-    no visible key, and large scores (the exp's range)."""
+    no visible key, and large scores (the exp's range); with float16 keys and values
+    (a quantised model's prefix) the oracle takes the same float16 values, which the
+    kernel widens exactly, so the bound is float32's."""
     rng = np.random.default_rng(H * Q + M)
     q = (rng.standard_normal((H, Q, D)) * q_scale).astype(np.float32)
-    k, v = (rng.standard_normal((H, M, D)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((H, M, D)).astype(kv_dtype) for _ in range(2))
     mask = {"prefix": np.arange(M) < M - 24, "random": rng.random(M) < 0.7,
             "all": np.ones(M, bool), "last": np.arange(M) >= M - 5,
             "none": np.zeros(M, bool), "mixed": np.ones(M, bool)}[visible]
@@ -314,12 +317,13 @@ def test_segment_attention_against_float64(H, Q, M, D, visible, q_scale):
 
 
 @needs_kernels
-def test_segment_attention_passes_nan_on():
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_segment_attention_passes_nan_on(kv_dtype):
     """A NaN in a query, key or value reaches the outputs it touches, as in XLA's
-    softmax (never a silently finite row)."""
+    softmax (never a silently finite row); float16 keys and values alike."""
     rng = np.random.default_rng(5)
-    q, k, v = (rng.standard_normal(s).astype(np.float32)
-               for s in ((1, 3, 8), (1, 300, 8), (1, 300, 8)))
+    q = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    k, v = (rng.standard_normal(s).astype(kv_dtype) for s in ((1, 300, 8), (1, 300, 8)))
     mask = np.ones(300, bool)
     q[0, 0, 3] = np.nan  # row 0's scores
     k[0, 280, 1] = np.nan  # every row's score at key 280 (the second chunk)
@@ -333,7 +337,7 @@ def test_segment_attention_passes_nan_on():
     assert np.all(np.isfinite(lse[0, 1:]))
     # a NaN score as the only visible one of its chunk, in a lane other than the first,
     # with masked padding after it (a prefix padded to its bucket)
-    q, k = np.ones((1, 1, 8), np.float32), np.ones((1, 300, 8), np.float32)
+    q, k = np.ones((1, 1, 8), np.float32), np.ones((1, 300, 8), kv_dtype)
     k[0, 3, 0] = np.nan
     for visible in (np.arange(300) == 3, (np.arange(300) == 3) | (np.arange(300) >= 256)):
         out, _ = jax.jit(cpu_kernels.segment_attention)(q, k, k, visible)

@@ -25,7 +25,11 @@ from jaxsample import engine, SamplingParams
 from jaxsample.errors import ConfigError
 from jaxsample.lm import LanguageModel
 from jaxsample.loading import load
-from jaxsample.models import common, llama, outliers, quant
+from jaxsample.engine.context import prefill_context, prefill_suffix
+from jaxsample.engine.prefill import prefill as prefill_fn
+from jaxsample.engine import state
+from jaxsample.engine.step import branch_step
+from jaxsample.models import common, cpu_kernels, llama, outliers, quant
 from ties import assert_same_tokens_up_to_ties
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -313,7 +317,7 @@ def test_cached_decode_equals_own_forward_weight_only(qlm):
     """The int8 weights through the KV-cached decode: every branch's logprobs equal
     log_softmax of the same model's full forward to float32 rounding (weight-only
     int8: the product is continuous in its input, so the two paths' rounding
-    differences stay at float32's scale)."""
+    differences stay at float32's scale; its prefix stays float32)."""
     wo = dataclasses.replace(qlm, params=quant.with_mode(qlm.params, "weight_only"))
     out = engine.generate(wo, PROMPTS, SamplingParams(n=4, temperature=1.0,
                                                       max_new_tokens=12, seed=7))
@@ -321,7 +325,7 @@ def test_cached_decode_equals_own_forward_weight_only(qlm):
     assert errs.size > 30 and errs.max() <= 1e-4, errs.max()
 
 
-def test_cached_decode_near_own_forward_w8a8(qlm, sampled):
+def test_cached_decode_near_own_forward_w8a8(qlm, monkeypatch):
     """W8A8 (the default): the same comparison, bounded by the activation quantiser.
     W8A8 rounds each activation row to int8 (`round(x / a)`), a step function: the
     decode and the full forward compute x in a different order, so where x / a lies
@@ -331,18 +335,76 @@ def test_cached_decode_near_own_forward_w8a8(qlm, sampled):
     depends on the CPU's float rounding (an AVX2 machine flipped some where AVX-512
     ones did not: up to 0.065 nats). So most tokens agree to float32 rounding and
     none is further than a few such steps; the exact check of the cached path is
-    the weight-only test above."""
-    errs = _decode_against_forward(qlm, sampled)
+    the weight-only test above. The prefix is kept float32, as there: a float16
+    prefix moves every later activation by its rounding, and W8A8 turns that into
+    whole steps at many more elements (a median of 8e-3 nats here); its storage is
+    checked against this path in `test_float16_prefix_is_the_float32_prefix_rounded`."""
+    monkeypatch.setattr(state, "PREFIX_KV_FLOAT16", False)
+    errs = _decode_against_forward(qlm, engine.generate(
+        qlm, PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=7)))
     assert errs.size > 30
     assert np.median(errs) <= 1e-4, np.median(errs)
     assert errs.max() <= 0.25, errs.max()
+
+
+def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm, monkeypatch):
+    """Where the CPU kernel reads it, a W8A8 model's prefix KV is stored in float16
+    (`state.prefix_kv_dtype`): exactly the float32 prefill's K and V rounded to
+    float16, and a decode step of 3 branches over it (the kernel widens each element
+    exactly) equals, bit for bit, the same step over a float32 prefix holding those
+    rounded values (the same kernel code on the same numbers). `PREFIX_KV_FLOAT16 =
+    False` stores float32; weight-only int8 and a float32 model never store float16."""
+    if not cpu_kernels.active():
+        pytest.skip(f"the CPU kernels are off here ({cpu_kernels._STATE.get('status')})")
+    w8 = quant.with_mode(qlm.params, "w8a8")
+    cfg = qlm.config
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, qlm.vocab_limit, (2, 16)), jnp.int32)
+    lengths = jnp.asarray([16, 11], jnp.int32)
+
+    def prefix(params):  # a new function each call: traced under the knob's value now
+        return jax.jit(lambda p: prefill_fn(cfg, p, ids, lengths)[0])(params)
+
+    ctx = jax.jit(lambda p: prefill_context(cfg, p, ids[0, :8], jnp.int32(8))[0])(w8)
+
+    def suffixes(params):  # the prompts' own caches after a common context (shared_prefix=)
+        return jax.jit(lambda p: prefill_suffix(cfg, p, ctx, ids, lengths)[0])(params)
+
+    half, half_s = prefix(w8), suffixes(w8)
+    assert {a.dtype for a in half.k + half.v + half_s.k + half_s.v} == {jnp.dtype(jnp.float16)}
+    assert {a.dtype for a in ctx.k + ctx.v} == {jnp.dtype(jnp.float32)}  # the context stays
+    monkeypatch.setattr(state, "PREFIX_KV_FLOAT16", False)
+    full, full_s = prefix(w8), suffixes(w8)
+    assert {a.dtype for a in full.k + full.v} == {jnp.dtype(jnp.float32)}
+    for a, b in zip(half.k + half.v + half_s.k + half_s.v,
+                    full.k + full.v + full_s.k + full_s.v):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.float16)))
+    monkeypatch.setattr(state, "PREFIX_KV_FLOAT16", True)
+    assert state.prefix_kv_dtype(cfg, w8) == jnp.float16
+    assert state.prefix_kv_dtype(cfg, quant.with_mode(w8, "weight_only")) is None
+    assert state.prefix_kv_dtype(tiny_lm.config, tiny_lm.params) is None
+
+    K, D = cfg.n_kv_heads, cfg.head_dim
+    tail = [jnp.zeros((K, 4, D), jnp.float32)] * cfg.n_layers
+
+    def step(pk, pv):  # row 0 (16 tokens): 3 branches' first decode step
+        one = lambda tok: branch_step(cfg, w8, tok, jnp.int32(16), jnp.int32(0),  # noqa: E731
+                                      pk, pv, jnp.int32(16), tail, tail)[0]
+        return np.asarray(jax.jit(jax.vmap(one))(jnp.asarray([3, 5, 7], jnp.int32)))
+
+    got = step([a[0] for a in half.k], [a[0] for a in half.v])
+    want = step([a[0].astype(jnp.float32) for a in half.k],
+                [a[0].astype(jnp.float32) for a in half.v])
+    np.testing.assert_array_equal(got, want)
+    assert np.all(np.isfinite(got))
 
 
 def test_the_bill_counts_the_weights_as_stored(tiny_lm, qlm, sampled):
     """An int8 model's bill reads its weights at their stored size (int8 + float32 scales,
     norms and biases in float32, and the outlier channels' float32 rows: an eighth of
     each projection's input channels at the tiny model's widths), not at 4 bytes per
-    parameter: 1 + 4 / 8 + the scales and norms, under 2 bytes per parameter here."""
+    parameter: 1 + 4 / 8 + the scales and norms, under 2 bytes per parameter here; and
+    its prefix KV at its stored float16 where `state.prefix_kv_dtype` says so."""
     from jaxsample import cost
 
     stored = sum(int(np.asarray(a).nbytes) for a in jax.tree_util.tree_leaves(qlm.params))
@@ -350,10 +412,12 @@ def test_the_bill_counts_the_weights_as_stored(tiny_lm, qlm, sampled):
     assert sampled.bill.weight_bytes == stored < params * 2
     assert cost.weight_bytes(tiny_lm.config) == params * 4  # the float bill, unchanged
     b = sampled.bill  # every step reads the stored weights once, then the KV
+    half = state.prefix_kv_dtype(qlm.config, qlm.params) is not None  # a float16 prefix
     assert b.decode_bytes_read_shared - b.decode_steps * stored == cost.make_bill(
         tiny_lm.config, prompt_lengths=[len(p) for p in sampled.prompt_tokens],
         branch_lengths=b.decoded_tokens_per_branch, n=4, prefix_cache_bytes=0,
-        tail_cache_bytes=0, decode_steps=b.decode_steps).decode_bytes_read_shared \
+        tail_cache_bytes=0, decode_steps=b.decode_steps,
+        prefix_dtype_bytes=2 if half else None).decode_bytes_read_shared \
         - b.decode_steps * params * 4
 
 
@@ -378,12 +442,17 @@ def test_mesh_equals_unsharded(qlm, mode, atol):
     assert_same_tokens_up_to_ties(lm8, ref, got, logprob_atol=atol)
 
 
-def test_shared_prefix_and_zero_bridge(qlm, sampled):
+def test_shared_prefix_and_zero_bridge(qlm, sampled, monkeypatch):
     """Shared prefix = the prompts with the context prepended. Weight-only at float32's
     tolerance; W8A8 rounds x / s_x to an integer, and the two programs' attention sums
     differ in the last float32 bits, so an activation on a rounding tie flips one int8
     step (seen here: 69.500015 against 69.49999 in one layer's input, for seed 5, which
-    moved later logprobs by 0.017): tokens up to ties, logprobs within 0.05."""
+    moved later logprobs by 0.017): tokens up to ties, logprobs within 0.05. With W8A8's
+    prefix in float16 the two are not the same computation (the prepended prompt stores
+    its context positions in float16, the shared context stays float32), so the prefix
+    is kept float32 here; its float16 storage is checked in
+    `test_float16_prefix_is_the_float32_prefix_rounded`."""
+    monkeypatch.setattr(state, "PREFIX_KV_FLOAT16", False)
     context = "Few-shot context shared by all: 1+1=2. 2+3=5. Now: "
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=5)
     for mode, atol in (("weight_only", 1e-5), ("w8a8", 0.05)):
@@ -391,6 +460,7 @@ def test_shared_prefix_and_zero_bridge(qlm, sampled):
         got = engine.generate(lm8, PROMPTS, params, shared_prefix=context)
         ref = engine.generate(lm8, [context + p for p in PROMPTS], params)
         assert_same_tokens_up_to_ties(lm8, ref, got, logprob_atol=atol)
+    monkeypatch.setattr(state, "PREFIX_KV_FLOAT16", True)  # as `sampled` (float16 prefix)
     cfg = bridge_lib.BridgeConfig(dim=8, n_heads=2)
     zero = engine.generate(qlm, PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=12,
                                                         seed=7), bridge=bridge_lib.init(qlm, cfg))

@@ -196,7 +196,8 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
               kv_bytes_per_device: int | None = None,
               kv_bytes_allocated: int | None = None, branch_steps: int | None = None,
               context_length: int = 0, context_cache_bytes: int = 0,
-              weights_bytes: int | None = None) -> Bill:
+              weights_bytes: int | None = None,
+              prefix_dtype_bytes: int | None = None) -> Bill:
     """The bill of one `generate` call (called by the engine).
 
     Args:
@@ -227,6 +228,9 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         the dtype (int8 weights and their float32 scales: `load(weights="int8")`);
         default: every parameter at `dtype_bytes`. An MoE's experts stay in the
         dtype, so the untouched experts a step skips are subtracted at `dtype_bytes`.
+      prefix_dtype_bytes: bytes per element of the prompts' stored KV (2: a quantised
+        model's float16 prefix, `engine.state.prefix_kv_dtype`); default `dtype_bytes`.
+        The context and the tails stay at `dtype_bytes`.
     Returns:
       A `Bill`.
     Raises:
@@ -278,6 +282,8 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
         "weights_bytes", weights_bytes, 0, 2**62, "2**62")
     W = step_weight_bytes(config, slots, b) - weight_bytes(config, b) + W_all if steps else W_all
     kv = kv_bytes_per_token(config, b)
+    kv_prefix = kv if prefix_dtype_bytes is None else kv_bytes_per_token(
+        config, resolve_dtype_bytes(config, prefix_dtype_bytes))
     full = prompts + C  # the tokens before the first new one, context included
     prefill = sum(prefill_flops(config, int(p)) for p in full)  # each prompt alone
     prefill_shared = (copies * prefill if not C else prefill_flops(config, C) + sum(
@@ -290,8 +296,10 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
     s = np.arange(steps, dtype=np.int64)[:, None, None]
     tail_tokens = int(np.minimum(s + 1, lengths[None]).sum()) if steps else 0
     prefix_tokens = int(prompts.sum())
-    read_shared = steps * (W + (C + copies * prefix_tokens) * kv) + tail_tokens * kv
-    read_separate = steps * (W + N * (B * C + prefix_tokens) * kv) + tail_tokens * kv
+    read_shared = (steps * (W + C * kv + copies * prefix_tokens * kv_prefix)
+                   + tail_tokens * kv)
+    read_separate = (steps * (W + N * (B * C * kv + prefix_tokens * kv_prefix))
+                     + tail_tokens * kv)
 
     return Bill(
         num_prompts=B, n=N, decode_steps=steps, branch_steps=branch_steps,

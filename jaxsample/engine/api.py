@@ -15,6 +15,7 @@ from jaxsample.engine.inputs import check_int
 from jaxsample.errors import InputError
 from jaxsample.engine.round import Round
 from jaxsample.engine.session import Session
+from jaxsample.engine.state import prefix_kv_dtype
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.models import quant
@@ -256,6 +257,13 @@ def _stored_bytes(params) -> int | None:
     return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(params))
 
 
+def _prefix_dtype_bytes(s: Session) -> int | None:
+    """Bytes per element of the session's stored prefix KV (`state.prefix_kv_dtype`),
+    None for the model's dtype."""
+    dtype = prefix_kv_dtype(s.cfg, s.model_params)
+    return None if dtype is None else np.dtype(dtype).itemsize
+
+
 def final_text(session: Session, tokens, length, stopped):
     """(text, kept tokens or None, stop string or None) of one branch exactly as
     `Generation.texts` holds it: the one function `finish`, `stream` and
@@ -350,7 +358,8 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
                           decode_steps=s.decode_steps, kept_lengths=lens,
                           prefix_copies=s.N if s.naive else 1, branch_steps=s.branch_steps,
                           context_length=len(s.context_ids), context_cache_bytes=ctx_bytes,
-                          weights_bytes=_stored_bytes(s.lm.params), **placement)
+                          weights_bytes=_stored_bytes(s.lm.params),
+                          prefix_dtype_bytes=_prefix_dtype_bytes(s), **placement)
     s.timings["total"] = time.perf_counter() - s.t_start
     plp = s.prompt_logprobs
     return Generation(tokens=tok, logprobs=lp, lengths=lens, finish_reason=reasons,

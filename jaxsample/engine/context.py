@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsample.engine import sampling
-from jaxsample.engine.prefill import keep_window, prefix_start, prompt_logprobs_of
+from jaxsample.engine.prefill import keep_window, prefix_start, prompt_logprobs_of, stored_prefix
 from jaxsample.engine.state import ContextCache, PrefixCache, PromptLogprobs
 from jaxsample.models import common, families
 
@@ -113,7 +113,8 @@ def prefill_suffix(cfg, params, ctx: ContextCache, tokens: jax.Array, lengths: j
       ctx_logits: `[V]` float32, the context's last-position logits (needed
         with prompt_logprobs: they score each suffix's first token).
     Returns:
-      (PrefixCache of the suffixes k, v L x `[R, K, P_l, D]` with their lengths,
+      (PrefixCache of the suffixes k, v L x `[R, K, P_l, D]` (in
+      `state.prefix_kv_dtype`) with their lengths,
       last-position logits `[R, V]` float32); plus, when prompt_logprobs >= 0,
       `PromptLogprobs` `[R, P + 1]` (`[R, P + 1, k]`): entry 0 is about suffix
       token 0 given the context, entry j + 1 about suffix token j + 1.
@@ -142,5 +143,5 @@ def prefill_suffix(cfg, params, ctx: ContextCache, tokens: jax.Array, lengths: j
         return out
 
     out = jax.vmap(one)(tokens, lengths)
-    logits, k, v = out[:3]
+    logits, (k, v) = out[0], stored_prefix(cfg, params, *out[1:3])
     return (PrefixCache(k, v, lengths), logits) + tuple(out[3:])

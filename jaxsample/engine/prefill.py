@@ -6,10 +6,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxsample.engine import sampling
-from jaxsample.engine.state import PrefixCache, PromptLogprobs
+from jaxsample.engine.state import PrefixCache, PromptLogprobs, prefix_kv_dtype
 from jaxsample.models import families
 
 PROMPT_LOGPROB_BLOCK = 64  # positions whose [block, V] logits exist at once (per row)
+
+def stored_prefix(cfg, params, k, v):
+    """k, v (L x `[..., K, P_l, D]`) in `prefix_kv_dtype(cfg, params)`."""
+    dtype = prefix_kv_dtype(cfg, params)
+    if dtype is None:
+        return tuple(k), tuple(v)
+    return tuple(a.astype(dtype) for a in k), tuple(a.astype(dtype) for a in v)
 
 
 def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
@@ -35,9 +42,9 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
         so that at most `[R, block, V]` float32 logits exist at once.
       vocab_limit: static, rows >= it are padding (needed with prompt_logprobs).
     Returns:
-      (PrefixCache with k, v L x `[R, K, P_l, D]`, last-position logits `[R, V]`
-      float32): P_l = P on global layers, `window_extent(P, w)` on a local
-      layer of window w (its last positions, see `keep_window`); plus a
+      (PrefixCache with k, v L x `[R, K, P_l, D]` (in `state.prefix_kv_dtype`),
+      last-position logits `[R, V]` float32): P_l = P on global layers,
+      `window_extent(P, w)` on a local layer of window w (its last positions, see `keep_window`); plus a
       `PromptLogprobs` (`[R, P]`, `[R, P, k]`) when prompt_logprobs >= 0.
     """
     k_prompt = prompt_logprobs
@@ -60,7 +67,7 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
     if k_prompt >= 0 and vocab_limit is None:
         raise ValueError("prompt_logprobs needs vocab_limit")
     out = jax.vmap(one)(tokens, lengths)
-    logits, k, v = out[:3]
+    logits, (k, v) = out[0], stored_prefix(cfg, params, *out[1:3])
     return (PrefixCache(k, v, lengths), logits) + tuple(out[3:])
 
 

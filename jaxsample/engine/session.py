@@ -27,7 +27,7 @@ from jaxsample.engine.prefill import prefill
 from jaxsample.engine.round import Round
 from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PrefixCache,
                                     PromptLogprobs, Static,
-                                    bucket)
+                                    bucket, prefix_kv_dtype)
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling_params import SamplingParams
@@ -252,7 +252,8 @@ class Session:
                              (m.prefix_spec, m.Ps(m.d)) + extra)
             args = (self.model_params, place(tokens, m.rows), place(lengths, m.rows),
                     self.bridge_dev) + extra_args
-        prog = self.program((name, cfg, self.bridge_cfg, self.mesh, pk, vl), fn, args)
+        kv = str(prefix_kv_dtype(cfg, self.model_params))  # a knob flipped in a process
+        prog = self.program((name, cfg, self.bridge_cfg, self.mesh, pk, vl, kv), fn, args)
         t0 = time.perf_counter()
         out = jax.block_until_ready(prog(*args))
         self.timings["prefill"] += time.perf_counter() - t0

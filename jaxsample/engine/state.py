@@ -12,7 +12,9 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
+from jaxsample.models import cpu_kernels, quant
 from jaxsample.sharding import BRANCH_AXIS
 
 MAX_STOP_IDS = 16  # stop ids are a fixed-size traced array (padded with -1)
@@ -22,8 +24,9 @@ from jaxsample.sampling_params import MAX_LOGPROBS  # noqa: E402  (SamplingParam
 class PrefixCache(NamedTuple):
     """The prompts' KV cache, stored once (no branch axis).
 
-    k, v: tuples of L arrays `[R, K, P_l, D]` in the model dtype (P_l = P, or the
-      last min(P, w - 1) positions on a local layer of window w; per layer, so
+    k, v: tuples of L arrays `[R, K, P_l, D]` in the model dtype, or float16 for a
+      W8A8 model (`prefix_kv_dtype`); P_l = P, or the last min(P, w - 1)
+      positions on a local layer of window w (per layer, so
       the unrolled layer loop reads each layer's cache without a slice copy;
       kv-head-major, the layout the attention matmuls read without a
       transpose); positions `>= lengths[r]` are padding.
@@ -33,6 +36,37 @@ class PrefixCache(NamedTuple):
     k: Any
     v: Any
     lengths: jax.Array
+
+
+PREFIX_KV_FLOAT16 = True
+"""Store a W8A8 model's prefix KV cache in float16 where the CPU kernel reads it
+(`prefix_kv_dtype`). False keeps it float32 (the tests' exact oracle of the cached
+decode, the benchmarks' A/B); it is part of the exported programs' keys."""
+
+
+def prefix_kv_dtype(cfg, params):
+    """The dtype the prefix KV cache is stored in: float16 for a W8A8 float32 model
+    (`weights="int8"`, every quantised weight in mode "w8a8") whose decode step reads
+    the prefix through `cpu_kernels.segment_attention` (`cpu_kernels.active()`, every
+    layer global, D a multiple of 8, no score soft-cap), else None (the model's dtype).
+
+    The step of a one-branch decode streams the whole prefix once per step: 47 MB in
+    float32 for SmolLM2 at P = 1024, a third of its int8 weights' bytes; float16 halves
+    it (as llama.cpp's default F16 KV cache), the kernel widening each element exactly
+    as it reads it; the tails stay float32. The rounding to float16 (relative 2^-11;
+    beyond 65504, inf) moves W8A8's results about as much as any last-bit change does
+    (W8A8 amplifies those: RESULTS.md, "A float16 prefix for W8A8"), so it is tied to
+    W8A8, the speed mode: weight-only int8 (`"int8-weight-only"`), which reproduces to
+    float32 rounding across meshes and batches, and float32 models keep their dtype.
+    `PREFIX_KV_FLOAT16 = False` turns it off.
+    """
+    windows = getattr(cfg, "layer_windows", ())
+    if (PREFIX_KV_FLOAT16 and jnp.dtype(cfg.jnp_dtype) == jnp.float32
+            and all(w is None for w in windows) and cfg.head_dim % 8 == 0
+            and getattr(cfg.attention_scale, "softcap", None) is None
+            and quant.modes(params) == {"w8a8"} and cpu_kernels.active()):
+        return jnp.float16
+    return None
 
 
 class ContextCache(NamedTuple):
