@@ -3,13 +3,14 @@
 // models/common.py's partial_attention calls it for the int8 decode step's prefix).
 //
 // jaxsample_segment_attention: q [H, Q, D] (scaled), k, v [H, M, D], mask [M] (the same
-// keys visible to every query; jaxsample_segment_attention_f16: k, v float16, each
-// element widened to float32 as it is loaded, F16C's exact conversion) -> out [H, Q, D] normalised over the segment, lse [H, Q]
+// keys visible to every query) -> out [H, Q, D] normalised over the segment, lse [H, Q]
 // the log-sum-exp of the scores (-inf, with out 0, where no key is visible; NaN where a
 // score is NaN): common.partial_attention for one mask row. Tasks are (head,
 // kQueryBlock queries, kKeyChunk keys); each keeps its chunk's maximum, sum and
 // un-normalised output, merged per query at the end (split-K "flash decoding"), so the
-// work spreads over the pool at any Q.
+// work spreads over the pool at any Q. jaxsample_segment_attention_f16: the same with k
+// and v float16 (a W8A8 model's prefix), each element widened to float32 as it is
+// loaded (F16C's conversion, exact), so the same arithmetic on those values.
 
 #include <cmath>
 #include <limits>

@@ -44,8 +44,9 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
     Returns:
       (PrefixCache with k, v L x `[R, K, P_l, D]` (in `state.prefix_kv_dtype`),
       last-position logits `[R, V]` float32): P_l = P on global layers,
-      `window_extent(P, w)` on a local layer of window w (its last positions, see `keep_window`); plus a
-      `PromptLogprobs` (`[R, P]`, `[R, P, k]`) when prompt_logprobs >= 0.
+      `window_extent(P, w)` on a local layer of window w (its last positions, see
+      `keep_window`); plus a `PromptLogprobs` (`[R, P]`, `[R, P, k]`) when
+      prompt_logprobs >= 0.
     """
     k_prompt = prompt_logprobs
     fam = families.module_for(cfg)
