@@ -26,7 +26,7 @@ from jaxsample.errors import ConfigError
 from jaxsample.lm import LanguageModel
 from jaxsample.loading import load
 from jaxsample.engine.context import prefill_context, prefill_suffix
-from jaxsample.engine.prefill import prefill as prefill_fn
+from jaxsample.engine.prefill import prefill as prefill_fn, stored_prefix
 from jaxsample.engine import state
 from jaxsample.engine.step import branch_step
 from jaxsample.models import common, cpu_kernels, llama, outliers, quant
@@ -352,8 +352,9 @@ def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm, monkeypatch)
     (`state.prefix_kv_dtype`): exactly the float32 prefill's K and V rounded to
     float16, and a decode step of 3 branches over it (the kernel widens each element
     exactly) equals, bit for bit, the same step over a float32 prefix holding those
-    rounded values (the same kernel code on the same numbers). `PREFIX_KV_FLOAT16 =
-    False` stores float32; weight-only int8 and a float32 model never store float16."""
+    rounded values (the same kernel code on the same numbers). Values beyond float16's
+    range saturate. `PREFIX_KV_FLOAT16 = False` stores float32; weight-only int8 and
+    a float32 model never store float16."""
     if not cpu_kernels.active():
         pytest.skip(f"the CPU kernels are off here ({cpu_kernels._STATE.get('status')})")
     w8 = quant.with_mode(qlm.params, "w8a8")
@@ -383,6 +384,12 @@ def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm, monkeypatch)
     assert state.prefix_kv_dtype(cfg, w8) == jnp.float16
     assert state.prefix_kv_dtype(cfg, quant.with_mode(w8, "weight_only")) is None
     assert state.prefix_kv_dtype(tiny_lm.config, tiny_lm.params) is None
+
+    big = jnp.asarray([1e5, -1e6, 65504.0, 70000.0, jnp.nan, 1.0], jnp.float32)
+    k16, v16 = stored_prefix(cfg, w8, [big], [-big])  # beyond float16's range: saturated
+    np.testing.assert_array_equal(np.asarray(k16[0], np.float32),
+                                  [65504, -65504, 65504, 65504, np.nan, 1])
+    np.testing.assert_array_equal(np.asarray(v16[0]), -np.asarray(k16[0]))
 
     K, D = cfg.n_kv_heads, cfg.head_dim
     tail = [jnp.zeros((K, 4, D), jnp.float32)] * cfg.n_layers

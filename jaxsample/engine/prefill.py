@@ -11,12 +11,17 @@ from jaxsample.models import families
 
 PROMPT_LOGPROB_BLOCK = 64  # positions whose [block, V] logits exist at once (per row)
 
+
 def stored_prefix(cfg, params, k, v):
-    """k, v (L x `[..., K, P_l, D]`) in `prefix_kv_dtype(cfg, params)`."""
+    """k, v (L x `[..., K, P_l, D]`) in `prefix_kv_dtype(cfg, params)`. Into float16,
+    values beyond its range saturate at +-65504 (never an inf that would turn every
+    score of the row into NaN); a NaN stays NaN."""
     dtype = prefix_kv_dtype(cfg, params)
     if dtype is None:
         return tuple(k), tuple(v)
-    return tuple(a.astype(dtype) for a in k), tuple(a.astype(dtype) for a in v)
+    top = float(jnp.finfo(dtype).max)
+    store = lambda a: jnp.clip(a, -top, top).astype(dtype)  # noqa: E731
+    return tuple(map(store, k)), tuple(map(store, v))
 
 
 def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
