@@ -189,8 +189,9 @@ def test_bill_prices_a_float16_prefix_by_hand():
     assert b.decode_bytes_read_shared == 3 * (5088 + 7 * 32) + 35 * 64
     assert b.decode_bytes_read_if_separate == 3 * (5088 + 4 * 7 * 32) + 35 * 64
     assert cost.make_bill(TINY, prefix_dtype_bytes=4, **args) == cost.make_bill(TINY, **args)
-    with pytest.raises(ValueError, match="dtype_bytes"):
-        cost.make_bill(TINY, prefix_dtype_bytes=0, **args)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="prefix_dtype_bytes must be a positive integer"):
+            cost.make_bill(TINY, prefix_dtype_bytes=bad, **args)
 
 
 def test_bill_properties_and_n1():

@@ -406,6 +406,22 @@ def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm, monkeypatch)
     assert np.all(np.isfinite(got))
 
 
+def test_the_compiled_w8a8_step_reads_the_float16_prefix(qlm):
+    """`step_cost.compile_decode_step` compiles the step the engine runs: for W8A8 its
+    prefix is float16 and read by the float16 attention target (what `benchmarks/
+    quantized.py --parts hlo` counts); weight-only's stays float32."""
+    if not cpu_kernels.active():
+        pytest.skip(f"the CPU kernels are off here ({cpu_kernels._STATE.get('status')})")
+    from jaxsample.engine import step_cost
+
+    for mode, target in (("w8a8", "jaxsample_segment_attention_f16"),
+                         ("weight_only", "jaxsample_segment_attention")):
+        text = step_cost.compile_decode_step(qlm.config, 16, 1, 8, weights="int8",
+                                             mode=mode).as_text()
+        calls = {t: text.count(f'custom_call_target="{t}"') for t in cpu_kernels.TARGETS[2:]}
+        assert calls[target] == qlm.config.n_layers and sum(calls.values()) == calls[target]
+
+
 def test_the_bill_counts_the_weights_as_stored(tiny_lm, qlm, sampled):
     """An int8 model's bill reads its weights at their stored size (int8 + float32 scales,
     norms and biases in float32, and the outlier channels' float32 rows: an eighth of

@@ -283,7 +283,7 @@ def make_bill(config, *, prompt_lengths: Sequence[int], branch_lengths,
     W = step_weight_bytes(config, slots, b) - weight_bytes(config, b) + W_all if steps else W_all
     kv = kv_bytes_per_token(config, b)
     kv_prefix = kv if prefix_dtype_bytes is None else kv_bytes_per_token(
-        config, resolve_dtype_bytes(config, prefix_dtype_bytes))
+        config, resolve_dtype_bytes(config, prefix_dtype_bytes, "prefix_dtype_bytes"))
     full = prompts + C  # the tokens before the first new one, context included
     prefill = sum(prefill_flops(config, int(p)) for p in full)  # each prompt alone
     prefill_shared = (copies * prefill if not C else prefill_flops(config, C) + sum(

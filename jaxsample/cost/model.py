@@ -83,12 +83,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Per-model constants
 
 
-def resolve_dtype_bytes(config, dtype_bytes: int | None) -> int:
+def resolve_dtype_bytes(config, dtype_bytes: int | None, name: str = "dtype_bytes") -> int:
     if dtype_bytes is None:
         return DTYPE_BYTES[getattr(config, "dtype", "float32")]
     if not isinstance(dtype_bytes, (int, np.integer)) or isinstance(dtype_bytes, bool) \
             or dtype_bytes < 1:
-        raise ValueError(f"dtype_bytes must be a positive integer, got {dtype_bytes!r}")
+        raise ValueError(f"{name} must be a positive integer, got {dtype_bytes!r}")
     return int(dtype_bytes)
 
 

@@ -15,7 +15,6 @@ from jaxsample.engine.inputs import check_int
 from jaxsample.errors import InputError
 from jaxsample.engine.round import Round
 from jaxsample.engine.session import Session
-from jaxsample.engine.state import prefix_kv_dtype
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.models import quant
@@ -258,10 +257,9 @@ def _stored_bytes(params) -> int | None:
 
 
 def _prefix_dtype_bytes(s: Session) -> int | None:
-    """Bytes per element of the session's stored prefix KV (`state.prefix_kv_dtype`),
-    None for the model's dtype."""
-    dtype = prefix_kv_dtype(s.cfg, s.model_params)
-    return None if dtype is None else np.dtype(dtype).itemsize
+    """Bytes per element of the prefix KV the session stored (`state.prefix_kv_dtype`
+    when it prefilled), None before any prefill (the model's dtype)."""
+    return None if s.prefix_dtype is None else s.prefix_dtype.itemsize
 
 
 def final_text(session: Session, tokens, length, stopped):

@@ -9,7 +9,10 @@ size comes from a byte budget (`generate(max_kv_bytes=...)`):
     a pool:   held = R x 2 row + R x S x slot          (+ the common context once)
 
 `row` is one prompt's prefix KV (k and v over every layer, a local layer's
-last `window - 1` positions only) plus its last logits and prompt mask; `slot`
+last `window - 1` positions only; at the model's dtype, so a W8A8 model's float16
+prefix, `state.prefix_kv_dtype`, is priced at twice its bytes: the command line
+checks a budget before the weights, and whether the CPU kernels run, are known)
+plus its last logits and prompt mask; `slot`
 is one branch's tail KV plus its decode buffers (logits `[V]`, tokens and
 logprobs `[T]`, top logprobs, ranks, penalty counts, signals). At once, every
 prompt is prefilled when the request starts. In a pool, a prompt is prefilled
@@ -178,8 +181,8 @@ def plan(cfg, *, B: int, n: int, p_cap: int, t_cap: int, budget: int, context_by
         return int(rows), S
     if room < 2 * row + slot:
         raise InputError(
-            f"max_kv_bytes={budget:,} cannot hold one pool row (a prompt's prefix, "
-            f"{row:,} bytes, held twice while it is prefilled and copied in"
+            f"max_kv_bytes={budget:,} cannot hold one pool row (a prompt's prefix at the "
+            f"model's dtype, {row:,} bytes, held twice while it is prefilled and copied in"
             + (f", beside the common context's {context_bytes:,}" if context_bytes else "")
             + f") and one branch's tail and buffers ({slot:,} bytes at max_new_tokens "
             f"bucket {t_cap}); raise max_kv_bytes or lower max_new_tokens")

@@ -194,6 +194,7 @@ class Session:
             self.ctx_lp = self._prefill_context()
         self.prompt_logprobs = None if self.prompt_k < 0 else [None] * self.B
         self.prefilled_rows = 0  # session rows prefilled so far (`prefill_rows`)
+        self.prefix_dtype = None  # the stored prefix KV's numpy dtype, once prefilled
         if self.lazy:  # the pool prefills its rows (`prefill_rows`) and holds them
             self.prefix = self.last = None
             self.rows_alloc = 0
@@ -258,6 +259,7 @@ class Session:
         out = jax.block_until_ready(prog(*args))
         self.timings["prefill"] += time.perf_counter() - t0
         self.prefilled_rows += R
+        self.prefix_dtype = np.dtype(out[0].k[0].dtype)  # W8A8: float16 (the bill's)
         if pk >= 0:  # host arrays per prompt: entry j is about prompt token j + 1
             lp = PromptLogprobs(*map(to_host, out[2]))
             C = len(self.context_ids)

@@ -152,7 +152,8 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
       ValueError: P < 1, N < 1 or T < 1.
     """
     from jaxsample.engine import init_state
-    from jaxsample.engine.state import MAX_STOP_IDS, Knobs, PrefixCache, Static
+    from jaxsample.engine.state import (MAX_STOP_IDS, Knobs, PrefixCache, Static,
+                                        prefix_kv_dtype)
     from jaxsample.engine.step import branch_keys, make_step
     from jaxsample.models import families
 
@@ -176,7 +177,8 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
     K, D = config.n_kv_heads, config.head_dim
     from jaxsample.engine.prefill import window_extent
 
-    pre = tuple(jax.ShapeDtypeStruct((R, K, window_extent(prompt_tokens, w), D), dt)
+    pdt = prefix_kv_dtype(config, params) or dt  # as the engine stores it (W8A8: float16)
+    pre = tuple(jax.ShapeDtypeStruct((R, K, window_extent(prompt_tokens, w), D), pdt)
                 for w in config.layer_windows)
     prefix = PrefixCache(pre, pre, jax.ShapeDtypeStruct((R,), jnp.int32))
     state = jax.eval_shape(
