@@ -65,7 +65,7 @@ def _variants():
     from jaxsample.loading import load
     from jaxsample.models import quant
 
-    from benchmarks.common import NoEosTokenizer, int8_without_outliers
+    from benchmarks.common import NoEosTokenizer, int8_without_outliers, prefix_kv_float32
 
     f32 = load(None, dtype="float32")
     q8 = load(None, weights="int8")
@@ -164,11 +164,8 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
         for k in ("int8 W8A8", "int8 weight-only"):  # the float16 prefix's own cost
             if state.prefix_kv_dtype(lms[k].config, lms[k].params) is None:
                 continue  # stored float32 already (sliding windows, kernels off)
-            state.PREFIX_KV_FLOAT16 = False
-            try:
+            with prefix_kv_float32():
                 g32 = greedy(lms[k])
-            finally:
-                state.PREFIX_KV_FLOAT16 = True
             same = g32.tokens[:, 0] == toks[k]
             first = np.where(same.all(1), T, np.argmin(same, axis=1))
             agree = np.arange(T)[None] < first[:, None]  # tokens before the first divergence

@@ -25,6 +25,8 @@ import contextlib
 import json
 import statistics
 
+from benchmarks.common import prefix_kv_float32
+
 @contextlib.contextmanager
 def _old_prefix_attention():
     """The prefix segment as a plain vmap of `partial_attention` (before engine/prefix_attention.py)."""
@@ -39,23 +41,10 @@ def _old_prefix_attention():
         step.prefix_attention = new
 
 
-@contextlib.contextmanager
-def _prefix_kv_float32():
-    """A quantised model's prefix KV kept float32 (before `engine.state.prefix_kv_dtype`);
-    with `--weights int8`."""
-    from jaxsample.engine import state
-
-    state.PREFIX_KV_FLOAT16 = False
-    try:
-        yield
-    finally:
-        state.PREFIX_KV_FLOAT16 = True
-
-
 PATCHES = {
     "now": contextlib.nullcontext,
     "old_prefix_attention": _old_prefix_attention,
-    "prefix_kv_float32": _prefix_kv_float32,
+    "prefix_kv_float32": prefix_kv_float32,  # with --weights int8
 }
 
 

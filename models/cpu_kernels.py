@@ -342,7 +342,7 @@ def _xla(x, w, out_dtype):
 def uses_attention_kernel(q: jax.Array, k: jax.Array, v: jax.Array, scale=None) -> bool:
     """Whether `segment_attention` runs the kernel for queries `q [..., D]` over keys
     `k` and values `v`: `active()`, q float32, k and v both float32 or both float16
-    (a quantised model's prefix, `engine.prefill.prefix_kv_dtype`), D a multiple of 8
+    (a W8A8 model's prefix, `engine.state.prefix_kv_dtype`), D a multiple of 8
     and no score soft-cap (a `common.SoftCappedScale`)."""
     return (q.dtype == jnp.float32 and k.dtype == v.dtype
             and k.dtype in (jnp.float32, jnp.float16) and q.shape[-1] % 8 == 0

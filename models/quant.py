@@ -519,5 +519,4 @@ def modes(params) -> set[str]:
 
 def is_quantized(params) -> bool:
     """Whether any leaf of `params` is a `QuantizedWeight`."""
-    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
-    return any(is_q(a) for a in jax.tree_util.tree_leaves(params, is_leaf=is_q))
+    return bool(modes(params))
