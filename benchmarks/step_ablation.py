@@ -23,13 +23,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 
 from benchmarks.common import prefix_kv_float32
 
 @contextlib.contextmanager
 def _old_prefix_attention():
-    """The prefix segment as a plain vmap of `partial_attention` (before engine/prefix_attention.py)."""
+    """The prefix segment as a plain vmap of `partial_attention` (before
+    engine/prefix_attention.py)."""
     from jaxsample.engine import step
     from jaxsample.models import common
 
@@ -41,10 +43,29 @@ def _old_prefix_attention():
         step.prefix_attention = new
 
 
+@contextlib.contextmanager
+def _unfused_w8a8():
+    """W8A8's product as XLA's ops around the int8 custom call (before cpu_w8a8.cc)."""
+    from jaxsample.models import cpu_kernels, quant
+
+    new = cpu_kernels.w8a8_dot
+
+    def unfused(x, q, scale, kept=None):
+        return quant.w8a8_expression(x, q, scale, *(kept or ()), transposed=True,
+                                     int8_dot=cpu_kernels.int8_dot)
+
+    cpu_kernels.w8a8_dot = unfused
+    try:
+        yield
+    finally:
+        cpu_kernels.w8a8_dot = new
+
+
 PATCHES = {
     "now": contextlib.nullcontext,
     "old_prefix_attention": _old_prefix_attention,
     "prefix_kv_float32": prefix_kv_float32,  # with --weights int8
+    "unfused_w8a8": _unfused_w8a8,  # with --weights int8
 }
 
 
@@ -64,12 +85,17 @@ def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=N
     """{(variant, N): [step seconds per call]}, the variants interleaved call by call."""
     import dataclasses
 
+    from jaxsample import disk_cache
     from jaxsample.engine import loop, session
     from jaxsample.loading import load
     from jaxsample import SamplingParams
 
     from benchmarks.common import NoEosTokenizer, prompt_ids as _prompt_ids
 
+    # Each variant's programs are traced under its patch: never read from the exported
+    # programs on disk, whose keys cannot see a patch (the compilation cache can: its
+    # key is the traced program's).
+    os.environ[disk_cache.ENV_NO_EXPORTED] = "1"
     lm = load(None, dtype="float32", weights=weights)
     lm = dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer))
     ids = _prompt_ids(0, P, lm.vocab_limit)

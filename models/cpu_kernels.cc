@@ -34,7 +34,6 @@ namespace {
 
 using namespace jaxsample_cpu;  // NOLINT: the shared helpers
 
-constexpr int64_t kRowsPerTask = 64;  // output rows n per unit of work
 constexpr int64_t kBlock = 4;         // output rows n per inner loop (the float product)
 constexpr int64_t kAhead = 4;         // weight rows prefetched ahead (the VNNI loop)
 constexpr int64_t kTileRows = 256;    // x rows per block of the VNNI 4 x 4 tile, at most
@@ -313,14 +312,6 @@ void F32Rows(const float* x, const int8_t* w, float* out, int64_t M, int64_t N, 
     if (m < M) F32Tile<1>(x, buf, out, N, K, m, n, rows);
   }
 }
-// body(n0, n1) over [0, N) in chunks of kRowsPerTask output rows.
-template <typename Body>
-void ParallelRows(ffi::ThreadPool& pool, int64_t N, Body body) {
-  ParallelFor(pool, (N + kRowsPerTask - 1) / kRowsPerTask, [=](int64_t c) {
-    body(c * kRowsPerTask, std::min(N, (c + 1) * kRowsPerTask));
-  });
-}
-
 // x [B..., M, K], w [B'..., N, K] -> out [B..., M, N], where B' is all ones (one weight
 // for every batch: the rows of all B are one product) or equals B (a weight per batch
 // element): what vmap gives with vmap_method="expand_dims". `rows(x, w, out, M, N, K,
@@ -355,14 +346,6 @@ ffi::Error BatchedDot(ffi::ThreadPool& pool, ffi::Buffer<X> x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
-// The int8 product's row loop on the instruction set in use (jaxsample_set_isa).
-void Int8RowsNow(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t N,
-                 int64_t K, int64_t n0, int64_t n1) {
-  const int isa = g_isa.load(std::memory_order_relaxed);
-  (isa < 0 ? BestIsa() : isa) ? Int8RowsVnni(x, w, out, M, N, K, n0, n1)
-                              : Int8Rows(x, w, out, M, N, K, n0, n1);
-}
-
 ffi::Error Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
                    ffi::ResultBuffer<ffi::S32> out) {
   return BatchedDot(pool, x, w, out, true, Int8RowsNow);
@@ -379,6 +362,17 @@ ffi::Error F32Int8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 }  // namespace
+
+namespace jaxsample_cpu {
+
+void Int8RowsNow(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t N,
+                 int64_t K, int64_t n0, int64_t n1) {
+  const int isa = g_isa.load(std::memory_order_relaxed);
+  (isa < 0 ? BestIsa() : isa) ? Int8RowsVnni(x, w, out, M, N, K, n0, n1)
+                              : Int8Rows(x, w, out, M, N, K, n0, n1);
+}
+
+}  // namespace jaxsample_cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsample_int8_dot, Int8Dot,
                               ffi::Ffi::Bind()

@@ -54,4 +54,20 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, Body body) {
   while (shared->done.load(std::memory_order_acquire) < n) _mm_pause();
 }
 
+constexpr int64_t kRowsPerTask = 64;  // output columns n per unit of work of a product
+
+// body(n0, n1) over [0, N) in chunks of kRowsPerTask output columns (weight rows).
+template <typename Body>
+void ParallelRows(ffi::ThreadPool& pool, int64_t N, Body body) {
+  ParallelFor(pool, (N + kRowsPerTask - 1) / kRowsPerTask, [=](int64_t c) {
+    body(c * kRowsPerTask, std::min(N, (c + 1) * kRowsPerTask));
+  });
+}
+
+// out[m, n] = sum_k x[m, k] w[n, k] (int32, exact for x in [-127, 127]) for x int8
+// [M, K], w int8 [N, K] and n in [n0, n1), on the instruction set in use
+// (jaxsample_set_isa: AVX-512 VNNI or AVX2). cpu_kernels.cc.
+void Int8RowsNow(const int8_t* x, const int8_t* w, int32_t* out, int64_t M, int64_t N,
+                 int64_t K, int64_t n0, int64_t n1);
+
 }  // namespace jaxsample_cpu

@@ -1,17 +1,25 @@
 """The int8 decode's CPU kernels as XLA FFI custom calls, built on first use.
 
-The sources: `cpu_kernels.cc` (the products), `cpu_attention.cc` (the attention)
-and `cpu_kernels.h` (what they share), compiled into one library.
+The sources: `cpu_kernels.cc` (the int8 and float x int8 products),
+`cpu_w8a8.cc` (W8A8's whole product), `cpu_attention.cc` (the attention) and
+`cpu_kernels.h` (what they share), compiled into one library.
 
-Two products, each `x [M, K]` against an int8 weight stored `[N, K]` (a
+Three products, each `x [M, K]` against an int8 weight stored `[N, K]` (a
 `QuantizedWeight` with `transposed=True`, the layout `quant.quantize_params`
 writes), and the decode step's attention over the shared prefix:
 
-* `int8_dot(xq, q)`: int8 x int8 -> int32 `[M, N]`, W8A8's product. Exact, so
-  it equals `lax.dot_general` bit for bit whatever the kernel's order. On a CPU
-  with AVX-512 VNNI it runs one `vpdpbusd` per 64 byte products (x offset to
-  unsigned, the offset taken off with the weight row's sum), else AVX2's sign
-  trick; `isa()` says which, `use_isa` picks one (the same bits).
+* `int8_dot(xq, q)`: int8 x int8 -> int32 `[M, N]`, the core of W8A8's
+  product. Exact, so it equals `lax.dot_general` bit for bit whatever the
+  kernel's order. On a CPU with AVX-512 VNNI it runs one `vpdpbusd` per 64 byte
+  products (x offset to unsigned, the offset taken off with the weight row's
+  sum), else AVX2's sign trick; `isa()` says which, `use_isa` picks one (the
+  same bits).
+* `w8a8_dot(x, q, scale, kept)`: W8A8's product in one call, what `quant`
+  runs: x float32 quantised per row, `int8_dot`'s loop, the rescale and the
+  float channels kept apart, the steps of `quant.w8a8_expression` (bit for bit
+  without kept channels). One custom call instead of 6-8 XLA ops per product:
+  the programs are smaller, so a warm start fetches them in about half the
+  time (RESULTS.md, "W8A8's product in one call").
 * `f32_int8_dot(x, q)`: float32 x int8 -> float32 `[M, N]`, weight-only int8's
   product, summed in an order fixed by K alone (a row's result does not depend
   on M or on the other rows: batch-invariant).
@@ -75,11 +83,12 @@ to avx2 to keep the kernels but not their AVX-512 VNNI int8 product (`isa`)."""
 ISAS = ("avx2", "avx512-vnni")
 """The int8 product's instruction sets, by level (`isa`, `use_isa`)."""
 
-SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("cpu_kernels.cc", "cpu_attention.cc"))
+SOURCES = tuple(pathlib.Path(__file__).with_name(n)
+                for n in ("cpu_kernels.cc", "cpu_w8a8.cc", "cpu_attention.cc"))
 HEADER = pathlib.Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC")
 TARGETS = ("jaxsample_int8_dot", "jaxsample_f32_int8_dot", "jaxsample_segment_attention",
-           "jaxsample_segment_attention_f16")
+           "jaxsample_segment_attention_f16", "jaxsample_w8a8_dot")
 MAX_ROWS = 64
 """On AVX2, int8 x int8 products of more rows (a prefill) stay `dot_general`: XLA
 CPU's int8 GEMM is as fast there, and reads the int8 weight as it is. On AVX-512 VNNI
@@ -199,6 +208,7 @@ def _check_on_cpu(rng, cpu) -> None:
         bound = K * 2.0**-24 * (np.abs(xf).astype(np.float64) @ np.abs(w.T).astype(np.float64))
         if not np.all(np.abs(gotf - want) <= bound):
             raise RuntimeError("self-test: the float32 x int8 product differs from numpy")
+        _check_w8a8(rng, cpu, xf, w)
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in
                ((2, 9, 16), (2, 300, 16), (2, 300, 16)))  # a chunk tail, a query block tail
     mask = np.arange(300) % 7 != 3
@@ -213,6 +223,26 @@ def _check_on_cpu(rng, cpu) -> None:
                 and np.allclose(lse, want_lse, atol=1e-5)):
             raise RuntimeError(f"self-test: the segment attention ({np.dtype(dtype).name} "
                                "keys) differs from numpy")
+
+
+def _check_w8a8(rng, cpu, x, w) -> None:
+    """`_w8a8_kernel` against numpy's float64 of the same steps, two channels kept apart:
+    the int8 part is exact, so the only difference is the float32 rounding of the
+    rescale and of the two-term sum (a few ulp of |y|)."""
+    M, K = x.shape
+    idx = np.array([0, K - 1], np.int32)
+    keep = np.ones(K, np.float32)
+    keep[idx] = 0.0
+    scale = rng.uniform(0.5, 2.0, w.shape[0]).astype(np.float32)
+    w_out = rng.standard_normal((2, w.shape[0])).astype(np.float32)
+    got = np.asarray(jax.jit(_w8a8_kernel)(*jax.device_put((x, w, scale, idx, keep, w_out), cpu)))
+    xf = x * keep
+    sx = np.abs(xf).max(1, keepdims=True) / np.float32(127)
+    xq = np.clip(np.rint(xf / sx), -127, 127).astype(np.int64)
+    want = ((xq @ w.T.astype(np.int64)) * sx.astype(np.float64) * scale
+            + x[:, idx].astype(np.float64) @ w_out)
+    if not np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max()):
+        raise RuntimeError("self-test: the W8A8 product differs from numpy")
 
 
 def enabled() -> bool:
@@ -402,6 +432,28 @@ def _segment_attention_jvp(primals, tangents):
     return _vary_like(segment_attention(q, k, v, mask), tangent), tangent
 
 
+def _w8a8_kernel(x, w, scale, idx, keep, w_out):
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGETS[4], out, vmap_method="sequential")(
+        x, w, scale, idx, keep, w_out)
+
+
+def w8a8_dot(x: jax.Array, w: jax.Array, scale: jax.Array, kept=None) -> jax.Array:
+    """W8A8's product in one call: `x float32 [M, K]` quantised per row to int8, times
+    `w int8 [N, K]^T` (int32, exact), rescaled by the row's scale and `scale [N]`;
+    `kept` None or `(idx int32 [J], keep float32 [K], w_out float32 [J, N])`, the input
+    channels kept in float (`quant.QuantizedWeight.outliers`). Returns float32 `[M, N]`:
+    `quant._w8a8_rows`' XLA expression, bit for bit without kept channels and within
+    float32 rounding of their J-term sum with them (cpu_w8a8.cc). Callers check
+    `uses_int8_kernel(M, K)` first; not differentiable (quant's custom_vjp is)."""
+    N = w.shape[0]
+    idx, keep, w_out = kept if kept is not None else (
+        jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32), jnp.zeros((0, N), jnp.float32))
+    y = _w8a8_kernel(x, w, scale.reshape(N).astype(jnp.float32), idx.astype(jnp.int32),
+                     keep.reshape(-1).astype(jnp.float32), w_out.astype(jnp.float32))
+    return _varying_as(y, x, w)
+
+
 def uses_int8_kernel(m: int, k: int) -> bool:
     """Whether `int8_dot` of an `[m, k]` x runs the kernel: `active()`, m <= MAX_ROWS
     or the int8 product runs on AVX-512 VNNI (`isa()` when the program is traced: on
@@ -428,19 +480,23 @@ def f32_int8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return _f32_kernel(x, w)
 
 
+def _varying_as(out, *ins):
+    """`out` marked as varying over every mesh axis any of `ins` varies over: inside a
+    `shard_map` (check_vma) a custom call's result carries no varying axes, though it
+    was computed from sharded inputs (and a psum of an unvarying value would count it
+    once per device)."""
+    varying = lambda a: getattr(getattr(jax.typeof(a), "mat", None), "varying",  # noqa: E731
+                                frozenset())
+    extra = tuple(sorted(frozenset().union(*map(varying, ins)) - varying(out), key=str))
+    return jax.lax.pcast(out, extra, to="varying") if extra else out
+
+
 def _vary_like(primal, tangent):
-    """`primal` marked as varying over the mesh axes `tangent` varies over: inside a
-    `shard_map` (check_vma) a custom call's result carries no varying axes, while the
-    tangent, computed by XLA from the sharded inputs, does, and a custom_jvp rule's
-    primal and tangent types must agree."""
-
-    def one(p, t):
-        varying = lambda a: getattr(getattr(jax.typeof(a), "mat", None), "varying",  # noqa: E731
-                                    frozenset())
-        extra = tuple(sorted(varying(t) - varying(p), key=str))
-        return jax.lax.pcast(p, extra, to="varying") if extra else p
-
-    return jax.tree_util.tree_map(one, primal, tangent)
+    """`primal` marked as varying over the mesh axes `tangent` varies over (leaf by
+    leaf): a custom_jvp rule's primal and tangent types must agree, and the tangent,
+    computed by XLA from the sharded inputs, varies where the custom call's result does
+    not (`_varying_as`)."""
+    return jax.tree_util.tree_map(_varying_as, primal, tangent)
 
 
 @f32_int8_dot.defjvp

@@ -239,33 +239,53 @@ def _outlier_part(x, idx, w_out):
 def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool):
     """x `[M, in]` -> float32 `[M, out]`: x quantised per row, int8 x int8 -> int32 dot.
 
-    The dot is `cpu_kernels.int8_dot` for a weight stored `[out, in]` when the
-    CPU kernels are on (exact: the same int32 as `lax.dot_general`). Else a
-    single row is padded with a zero row: XLA CPU (jaxlib 0.10.2) lowers a
-    one-row int8 dot to a matrix-vector loop over an int32 copy of the whole
-    weight (0.42 ms for 576 x 1536, 150 ms for SmolLM2's head), and two rows
-    to its int8 GEMM (0.09 ms, 2.5 ms: faster than the float32 dot).
+    A row's scale is `max |x| / 127` over its channels (outside the outlier
+    channels), 1 for an all-zero row; a row holding a NaN or an infinity gives NaN
+    outputs (its scale is NaN or inf, never replaced).
+
+    For a weight stored `[out, in]` with the CPU kernels on, the whole of it is
+    one custom call, `cpu_kernels.w8a8_dot` (the same steps: bit for bit without
+    outlier channels, their float32 sum's rounding apart with them). Else XLA's
+    expression (`w8a8_expression`), a single row padded with a zero row: XLA CPU
+    (jaxlib 0.10.2) lowers a one-row int8 dot to a matrix-vector loop over an
+    int32 copy of the whole weight (0.42 ms for 576 x 1536, 150 ms for SmolLM2's
+    head), and two rows to its int8 GEMM (0.09 ms, 2.5 ms: faster than the
+    float32 dot).
     """
-    kernel = transposed and cpu_kernels.uses_int8_kernel(*x.shape)
-    one = x.shape[0] == 1 and not kernel
     xf = x.astype(jnp.float32)
+    if transposed and cpu_kernels.uses_int8_kernel(*x.shape):
+        return cpu_kernels.w8a8_dot(xf, q, scale, None if idx is None else (idx, keep, w_out))
+    one = x.shape[0] == 1
     if one:
         xf = jnp.concatenate([xf, jnp.zeros_like(xf)])
+    y = w8a8_expression(xf, q, scale, idx, keep, w_out, transposed=transposed)
+    return y[:1] if one else y
+
+
+def w8a8_expression(xf, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool,
+                    int8_dot=None):
+    """W8A8's product as XLA ops: float32 `xf [M, in]` -> float32 `[M, out]`
+    (`_w8a8_rows` without its kernel and padding; the kernel's oracle). `int8_dot(xq,
+    q)`: the int8 x int8 -> int32 product of a weight stored `[out, in]`, default
+    `lax.dot_general` (`cpu_kernels.int8_dot` recreates the step before the one-call
+    kernel, benchmarks/step_ablation.py)."""
     if idx is not None:  # the outlier channels: a float product, and out of the row scale
         yo = _outlier_part(xf, idx, w_out)
         xf = xf * keep
-    sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / QMAX
-    sx = jnp.where(sx > 0, sx, 1.0)
-    xq = jnp.clip(jnp.round(xf / sx), -QMAX, QMAX).astype(jnp.int8)
-    if kernel:
-        y = cpu_kernels.int8_dot(xq, q)
+    # Both divisions as the products XLA CPU rewrites them to (max |x| times float32's
+    # 1/127; x times 1/sx), written out so that cpu_w8a8.cc can do the same.
+    sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) * np.float32(1 / QMAX)
+    sx = jnp.where(sx == 0, 1.0, sx)  # NaN and inf stay: the row's outputs are NaN
+    xq = jnp.clip(jnp.round(xf * (1.0 / sx)), -QMAX, QMAX).astype(jnp.int8)
+    if int8_dot is not None:
+        y = int8_dot(xq, q)
     else:
         dims = (((1,), (1 if transposed else 0,)), ((), ()))
         y = jax.lax.dot_general(xq, q, dims, preferred_element_type=jnp.int32)
     y = y.astype(jnp.float32) * sx * scale
     if idx is not None:
         y = y + yo
-    return y[:1] if one else y
+    return y
 
 
 @functools.lru_cache(maxsize=None)

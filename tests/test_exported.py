@@ -109,7 +109,7 @@ def test_int8_programs_calling_the_cpu_kernels_round_trip(tiny_lm, exported_dir,
     _fresh()
     written = _run(qlm)
     if cpu_kernels.active():
-        assert any(b"jaxsample_int8_dot" in p.read_bytes() for p in exported_dir.iterdir())
+        assert any(b"jaxsample_w8a8_dot" in p.read_bytes() for p in exported_dir.iterdir())
     _fresh()
     reads = engine.PROGRAMS.from_exported
     read = _run(qlm)
