@@ -4,6 +4,7 @@ Usage (from the repository root; CPU, the embedded SmolLM2-135M-Instruct):
 
     python -m benchmarks.startup --repeats 3 \
         --out benchmarks/results/startup.json
+    python -m benchmarks.startup --repeats 3 --weights int8   # the int8 weights
 
 Every measured call is a fresh process running
 
@@ -89,6 +90,8 @@ def command(args, no_cache: bool) -> list[str]:
            "--max-new-tokens", str(args.max_new_tokens), "--seed", "0", "--json", "--quiet"]
     if args.model:
         cmd += ["--model", args.model]
+    if args.weights:
+        cmd += ["--weights", args.weights]
     if no_cache:
         cmd.append("--no-cache")
     return cmd
@@ -124,7 +127,9 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--model", default=None, help="default: the embedded model")
-    p.add_argument("--out", default=None, help="write every call as JSON here")
+    p.add_argument("--weights", default=None, choices=["int8", "int8-weight-only"],
+                   help="quantised weights (default: the model's float weights)")
+    p.add_argument("--out", default=None, help="write every call as JSON here (after each call)")
     args = p.parse_args(argv)
 
     # Warm the page cache with the GGUF and the code (not what is measured).
@@ -146,6 +151,8 @@ def main(argv=None) -> int:
                 if kind.startswith("first"):
                     c["cache_bytes"] = {sub.name: dir_bytes(sub) for sub in bases[group].iterdir()}
                 calls.append(c)
+                if args.out:  # rewritten after every call: a run cut short keeps its calls
+                    _write(args.out, {"env": _env(args, load_avg, calls), "calls": calls})
                 print(f"repeat {r} {kind:12s} load {c['load']:6.2f} s  compile "
                       f"{c['compile']:6.2f} s (trace {c['trace']:.2f} lower {c['lower']:.2f} "
                       f"xla {c['xla']:.2f} fetch {c['fetch']:.2f} read {c['read']:.2f})  "
@@ -155,15 +162,6 @@ def main(argv=None) -> int:
             for b in bases.values():
                 shutil.rmtree(b, ignore_errors=True)
     same = all(c["texts"] == calls[0]["texts"] for c in calls)
-    env = {"python": platform.python_version(), "machine": platform.machine(),
-           "cpus": os.cpu_count(), "load_average_at_start": load_avg,
-           "command": "python -m jaxsample " + " ".join(command(args, False)[3:]),
-           "same_texts_in_every_call": same}
-    try:
-        import importlib.metadata as md
-        env.update(jax=md.version("jax"), jaxlib=md.version("jaxlib"))
-    except Exception:  # noqa: BLE001
-        pass
     print()
     print("| call | load (s) | compile (s) | load+compile (s) | decode (s) | total in process (s) "
           "| wall (s) |")
@@ -197,10 +195,27 @@ def main(argv=None) -> int:
     print(f"cache written by the first call: " + ", ".join(
         f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(first["cache_bytes"].items())))
     print(f"same branch texts in every call: {same}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"env": env, "calls": calls}, f, indent=1)
     return 0
+
+
+def _env(args, load_avg, calls) -> dict:
+    env = {"python": platform.python_version(), "machine": platform.machine(),
+           "cpus": os.cpu_count(), "load_average_at_start": load_avg,
+           "command": "python -m jaxsample " + " ".join(command(args, False)[3:]),
+           "same_texts_in_every_call": all(c["texts"] == calls[0]["texts"] for c in calls)}
+    try:
+        import importlib.metadata as md
+        env.update(jax=md.version("jax"), jaxlib=md.version("jaxlib"))
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
+def _write(path, data) -> None:
+    """Strict JSON, replaced atomically (a reader never sees half a file)."""
+    tmp = pathlib.Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, allow_nan=False))
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

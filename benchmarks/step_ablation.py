@@ -81,8 +81,9 @@ def _decode(s, N, T):
     return (s.timings["decode"] - d0) / max(s.decode_steps - k0 - 1, 1)
 
 
-def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=None):
-    """{(variant, N): [step seconds per call]}, the variants interleaved call by call."""
+def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=None, out=None):
+    """{(variant, N): [step seconds per call]}, the variants interleaved call by call; `out`
+    (a dict) is filled as the calls come, so a run cut short keeps what it measured."""
     import dataclasses
 
     from jaxsample import disk_cache
@@ -100,7 +101,7 @@ def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=N
     lm = dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer))
     ids = _prompt_ids(0, P, lm.vocab_limit)
     programs = {v: loop.Programs() for v in variants}
-    out = {}
+    out = {} if out is None else out
     for N in Ns:
         sp = SamplingParams(n=N, temperature=temperature, top_k=top_k, top_p=top_p,
                             max_new_tokens=T, seed=0)
@@ -138,8 +139,15 @@ def main(argv=None):
     for v in variants:
         if v not in PATCHES:
             ap.error(f"unknown variant {v!r}; choose from {sorted(PATCHES)}")
-    res = run(variants, a.prompt_length, [int(x) for x in a.branches.split(",")],
-              a.new_tokens, a.reps, a.temperature, a.top_k, a.top_p, a.weights)
+    res = {}
+    try:
+        run(variants, a.prompt_length, [int(x) for x in a.branches.split(",")],
+            a.new_tokens, a.reps, a.temperature, a.top_k, a.top_p, a.weights, out=res)
+    finally:  # what was measured is printed and written, even after Ctrl-C or an error
+        _report(a, variants, res)
+
+
+def _report(a, variants, res):
     print("| variant | N | median step ms | min | max | calls |\n|---|---|---|---|---|---|")
     for (v, N), xs in sorted(res.items(), key=lambda kv: (kv[0][1], variants.index(kv[0][0]))):
         print(f"| {v} | {N} | {statistics.median(xs) * 1e3:.2f} | {min(xs) * 1e3:.2f} | "
