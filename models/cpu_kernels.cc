@@ -206,6 +206,10 @@ JAXSAMPLE_VNNI inline void Int8Tile4x4(const uint8_t* xu, int64_t Kp, const int8
 JAXSAMPLE_VNNI void Int8RowsVnni(const int8_t* x, const int8_t* w, int32_t* out, int64_t M,
                                  int64_t N, int64_t K, int64_t n0, int64_t n1) {
   if (M == 0) return;
+  if (K == 0) {  // empty sums (and no x block to size below)
+    for (int64_t m = 0; m < M; ++m) std::fill(out + m * N + n0, out + m * N + n1, 0);
+    return;
+  }
   int64_t n = n0;
   if (M >= 4) {
     // x in blocks of up to kTileRows rows and kTileBytes bytes (a prefill's x, offset,

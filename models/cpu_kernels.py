@@ -445,10 +445,23 @@ def w8a8_dot(x: jax.Array, w: jax.Array, scale: jax.Array, kept=None) -> jax.Arr
     channels kept in float (`quant.QuantizedWeight.outliers`). Returns float32 `[M, N]`:
     `quant._w8a8_rows`' XLA expression, bit for bit without kept channels and within
     float32 rounding of their J-term sum with them (cpu_w8a8.cc). Callers check
-    `uses_int8_kernel(M, K)` first; not differentiable (quant's custom_vjp is)."""
-    N = w.shape[0]
+    `uses_int8_kernel(M, K)` first; not differentiable (quant's custom_vjp is).
+
+    Raises:
+      ValueError: a shape or dtype other than the above (when traced)."""
+    if x.ndim != 2 or x.dtype != jnp.float32 or w.ndim != 2 or w.dtype != jnp.int8:
+        raise ValueError(f"w8a8_dot: needs x float32 [M, K] and w int8 [N, K], got x "
+                         f"{x.dtype}{list(x.shape)} and w {w.dtype}{list(w.shape)}")
+    (M, K), N = x.shape, w.shape[0]
     idx, keep, w_out = kept if kept is not None else (
         jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32), jnp.zeros((0, N), jnp.float32))
+    J = idx.size
+    if (w.shape[1] != K or scale.size != N or idx.ndim != 1 or keep.size != (K if J else 0)
+            or w_out.shape != (J, N)):
+        raise ValueError(f"w8a8_dot: needs w [N, K], scale [N], idx [J], keep [K] and w_out "
+                         f"[J, N] for x [M, K] = {[M, K]}, got w {list(w.shape)}, scale "
+                         f"{list(scale.shape)}, idx {list(idx.shape)}, keep {list(keep.shape)}, "
+                         f"w_out {list(w_out.shape)}")
     y = _w8a8_kernel(x, w, scale.reshape(N).astype(jnp.float32), idx.astype(jnp.int32),
                      keep.reshape(-1).astype(jnp.float32), w_out.astype(jnp.float32))
     return _varying_as(y, x, w)

@@ -100,9 +100,11 @@ ffi::Error W8A8Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
       od[0] != xd[0] || od[1] != wd[0])
     return ffi::Error::InvalidArgument("expected x [M, K], w [N, K], out [M, N]");
   const int64_t M = xd[0], K = xd[1], N = wd[0], J = idx.element_count();
-  if (scale.element_count() != N || (keep.element_count() != K && keep.element_count() != 0) ||
-      w_out.element_count() != J * N)
-    return ffi::Error::InvalidArgument("expected scale [N], keep [K] or [0], w_out [J, N]");
+  const auto od2 = w_out.dimensions();
+  if (scale.element_count() != N || idx.dimensions().size() != 1 ||
+      keep.element_count() != (J ? K : 0) || od2.size() != 2 || od2[0] != J || od2[1] != N)
+    return ffi::Error::InvalidArgument(
+        "expected scale [N], idx [J], keep [K] (or [0] with J = 0), w_out [J, N]");
   if (K >= (int64_t(1) << 17))  // cpu_kernels.py routes these to XLA
     return ffi::Error::InvalidArgument("K >= 2^17 could overflow the int32 sums");
   const float* xp = x.typed_data();

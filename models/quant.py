@@ -276,6 +276,9 @@ def w8a8_expression(xf, q, scale, idx=None, keep=None, w_out=None, *, transposed
     # 1/127; x times 1/sx), written out so that cpu_w8a8.cc can do the same.
     sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) * np.float32(1 / QMAX)
     sx = jnp.where(sx == 0, 1.0, sx)  # NaN and inf stay: the row's outputs are NaN
+    # XLA CPU's max drops a NaN in larger rows (jaxlib 0.10.2, from about M x K = 4096):
+    # a NaN row is made NaN here, as the kernel makes it.
+    sx = jnp.where(jnp.isnan(xf).any(axis=-1, keepdims=True), jnp.nan, sx)
     xq = jnp.clip(jnp.round(xf * (1.0 / sx)), -QMAX, QMAX).astype(jnp.int8)
     if int8_dot is not None:
         y = int8_dot(xq, q)

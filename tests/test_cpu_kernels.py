@@ -133,22 +133,55 @@ def test_w8a8_product_in_one_call_against_the_xla_expression(mkn, J, seed):
 
 
 @needs_kernels
-def test_w8a8_product_rows_with_nan_or_inf_are_nan_on_both_paths():
+@pytest.mark.parametrize("M,K", [(6, 64), (8, 576), (70, 130)])  # XLA's max once lost NaN
+def test_w8a8_product_rows_with_nan_or_inf_are_nan_on_both_paths(M, K):
     """A NaN or an infinity anywhere in a row (a kept channel or not) makes that row's
     outputs NaN, in the kernel and in XLA's expression alike; the other rows are
-    untouched. (XLA's expression once replaced a NaN scale by 1: finite, wrong.)"""
+    untouched. (XLA's expression once replaced a NaN scale by 1, and XLA CPU's max
+    drops a NaN from rows of this size: finite, wrong outputs.)"""
     rng = np.random.default_rng(3)
-    x, w = _w8a8_case(rng, 6, 64, 37, 2)
+    x, w = _w8a8_case(rng, M, K, 37, 2)
     idx = int(w.outliers[0][0])
-    other = next(c for c in range(64) if c != idx)
-    x[0, other], x[3, other], x[4, idx], x[5, other] = np.nan, np.inf, np.nan, -np.inf
+    other = next(c for c in range(K) if c != idx)
+    x[0, other], x[3, K - 1 - other], x[4, idx], x[5, other] = np.nan, np.inf, np.nan, -np.inf
     clean = x.copy()
     clean[[0, 3, 4, 5]] = 1.0
     for f in (lambda x: cpu_kernels.w8a8_dot(x, w.q, w.scale, tuple(w.outliers)),
               lambda x: quant.w8a8_expression(x, w.q, w.scale, *w.outliers, transposed=True)):
         got, ref = np.asarray(jax.jit(f)(x)), np.asarray(jax.jit(f)(clean))
         assert np.isnan(got[[0, 3, 4, 5]]).all()
-        np.testing.assert_array_equal(got[[1, 2]], ref[[1, 2]])
+        keep = [m for m in range(M) if m not in (0, 3, 4, 5)]
+        assert np.isfinite(got[keep]).all()
+        np.testing.assert_array_equal(got[keep], ref[keep])
+
+
+@needs_kernels
+def test_w8a8_product_refuses_bad_shapes_and_dtypes_when_traced():
+    """Shapes and dtypes are checked at trace time with the arguments named, never a
+    silently wrong product (an `[N, J]` w_out has J x N elements too)."""
+    rng = np.random.default_rng(4)
+    x, w = _w8a8_case(rng, 3, 40, 24, 2)
+    idx, keep, w_out = w.outliers
+    bad = [(x.astype(np.float16), w.q, w.scale, None), (x, w.q.astype(np.int32), w.scale, None),
+           (x[:, :39], w.q, w.scale, None), (x, w.q, w.scale[:5], None),
+           (x, w.q, w.scale, (idx, keep, np.ascontiguousarray(w_out.T))),
+           (x, w.q, w.scale, (idx, keep[:0], w_out))]
+    for args in bad:
+        with pytest.raises(ValueError, match="w8a8_dot: needs"):
+            jax.jit(cpu_kernels.w8a8_dot).lower(*args)
+
+
+@needs_kernels
+def test_int8_products_of_no_columns():
+    """K = 0: empty sums are 0, on every ISA and at any M (VNNI's 4-row tile once
+    divided by the row length)."""
+    x, w = np.zeros((5, 0), np.int8), np.zeros((9, 0), np.int8)
+    for isa in isas_here():
+        with cpu_kernels.use_isa(isa):
+            np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.int8_dot)(x, w)), 0)
+            y = np.asarray(jax.jit(lambda x: cpu_kernels.w8a8_dot(
+                x, w, np.ones(9, np.float32)))(np.zeros((5, 0), np.float32)))
+            np.testing.assert_array_equal(y, np.zeros((5, 9), np.float32))
 
 
 @needs_kernels
