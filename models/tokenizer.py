@@ -30,7 +30,7 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from jaxsample.errors import ModelLoadError, UnsupportedModelError
+from jaxsample.errors import InputError, ModelLoadError, UnsupportedModelError
 
 # llama.cpp token types (gguf.TokenType).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -286,9 +286,22 @@ class CheckpointTokenizer:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the checkpoint's template.
 
         Raises:
+          InputError: `messages` is not a non-empty list of dicts, each with a
+            non-empty string "role" and a string "content" (the message names
+            the first that is not).
           ModelLoadError: the checkpoint has no chat template, or the template
             fails to render (the message names the source).
         """
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InputError(f"apply_chat_template: messages must be a non-empty list of "
+                             f"{{'role': str, 'content': str}} dicts, got {type(messages).__name__}"
+                             f"{'' if messages else ' (empty)'}")
+        for j, m in enumerate(messages):
+            if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and m.get("role")
+                    and isinstance(m.get("content"), str)):
+                raise InputError(f"apply_chat_template: messages[{j}] must be a dict with a "
+                                 f"non-empty string 'role' and a string 'content', got "
+                                 f"{str(m)[:80]}")
         if self.chat_template is None:
             raise ModelLoadError(f"{self.source}: the checkpoint has no chat template; "
                                  "pass raw prompts instead of messages")

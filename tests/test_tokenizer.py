@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -53,6 +54,20 @@ def test_smollm2_chat_template_matches_transformers(smol, name):
     assert rendered.endswith("<|im_start|>assistant\n")
     assert not smol.apply_chat_template(REF["chats"][name], add_generation_prompt=False).endswith(
         "assistant\n")
+
+
+@pytest.mark.parametrize("messages,where", [
+    ([{"rol": "user", "content": "x"}], "messages[0]"),
+    ([{"role": "user", "content": "x"}, {"role": "", "content": "y"}], "messages[1]"),
+    ([{"role": "user", "content": 3}], "messages[0]"),
+    (["hi"], "messages[0]"), ([], "non-empty"), ("hi", "non-empty list")])
+def test_chat_template_refuses_malformed_messages_as_input(smol, messages, where):
+    """Bad messages are the caller's error (InputError naming the message), never the
+    model file's (ModelLoadError, which a template failure used to raise)."""
+    from jaxsample.errors import InputError
+
+    with pytest.raises(InputError, match=re.escape(where)):
+        smol.apply_chat_template(messages)
 
 
 def test_smollm2_special_tokens(smol):
