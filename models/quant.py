@@ -2,53 +2,35 @@
 
 A projection `W [in, out]` is stored as `q [in, out]` int8 and `scale [out]`
 float32 with `W ~ q * scale` (`scale = max_i |W[i, o]| / 127`, `q = round(W /
-scale)`, so the round trip is off by at most `scale / 2` per element). The
-embedding `[V, E]` gets one scale per row, so the tied output head (the
-embedding transposed, `[E, V]`) has per-output-channel scales with the very
-same numbers, and the gather reads one row of q and one scale.
+scale)`: off by at most `scale / 2` per element). The embedding `[V, E]` gets one
+scale per row, so the tied head (its transpose) has per-output-channel scales.
 
-`QuantizedWeight` is a registered pytree (leaves q and scale, the rest
-static), so it flows through the loaders' unstack, the engine's placement
-(`place`: each leaf replicated over the mesh, as float weights are today),
-jit and vmap unchanged, and the families' `h @ lp["wo"]` reaches
-`QuantizedWeight.__rmatmul__` (a jax array defers `@` to an operand type it
-does not know). Projections of one input (q/k/v, gate/up) are stored as one
-matrix when their outlier channels agree (`quantize_params(fuse=True)`), read
-by the families through `common.project`. `matmul` and `take_rows` are the two helpers the families
-call where they use `einsum` / `take` (the output head, the embedding); for
-plain arrays they are exactly the old expressions, so float32 and bfloat16
-programs are unchanged.
+`QuantizedWeight` is a registered pytree (leaves q, scale and the outlier
+channels', the rest static): it flows through the loaders, `place`, jit and vmap
+unchanged, and the families' `h @ lp["wo"]` reaches `__rmatmul__`. Projections
+of one input (q/k/v, gate/up) are stored as one matrix when their outlier
+channels agree (`common.project` reads them). `matmul` and `take_rows` replace
+`einsum` / `take` at the head and the embedding; for plain arrays they are
+exactly the old expressions, so float32 and bfloat16 programs are unchanged.
 
-Two ways to run the product (`MODES`, a static field, chosen per model):
+Two modes (`MODES`, static, per model): "weight_only", `(x @ float(q)) * scale`;
+"w8a8" (`DEFAULT_MODE`, the faster on XLA CPU), x quantised per row on the fly
+(`s_x = max|x| / 127`), an int8 x int8 -> int32 product, then `* s_x * scale`.
+On x86-64 with AVX2 both run as `models.cpu_kernels`' custom calls for a weight
+stored `[out, in]` (W8A8's whole product one call, bit for bit XLA's steps
+without outlier channels; weight-only's sums in a batch-independent order);
+elsewhere as `lax.dot_general`. W8A8's per-row rounding is its accuracy price
+(RESULTS.md): `with_mode(params, "weight_only")` trades speed back for it.
 
-* "weight_only": `(x @ float(q)) * scale`, the int8 -> float convert is the
-  dot's operand and the scale multiplies the `[.., out]` result.
-* "w8a8": activations quantised per row on the fly (`s_x = max|x| / 127`),
-  an int8 x int8 -> int32 `lax.dot_general`, then `* s_x * scale`.
-
-`DEFAULT_MODE` is W8A8, the faster of the two on XLA CPU. On an x86-64
-CPU with AVX2 both products of a weight stored `[out, in]` run as
-`models.cpu_kernels`' custom calls (built on first use; XLA's int8 GEMM has a
-fixed cost per small product, and XLA gives a float x int8 dot a float32 copy
-of the weight each step); W8A8's int32 sums are exact, so its int8 product
-equals `lax.dot_general`'s bit for bit, and weight-only's kernel sums in an order
-that does not depend on the batch. Without the kernels (`JAXSAMPLE_CPU_KERNELS=0`,
-no compiler, another platform) the products are `lax.dot_general`.
-The activations' per-row rounding is W8A8's accuracy price (RESULTS.md):
-`with_mode(params, "weight_only")` trades speed back for it.
-
-Outlier channels (`QuantizedWeight.outliers`, chosen by `models.outliers`'
-calibration, on by default in `load(weights="int8")`): a projection's few
-input channels that dwarf the rest are kept as a float32 `[K, out]` slice
-and multiplied apart (`x[..., idx] @ w`), and masked out of the int8
-product and of its activation scale. This is what W8A8's accuracy was
-missing: on SmolLM2 its logit error falls below weight-only's
-(RESULTS.md, "Outlier channels"), for a gather and a thin float dot per
-projection.
+Outlier channels (`QuantizedWeight.outliers`, calibrated by `models.outliers`,
+on by default in `load(weights="int8")`): a projection's few input channels that
+dwarf the rest, kept as a float32 `[K, out]` slice, multiplied apart and masked
+out of the int8 product and its activation scale (RESULTS.md, "Outlier channels").
 
 Reference: Jacob et al. 2018, "Quantization and Training of Neural Networks
 for Efficient Integer-Arithmetic-Only Inference" (symmetric per-channel
-scales); MaxText / JetStream's int8 weights (AQT).
+scales); MaxText / JetStream's int8 weights (AQT); LLM.int8() and QUIK (the
+outlier channels kept in float).
 """
 
 from __future__ import annotations
