@@ -236,9 +236,9 @@ def _check_w8a8(rng, cpu, x, w) -> None:
     scale = rng.uniform(0.5, 2.0, w.shape[0]).astype(np.float32)
     w_out = rng.standard_normal((2, w.shape[0])).astype(np.float32)
     got = np.asarray(jax.jit(_w8a8_kernel)(*jax.device_put((x, w, scale, idx, keep, w_out), cpu)))
-    xf = x * keep
-    sx = np.abs(xf).max(1, keepdims=True) / np.float32(127)
-    xq = np.clip(np.rint(xf / sx), -127, 127).astype(np.int64)
+    xf = x * keep  # the kernel's steps in float32: its divisions are reciprocal products
+    sx = np.abs(xf).max(1, keepdims=True) * np.float32(1 / 127)
+    xq = np.clip(np.rint(xf * (np.float32(1) / sx)), -127, 127).astype(np.int64)
     want = ((xq @ w.T.astype(np.int64)) * sx.astype(np.float64) * scale
             + x[:, idx].astype(np.float64) @ w_out)
     if not np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max()):

@@ -214,6 +214,13 @@ def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], source: str):
     return tok, vocab
 
 
+def is_chat_message(m) -> bool:
+    """Whether `m` is one chat message as the templates take it: a mapping with a
+    non-empty string "role" and a string "content" (other keys pass through)."""
+    return (isinstance(m, Mapping) and isinstance(m.get("role"), str) and bool(m["role"])
+            and isinstance(m.get("content"), str))
+
+
 class CheckpointTokenizer:
     """A checkpoint's tokenizer; satisfies `jaxsample.lm.Tokenizer`.
 
@@ -297,8 +304,7 @@ class CheckpointTokenizer:
                              f"{{'role': str, 'content': str}} dicts, got {type(messages).__name__}"
                              f"{'' if messages else ' (empty)'}")
         for j, m in enumerate(messages):
-            if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and m.get("role")
-                    and isinstance(m.get("content"), str)):
+            if not is_chat_message(m):
                 raise InputError(f"apply_chat_template: messages[{j}] must be a dict with a "
                                  f"non-empty string 'role' and a string 'content', got "
                                  f"{str(m)[:80]}")

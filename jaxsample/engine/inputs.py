@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
+from jaxsample.models.tokenizer import is_chat_message
 from jaxsample.sharding import BRANCH_AXIS, DATA_AXIS
 
 
@@ -62,8 +63,7 @@ def chat_messages(p, i: int, name: str | None = None) -> list[dict]:
         raise InputError(f"{what}: a chat prompt must be {CHAT_SHAPE}, got {got}")
     out = []
     for j, m in enumerate(p):
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role or not isinstance(content, str):
+        if not is_chat_message(m):
             raise InputError(
                 f"{what}, message {j}: a chat message must be a dict with a non-empty "
                 f"string 'role' and a string 'content', got {_short(dict(m))}")
