@@ -102,13 +102,15 @@ def all_done(st: Static, done: jax.Array) -> jax.Array:
 
 
 def branch_keys(knobs: Knobs, prompt_index: jax.Array, branch_ids: jax.Array) -> jax.Array:
-    """`[R, N]` keys: fold_in(fold_in(key(seed), prompt_index), branch_index).
+    """`[R, N]` keys: fold_in(fold_in(key(seed[r]), prompt_index[r]), branch_index).
 
-    levanter's discipline: a branch's tokens depend on its global prompt and
-    branch index only, not on its slot, its batch or its device.
+    levanter's discipline: a branch's tokens depend on its row's seed, its key
+    index (`DecodeState.prompt_index`: the request's position, or 0 for a
+    request with its own seed) and its branch index only, not on its slot,
+    its batch or its device.
     """
-    base = jax.random.key(knobs.seed)
-    rows = jax.vmap(lambda i: jax.random.fold_in(base, i))(prompt_index)  # [R]
+    rows = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
+        knobs.seed, prompt_index)  # [R]
     return jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (0, 0))(rows, branch_ids)
 
 
@@ -132,24 +134,36 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
       `step(state) -> state`, advancing every slot by one token.
     """
     cfg = st.cfg
+    # Per-row settings; the sampler's conds test whether any row needs a path,
+    # so a step whose rows all decode greedily (or none filters) skips it.
+    sampling_rows = knobs.temperature > 0
+    filters = ((knobs.top_k > 0) & (knobs.top_k < st.vocab_limit)) | (knobs.top_p < 1.0)
+    any_sampling = jnp.any(sampling_rows)
+    any_filter = jnp.any(sampling_rows & filters)
+    row_knobs = (knobs.temperature, knobs.top_k, knobs.top_p, knobs.min_p)
 
-    def choose(logits, key, processed=None):
-        return sampling.choose_token(logits, key, knobs.temperature, knobs.top_k, knobs.top_p,
-                                     knobs.min_p, st.vocab_limit, processed)
+    def choose(logits, key, temperature, top_k, top_p, min_p, processed=None):
+        return sampling.choose_token(logits, key, temperature, top_k, top_p, min_p,
+                                     st.vocab_limit, processed, any_sampling=any_sampling,
+                                     any_filter=any_filter, with_processed=st.processed_logprobs)
 
     if st.processors:
-        # Computed once per chunk (outside the loop body): every stop id, as a [V] mask.
+        # Computed once per chunk (outside the loop body): each row's stop ids, as [R, V].
         V = cfg.vocab_size
         ids = knobs.min_stop_ids
-        stop_mask = jnp.zeros((V,), bool).at[jnp.where(ids >= 0, ids, V)].set(True, mode="drop")
+        rr = jnp.arange(ids.shape[0])[:, None]
+        stop_mask = jnp.zeros((ids.shape[0], V), bool).at[rr, jnp.where(ids >= 0, ids, V)].set(
+            True, mode="drop")
 
-        def process(logits, t, counts=None, prompt_mask=None):
+        def process(logits, t, bias, stops, min_tokens, rep, freq, pres, counts=None,
+                    prompt_mask=None):
             return sampling.process_logits(
-                logits, t=t, bias=knobs.logit_bias, stop_mask=stop_mask,
-                min_tokens=knobs.min_tokens, counts=counts, prompt_mask=prompt_mask,
-                repetition_penalty=knobs.repetition_penalty,
-                frequency_penalty=knobs.frequency_penalty,
-                presence_penalty=knobs.presence_penalty)
+                logits, t=t, bias=bias, stop_mask=stops, min_tokens=min_tokens, counts=counts,
+                prompt_mask=prompt_mask, repetition_penalty=rep, frequency_penalty=freq,
+                presence_penalty=pres)
+
+        proc_rows = (knobs.logit_bias, stop_mask, knobs.min_tokens, knobs.repetition_penalty,
+                     knobs.frequency_penalty, knobs.presence_penalty)
 
     # Row-level vmap: prefix per row (in_axes 0); branch-level vmap: prefix unbatched.
     def one_branch(tok, pos, t, pk, pv, plen, tk, tv, alive):
@@ -160,6 +174,12 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
                              axis_name=st.branch_axis)
     step_rows = jax.vmap(step_branches, in_axes=(0, 0, 0, 0, 0, 0, 0, 0, 0))
     vv = lambda f: jax.vmap(jax.vmap(f))
+    # Over rows (every argument batched), then over a row's slots (the per-row
+    # settings unbatched, so the slots of a row share them).
+    per_row = lambda f, n_slot, n_row: jax.vmap(
+        jax.vmap(f, (0,) * n_slot + (None,) * n_row), (0,) * (n_slot + n_row))
+    choose_rows = per_row(choose, 2, 4)
+    choose_processed = jax.vmap(jax.vmap(choose, (0, 0, None, None, None, None, 0)), (0,) * 7)
 
     def step(s: DecodeState) -> DecodeState:
         # Per-slot positions: a live slot's next token index is its length (tokens
@@ -168,22 +188,25 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
         pos = s.lengths  # [R, N]
         step_keys = vv(lambda k, t: jax.random.fold_in(k, t))(keys, pos)
         if not st.processors:
-            tok, lp = vv(choose)(s.logits, step_keys)
-        elif st.penalties:
-            # counts per slot; the prompt mask per row, unbatched over the slots.
-            proc = jax.vmap(jax.vmap(process, (0, 0, 0, None)), (0, 0, 0, 0))(
-                s.logits, pos, s.counts, s.prompt_mask)
-            tok, lp = vv(choose)(s.logits, step_keys, proc)
+            out = choose_rows(s.logits, step_keys, *row_knobs)
         else:
-            proc = vv(process)(s.logits, pos)
-            tok, lp = vv(choose)(s.logits, step_keys, proc)
+            if st.penalties:
+                # counts per slot; the prompt mask per row, unbatched over the slots.
+                proc = jax.vmap(jax.vmap(process, (0, 0) + (None,) * 6 + (0, None)),
+                                (0,) * 10)(s.logits, pos, *proc_rows, s.counts, s.prompt_mask)
+            else:
+                proc = per_row(process, 2, 6)(s.logits, pos, *proc_rows)
+            out = choose_processed(s.logits, step_keys, *row_knobs, proc)
+        tok, lp = out[0], out[1]
+        if st.processed_logprobs:  # logprobs_mode per row
+            lp = jnp.where(knobs.processed_logprobs[:, None], out[2], lp)
         live = ~s.done
         tok = jnp.where(live, tok, st.pad_id)
         lp = jnp.where(live, lp, 0.0)
-        hit_stop = live & jax.vmap(jax.vmap(sampling.is_stop, (0, None)), (0, None))(
+        hit_stop = live & jax.vmap(jax.vmap(sampling.is_stop, (0, None)), (0, 0))(
             tok, knobs.stop_ids)
         lengths = s.lengths + live.astype(jnp.int32)
-        done = s.done | hit_stop | (pos + 1 >= knobs.max_new_tokens)
+        done = s.done | hit_stop | (pos + 1 >= knobs.max_new_tokens[:, None])
         R, N = tok.shape
         ri, ni = jnp.arange(R)[:, None], jnp.arange(N)[None, :]
         # Each live slot writes its own column (a scatter); done slots write nothing
