@@ -31,7 +31,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
              naive: bool = False, chunk_size: int | None = None,
              compact: bool | None = None, progress=False, shared_prefix=None,
              max_rows: int | None = None, max_slots: int | None = None,
-             max_kv_bytes: int | None = None) -> Generation:
+             max_kv_bytes: int | None = None, attention: str = "auto") -> Generation:
     """Sample `params.n` continuations of each prompt, sharing each prompt's KV cache.
 
     The prompts are prefilled once; the N branches are decoded together, in
@@ -105,6 +105,10 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         (host RAM on CPU). When the whole request does not fit, the pool
         (rows x slots, unless max_rows / max_slots are given) is the largest
         the budget holds.
+      attention: the decode step's attention: "auto" (default: the Pallas
+        kernels of `jaxsample.kernels` on GPU and TPU, XLA on CPU), "xla" or
+        "pallas" (on CPU in Pallas's interpreter: slow, for tests). The same
+        tokens either way, up to float ties.
     Returns:
       `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
       `[B, N]`, finish reasons, texts, the bill, with `params.logprobs = k`
@@ -121,7 +125,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         the request; bad max_rows / max_slots / max_kv_bytes, a budget that
         cannot hold the prompts' prefixes plus one branch's tail, or results
         (n x max_new_tokens tokens and logprobs) too large for host memory,
-        each in one line with the numbers.
+        each in one line with the numbers; an unknown attention.
         Raised before any compute.
       NumericalError: a sampled token's logits were all NaN or -inf (no distribution;
         see `sampling.check_logprobs`). Raised after decoding, before returning.
@@ -131,7 +135,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
         prompt_index_offset=prompt_index_offset, naive=naive, chunk_size=chunk_size,
         progress=progress, shared_prefix=shared_prefix, max_rows=max_rows, max_slots=max_slots,
-        max_kv_bytes=max_kv_bytes)
+        max_kv_bytes=max_kv_bytes, attention=attention)
     for _ in chunks(session, rnd, chunk_size, compact, observer):
         pass
     return finish(session, [rnd])
@@ -146,7 +150,7 @@ def check_compact(compact) -> None:
 def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive, chunk_size,
           progress, default_chunk: int | None = None, shared_prefix=None,
           max_rows: int | None = None, max_slots: int | None = None,
-          max_kv_bytes: int | None = None):
+          max_kv_bytes: int | None = None, attention: str = "auto"):
     """Validate, prefill and open the one round of `generate` / `stream`.
 
     Returns:
@@ -168,7 +172,8 @@ def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive
     session = Session(lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
                       prompt_index_offset=prompt_index_offset, naive=naive, observer=observer,
                       shared_prefix=shared_prefix, max_kv_bytes=max_kv_bytes,
-                      lazy_prefill=max_rows is not None or max_slots is not None)
+                      lazy_prefill=max_rows is not None or max_slots is not None,
+                      attention=attention)
     params = session.params
     if not naive:
         max_rows = session.pool_shape[0] if max_rows is None else max_rows

@@ -29,6 +29,7 @@ from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PrefixCac
                                     PromptLogprobs, Static,
                                     bucket, prefix_kv_dtype)
 from jaxsample.errors import InputError
+from jaxsample import kernels
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling_params import SamplingParams
 from jaxsample.sharding import BRANCH_AXIS, LOCAL_BRANCH_AXIS
@@ -42,7 +43,7 @@ class Session:
 
     Args:
       lm, prompts, params, chat, mesh, bridge, prompt_index_offset, naive,
-        shared_prefix: as `jaxsample.generate`.
+        shared_prefix, attention: as `jaxsample.generate`.
       top_logprobs: k of the top-k log-probabilities to record per token (0: none).
       observer: optional `jaxsample.progress.Progress` (anything with a
         `compiling(name)` context manager): told around every program lookup,
@@ -65,8 +66,9 @@ class Session:
                  chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
                  naive: bool = False, top_logprobs: int | None = None, observer=None,
                  shared_prefix=None, max_kv_bytes: int | None = None,
-                 lazy_prefill: bool = False):
+                 lazy_prefill: bool = False, attention: str = "auto"):
         self.t_start = time.perf_counter()
+        attention = kernels.resolve_attention(attention, lm.config)
         self.observer = observer
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -134,7 +136,7 @@ class Session:
                          branch_axes=(LOCAL_BRANCH_AXIS, BRANCH_AXIS) if mesh else (BRANCH_AXIS,),
                          bridge=self.bridge_cfg, processors=params.logits_processors,
                          penalties=params.penalties, token_ranks=params.logprobs is not None,
-                         signals=params.signals)
+                         signals=params.signals, attention=attention)
         self.prompt_k = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         pad_ids = lambda ids: np.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
         assert T <= self.st.t_cap  # tail writes stay in range: dynamic_update_slice would clamp

@@ -211,6 +211,7 @@ class Static:
     penalties: bool = False  # keep DecodeState.counts / prompt_mask (implies processors)
     token_ranks: bool = False  # record DecodeState.token_ranks (SamplingParams.logprobs set)
     signals: bool = False  # record DecodeState.signals (SamplingParams.signals)
+    attention: str = "xla"  # the step's attention: "xla" or "pallas" (kernels.resolve_attention)
 
     def post_layer(self, alive, axes):
         """The Bridge hook for `llama.run_layers` (None without a Bridge)."""
