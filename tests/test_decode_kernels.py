@@ -58,18 +58,18 @@ def _assert_close(got, ref, v, dtype):
 # The kernel against its reference
 
 
-KERNEL_CASES = [  # driver, dtype, softcap, blocks (bm, bl): several position blocks of 8
-    ("triton", jnp.float32, None, (16, 8)),
-    ("triton", jnp.bfloat16, 5.0, (16, 8)),
-    ("mosaic", jnp.float32, 5.0, (8, 8)),
-    ("mosaic", jnp.bfloat16, None, (16, 8)),
+KERNEL_CASES = [  # driver, dtype, softcap, blocks (bm, bl): several position blocks of 8,
+    ("triton", jnp.float32, None, (16, 8), 3),  # split into c parts (Triton's split-K)
+    ("triton", jnp.bfloat16, 5.0, (16, 8), 2),
+    ("mosaic", jnp.float32, 5.0, (8, 8), None),
+    ("mosaic", jnp.bfloat16, None, (16, 8), None),
 ]
 
 
-@pytest.mark.parametrize("backend,dtype,softcap,blocks", KERNEL_CASES,
+@pytest.mark.parametrize("backend,dtype,softcap,blocks,splits", KERNEL_CASES,
                          ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-{'cap' if c[2] else 'nocap'}"
                               for c in KERNEL_CASES])
-def test_kernel_equals_reference(backend, dtype, softcap, blocks):
+def test_kernel_equals_reference(backend, dtype, softcap, blocks, splits):
     rng = np.random.default_rng(0)
     B, K, M, L, D = 5, 2, 11, 40, 16  # M: a padded last query block; L: 5 blocks of 8
     q, k, v = _rand(rng, (B, K, M, D), dtype), _rand(rng, (B, K, L, D), dtype), _rand(
@@ -79,11 +79,12 @@ def test_kernel_equals_reference(backend, dtype, softcap, blocks):
     hi = np.array([0, L, 13, 27, 1])[:, None].repeat(M, 1)
     lo = rng.integers(0, 20, size=(B, M))
     lo[1, :3] = 0
+    lo[3] = rng.integers(16, 27, size=M)  # the first two blocks of 8 skipped
     lo[3, 0] = 30
     lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
     ref = reference.segments(q, k, v, lo, hi, softcap=softcap)
     got = kernel.segments(q, k, v, lo, hi, softcap=softcap, backend=backend, interpret=True,
-                          blocks=blocks)
+                          blocks=blocks, splits=splits)
     _assert_close(got, ref, v, dtype)
     assert np.isneginf(np.asarray(got[1])[0]).all() and np.isneginf(np.asarray(got[1])[3, :, 0]).all()
     # The default block shapes (one position block here on Mosaic, a masked last one on Triton).
@@ -103,6 +104,9 @@ def test_block_shapes_are_legal_on_their_backend():
                     bm, bl = kernel.block_shapes("mosaic", M, L, D, dtype)
                     assert bm % sub == 0 and bm <= kernel.MOSAIC_MAX_ROWS and bm >= min(M, 1)
                     assert L % bl == 0 and (bl == L or bl % 16 == 0)
+    # Split-K fills the GPU for one row's long prefix, never for a batch of tails.
+    assert kernel.triton_splits(8, 16384, 64) > 1 and kernel.triton_splits(1024, 16384, 64) == 1
+    assert kernel.triton_splits(1, 100, 64) == 1  # too few blocks to split
     with pytest.raises(ValueError, match="power of two"):
         kernel.check_shapes("triton", 96)
     kernel.check_shapes("mosaic", 96)

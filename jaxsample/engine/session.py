@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsample import kernels
 from jaxsample.engine import inputs
 from jaxsample.engine import budget as budget_lib
 from jaxsample.engine.context import prefill_context, prefill_suffix
@@ -29,7 +30,6 @@ from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PrefixCac
                                     PromptLogprobs, Static,
                                     bucket, prefix_kv_dtype)
 from jaxsample.errors import InputError
-from jaxsample import kernels
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling_params import SamplingParams
 from jaxsample.sharding import BRANCH_AXIS, LOCAL_BRANCH_AXIS

@@ -5,7 +5,9 @@ The step is written for one branch and vmapped over the N slots of a row
 turns the prefix half of the attention into one batched matmul that reads
 the prefix K/V once for all branches. Each branch owns its tail. Prefix,
 tail and current-token partial attentions are merged by log-sum-exp
-(Hydragen, arXiv 2402.05099; FlashInfer's cascade attention).
+(Hydragen, arXiv 2402.05099; FlashInfer's cascade attention). With
+`Static.attention == "pallas"` the context, prefix and tail parts are the
+Pallas kernels of `jaxsample.kernels.decode_attention` instead of XLA's.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxsample import kernels
 from jaxsample.engine import sampling
 from jaxsample.engine.prefill import prefix_start
 from jaxsample.engine.prefix_attention import prefix_attention
 from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
-from jaxsample import kernels
 from jaxsample.kernels.decode_attention import segment_attention
 from jaxsample.models import common, families, quant
 

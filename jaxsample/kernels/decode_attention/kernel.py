@@ -21,13 +21,17 @@ visible position returns out 0 and lse -inf.
 
 Two drivers of the same block update (`_update`):
 
-* "triton" (GPU: the Triton backend of Pallas): grid (B, K, M / bm), each
-  program keeps its [bm, D] accumulator in registers and loops over the
-  segment's blocks of bl positions from the first to the last visible one
-  (a loop with traced bounds: blocks past a slot's length are never loaded).
-  Triton wants power-of-two tiles and dot operands of at least 16 x 16: bm
-  in [16, 64] (powers of two, M padded), bl = 64 (32 for D > 128), D a power
-  of two >= 16; the last block is a masked load when bl does not divide L.
+* "triton" (GPU: the Triton backend of Pallas): grid (B, K, M / bm, c), each
+  program keeps its [bm, D] accumulator in registers and loops over its
+  share of the segment's blocks of bl positions, from the first to the last
+  visible one (a loop with traced bounds: blocks past a slot's length are
+  never loaded). The c splits of the segment (flash-decoding's split-K:
+  `triton_splits`, enough programs to fill the GPU when B x K x M / bm is
+  small, as for one row's long prefix) are merged by log-sum-exp after the
+  call. Triton wants power-of-two tiles and dot operands of at least
+  16 x 16: bm in [16, 64] (powers of two, M padded), bl = 64 (32 for
+  D > 128), D a power of two >= 16; the last block is a masked load when bl
+  does not divide L.
 * "mosaic" (TPU): grid (B, K, M / bm, L / bl), the last axis "arbitrary" (a
   sequential reduction into VMEM scratch), the output block resident across
   it. The first and last visible block of each (b, query block) are
@@ -53,9 +57,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from jaxsample.models import common
+
 BACKENDS = ("triton", "mosaic")
 
 TRITON_MAX_ROWS = 64  # bm: the [bm, D] float32 accumulator lives in registers
+TRITON_PROGRAMS = 256  # split-K target: about two programs per SM of a 132-SM H100
+TRITON_MIN_SPLIT_BLOCKS = 4  # position blocks per split at least
 MOSAIC_MAX_ROWS = 256  # bm: one MXU pass (v6e) per block of queries
 MOSAIC_KEY_BLOCKS = (512, 256, 128, 64, 32, 16)
 
@@ -86,6 +94,14 @@ def block_shapes(backend: str, M: int, L: int, D: int, q_dtype) -> tuple[int, in
             (b for b in MOSAIC_KEY_BLOCKS if L % b == 0), L)
         return bm, bl
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def triton_splits(programs: int, L: int, bl: int) -> int:
+    """c, the splits of the segment for the Triton driver: `TRITON_PROGRAMS` programs
+    in all when `programs` (B x K x M / bm) are fewer, each split at least
+    `TRITON_MIN_SPLIT_BLOCKS` blocks of bl positions."""
+    blocks = -(-L // bl)
+    return max(1, min(-(-TRITON_PROGRAMS // programs), blocks // TRITON_MIN_SPLIT_BLOCKS))
 
 
 def check_shapes(backend: str, D: int) -> None:
@@ -139,11 +155,13 @@ def _init(bm: int, D: int):
             jnp.zeros((bm, D), jnp.float32))
 
 
-def _triton_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, o_ref, lse_ref, *, bl, L, softcap):
+def _triton_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, o_ref, lse_ref, *, bl, L, softcap,
+                   per_split):
     bm, D = q_ref.shape
     q, lo, hi = q_ref[...], lo_ref[...], hi_ref[...]
-    first = jnp.min(lo) // bl
-    end = (jnp.max(hi) + bl - 1) // bl
+    split = pl.program_id(3)  # this program's blocks: [split, split + 1) * per_split
+    first = jnp.maximum(jnp.min(lo) // bl, split * per_split)
+    end = jnp.minimum((jnp.max(hi) + bl - 1) // bl, (split + 1) * per_split)
 
     def load(ref, start):
         if L % bl == 0:
@@ -180,9 +198,11 @@ def _mosaic_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, o_re
         o_ref[...], lse_ref[...] = _finish((m_ref[...], l_ref[...], acc_ref[...]))
 
 
-@functools.partial(jax.jit, static_argnames=("softcap", "backend", "interpret", "blocks"))
+@functools.partial(jax.jit, static_argnames=("softcap", "backend", "interpret", "blocks",
+                                             "splits"))
 def segments(q, k, v, lo, hi, *, softcap: float | None = None, backend: str = "triton",
-             interpret: bool = False, blocks: tuple[int, int] | None = None):
+             interpret: bool = False, blocks: tuple[int, int] | None = None,
+             splits: int | None = None):
     """Attention of blocks of queries over one KV segment per batch element (Pallas).
 
     Args:
@@ -194,6 +214,7 @@ def segments(q, k, v, lo, hi, *, softcap: float | None = None, backend: str = "t
       interpret: run in Pallas's interpreter (any backend; the CPU's tests).
       blocks: (bm, bl) instead of `block_shapes`' (tests: several blocks on tiny
         shapes); the Mosaic driver needs bl to divide L.
+      splits: the Triton driver's c instead of `triton_splits`' (tests).
     Returns:
       (out `[B, K, M, D]` float32 normalised within the segment, lse `[B, K, M]`
       float32, -inf for a row with no visible position), as
@@ -213,9 +234,9 @@ def segments(q, k, v, lo, hi, *, softcap: float | None = None, backend: str = "t
     nm = Mp // bm
     lo = lo.astype(jnp.int32)
     hi = jnp.minimum(hi.astype(jnp.int32), L)
-    if Mp != M:  # padding rows see nothing
+    if Mp != M:  # padding rows see nothing (lo = L, hi = 0: no block bound moves)
         q = jnp.pad(q, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
-        lo = jnp.pad(lo, ((0, 0), (0, Mp - M)))
+        lo = jnp.pad(lo, ((0, 0), (0, Mp - M)), constant_values=L)
         hi = jnp.pad(hi, ((0, 0), (0, Mp - M)))
     out_shape = (jax.ShapeDtypeStruct((B, K, Mp, D), jnp.float32),
                  jax.ShapeDtypeStruct((B, K, Mp, 1), jnp.float32))
@@ -224,14 +245,25 @@ def segments(q, k, v, lo, hi, *, softcap: float | None = None, backend: str = "t
     bound_spec = pl.BlockSpec((None, bm, 1), lambda b, h, i, *_: (b, i, 0))
     bounds = (lo[..., None], hi[..., None])
     if backend == "triton":
-        seg_spec = pl.BlockSpec((None, None, L, D), lambda b, h, i: (b, h, 0, 0))
+        c = triton_splits(B * K * nm, L, bl) if splits is None else splits
+        per_split = -(-(-(-L // bl)) // c)
+        seg_spec = pl.BlockSpec((None, None, L, D), lambda b, h, i, s: (b, h, 0, 0))
+        split_spec = lambda spec: pl.BlockSpec(  # noqa: E731
+            (None,) + spec.block_shape, lambda b, h, i, s: (s, b, h, i, 0))
         out, lse = pl.pallas_call(
-            functools.partial(_triton_kernel, bl=bl, L=L, softcap=softcap),
-            out_shape=out_shape, grid=(B, K, nm),
+            functools.partial(_triton_kernel, bl=bl, L=L, softcap=softcap, per_split=per_split),
+            out_shape=[jax.ShapeDtypeStruct((c,) + o.shape, o.dtype) for o in out_shape],
+            grid=(B, K, nm, c),
             in_specs=[row_spec, seg_spec, seg_spec, bound_spec, bound_spec],
-            out_specs=[row_spec, lse_spec],
+            out_specs=[split_spec(row_spec), split_spec(lse_spec)],
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
             interpret=interpret, name="decode_attention")(q, k, v, *bounds)
+        if c == 1:
+            out, lse = out[0], lse[0]
+        else:  # the splits' partial softmaxes, merged by log-sum-exp
+            lse = lse[..., 0]
+            out = common.merge_attention(list(zip(out, lse)))
+            lse = jax.nn.logsumexp(lse, axis=0)[..., None]
     elif backend == "mosaic":
         nl = L // bl
         # Blocks [first, end) of each (b, query block) hold a visible position.
