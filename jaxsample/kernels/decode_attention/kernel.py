@@ -201,7 +201,7 @@ def _mosaic_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, o_re
 @functools.partial(jax.jit, static_argnames=("softcap", "backend", "interpret", "blocks",
                                              "splits"))
 def segments(q, k, v, lo, hi, *, softcap: float | None = None, backend: str = "triton",
-             interpret: bool = False, blocks: tuple[int, int] | None = None,
+             interpret=False, blocks: tuple[int, int] | None = None,
              splits: int | None = None):
     """Attention of blocks of queries over one KV segment per batch element (Pallas).
 
@@ -211,7 +211,8 @@ def segments(q, k, v, lo, hi, *, softcap: float | None = None, backend: str = "t
       lo, hi: `[B, M]` int32: row m sees positions `lo <= j < hi` (hi <= L).
       softcap: the score soft-cap c (`common.SoftCappedScale.softcap`) or None.
       backend: "triton" (GPU) or "mosaic" (TPU): which driver (module docstring).
-      interpret: run in Pallas's interpreter (any backend; the CPU's tests).
+      interpret: run in Pallas's interpreter (any backend; the CPU's tests): True,
+        or a `pltpu.InterpretParams` (the TPU interpreter, for the Mosaic driver).
       blocks: (bm, bl) instead of `block_shapes`' (tests: several blocks on tiny
         shapes); the Mosaic driver needs bl to divide L.
       splits: the Triton driver's c instead of `triton_splits`' (tests).
