@@ -106,6 +106,8 @@ class LLM:
         (vLLM's keyword), at most the model's context; default the model's.
       chunk_size: decode steps between host checks (stop strings, progress,
         the pool's refills); default as `jaxsample.generate`.
+      attention: the decode step's attention, "auto" (Pallas kernels on GPU and
+        TPU, XLA on CPU), "xla" or "pallas" (`jaxsample.kernels`).
       compilation_cache: turn on JAX's persistent compilation cache and the
         engine's exported programs (`jaxsample.enable_compilation_cache`, in
         `jaxsample.disk_cache.cache_dir()`) unless a compilation cache is
@@ -127,8 +129,9 @@ class LLM:
                  weights: str | None = None, seed: int = 0, mesh=None,
                  tensor_parallel_size: int = 1, max_kv_bytes: int | None = None,
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
-                 chunk_size: int | None = None, compilation_cache: bool = True,
-                 progress: bool | None = None, **vllm_kwargs):
+                 chunk_size: int | None = None, attention: str = "auto",
+                 compilation_cache: bool = True, progress: bool | None = None,
+                 **vllm_kwargs):
         from jaxsample import loading
         from jaxsample.engine import inputs
         from jaxsample.lm import LanguageModel
@@ -140,7 +143,7 @@ class LLM:
                 known = sorted(set(_NOTED) | set(_REFUSED))
                 raise InputError(f"LLM: unknown keyword {name!r}; jaxsample's are model, dtype, "
                                  f"weights, seed, mesh, tensor_parallel_size, max_kv_bytes, "
-                                 f"gpu_memory_utilization, max_model_len, chunk_size, "
+                                 f"gpu_memory_utilization, max_model_len, chunk_size, attention, "
                                  f"compilation_cache, progress (vLLM keywords also understood: "
                                  f"{', '.join(known)})")
             if name == "pipeline_parallel_size" and value not in (None, 1):
@@ -178,6 +181,8 @@ class LLM:
             max_model_len = inputs.check_int("max_model_len", max_model_len, 1, 2**31 - 1)
         if chunk_size is not None:
             chunk_size = inputs.check_int("chunk_size", chunk_size, 1, 2**31 - 1)
+        from jaxsample import kernels
+
         if compilation_cache:
             _enable_cache()
         if isinstance(model, LanguageModel):
@@ -191,6 +196,7 @@ class LLM:
         if max_model_len is not None and max_model_len > lm.config.max_seq_len:
             raise InputError(f"LLM(max_model_len={max_model_len}) is longer than the model's "
                              f"context of {lm.config.max_seq_len} tokens")
+        kernels.resolve_attention(attention, lm.config)  # an InputError before any call
         if tp > 1:
             mesh = _branch_mesh(tp)
         self.lm = lm
@@ -198,6 +204,7 @@ class LLM:
         self.mesh = mesh
         self.max_model_len = max_model_len
         self.chunk_size = chunk_size
+        self.attention = attention
         self.progress = progress
         self._memory_fraction = gpu_memory_utilization
         self._max_kv_bytes = max_kv_bytes
@@ -325,7 +332,8 @@ class LLM:
         session = open_pool(self.lm, reqs, encode_requests(self.lm, reqs),
                             max_kv_bytes=self.max_kv_bytes, mesh=self.mesh,
                             index_offset=index_offset, progress=self._progress(use_tqdm),
-                            seed=self.seed, max_model_len=self.max_model_len)
+                            seed=self.seed, max_model_len=self.max_model_len,
+                            attention=self.attention)
         return pool_results(session, reqs, chunk_size=self.chunk_size, index_offset=index_offset)
 
     def _outputs(self, items, params, chat: bool, use_tqdm) -> list:
@@ -415,7 +423,7 @@ class LLM:
         return run_requests(self.lm, requests, max_kv_bytes=self.max_kv_bytes,
                             chunk_size=self.chunk_size, mesh=self.mesh, index_offset=index_offset,
                             seed=self.seed, progress=self._progress(use_tqdm),
-                            max_model_len=self.max_model_len)
+                            max_model_len=self.max_model_len, attention=self.attention)
 
     def stream(self, prompts, sampling_params=None, *, chat: bool = False,
                chunk_size: int | None = None, use_tqdm: bool | None = None):
@@ -435,7 +443,8 @@ class LLM:
             mesh=self.mesh, bridge=None, prompt_index_offset=0, naive=False,
             chunk_size=chunk_size or self.chunk_size or api.STOP_CHUNK,
             progress=self._progress(use_tqdm), max_kv_bytes=self.max_kv_bytes,
-            seed=self.seed, request_seeds=True, max_model_len=self.max_model_len)
+            seed=self.seed, request_seeds=True, max_model_len=self.max_model_len,
+            attention=self.attention)
         return stream_lib.events(session, rnd, chunk, None, observer)
 
     def sample(self, prompts, sampling_params=None, *, chat: bool = False, shared_prefix=None,
@@ -466,7 +475,7 @@ class LLM:
             mesh=self.mesh, bridge=bridge, chunk_size=self.chunk_size,
             progress=self._progress(use_tqdm), shared_prefix=shared_prefix,
             max_kv_bytes=self.max_kv_bytes, seed=self.seed, request_seeds=True,
-            max_model_len=self.max_model_len, **pool)
+            max_model_len=self.max_model_len, attention=self.attention, **pool)
 
     def adaptive_self_consistency(self, prompts, sampling_params=None, *, chat: bool = False,
                                   use_tqdm: bool | None = None, **rule):

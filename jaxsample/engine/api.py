@@ -31,7 +31,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
              naive: bool = False, chunk_size: int | None = None,
              compact: bool | None = None, progress=False, shared_prefix=None,
              max_rows: int | None = None, max_slots: int | None = None,
-             max_kv_bytes: int | None = None) -> Generation:
+             max_kv_bytes: int | None = None, attention: str = "auto") -> Generation:
     """Sample `params.n` continuations of each prompt, sharing each prompt's KV cache.
 
     The prompts are prefilled once; the N branches are decoded together, in
@@ -105,6 +105,10 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         (host RAM on CPU). When the whole request does not fit, the pool
         (rows x slots, unless max_rows / max_slots are given) is the largest
         the budget holds.
+      attention: the decode step's attention: "auto" (default: the Pallas
+        kernels of `jaxsample.kernels` on GPU and TPU, XLA on CPU), "xla" or
+        "pallas" (on CPU in Pallas's interpreter: slow, for tests). The same
+        tokens either way, up to float ties.
     Returns:
       `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
       `[B, N]`, finish reasons, texts, the bill, with `params.logprobs = k`
@@ -121,7 +125,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         the request; bad max_rows / max_slots / max_kv_bytes, a budget that
         cannot hold the prompts' prefixes plus one branch's tail, or results
         (n x max_new_tokens tokens and logprobs) too large for host memory,
-        each in one line with the numbers.
+        each in one line with the numbers; an unknown attention.
         Raised before any compute.
       NumericalError: a sampled token's logits were all NaN or -inf (no distribution;
         see `sampling.check_logprobs`). Raised after decoding, before returning.
@@ -130,13 +134,14 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
                         prompt_index_offset=prompt_index_offset, naive=naive,
                         chunk_size=chunk_size, compact=compact, progress=progress,
                         shared_prefix=shared_prefix, max_rows=max_rows, max_slots=max_slots,
-                        max_kv_bytes=max_kv_bytes)
+                        max_kv_bytes=max_kv_bytes, attention=attention)
 
 
 def run_generate(lm, prompts, params, *, chat=False, mesh=None, bridge=None,
                  prompt_index_offset: int = 0, naive: bool = False, chunk_size=None,
                  compact=None, progress=False, shared_prefix=None, max_rows=None,
-                 max_slots=None, max_kv_bytes=None, **session_kw) -> Generation:
+                 max_slots=None, max_kv_bytes=None, attention: str = "auto",
+                 **session_kw) -> Generation:
     """`generate`'s body, also `LLM.sample`'s: `session_kw` are `Session`'s seed,
     request_seeds and max_model_len."""
     check_compact(compact)
@@ -144,7 +149,7 @@ def run_generate(lm, prompts, params, *, chat=False, mesh=None, bridge=None,
         lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
         prompt_index_offset=prompt_index_offset, naive=naive, chunk_size=chunk_size,
         progress=progress, shared_prefix=shared_prefix, max_rows=max_rows, max_slots=max_slots,
-        max_kv_bytes=max_kv_bytes, **session_kw)
+        max_kv_bytes=max_kv_bytes, attention=attention, **session_kw)
     for _ in chunks(session, rnd, chunk_size, compact, observer):
         pass
     return finish(session, [rnd])
@@ -159,7 +164,7 @@ def check_compact(compact) -> None:
 def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive, chunk_size,
           progress, default_chunk: int | None = None, shared_prefix=None,
           max_rows: int | None = None, max_slots: int | None = None,
-          max_kv_bytes: int | None = None, **session_kw):
+          max_kv_bytes: int | None = None, attention: str = "auto", **session_kw):
     """Validate, prefill and open the one round of `generate` / `stream`.
 
     Args:
@@ -186,7 +191,7 @@ def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive
                       prompt_index_offset=prompt_index_offset, naive=naive, observer=observer,
                       shared_prefix=shared_prefix, max_kv_bytes=max_kv_bytes,
                       lazy_prefill=max_rows is not None or max_slots is not None,
-                      **session_kw)
+                      attention=attention, **session_kw)
     rnd, chunk_size = open_round(session, max_rows=max_rows, max_slots=max_slots,
                                  chunk_size=chunk_size, default_chunk=default_chunk,
                                  lockstep=bridge is not None)

@@ -271,7 +271,8 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
 
 
 def open_pool(lm, reqs, encoded, *, max_kv_bytes=None, mesh=None, index_offset: int = 0,
-              progress=False, seed=None, max_model_len: int | None = None) -> Session:
+              progress=False, seed=None, max_model_len: int | None = None,
+              attention: str = "auto") -> Session:
     """The `Session` of checked requests (`check_requests`) with their prompts encoded
     (`encode_requests`): every check and the pool's size against the KV budget, no
     compute (its rows are prefilled as the pool takes them). Raises InputError."""
@@ -279,7 +280,8 @@ def open_pool(lm, reqs, encoded, *, max_kv_bytes=None, mesh=None, index_offset: 
     return Session(lm, None, [r.params or SamplingParams() for r in reqs], mesh=mesh,
                    prompt_index_offset=index_offset, observer=observer,
                    max_kv_bytes=max_kv_bytes, lazy_prefill=True, seed=seed,
-                   request_seeds=True, encoded=encoded, max_model_len=max_model_len)
+                   request_seeds=True, encoded=encoded, max_model_len=max_model_len,
+                   attention=attention)
 
 
 def pool_results(session, reqs, *, chunk_size=None, index_offset: int = 0, max_rows=None,

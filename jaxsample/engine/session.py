@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsample import kernels
 from jaxsample.engine import inputs
 from jaxsample.engine import budget as budget_lib
 from jaxsample.engine.context import prefill_context, prefill_suffix
@@ -59,7 +60,7 @@ class Session:
 
     Args:
       lm, prompts, chat, mesh, bridge, prompt_index_offset, naive,
-        shared_prefix: as `jaxsample.generate`; `chat` may also be one bool
+        shared_prefix, attention: as `jaxsample.generate`; `chat` may also be one bool
         per prompt.
       params: one `SamplingParams` for every prompt, a list of B (one per
         prompt), or None (`SamplingParams()`).
@@ -94,8 +95,10 @@ class Session:
                  naive: bool = False, top_logprobs: int | None = None, observer=None,
                  shared_prefix=None, max_kv_bytes: int | None = None,
                  lazy_prefill: bool = False, seed: int | None = None,
-                 request_seeds: bool = False, encoded=None, max_model_len: int | None = None):
+                 request_seeds: bool = False, encoded=None, max_model_len: int | None = None,
+                 attention: str = "auto"):
         self.t_start = time.perf_counter()
+        attention = kernels.resolve_attention(attention, lm.config)
         self.observer = observer
         self.lm, self.cfg = lm, lm.config
         if encoded is not None:
@@ -214,7 +217,8 @@ class Session:
                          token_ranks=any(p.logprobs is not None for p in pp),
                          signals=any(p.signals for p in pp),
                          processed_logprobs=any(p.logprobs_mode == "processed_logprobs"
-                                                for p in pp))
+                                                for p in pp),
+                         attention=attention)
         self.prompt_k = max(-1 if p.prompt_logprobs is None else p.prompt_logprobs for p in pp)
         assert T <= self.st.t_cap  # tail writes stay in range: dynamic_update_slice would clamp
         V = self.cfg.vocab_size if processors else 0

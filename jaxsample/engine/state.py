@@ -216,6 +216,7 @@ class Static:
     token_ranks: bool = False  # record DecodeState.token_ranks (SamplingParams.logprobs set)
     signals: bool = False  # record DecodeState.signals (SamplingParams.signals)
     processed_logprobs: bool = False  # compute processed logprobs (some row's logprobs_mode)
+    attention: str = "xla"  # the step's attention: "xla" or "pallas" (kernels.resolve_attention)
 
     def post_layer(self, alive, axes):
         """The Bridge hook for `llama.run_layers` (None without a Bridge)."""

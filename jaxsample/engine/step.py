@@ -5,7 +5,9 @@ The step is written for one branch and vmapped over the N slots of a row
 turns the prefix half of the attention into one batched matmul that reads
 the prefix K/V once for all branches. Each branch owns its tail. Prefix,
 tail and current-token partial attentions are merged by log-sum-exp
-(Hydragen, arXiv 2402.05099; FlashInfer's cascade attention).
+(Hydragen, arXiv 2402.05099; FlashInfer's cascade attention). With
+`Static.attention == "pallas"` the context, prefix and tail parts are the
+Pallas kernels of `jaxsample.kernels.decode_attention` instead of XLA's.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxsample import kernels
 from jaxsample.engine import sampling
 from jaxsample.engine.prefill import prefix_start
 from jaxsample.engine.prefix_attention import prefix_attention
 from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
+from jaxsample.kernels.decode_attention import segment_attention
 from jaxsample.models import common, families, quant
 
 
 def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, post_layer=None,
-                bridge_params=None, context=None):
+                bridge_params=None, context=None, attention: str = "xla"):
     """One decode step of one branch (vmapped over branches and rows).
 
     Any model family (`models.families.module_for(cfg)`). On a local layer of
@@ -41,6 +45,9 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
       context: None, or the `ContextCache` common to all prompts (unbatched over
         rows and branches; k, v L x `[K, C_l, D]`, length C): a fourth segment
         of the attention, and the prefix's positions start at C.
+      attention: "xla" (`prefix_attention` and `common.partial_attention`) or
+        "pallas" (`kernels.decode_attention.segment_attention` for the context,
+        the prefix and the tail: the same visible positions, merged the same way).
     Returns:
       (logits `[V]` float32, new k L x `[K, D]`, new v L x `[K, D]`).
     """
@@ -50,6 +57,14 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
 
     base = 0 if context is None else context.length  # position of the prefix's slot 0
     kernel = quant.is_quantized(params)  # the int8 step's prefix attention: the CPU kernel
+    if attention == "pallas":
+        backend, interpret = kernels.kernel_backend()
+
+    def visible(start, end, window):
+        """(lo, hi): a segment whose slot j holds position start + j shows the
+        slots lo <= j < hi, positions < end and (local layers) > position - window."""
+        lo = 0 if window is None else jnp.maximum(position - window + 1 - start, 0)
+        return lo, end - start
 
     def attend_for_layer(xs):
         lpk, lpv, ltk, ltv, window, lck, lcv = xs
@@ -57,30 +72,34 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
         # position base + start + j) and a ring of T_l <= w - 1 tail slots (written at
         # t mod T_l), so every written tail slot lies within the window.
         start = prefix_start(prefix_len, lpk.shape[1], window)
-        key_pos = base + start + jnp.arange(lpk.shape[1])
-        prefix_mask = key_pos < base + prefix_len
-        tail_mask = jnp.arange(ltk.shape[1]) < t
-        if window is not None:  # keys at positions > p - w, p = base + prefix_len + t
-            prefix_mask &= key_pos > position - window
-            tail_mask &= window > 1  # a window of 1 is the token itself
-        shared = []  # (k, v, mask) segments without a branch axis
+        shared = []  # (k, v, (lo, hi)) segments without a branch axis
         if context is not None:  # the common context: positions [0, C), its last C_l kept
-            c_pos = prefix_start(base, lck.shape[1], window) + jnp.arange(lck.shape[1])
-            c_mask = c_pos < base
-            if window is not None:
-                c_mask &= c_pos > position - window
-            shared.append((lck, lcv, c_mask))
-        shared.append((lpk, lpv, prefix_mask))
+            c_start = prefix_start(base, lck.shape[1], window)
+            shared.append((lck, lcv, visible(c_start, base, window)))
+        shared.append((lpk, lpv, visible(base + start, base + prefix_len, window)))
+        # The tail's first min(t, T_l) slots; none where a window of 1 is the token itself.
+        tail_hi = jnp.minimum(t, ltk.shape[1]) if window is None or window > 1 else 0
+
+        def mask(n_slots, lo, hi):  # [n_slots] bool
+            j = jnp.arange(n_slots)
+            return (j >= lo) & (j < hi)
 
         def attend(q, k, v):
-            # The context and the prefix are unbatched over the branches: one
-            # matmul per kv head for all branches (`prefix_attention`).
-            out = common.merge_attention(
-                [prefix_attention(q, a, b, m, scale, kernel) for a, b, m in shared]
-                + [common.partial_attention(q, ltk, ltv, tail_mask[None], scale),
-                   common.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask,
-                                            scale)])
-            return out.astype(q.dtype)
+            if attention == "pallas":
+                seg = lambda a, b, lo, hi: segment_attention(  # noqa: E731
+                    q, a, b, lo, hi, scale, backend=backend, interpret=interpret)
+                parts = ([seg(a, b, *bounds) for a, b, bounds in shared]
+                         + [seg(ltk, ltv, 0, tail_hi)])
+            else:
+                # The context and the prefix are unbatched over the branches: one
+                # matmul per kv head for all branches (`prefix_attention`).
+                parts = ([prefix_attention(q, a, b, mask(a.shape[1], *bounds), scale, kernel)
+                          for a, b, bounds in shared]
+                         + [common.partial_attention(q, ltk, ltv,
+                                                     mask(ltk.shape[1], 0, tail_hi)[None], scale)])
+            self_part = common.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask,
+                                                 scale)
+            return common.merge_attention(parts + [self_part]).astype(q.dtype)
 
         return attend
 
@@ -168,7 +187,8 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
     # Row-level vmap: prefix per row (in_axes 0); branch-level vmap: prefix unbatched.
     def one_branch(tok, pos, t, pk, pv, plen, tk, tv, alive):
         return branch_step(cfg, params, tok, pos, t, pk, pv, plen, tk, tv,
-                           st.post_layer(alive, st.branch_axes), bridge_params, context)
+                           st.post_layer(alive, st.branch_axes), bridge_params, context,
+                           st.attention)
 
     step_branches = jax.vmap(one_branch, in_axes=(0, 0, 0, None, None, None, 0, 0, 0),
                              axis_name=st.branch_axis)

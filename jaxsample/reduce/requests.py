@@ -87,7 +87,8 @@ def _groups(reqs):
 def run_requests(lm, requests, *, max_kv_bytes: int | None = None,
                  chunk_size: int | None = None, mesh=None, index_offset: int = 0,
                  seed: int | None = None, progress=False,
-                 max_model_len: int | None = None) -> Iterator[RequestResult]:
+                 max_model_len: int | None = None,
+                 attention: str = "auto") -> Iterator[RequestResult]:
     """Run many requests; yield each one's result, with its vote, as it completes.
 
     Plain requests (no `adaptive`) run through the decode pool
@@ -116,6 +117,8 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None,
       seed: the seed of plain requests without their own (None: random).
       max_model_len: the longest prompt + max_tokens a plain request may have
         (default the model's context).
+      attention: the decode step's attention for the plain requests, as
+        `jaxsample.generate`'s.
     Yields:
       `RequestResult`s (`output`, `vote`, `adaptive`, `index`, `generation`)
       in completion order.
@@ -137,7 +140,8 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None,
                 pools[idx[0]] = open_pool(
                     lm, [reqs[i] for i in idx], ([ids[i] for i in idx], [texts[i] for i in idx]),
                     max_kv_bytes=max_kv_bytes, mesh=mesh, index_offset=index_offset + idx[0],
-                    progress=progress, seed=seed, max_model_len=max_model_len)
+                    progress=progress, seed=seed, max_model_len=max_model_len,
+                    attention=attention)
             except InputError as e:
                 raise InputError(f"requests {idx[0]}-{idx[-1]} (from {reqs[idx[0]].id!r}, their "
                                  f"pool): {e}") from None
