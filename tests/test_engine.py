@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsample.engine.naive import naive_generate
 from jaxsample import engine
 from jaxsample.engine import sampling
 from jaxsample.errors import InputError
@@ -84,7 +85,7 @@ def test_logprobs_equal_forward_pass(tiny_lm, sampled):
 
 def test_shared_prefix_equals_naive_copies(tiny_lm, sampled):
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=7)
-    naive = engine.generate(tiny_lm, PROMPTS, params, naive=True)
+    naive = naive_generate(tiny_lm, PROMPTS, params)
     assert_same_tokens_up_to_ties(tiny_lm, sampled, naive)
     # Naive holds N prefix copies, the shared engine one.
     assert naive.bill.kv_bytes_shared_prefix == 4 * sampled.bill.kv_bytes_shared_prefix

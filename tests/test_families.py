@@ -13,6 +13,7 @@ import types
 import numpy as np
 import pytest
 
+from jaxsample.engine.naive import naive_generate
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
 from jaxsample.models import architectures, loader_core
 from jaxsample.models.loader_core import Tensor, TensorTable
@@ -277,7 +278,7 @@ def test_shared_equals_naive_and_sharded(name):
     lm = _model(name, "hf")
     params = SamplingParams(n=4, max_new_tokens=16, seed=5, top_p=0.9, stop_token_ids=[])
     ref = engine.generate(lm, PROMPTS, params)
-    assert_same_tokens_up_to_ties(lm, ref, engine.generate(lm, PROMPTS, params, naive=True))
+    assert_same_tokens_up_to_ties(lm, ref, naive_generate(lm, PROMPTS, params))
     if jax.device_count() < 4:
         pytest.skip("needs --xla_force_host_platform_device_count (tests/conftest.py)")
     mesh = jax.make_mesh((1, 4), ("data", "branch"))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsample.engine.naive import naive_generate
 from jaxsample import cost, engine
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
 from jaxsample.loading import load
@@ -298,7 +299,7 @@ def sampled(mixtral):
 
 
 def test_shared_equals_naive(mixtral, sampled):
-    naive = engine.generate(mixtral, prompts(), sampled.params, naive=True)
+    naive = naive_generate(mixtral, prompts(), sampled.params)
     assert_same_tokens_up_to_ties(mixtral, naive, sampled)
 
 
@@ -418,7 +419,7 @@ def test_qwen3_moe_matches_transformers(qwen3_moe):
 def test_qwen3_moe_shared_equals_naive(qwen3_moe):
     params = SamplingParams(n=4, max_new_tokens=10, seed=6)
     shared = engine.generate(qwen3_moe, prompts(), params)
-    naive = engine.generate(qwen3_moe, prompts(), params, naive=True)
+    naive = naive_generate(qwen3_moe, prompts(), params)
     assert_same_tokens_up_to_ties(qwen3_moe, naive, shared)
 
 

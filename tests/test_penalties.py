@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsample.engine.naive import naive_generate
 from jaxsample import engine
 from jaxsample.cli import config
 from jaxsample.errors import ConfigError, InputError
@@ -315,8 +316,7 @@ def test_rounds_and_naive_with_penalties(tiny_lm):
             pass
         rounds.append(rnd)
     assert_same_tokens_up_to_ties(tiny_lm, ref, engine.finish(s, rounds))
-    assert_same_tokens_up_to_ties(tiny_lm, ref, engine.generate(tiny_lm, PROMPTS, params,
-                                                                naive=True))
+    assert_same_tokens_up_to_ties(tiny_lm, ref, naive_generate(tiny_lm, PROMPTS, params))
 
 
 def test_penalties_on_a_mesh(tiny_lm):

@@ -300,8 +300,6 @@ def test_bad_requests_with_a_shared_prefix(tiny_lm):
     long = "y" * 500  # 500 + prompt + 10 > 512
     with pytest.raises(InputError, match=r"shared_prefix \(500 tokens\) \+ prompt 0"):
         engine.generate(tiny_lm, PROMPTS, sp(), shared_prefix=long)
-    with pytest.raises(InputError, match="naive=True"):
-        engine.generate(tiny_lm, PROMPTS, sp(), shared_prefix=CONTEXT, naive=True)
     with pytest.raises(InputError, match="prompt 1 is empty"):
         engine.generate(tiny_lm, ["a", ""], sp(), shared_prefix=CONTEXT)
 

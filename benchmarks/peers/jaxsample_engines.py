@@ -2,7 +2,7 @@
 engine, `generate`), `jaxsample-int8` (the same engine on `load(...,
 weights="int8")`: int8 projections, embedding and head, W8A8 by default,
 models/quant.py; activations in the row's dtype) and `naive`
-(`generate(naive=True)`: N materialised prefix copies), with the
+(`engine.naive.naive_generate`: N materialised prefix copies), with the
 `--naive-prefill tile` variant (one prefill copied N times, decode-only
 numbers). Imported only in decode.py's workers.
 """
@@ -61,7 +61,7 @@ def _nbytes(tree):
 def _naive_tiled(lm, ids, params):
     """The naive engine's decode on N prefix copies made by copying one prefill.
 
-    `generate(naive=True)` with its N identical prefills replaced by one: a
+    `naive_generate` with its N identical prefills replaced by one: a
     `Session` prefills the prompt once, then one `Round` over N rows that all
     take that row (the gather copies the prefix N times, as the naive engine
     holds it), one branch each, branch index = copy index.
@@ -87,6 +87,7 @@ def run_cell(lm, engine, P, N, T, args, plat):
 
     from jaxsample import cost
     from jaxsample.engine import generate
+    from jaxsample.engine.naive import naive_generate
     from jaxsample import SamplingParams
 
     ids = common.prompt_ids(args.seed, P, lm.vocab_limit)
@@ -96,7 +97,7 @@ def run_cell(lm, engine, P, N, T, args, plat):
     def call():
         if tile:
             return _naive_tiled(lm, ids, params)
-        g = generate(lm, [ids], params, naive=(engine == "naive"))
+        g = (naive_generate if engine == "naive" else generate)(lm, [ids], params)
         return dict(timings=dict(g.timings), steps=g.bill.decode_steps, lengths=g.lengths,
                     kv_prefix=g.bill.kv_bytes_shared_prefix, kv_tails=g.bill.kv_bytes_tails)
 

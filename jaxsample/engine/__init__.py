@@ -54,7 +54,7 @@ fold_in(fold_in(key(seed), prompt_index), branch_index), folded with the
 token index each step (levanter's discipline), so tokens depend neither on
 the batch, the device mesh, the chunk size nor the slot a branch occupies.
 
-The naive engine (`naive=True`) is the same code run on N materialised copies
+The naive engine (`naive.naive_generate`) is the same code run on N materialised copies
 of each prompt (what Hugging Face's `num_return_sequences` does): the baseline
 of benchmarks and the oracle of tests.
 """

@@ -28,7 +28,7 @@ STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are 
 @refuse_foreign_keywords("jaxsample.generate")
 def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
              chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
-             naive: bool = False, chunk_size: int | None = None,
+             chunk_size: int | None = None,
              compact: bool | None = None, progress=False, shared_prefix=None,
              max_rows: int | None = None, max_slots: int | None = None,
              max_kv_bytes: int | None = None, attention: str = "auto") -> Generation:
@@ -61,7 +61,6 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         several calls with one seed, pass each call's start so that prompts of
         different calls draw independent streams (and a prompt's samples do not
         depend on how the data set was batched).
-      naive: baseline only: copy each prompt N times (N prefills, N prefix caches).
       chunk_size: decode steps per device call, in [1, 2**31 - 1]; default: the
         whole budget in one call, or `STOP_CHUNK` (8) when `params.stop` is set
         (a stop string is then seen at most 7 tokens late, and decoding of that
@@ -87,7 +86,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         `generate` on `context ids + prompt ids` without it (a string prompt
         is tokenised alone, without a BOS: the BOS, if any, starts the
         context); `Generation.prompt_tokens` and the prompt logprobs cover
-        both. Not with `naive=True`.
+        both.
       max_rows, max_slots: the decode pool's rows (prompts held at once) and
         slots per row (branches decoded at once), ints >= 1; default every
         prompt and branch at once. Fewer make the decode a pool
@@ -131,7 +130,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         see `sampling.check_logprobs`). Raised after decoding, before returning.
     """
     return run_generate(lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
-                        prompt_index_offset=prompt_index_offset, naive=naive,
+                        prompt_index_offset=prompt_index_offset,
                         chunk_size=chunk_size, compact=compact, progress=progress,
                         shared_prefix=shared_prefix, max_rows=max_rows, max_slots=max_slots,
                         max_kv_bytes=max_kv_bytes, attention=attention)
@@ -142,8 +141,8 @@ def run_generate(lm, prompts, params, *, chat=False, mesh=None, bridge=None,
                  compact=None, progress=False, shared_prefix=None, max_rows=None,
                  max_slots=None, max_kv_bytes=None, attention: str = "auto",
                  **session_kw) -> Generation:
-    """`generate`'s body, also `LLM.sample`'s: `session_kw` are `Session`'s seed,
-    request_seeds and max_model_len."""
+    """`generate`'s body, also `LLM.sample`'s and `naive.naive_generate`'s:
+    `session_kw` are `Session`'s seed, request_seeds and max_model_len."""
     check_compact(compact)
     session, rnd, chunk_size, observer = start(
         lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
