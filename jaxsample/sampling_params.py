@@ -356,19 +356,6 @@ class SamplingParams:
         min-tokens or a penalty): the engine then runs `process_logits`."""
         return bool(self.logit_bias) or self.min_tokens > 0 or self.penalties
 
-    def choice_args(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The traced filter arguments of `choose_token`, with fixed dtypes.
-
-        Returns:
-          (temperature float32, top_k int32, top_p float32, min_p float32),
-          0-d numpy arrays. Pass them to the jitted decode loop as arguments
-          (not closed-over constants), so changing them never recompiles.
-        """
-        return (np.asarray(self.temperature, np.float32),
-                np.asarray(self.top_k, np.int32),
-                np.asarray(self.top_p, np.float32),
-                np.asarray(self.min_p, np.float32))
-
     def bias_vector(self, size: int) -> np.ndarray:
         """`logit_bias` as a dense `[size]` float32 vector (0 elsewhere).
 

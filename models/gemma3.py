@@ -175,11 +175,6 @@ def layer_pattern(n_layers: int, window: int, period: int = 6) -> tuple[int | No
     return tuple(None if (l + 1) % period == 0 else int(window) for l in range(n_layers))
 
 
-def layer_window(cfg: Gemma3Config, l: int) -> int | None:
-    """Layer l's sliding window (tokens) or None for a global layer."""
-    return cfg.layer_windows[l]
-
-
 # ---------------------------------------------------------------------------
 # Parameters
 

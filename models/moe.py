@@ -69,7 +69,6 @@ from jax import custom_batching
 IMPLS = ("auto", "gather", "sorted", "dense", "loop")
 
 
-
 def choose_impl(tokens: int, n_experts: int, k: int) -> str:
     """The expert-compute implementation for a call of `tokens` tokens (static).
 
@@ -99,10 +98,6 @@ def route(logits: jax.Array, k: int, norm_topk: bool):
     if norm_topk:
         w = w / jnp.sum(w, axis=-1, keepdims=True)
     return w, idx.astype(jnp.int32)
-
-
-def _swiglu(h, wg, wu, wd):
-    return (jax.nn.silu(h @ wg) * (h @ wu)) @ wd
 
 
 def expert_mix(h, w, idx, wg, wu, wd, impl: str = "auto"):

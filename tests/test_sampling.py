@@ -469,9 +469,10 @@ def test_new_filter_values_do_not_recompile():
     keys = jax.random.split(jax.random.key(0), 3)
     for params in [(1.0, 0, 1.0, 0.0), (0.0, 3, 0.5, 0.1), (0.7, 9, 0.95, 0.0),
                    (2.0, 1, 0.2, 0.9)]:
-        jax.block_until_ready(step(logits, keys, *SamplingParams(
-            temperature=params[0], top_k=params[1], top_p=params[2],
-            min_p=params[3]).choice_args()))
+        sp = SamplingParams(temperature=params[0], top_k=params[1], top_p=params[2],
+                            min_p=params[3])
+        jax.block_until_ready(step(logits, keys, np.float32(sp.temperature), np.int32(sp.top_k),
+                                   np.float32(sp.top_p), np.float32(sp.min_p)))
     assert len(traces) == 1
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import jaxsample
 from jaxsample import SamplingParams
-from jaxsample.engine import api, stops
+from jaxsample.engine import stops
 from jaxsample.progress import PREFIX, Progress
 from jaxsample.models.tokenizer import ByteTokenizer
 
@@ -143,7 +143,7 @@ def _simulate(tokenizer, toks, cuts, stop):
         if hit:
             end = t1
             break
-    final, _ = api.branch_text(tokenizer, np.asarray(toks[:end] + [257]), end, False, stop)
+    final, _ = stops.cut(tokenizer, [int(t) for t in toks[:end]], stop, 0)
     rest, ok = text.finish(final)
     assert ok
     return streamed + rest, final

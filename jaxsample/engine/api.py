@@ -281,14 +281,6 @@ def chunks(session: Session, rnd: Round, chunk_size: int, compact: bool | None,
                 observer.close()
 
 
-def branch_text(tokenizer, tokens, length, stopped, stop_strings, min_tokens: int = 0):
-    """(text, kept tokens or None) of one branch: its tokens without a final stop
-    token, decoded and cut before the first stop string (see `stops.cut`)."""
-    L = int(length)
-    body = [int(t) for t in (tokens[:L - 1] if stopped else tokens[:L])]
-    return stops_lib.cut(tokenizer, body, stop_strings, min_tokens)
-
-
 def text_tokenizer(session: Session, b: int = 0):
     """What prompt b's branch text is decoded with: the model's tokenizer, keeping
     special tokens' text when its `skip_special_tokens` is False."""

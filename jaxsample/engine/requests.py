@@ -177,11 +177,6 @@ class RunBill:
     def requests_per_second(self) -> float:
         return self.requests / self.seconds if self.seconds else 0.0
 
-    @property
-    def batch_slot_utilisation(self) -> float:
-        """decoded_tokens / batch_branch_steps: the batch-by-batch loop's utilisation."""
-        return self.decoded_tokens / self.batch_branch_steps if self.batch_branch_steps else 0.0
-
 
 def batch_branch_steps(lengths, rows: int, slots: int) -> int:
     """Slots x steps of the batch-by-batch loop at the pool's shape.
