@@ -384,13 +384,13 @@ def test_a_budget_makes_the_request_a_pool_with_the_same_tokens(tiny_lm, refs):
 
 
 def test_run_requests_yields_each_request_tagged_with_its_id(tiny_lm, refs):
-    from jaxsample.engine.requests import Request, run_requests
+    from jaxsample.engine.requests import Request, run_pool
 
     # Requests without their own seed draw from the run's seed and their position
     # (the refs' keys); one with its own seed would draw from (seed, branch) alone.
     reqs = [Request(id=f"q{b}", prompt=p, params=_params(seed=None)) for b, p in enumerate(PROMPTS)]
     seen = {}
-    run = run_requests(tiny_lm, reqs, max_kv_bytes=None, chunk_size=2, seed=_params().seed)
+    run = run_pool(tiny_lm, reqs, max_kv_bytes=None, chunk_size=2, seed=_params().seed)
     for res in run:
         assert res.output.request_id == res.id == f"q{res.index}"
         seen[res.id] = res
@@ -419,11 +419,11 @@ def test_run_requests_yields_each_request_tagged_with_its_id(tiny_lm, refs):
     ([{"id": "a", "prompt": "x", "params": {"n": 2}}], "SamplingParams"),
     ([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": ""}], r"request 1 \('b'\): prompt 0 is empty")])
 def test_requests_are_validated_before_any_compute(tiny_lm, bad, match):
-    from jaxsample.engine.requests import run_requests
+    from jaxsample.engine.requests import run_pool
 
     before = engine.PROGRAMS.compilations
     with pytest.raises(InputError, match=match):
-        list(run_requests(tiny_lm, bad))
+        list(run_pool(tiny_lm, bad))
     assert engine.PROGRAMS.compilations == before
 
 

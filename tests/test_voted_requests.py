@@ -2,7 +2,7 @@
 vote, plain requests through the pool and adaptive ones through
 `adaptive_self_consistency`.
 
-Oracles: the same request run alone at its global index (`engine.run_requests`
+Oracles: the same request run alone at its global index (`engine.run_pool`
 for plain requests, `adaptive_self_consistency(prompt_index_offset=i)` for
 adaptive ones: the same programs, so the same draws), and `self_consistency`
 on the request's own Generation for the vote.
@@ -33,7 +33,7 @@ def test_plain_requests_carry_the_vote_of_their_own_branches(tiny_lm):
             for i, p in enumerate(["one", "two two", "three"])]
     got = {r.id: r for r in jaxsample.run_requests(tiny_lm, reqs, index_offset=5)}
     assert sorted(got) == ["p0", "p1", "p2"]
-    alone = {r.id: r for r in engine.run_requests(tiny_lm, reqs, index_offset=5)}
+    alone = {r.id: r for r in engine.run_pool(tiny_lm, reqs, index_offset=5)}
     for rid, res in got.items():
         assert res.index == alone[rid].index == 5 + int(rid[1])
         np.testing.assert_array_equal(res.generation.tokens, alone[rid].generation.tokens)
@@ -89,7 +89,7 @@ def test_bad_requests_are_refused_before_any_compute(tiny_lm, bad, match):
 
 def test_the_engine_refuses_adaptive_requests(tiny_lm):
     with pytest.raises(InputError, match="jaxsample.run_requests"):
-        engine.run_requests(tiny_lm, [Request(id="a", prompt="x", adaptive=ADAPTIVE)])
+        engine.run_pool(tiny_lm, [Request(id="a", prompt="x", adaptive=ADAPTIVE)])
 
 
 def test_options_are_the_adaptive_functions_keywords():
@@ -156,11 +156,11 @@ def test_a_pool_the_budget_cannot_hold_is_refused_before_anything_runs(tiny_lm):
         budget.plan_params(cfg, long, B=1, p_cap=p_cap, budget=kv)
     before = engine.PROGRAMS.compilations
     with pytest.raises(InputError, match=r"^max_kv_bytes=.*max_new_tokens bucket 256"):
-        engine.run_requests(tiny_lm, reqs, max_kv_bytes=kv)
+        engine.run_pool(tiny_lm, reqs, max_kv_bytes=kv)
     stretches = [reqs[0], Request(id="ad", prompt="x", params=PARAMS, adaptive=ADAPTIVE),
                  reqs[1]]
     with pytest.raises(InputError, match=r"^requests 2-2 \(from 'b', their pool\): max_kv_bytes="):
         jaxsample.run_requests(tiny_lm, stretches, max_kv_bytes=kv)
     assert engine.PROGRAMS.compilations == before
     # The first alone runs in that budget.
-    assert [r.id for r in engine.run_requests(tiny_lm, reqs[:1], max_kv_bytes=kv)] == ["a"]
+    assert [r.id for r in engine.run_pool(tiny_lm, reqs[:1], max_kv_bytes=kv)] == ["a"]

@@ -9,7 +9,7 @@ written as it completes (issue 21, part 5).
   one strict JSON line, flushed and fsynced, so Ctrl-C (exit 130) or a crash
   keeps every finished line.
 - Without --adaptive or --shared-prefix, requests stream through the decode
-  pool (`engine.run_requests`) and are written in completion order; with
+  pool (`engine.run_pool`) and are written in completion order; with
   either, `run_requests` has no place for the adaptive rounds or the common
   context, so each call of consecutive equal-settings requests runs as without
   --out and its lines are written when the call ends.
@@ -255,7 +255,7 @@ def run_to_file(lm, cfg, args, requests, shared, results, progress, *, t_start, 
 
 def _stream(lm, cfg, args, run, progress, batch_of, write, t_start, t_load, app_lib):
     """One `run_requests` call over consecutive requests; each written as it completes."""
-    from jaxsample.engine.requests import Request, run_requests
+    from jaxsample.engine.requests import Request, run_pool
 
     by_id = {out_id(r): r for r in run}
     # The run's seed is the engine's: a request with the run's seed draws from (seed, its
@@ -264,7 +264,7 @@ def _stream(lm, cfg, args, run, progress, batch_of, write, t_start, t_load, app_
     own = lambda sp: sp if sp.seed != seed else sp.replace(seed=None)
     reqs = [Request(id=out_id(r), prompt=render(lm.tokenizer, r, cfg.chat),
                     params=own(r.sampling)) for r in run]
-    stream = run_requests(lm, reqs, max_kv_bytes=args.kv_budget,
+    stream = run_pool(lm, reqs, max_kv_bytes=args.kv_budget,
                           mesh=app_lib.make_mesh(cfg.mesh, run[0].sampling.n),
                           index_offset=run[0].index, progress=progress or False, seed=seed)
     for res in stream:

@@ -42,7 +42,7 @@ Data flow of one request, one file per stage:
                 and the host loop it shares with stream.py
     stream.py   stream(): the same loop, yielding text deltas per (prompt,
                 branch) after each chunk, then the Generation
-    requests.py run_requests: many requests in, each result out as soon as it
+    requests.py run_pool: many requests in one pool, each result out as soon as it
                 completes, with the bill of the run (RunBill)
     shard_requests.py  one process's contiguous share of the requests under
                 jax.distributed, its global positions (keys) kept
@@ -60,7 +60,7 @@ of benchmarks and the oracle of tests.
 """
 
 from jaxsample.engine.api import STOP_CHUNK, finish, generate
-from jaxsample.engine.requests import Request, RequestResult, RunBill, run_requests
+from jaxsample.engine.requests import Request, RequestResult, RunBill, run_pool
 from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
 from jaxsample.engine.prefill import prefill
 from jaxsample.engine.round import Round
@@ -76,4 +76,4 @@ from jaxsample.engine.step import branch_step
 # library's own modules, benchmarks and tests, but are not the public API.
 __all__ = ["generate", "stream", "StreamEvent", "TextDelta", "finish", "Session", "Round",
            "PrefixCache", "ContextCache", "DecodeState", "Knobs", "Static", "Request",
-           "RequestResult", "RunBill", "run_requests"]
+           "RequestResult", "RunBill", "run_pool"]

@@ -1,5 +1,5 @@
-"""Many requests in, each result out as soon as it completes: `run_requests`
-over one decode pool (`engine.round.Round`) whatever their settings, with the
+"""Many requests in, each result out as soon as it completes: `run_pool` (the
+plain requests of `jaxsample.run_requests`, the one public entry) over one decode pool (`engine.round.Round`) whatever their settings, with the
 bill of the run.
 
 Every request carries its own SamplingParams into the one pool: n and
@@ -36,7 +36,7 @@ from jaxsample.sampling_params import SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request of `run_requests`.
+    """One request of `jaxsample.run_requests` (and `LLM.run`).
 
     Attributes:
       id: a string naming it (unique in a call); results are tagged with it.
@@ -47,7 +47,7 @@ class Request:
       adaptive: None, or a dict of `adaptive_self_consistency`'s rule options
         (`jaxsample.reduce.adaptive.OPTIONS`: max_n, window, rule, ...): the
         request is then adaptive self-consistency, run by
-        `jaxsample.run_requests` (`reduce.requests`); `engine.run_requests`
+        `jaxsample.run_requests` (`reduce.requests`); `engine.run_pool`
         refuses it.
       extract: how `jaxsample.run_requests` maps a branch's text to the answer
         it votes for (an `answers.extract` kind or a callable).
@@ -63,7 +63,7 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class RequestResult:
-    """What `run_requests` yields for one request.
+    """What `jaxsample.run_requests` yields for one request.
 
     Attributes:
       id: the request's id.
@@ -71,9 +71,9 @@ class RequestResult:
       generation: a one-prompt `Generation` (tokens `[1, n, T]`, texts, bill:
         its decoded tokens are its own; `decode_steps`, `branch_steps` and the
         KV bytes are the pool's, up to the chunk it completed in).
-      index: the request's position in the input (plus `run_requests`'s
+      index: the request's position in the input (plus `run_pool`'s
         `index_offset`: its global position).
-      vote: None from `engine.run_requests`; from `jaxsample.run_requests` a
+      vote: None from `engine.run_pool`; from `jaxsample.run_requests` a
         `reduce.requests.RequestVote` (the self-consistency vote).
       adaptive: None, or (an adaptive request of `jaxsample.run_requests`) the
         `AdaptiveResult` of its group (consecutive adaptive requests with equal
@@ -213,7 +213,7 @@ class RequestRun:
         return next(self._it)
 
 
-def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: int | None = None,
+def run_pool(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: int | None = None,
                  mesh=None, index_offset: int = 0, progress=False, seed: int | None = None,
                  max_rows: int | None = None, max_slots: int | None = None) -> RequestRun:
     """Run many requests through one decode pool; yield each result as it completes.
@@ -258,7 +258,7 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
         if r.adaptive is not None:
             raise InputError(f"request {i} ({r.id!r}): an adaptive request runs in "
                              f"jaxsample.run_requests (jaxsample.reduce.requests), not "
-                             f"engine.run_requests")
+                             f"engine.run_pool")
     session = open_pool(lm, reqs, encode_requests(lm, reqs), max_kv_bytes=max_kv_bytes,
                         mesh=mesh, index_offset=index_offset, progress=progress, seed=seed)
     return pool_results(session, reqs, chunk_size=chunk_size, index_offset=index_offset,

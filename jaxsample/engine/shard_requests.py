@@ -103,4 +103,4 @@ def run_share(lm, share: Share, **kwargs) -> requests_lib.RequestRun:
       kwargs: `max_kv_bytes`, `chunk_size`, `mesh` (a mesh over this process's
         own devices: the processes run independently).
     """
-    return requests_lib.run_requests(lm, share.requests, index_offset=share.start, **kwargs)
+    return requests_lib.run_pool(lm, share.requests, index_offset=share.start, **kwargs)

@@ -2,7 +2,7 @@
 decode pool, each request's self-consistency vote, and adaptive rules per
 request.
 
-`engine.run_requests` streams each request's `RequestOutput` as its branches
+`engine.run_pool` streams each request's `RequestOutput` as its branches
 finish; this adds, per request, the vote over its branches' answers (Wang et
 al. 2022, arXiv 2203.11171: `self_consistency`) and runs a request with an
 `adaptive` rule through `adaptive_self_consistency` (ESC, Beta, Dirichlet,
