@@ -9,8 +9,6 @@ chunk ends, so refills and compaction never lose or move them.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +19,6 @@ from jaxsample.engine.placement import kv_bytes, to_host
 from jaxsample.engine.prefill import take_rows
 from jaxsample.engine.state import Static, slot_bucket
 from jaxsample.sharding import BRANCH_AXIS
-
-if TYPE_CHECKING:
-    from jaxsample.engine.session import Session
-
 
 COMPACT_FRACTION = 0.75  # compact when the live slots fit in buckets this much smaller
 
@@ -55,12 +49,18 @@ class Round(PoolSchedule):
       float32 (entropy, self-certainty, top-2 margin) with
       `SamplingParams.signals`, else None.
 
+    Args:
+      session: the `session.Session` whose prefilled rows the round decodes
+        (not annotated: session.py builds rounds, so an annotation would make
+        an import cycle).
+      rows, branch_ids, max_rows, max_slots, lockstep: as `Session.round`.
+
     Raises:
       ValueError: `slots` smaller than a prompt's branches with `lockstep`, or
         `branch_ids` not `[R, N]`.
     """
 
-    def __init__(self, session: Session, rows: list[int], branch_ids: np.ndarray,
+    def __init__(self, session, rows: list[int], branch_ids: np.ndarray,
                  max_rows: int | None = None, max_slots: int | None = None,
                  lockstep: bool = False):
         s = session
