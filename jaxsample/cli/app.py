@@ -218,7 +218,7 @@ def _run(args) -> int:
                              weights=cfg.model.weights)
     except BaseException:
         if results is not None:
-            results.close()
+            results.close(failed=True)
         raise
     # One figure, said twice: the header and tokenizer read first, then the weights.
     t_load = t_meta + time.perf_counter() - t0
