@@ -600,3 +600,39 @@ def test_a_full_disk_is_one_line_naming_the_out_path(tmp_path):
                               + FLAGS)
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("jaxsample: error: /dev/full: No space left on device"), err
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('{"id": "a", "prompt": "hi \\udfff there"}', "prompt holds a lone surrogate ('\\udfff' at "
+                                                  "character 3)"),
+    ('{"id": "\\ud800", "prompt": "hi"}', "id holds a lone surrogate"),
+    ('{"messages": [{"role": "user", "content": "a\\udc00"}]}', "messages[0].content holds"),
+    ('{"messages": [{"role": "\\ud800x", "content": "a"}]}', "messages[0].role holds"),
+    ('{"prompt": "x", "stop": ["ok", "\\udc80"]}', "stop[1] holds"),
+    ('{"prompt": "x", "\\udc80": 1}', "the key '\\udc80' holds"),
+])
+def test_a_lone_surrogate_in_a_request_line_is_refused_with_the_line(
+        capsys, monkeypatch, tmp_path, line, needle):
+    """A lone surrogate (an unpaired \\u escape) anywhere in a request line is refused
+    naming the line and the item, before any load, and no out file is created."""
+    _no_load(monkeypatch)
+    reqs = tmp_path / "in.jsonl"
+    reqs.write_text('{"prompt": "fine", "id": "ok"}\n' + line + "\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out)] + FLAGS)
+    stdout, err = capsys.readouterr()
+    assert code == 2 and stdout == "" and err.count("\n") == 1, err
+    assert f"{reqs} line 2: " in err and needle in err, err
+    assert not out.exists()
+
+
+def test_a_lone_surrogate_in_a_flag_is_refused(capsys, monkeypatch):
+    """Bytes that are not UTF-8 in an argument reach Python as lone surrogates."""
+    _no_load(monkeypatch)
+    for argv, needle in ((["--prompt", "hi \udcff"], "--prompt: the prompt holds a lone"),
+                         (["--prompt", "hi", "--stop", "\udcff"], "--stop"),
+                         (["--prompt", "hi", "--shared-prefix", "a\udcff"],
+                          "--shared-prefix: the shared prefix holds")):
+        code = cli.main(["run", "--model", TINY_GGUF] + argv)
+        stdout, err = capsys.readouterr()
+        assert code == 2 and stdout == "" and err.count("\n") == 1 and needle in err, err
