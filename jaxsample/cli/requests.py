@@ -320,6 +320,27 @@ def check_kv_budget(model_cfg, tokenizer, requests: list[Request], chat: bool,
             raise InputError(f"{where}: --kv-budget {str(e).replace('max_kv_bytes=', '')}") from None
 
 
+def check_results(requests: list[Request], streamed: bool) -> None:
+    """Each call's results against host memory (`engine.budget.check_results_fit`, as
+    the engine checks them), before any weight is read: one request at a time when
+    `streamed` (`--out` through `run_requests`), else each call of consecutive
+    equal-settings requests (`group_requests`), whose results are held together.
+
+    Raises:
+      InputError: naming the line (or --n), with the numbers.
+    """
+    from jaxsample.engine import budget
+
+    for group in ([[r] for r in requests] if streamed else group_requests(requests)):
+        sp = group[0].sampling
+        try:
+            budget.check_results_fit(len(group), sp.n, sp.max_new_tokens, sp.logprobs or 0,
+                                     sp.logprobs is not None, sp.signals)
+        except InputError as e:
+            where = group[0].where if " line " in group[0].where else "--n"
+            raise InputError(f"{where}: {e}") from None
+
+
 def check_adaptive(args) -> None:
     """The ranges `adaptive_self_consistency` checks, before the model loads.
 
