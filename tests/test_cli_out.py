@@ -478,6 +478,8 @@ FORGERIES = (["stub", "partial"]
                 "result.share:\"1\"", "result.branch:5", "result.answer:drop",
                 "bill.decoded_tokens_total:drop", "bill.n:\"2\"", "timings.total:null",
                 "usage.kept_tokens:1", "usage.prompt_tokens:-1", "batch.requests:[]",
+                "result.share:1.5", "result.support:-1", "branches.0.finish_reason:\"done\"",
+                "timings.load:-1", "usage.decoded_tokens:0",
                 "index:5", "params.n:3", "params.seed:99", "prompt:\"other\"", "messages:extra",
                 "params.extra:extra", "model:\"other\"", "weights:\"int8\""])
 
@@ -636,3 +638,22 @@ def test_a_lone_surrogate_in_a_flag_is_refused(capsys, monkeypatch):
         code = cli.main(["run", "--model", TINY_GGUF] + argv)
         stdout, err = capsys.readouterr()
         assert code == 2 and stdout == "" and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("flags", [
+    ["--logprobs", "2"], ["--logprobs", "0"], ["--reduce", "best"], ["--reduce", "none"],
+    ["--select", "self-certainty"], ["--adaptive", "esc", "--max-n", "4", "--window", "2"],
+    ["--shared-prefix", "Context: x y z.", "--no-chat"], ["--stop", "a", "--seed", "5"]])
+def test_every_kind_of_line_the_writer_writes_is_kept_by_resume(capsys, tmp_path, flags):
+    """The schema follows the writer: a finished file of each kind of run (logprobs,
+    reducers, selection signals, adaptive, shared prefix, chat messages) resumes with
+    nothing to run."""
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE[:2] + [
+        {"messages": [{"role": "user", "content": "hello"}], "id": "chat"}])
+    out = tmp_path / "out.jsonl"
+    argv = ["run", "--prompt-file", str(reqs), "--out", str(out)] + FLAGS + flags
+    assert cli.main(argv + ["-q"]) == 0, capsys.readouterr().err
+    text = out.read_bytes()
+    assert cli.main(argv + ["--resume"]) == 0
+    assert "all 3 requests are in" in capsys.readouterr().err
+    assert out.read_bytes() == text

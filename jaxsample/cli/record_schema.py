@@ -37,6 +37,7 @@ RESULT_FIELDS = {
     "adaptive": ("answer", "share", "support", "branch", "n_used", "terminated", "adaptive",
                  "saving"),
 }
+FINISH_REASONS = ("stop", "length", "terminated")  # "terminated": an adaptive rule's
 TIMINGS = ("load", "compile", "prefill", "decode", "total")
 USAGE = ("prompt_tokens", "decoded_tokens", "kept_tokens")
 BATCH = ("index", "requests")
@@ -74,9 +75,13 @@ def _int(v, where: str, lo: int = 0, hi: int | None = None) -> int:
     return v
 
 
-def _number(v, where: str, null: bool = True) -> None:
-    if not (_is_number(v) or (null and v is None)):
-        raise _Bad(f"{where} must be a number{' or null' if null else ''}, got {short_repr(v, 60)}")
+def _number(v, where: str, null: bool = True, lo: float | None = None,
+            hi: float | None = None) -> None:
+    ok = _is_number(v) and (lo is None or v >= lo) and (hi is None or v <= hi)
+    if not (ok or (null and v is None)):
+        span = "" if lo is None else f" in [{lo:g}, {hi:g}]" if hi is not None else f" >= {lo:g}"
+        raise _Bad(f"{where} must be a number{span}{' or null' if null else ''}, got "
+                   f"{short_repr(v, 60)}")
 
 
 def _str(v, where: str, null: bool = False) -> None:
@@ -99,7 +104,9 @@ def _branch(b, where: str, T: int, k: int | None) -> None:
     _str(b["answer"], f"{where}.answer", null=True)
     L = _int(b["tokens"], f"{where}.tokens", 0, T)
     _number(b["mean_logprob"], f"{where}.mean_logprob")
-    _str(b["finish_reason"], f"{where}.finish_reason")
+    if b["finish_reason"] not in FINISH_REASONS:
+        raise _Bad(f"{where}.finish_reason must be one of {list(FINISH_REASONS)}, got "
+                   f"{short_repr(b['finish_reason'], 60)}")
     if k is None:
         return
     for t, x in enumerate(_list(b["token_ids"], f"{where}.token_ids", L)):
@@ -168,9 +175,9 @@ def _schema(obj: dict, adaptive: bool, max_n: int | None) -> None:
         result.get("branch") is not None else ()
     _fields(result, "result", RESULT_FIELDS[kind], optional)
     _str(result["answer"], "result.answer", null=True)
-    _number(result["share"], "result.share")
+    _number(result["share"], "result.share", lo=0, hi=1)
     if "support" in result:
-        _number(result["support"], "result.support")
+        _number(result["support"], "result.support", lo=0)
     if "score" in result:
         _number(result["score"], "result.score")
     if result["branch"] is not None:
@@ -185,14 +192,17 @@ def _schema(obj: dict, adaptive: bool, max_n: int | None) -> None:
     _numbers(obj["bill"], "bill", [f.name for f in dataclasses.fields(Bill)])
     _fields(obj["timings"], "timings", TIMINGS)
     for name in TIMINGS:
-        _number(obj["timings"][name], f"timings.{name}", null=False)
+        _number(obj["timings"][name], f"timings.{name}", null=False, lo=0)
     _fields(obj["usage"], "usage", USAGE)
     for name in USAGE:
         _int(obj["usage"][name], f"usage.{name}")
-    kept = sum(b["tokens"] for b in branches)
-    if not adaptive and obj["usage"]["kept_tokens"] != kept:
+    usage, kept = obj["usage"], sum(b["tokens"] for b in branches)
+    if not adaptive and usage["kept_tokens"] != kept:
         raise _Bad(f"usage.kept_tokens must be the branches' tokens ({kept}), got "
-                   f"{obj['usage']['kept_tokens']}")
+                   f"{usage['kept_tokens']}")
+    if usage["decoded_tokens"] < usage["kept_tokens"]:
+        raise _Bad(f"usage.decoded_tokens ({usage['decoded_tokens']}) must be at least "
+                   f"usage.kept_tokens ({usage['kept_tokens']})")
     _fields(obj["batch"], "batch", BATCH)
     _int(obj["batch"]["index"], "batch.index")
     members = _list(obj["batch"]["requests"], "batch.requests")

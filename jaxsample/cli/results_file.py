@@ -88,6 +88,26 @@ def lock_holder(fd: int) -> str | None:
     return None
 
 
+def writer_of(path) -> str | None:
+    """Whether a run is writing `path` now (holds its lock): its pid ("unknown" where
+    /proc/locks cannot say), or None (no writer, or no such file)."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None
+        return lock_holder(fd) or "unknown"
+    finally:
+        os.close(fd)  # (a shared lock taken here goes with it)
+
+
 def _open_locked(path: str) -> tuple[int, bool]:
     """(fd, created): `path` opened for appending (created if missing) and locked.
 
