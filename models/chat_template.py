@@ -22,9 +22,10 @@ bounds, so that no template can hang a run or exhaust its memory:
 * recursion: macros and recursive loops nest at most `MAX_DEPTH` calls deep;
 * the source: at most `SOURCE_LIMIT` characters.
 
-`lipsum` and the filters that scan text with quadratic worst cases
-(`striptags`, `urlize`) are not offered; `sum` adds numbers only (adding lists
-copies them each time). Anything a template does wrong, or past a bound, is a
+`lipsum` and the filters whose Python code can take minutes on one long text
+(`striptags`, `urlize`: quadratic regular expressions; `wordwrap`: textwrap at
+width 1) are not offered; `sum` adds numbers only (adding lists copies them
+each time). Anything a template does wrong, or past a bound, is a
 `TemplateFailure` (what happened, one line), which the tokenizer reports as a
 `ModelLoadError` naming the file.
 
@@ -155,10 +156,12 @@ def _materialize(value):
     items, so its size can be priced before a call consumes it; anything else as is."""
     if not hasattr(value, "__next__"):
         return value
-    items = []
+    budget, items, size = _budget(), [], 0
     for x in bounded_iter(value):
-        if len(items) >= MAX_RANGE:
-            raise TemplateFailure(f"an iterable has more than {MAX_RANGE} items")
+        size += printed_size(x, budget.limit) + 2
+        if len(items) >= MAX_RANGE or size > budget.limit:
+            raise TemplateFailure(f"an iterable has more than {MAX_RANGE} items or "
+                                  f"{budget.limit:,} characters")
         items.append(x)
     return items
 
@@ -355,7 +358,7 @@ class _Rewrite(jinja2.visitor.NodeTransformer):
 def _environment() -> BoundedSandbox:
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, finalize=_finalize,
                          extensions=["jinja2.ext.loopcontrols"])
-    for name in ("striptags", "urlize"):
+    for name in ("striptags", "urlize", "wordwrap"):
         env.filters.pop(name, None)
     env.filters["tojson"] = _tojson
     env.filters["sum"] = _sum

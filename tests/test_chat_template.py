@@ -75,6 +75,8 @@ HOSTILE = {
                          "{% endmacro %}{{ f(40) }}",
     "deep nesting": "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
     "quadratic regex filter": "{{ ('<' * 100000)|striptags }}",
+    "wordwrap at width 1": "{{ ('a' * 1000000)|wordwrap(1) }}",
+    "a long list built lazily": "{{ range(60000)|map('center', 60000)|list|length }}",
     "sum of lists": "{{ [[1]] * 50000|sum(start=[]) }}",
     "syntax error": "{% for %}",
     "a sandbox escape": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
