@@ -14,6 +14,7 @@ import pytest
 
 from jaxsample import cli
 from helpers import main_captured as _main
+from helpers import results_file_held
 
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
 FLAGS = ["--model", TINY_GGUF, "--n", "2", "--max-new-tokens", "6", "--temperature", "0.8"]
@@ -532,15 +533,6 @@ def test_resume_accepts_a_byte_order_mark_and_a_trailing_blank_line(capsys, monk
     assert out.read_bytes() == text
 
 
-_HOLD = """
-import sys
-from jaxsample.cli.results_file import ResultsFile
-f = ResultsFile(sys.argv[1], resume=True)
-print("locked", flush=True)
-sys.stdin.read()
-"""
-
-
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_second_run_on_a_held_out_file_is_refused_with_the_holders_pid(
         capsys, monkeypatch, tmp_path, three_done, resume):
@@ -552,17 +544,12 @@ def test_a_second_run_on_a_held_out_file_is_refused_with_the_holders_pid(
     out = tmp_path / "out.jsonl"
     text = three_done[0]
     out.write_bytes(text)
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "locked\n"
+    with results_file_held(out) as pid:
         code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out)]
                         + (["--resume"] if resume else []) + FLAGS)
         stdout, err = capsys.readouterr()
-    finally:
-        holder.communicate(timeout=60)
     assert code == 2 and stdout == "" and err.count("\n") == 1, err
-    assert f"{out} is being written by another run (pid {holder.pid})" in err, err
+    assert f"{out} is being written by another run (pid {pid})" in err, err
     assert out.read_bytes() == text
 
 

@@ -14,6 +14,7 @@ import pytest
 from jaxsample.errors import InputError
 from jaxsample.cli.console import dumps
 from jaxsample.cli.results_file import ResultsFile
+from helpers import results_file_held
 
 
 def _lines(path):
@@ -135,41 +136,20 @@ def test_a_line_the_check_refuses_names_the_line_and_leaves_the_file(tmp_path):
     assert path.read_bytes() == text
 
 
-_HOLDER = """
-import sys
-from jaxsample.cli.results_file import ResultsFile
-f = ResultsFile(sys.argv[1], resume=True)
-f.write({"id": "held"})
-print("locked", flush=True)
-sys.stdin.read()  # hold the lock until the test closes stdin
-f.close()
-"""
-
-
 def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
     """A real second process holds the file: opening it (with or without resume, by
     another path to it) is refused at once naming the holder's pid, and the file is left
     byte for byte; once the holder ends, the file opens."""
-    import subprocess
-    import sys
-
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"id": "a"}\n{"id": "b", "to')  # a torn last line: not cut by a refusal
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "locked\n"
+    with results_file_held(path, write=True) as pid:
         before = path.read_bytes()
         link = tmp_path / "link.jsonl"
         link.symlink_to(path)
         for target, resume in ((path, True), (path, False), (link, True)):
-            with pytest.raises(InputError, match=rf"being written by another run \(pid "
-                                                 rf"{holder.pid}\)"):
+            with pytest.raises(InputError, match=rf"being written by another run \(pid {pid}\)"):
                 ResultsFile(target, resume=resume)
             assert path.read_bytes() == before
-    finally:
-        holder.communicate(timeout=60)
-    assert holder.returncode == 0
     with ResultsFile(path, resume=True) as out:  # the lock went with its holder
         assert out.done == {"a", "held"}
 
