@@ -458,7 +458,6 @@ class CheckpointTokenizer:
         if bos is None and model_cfg.get("bos_token_id") is not None:
             bos = (ids(model_cfg, "config.json", "bos_token_id") or [None])[0]
         eos = token_id("eos_token")
-        ids(model_cfg, "config.json", "pad_token_id")  # checked, as every special id
         stops = ([eos] if eos is not None else []) + ids(
             gen, "generation_config.json", "eos_token_id") + ids(model_cfg, "config.json",
                                                                  "eos_token_id")
