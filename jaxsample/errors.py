@@ -68,3 +68,14 @@ def short_repr(value, limit: int = QUOTE_LIMIT) -> str:
     except Exception:  # a repr that fails: say what it was  # noqa: BLE001
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in `text` (U+D800..U+DFFF not paired, as
+    JSON's `"\\udfff"` escape or undecodable bytes read with `surrogateescape` give),
+    or None when `text` is Unicode text that UTF-8 can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None

@@ -211,10 +211,16 @@ def _file_name(path: pathlib.Path) -> str:
 
 
 def _resolve(name_or_path) -> tuple[pathlib.Path, str | None]:
-    if name_or_path is None or str(name_or_path).lower() in registry.EMBEDDED_MODELS:
-        name = registry.DEFAULT_MODEL if name_or_path is None else str(name_or_path).lower()
+    """(the checkpoint's path, its table name or None): a loadable name of the one name
+    table (`registry.canonical_name`: aliases resolved), else a path (a name `price`
+    alone knows is refused by `registry.embedded_path` unless such a path exists)."""
+    name = registry.DEFAULT_MODEL if name_or_path is None else registry.canonical_name(
+        name_or_path)
+    if name in registry.EMBEDDED_MODELS:
         return registry.embedded_path(name), name
     path = pathlib.Path(name_or_path).expanduser()
+    if not path.exists() and name is not None:
+        registry.embedded_path(name)  # raises: a published shape, no weights
     if not path.exists() and isinstance(name_or_path, str) and _HUB_ID.fullmatch(name_or_path):
         snapshot = _hub_snapshot(name_or_path)
         if snapshot is not None:
@@ -227,7 +233,8 @@ def _resolve(name_or_path) -> tuple[pathlib.Path, str | None]:
     if not path.exists():
         raise ModelLoadError(
             f"{path}: no such file or directory, and not a known model name; known names: "
-            f"{registry.known_names()} (or pass a .gguf file or a Hugging Face model directory)")
+            f"{registry.describe_names()} (or pass a .gguf file or a Hugging Face model "
+            "directory)")
     return path.resolve(), None
 
 
@@ -310,8 +317,8 @@ def _is_gguf(p: pathlib.Path) -> bool:
 
 def _not_a_checkpoint(p: pathlib.Path) -> str:
     return (f"{p}: neither a .gguf file nor a Hugging Face model directory "
-            f"(config.json + *.safetensors + tokenizer.json); known names: "
-            f"{registry.known_names()}")
+            f"(config.json + *.safetensors + tokenizer.json); "
+            f"known names: {registry.describe_names()}")
 
 
 def _cache_key(p: pathlib.Path, base: pathlib.Path | None):

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxsample.errors import ConfigError, ForeignArgumentError, short_repr
+from jaxsample.errors import ConfigError, ForeignArgumentError, lone_surrogate, short_repr
 
 _SEED_LIMIT = 2**32
 
@@ -285,8 +285,9 @@ class SamplingParams:
         if not isinstance(stop, Sequence):
             fail("stop", "a sequence of non-empty strings", self.stop)
         for s in stop:
-            if not isinstance(s, str) or not s:
-                fail("stop", "a sequence of non-empty strings", self.stop)
+            if not isinstance(s, str) or not s or lone_surrogate(s) is not None:
+                fail("stop", "a sequence of non-empty strings of Unicode text (no lone "
+                     "surrogate)", self.stop)
         set_("stop", tuple(stop))
 
         for name in ("logprobs", "prompt_logprobs"):

@@ -9,6 +9,8 @@ one line: what, the rule, and the value found. The rules:
     length >= 0       an integer in [0, 2**31 - 1] (`minimum=0`)
     positive float    a finite number > 0 (ints are accepted, bools are not)
     string / bool     exactly that JSON / GGUF type
+    token id          an integer in [0, n), n the vocabulary's tokens (a stop id
+                      that can never be sampled, a pad id past the embedding)
 
 They exist so that an impossible file (a head count of 0, a NaN RoPE base,
 a negative RMSNorm epsilon) is refused at load time, never turned into a
@@ -78,3 +80,12 @@ def bool_value(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
         raise ModelLoadError(f"{what} must be true or false, got {short_repr(value)}")
     return value
+
+
+def token_id(value: Any, n: int, what: str) -> int:
+    """A special token id (bos, eos, pad, ...) as an int in [0, n), `n` the vocabulary's
+    tokens, else ModelLoadError naming `what`."""
+    if not _is_int(value) or not 0 <= int(value) < n:
+        raise ModelLoadError(f"{what} = {short_repr(value)} is not a token id of the "
+                             f"{n}-token vocabulary")
+    return int(value)

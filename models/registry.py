@@ -104,29 +104,83 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel | AssembledModel] = {
 }
 
 
+# Short names: another spelling of a name above, for every command. SmolLM2-135M's base
+# and instruct models share one shape; the instruct one is the one that ships.
+ALIASES: dict[str, str] = {
+    "smollm2-135m": DEFAULT_MODEL,
+    "smollm2": DEFAULT_MODEL,
+    "gemma3": GEMMA3_270M,
+}
+
+# Published shapes (Llama-family `LlamaConfig` fields, from each model's Hugging Face
+# config.json), for `jaxsample price`, which needs no weights: the embedded models' and
+# a few that do not ship with jaxsample (priced only; `load` refuses them by name).
+PUBLISHED_SHAPES: dict[str, dict] = {
+    "tiny": dict(vocab_size=264, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                 ffn_dim=64, max_seq_len=512),
+    DEFAULT_MODEL: dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                        head_dim=64, ffn_dim=1536, max_seq_len=8192, rope_theta=100000.0),
+    "smollm2-360m": dict(vocab_size=49152, dim=960, n_layers=32, n_heads=15, n_kv_heads=5,
+                         head_dim=64, ffn_dim=2560, max_seq_len=8192, rope_theta=100000.0),
+    "qwen2.5-0.5b": dict(vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2,
+                         head_dim=64, ffn_dim=4864, max_seq_len=32768, rope_theta=1000000.0,
+                         qkv_bias=True, arch="qwen2"),
+    "llama-3.2-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                         head_dim=64, ffn_dim=8192, max_seq_len=131072, rope_theta=500000.0),
+    "llama-3.1-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         head_dim=128, ffn_dim=14336, max_seq_len=131072, rope_theta=500000.0,
+                         tie_embeddings=False),
+}
+
+
+def canonical_name(name: str) -> str | None:
+    """The table's name for `name` (any case, an alias resolved), or None when `name`
+    is not in the table (a path, then)."""
+    key = str(name).lower()
+    key = ALIASES.get(key, key)
+    return key if key in EMBEDDED_MODELS or key in PUBLISHED_SHAPES else None
+
+
 def known_names() -> list[str]:
-    """The names `jaxsample.load` accepts besides paths, sorted."""
-    return sorted(EMBEDDED_MODELS)
+    """The names `jaxsample.load` accepts besides paths (the embedded models and their
+    aliases), sorted."""
+    return sorted(set(EMBEDDED_MODELS) | {a for a, n in ALIASES.items() if n in EMBEDDED_MODELS})
+
+
+def describe_names() -> str:
+    """The name table for messages: each loadable name with its aliases, then the
+    shapes `price` knows besides."""
+    def spelled(n):
+        short = sorted(a for a, m in ALIASES.items() if m == n)
+        return n + (f" (or {', '.join(short)})" if short else "")
+
+    loadable = ", ".join(spelled(n) for n in sorted(EMBEDDED_MODELS))
+    priced = ", ".join(sorted(set(PUBLISHED_SHAPES) - set(EMBEDDED_MODELS)))
+    return f"{loadable}; for price only (published shapes, no weights): {priced}"
 
 
 def embedded_path(name: str = DEFAULT_MODEL) -> pathlib.Path:
     """The path of an embedded checkpoint file.
 
     Args:
-      name: a key of `EMBEDDED_MODELS` (case-insensitive).
+      name: a key of `EMBEDDED_MODELS` or an alias (`ALIASES`; case-insensitive).
     Returns:
       The absolute path of the file inside the installed distribution, or,
       for an `AssembledModel`, of the file its function assembled (the first
       call in a process assembles or verifies it; later calls are free).
     Raises:
-      ModelLoadError: the name is unknown, or a distribution (or its file)
+      ModelLoadError: the name is unknown or only a published shape (`PUBLISHED_SHAPES`,
+        for `price`), or a distribution (or its file)
         is not installed, or assembling fails; the message gives the exact
         install command.
     """
-    entry = EMBEDDED_MODELS.get(name.lower())
+    key = canonical_name(name)
+    entry = EMBEDDED_MODELS.get(key) if key is not None else None
     if entry is None:
-        raise ModelLoadError(f"unknown model name {name!r}; known names: {known_names()} "
-                             "(or pass a path to a .gguf file or a Hugging Face model directory)")
+        what = ("a published shape for `jaxsample price`; no weights of it ship with "
+                "jaxsample" if key is not None else "unknown model name")
+        raise ModelLoadError(f"{name!r}: {what}; known names: {describe_names()} (or pass a path "
+                             "to a .gguf file or a Hugging Face model directory)")
     if isinstance(entry, AssembledModel):
         target = _cache.models_dir() / entry.filename
         if not target.is_file():  # never assembled, or removed since (`jaxsample cache clear`)

@@ -15,22 +15,23 @@ Two sources:
   `generation_config.json` for extra stop ids).
 
 Chat templates are rendered with jinja2 the way `transformers` does
-(sandboxed, `trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`).
+(sandboxed, `trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`),
+as untrusted code within bounds of time, size and recursion
+(`models/chat_template.py`).
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import pathlib
 from typing import Any, Mapping, Sequence
 
-import jinja2
-import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-from jaxsample.errors import InputError, ModelLoadError, UnsupportedModelError
+from jaxsample.errors import InputError, ModelLoadError, UnsupportedModelError, lone_surrogate
+from jaxsample.models import chat_template as template_lib
+from jaxsample.models import checks
 
 # llama.cpp token types (gguf.TokenType).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -193,7 +194,8 @@ def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], source: str):
     vocab = {t: i for i, t in enumerate(tokens)}
     n = len(tokens)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < n else None
+    unk = None if unk_id is None else tokens[checks.token_id(
+        unk_id, n, f"{source}: tokenizer.ggml.unknown_token_id")]
     try:
         bpe = models.BPE(vocab=vocab, merges=sentencepiece_merges(vocab, priority), unk_token=unk,
                          fuse_unk=True, byte_fallback=True)
@@ -246,6 +248,10 @@ class CheckpointTokenizer:
         if not self.eos_token_ids:
             raise ModelLoadError(f"{source}: the tokenizer declares no end-of-sequence token")
         self.pad_token_id = int(pad_token_id) if pad_token_id is not None else self.eos_token_ids[0]
+        specials = [("bos_token_id", bos_token_id), ("pad_token_id", self.pad_token_id)]
+        for name, i in specials + [("eos_token_ids", i) for i in self.eos_token_ids]:
+            if i is not None:
+                checks.token_id(i, self.vocab_size, f"{source}: {name}")
         self.add_bos = bool(add_bos) and bos_token_id is not None
         self.chat_template = chat_template
         self.source = source
@@ -278,7 +284,17 @@ class CheckpointTokenizer:
 
         A BOS is prepended when the checkpoint asks for one (and the text
         does not already start with it, e.g. from a chat template).
+
+        Raises:
+          InputError: `text` is not a string, or holds a lone surrogate (not
+            Unicode text: `tokenizers` cannot take it).
         """
+        if not isinstance(text, str):
+            raise InputError(f"encode: text must be a string, got {type(text).__name__}")
+        at = lone_surrogate(text)
+        if at is not None:
+            raise InputError(f"encode: the text holds a lone surrogate ({text[at]!a} at "
+                             f"character {at}), which is not Unicode text")
         ids = self._tok.encode(text, add_special_tokens=self._use_post_processor).ids
         if self.add_bos and not self._use_post_processor and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
@@ -297,7 +313,9 @@ class CheckpointTokenizer:
             non-empty string "role" and a string "content" (the message names
             the first that is not).
           ModelLoadError: the checkpoint has no chat template, or the template
-            fails to render (the message names the source).
+            fails to compile or render, or goes past a bound of
+            `chat_template` (time, size, recursion): the message names the
+            source and what went wrong.
         """
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InputError(f"apply_chat_template: messages must be a non-empty list of "
@@ -311,14 +329,14 @@ class CheckpointTokenizer:
         if self.chat_template is None:
             raise ModelLoadError(f"{self.source}: the checkpoint has no chat template; "
                                  "pass raw prompts instead of messages")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template, self.source)
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+            if self._template is None:
+                self._template = template_lib.compile_template(self.chat_template)
+            return template_lib.render(
+                self._template, messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token)
-        except jinja2.TemplateError as e:
-            raise ModelLoadError(f"{self.source}: chat template failed: {e}") from e
+        except template_lib.TemplateFailure as e:
+            raise ModelLoadError(f"{self.source}: its chat template failed: {e}") from None
 
     def __repr__(self):
         return (f"CheckpointTokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
@@ -345,7 +363,8 @@ class CheckpointTokenizer:
             int, ids as int) and `general.architecture`.
           source: the file, for messages.
         Raises:
-          ModelLoadError: the vocabulary is missing or inconsistent.
+          ModelLoadError: the vocabulary is missing or inconsistent, or a special
+            token id (any `tokenizer.ggml.*_token_id`) is outside it (naming the key).
           UnsupportedModelError: a tokenizer model or pre-tokenizer we do not
             implement (only `"gpt2"` and `"llama"`).
         """
@@ -375,10 +394,13 @@ class CheckpointTokenizer:
         tok.add_tokens([a for a in added if not a.special])
 
         n = len(tokens)
+        for key in sorted(meta):  # every special token id, used here or not
+            if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+                checks.token_id(meta[key], n, f"{source}: {key}")
 
         def tid(key):
             v = meta.get(f"tokenizer.ggml.{key}")
-            return int(v) if v is not None and 0 <= int(v) < n else None
+            return None if v is None else int(v)
 
         bos, eos, pad = tid("bos_token_id"), tid("eos_token_id"), tid("padding_token_id")
         stops = [i for i in (eos, tid("eot_token_id"), tid("eom_token_id")) if i is not None]
@@ -397,8 +419,10 @@ class CheckpointTokenizer:
         """Build from a Hugging Face directory (tokenizer.json + tokenizer_config.json).
 
         Raises:
-          ModelLoadError: tokenizer.json is missing or unreadable, or a
-            special token named in tokenizer_config.json is not in it.
+          ModelLoadError: tokenizer.json is missing or unreadable, a special
+            token named in tokenizer_config.json is not in it, or a special token
+            id of config.json / generation_config.json is outside it (naming the
+            file and key).
         """
         path = pathlib.Path(path)
         tj = path / "tokenizer.json"
@@ -423,15 +447,20 @@ class CheckpointTokenizer:
                 raise ModelLoadError(f"{path / 'tokenizer_config.json'}: {key} {v!r} is not in tokenizer.json")
             return i
 
-        def ids(v):
-            return [] if v is None else [int(x) for x in (v if isinstance(v, list) else [v])]
+        n = int(tok.get_vocab_size(with_added_tokens=True))
+
+        def ids(cfg_, name, key):
+            v = cfg_.get(key)
+            return [] if v is None else [checks.token_id(x, n, f"{path / name}: {key}")
+                                         for x in (v if isinstance(v, list) else [v])]
 
         bos = token_id("bos_token")
         if bos is None and model_cfg.get("bos_token_id") is not None:
-            bos = ids(model_cfg["bos_token_id"])[0]
+            bos = (ids(model_cfg, "config.json", "bos_token_id") or [None])[0]
         eos = token_id("eos_token")
-        stops = ([eos] if eos is not None else []) + ids(gen.get("eos_token_id")) + ids(
-            model_cfg.get("eos_token_id"))
+        stops = ([eos] if eos is not None else []) + ids(
+            gen, "generation_config.json", "eos_token_id") + ids(model_cfg, "config.json",
+                                                                 "eos_token_id")
         specials = {a.content for a in tok.get_added_tokens_decoder().values() if a.special}
         stops += [tok.token_to_id(t) for t in _END_TOKENS if t in specials]
         template = cfg.get("chat_template")
@@ -452,27 +481,6 @@ def _read_json(path: pathlib.Path):
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: not valid JSON: {e}") from e
-
-
-def _compile_template(source_text: str, source: str) -> jinja2.Template:
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.datetime.now().strftime(fmt)
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-    try:
-        return env.from_string(source_text)
-    except jinja2.TemplateError as e:
-        raise ModelLoadError(f"{source}: chat template does not compile: {e}") from e
 
 
 class ByteTokenizer:

@@ -103,3 +103,36 @@ def replay_offline(pool, b, extract, *, max_n, window, rule, threshold=0.95, con
                 for n, c in enumerate(conf)]
     return stopping.replay(ans, max_n=max_n, window=window, rule=rule, threshold=threshold,
                            weights=weights, terminated=term, warmup=warmup if confidence else 0)
+
+
+# ---------------------------------------------------------------------------
+# A second process holding a results file (tests of the one-writer lock)
+
+_HOLD = """
+import sys
+from jaxsample.cli.results_file import ResultsFile
+f = ResultsFile(sys.argv[1], resume=sys.argv[2] == "resume")
+f.write({"id": "held"}) if sys.argv[3] == "write" else None
+print("locked", flush=True)
+sys.stdin.read()  # hold the lock until the test closes stdin
+f.close()
+"""
+
+
+@contextlib.contextmanager
+def results_file_held(path, resume: bool = True, write: bool = False):
+    """A real second process that opens `path` as a `ResultsFile` (taking its lock),
+    optionally writes the line {"id": "held"}, and holds it until the block ends;
+    yields its pid. The process must then have ended cleanly."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(path),
+                          "resume" if resume else "new", "write" if write else "-"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "locked\n"
+        yield p.pid
+    finally:
+        p.communicate(timeout=60)
+    assert p.returncode == 0

@@ -695,3 +695,37 @@ def test_adaptive_result_support_is_the_winners_votes():
     result, got = cli.batches.adaptive_result(res, 0, types.SimpleNamespace(adaptive="esc"))
     assert result["answer"] == "7" and result["support"] == 4.0 and result["branch"] == 0
     assert result["share"] == pytest.approx(4 / 7) and got == answers
+
+
+# ---------------------------------------------------------------------------
+# One name table for every command (models/registry.py)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "SmolLM2", "smollm2-135m-instruct"])
+def test_every_command_takes_the_same_names(capsys, monkeypatch, name):
+    """A short name is an alias in `run` as in `price`: the same model, the same
+    record name; `run` resolves it before any weight is read (refused here by the
+    model's own context, from its metadata)."""
+    from jaxsample import loading
+
+    def boom(*a, **k):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(cli.app, "_load_model", boom)
+    assert loading.model_name(name) == "smollm2-135m-instruct"
+    err = _one_line_error(capsys, ["run", "--model", name, "--prompt", "hi",
+                                   "--max-new-tokens", "100000"])
+    assert "exceeds the model's context of 8192 tokens" in err, err
+    assert cli.main(["price", "--model", name, "--json", "--n", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "smollm2-135m-instruct" and out["config"]["dim"] == 576
+
+
+def test_a_name_price_alone_knows_is_refused_by_run_naming_the_table(capsys):
+    err = _one_line_error(capsys, ["run", "--model", "llama-3.1-8b", "--prompt", "hi"])
+    assert "'llama-3.1-8b': a published shape for `jaxsample price`" in err, err
+    assert "smollm2-135m-instruct (or smollm2, smollm2-135m)" in err, err
+    assert cli.main(["price", "--model", "llama-3.1-8b", "--json", "--n", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["dim"] == 4096
+    err = _one_line_error(capsys, ["run", "--model", "no-such-name", "--prompt", "hi"])
+    assert "not a known model name; known names: gemma3-270m (or gemma3), smollm2-135m" in err

@@ -14,6 +14,7 @@ import pytest
 
 from jaxsample import cli
 from helpers import main_captured as _main
+from helpers import results_file_held
 
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
 FLAGS = ["--model", TINY_GGUF, "--n", "2", "--max-new-tokens", "6", "--temperature", "0.8"]
@@ -47,6 +48,21 @@ def _no_load(monkeypatch):
 
 
 THREE = [{"prompt": "one two", "id": "a"}, {"prompt": "three four"}, {"prompt": "five", "id": 7}]
+
+
+@pytest.fixture(scope="module")
+def three_done(tmp_path_factory):
+    """The lines (bytes, in completion order) of a finished `--out` run of THREE with FLAGS."""
+    from jaxsample import cli as cli_
+
+    tmp = tmp_path_factory.mktemp("three")
+    reqs = _write_requests(tmp / "in.jsonl", THREE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli_.app.cache_lib, "enable_compilation_cache", lambda *a, **k: None)
+        code, _, err = _main(["run", "--prompt-file", str(reqs), "--out", str(tmp / "out.jsonl"),
+                              "-q"] + FLAGS)
+    assert code == 0, err
+    return (tmp / "out.jsonl").read_bytes().splitlines(keepends=True)
 
 
 def test_out_writes_one_strict_json_line_per_request(tmp_path):
@@ -172,20 +188,19 @@ def test_out_refuses_a_text_prompt_duplicate_ids_and_an_existing_file(capsys, mo
     assert code == 2 and "is a directory" in err, err
 
 
-def test_resume_skips_the_done_ids_and_redoes_a_torn_last_line(tmp_path):
+def test_resume_skips_the_done_ids_and_redoes_a_torn_last_line(tmp_path, three_done):
     reqs = _write_requests(tmp_path / "in.jsonl", THREE)
     out = tmp_path / "out.jsonl"
-    # "a" is done (a sentinel a recomputation would have to rewrite: ResultsFile refuses
-    # an id twice, so the run would fail); "7"'s line is torn (a crash mid-write).
-    sentinel = '{"id": "a", "sentinel": true}\n'
-    out.write_text(sentinel + '{"id": "7", "branches": [{"te')
+    # "a" is done (a recomputation would have to write it again: ResultsFile refuses an
+    # id twice, so the run would fail); "7"'s line is torn (a crash mid-write).
+    kept = next(x for x in three_done if json.loads(x)["id"] == "a")
+    out.write_bytes(kept + b'{"id": "7", "branches": [{"te')
     code, stdout, err = _main(["run", "--prompt-file", str(reqs), "--out", str(out), "--resume"]
                               + FLAGS)
     assert code == 0, err
     assert "1 of 3 requests are in" in err and "running the other 2" in err and "torn" in err
     assert "wrote 2 requests" in err
-    text = out.read_text()
-    assert text.startswith(sentinel)
+    assert out.read_bytes().startswith(kept)
     lines = _strict_lines(out)
     assert [r["id"] for r in lines[:1]] == ["a"] and sorted(r["id"] for r in lines[1:]) == ["1", "7"]
     assert all(len(r["branches"]) == 2 for r in lines[1:])
@@ -194,17 +209,16 @@ def test_resume_skips_the_done_ids_and_redoes_a_torn_last_line(tmp_path):
     assert {r["id"]: r["index"] for r in lines[1:]} == {"1": 1, "7": 2}
 
 
-def test_resume_with_every_request_done_loads_nothing(capsys, monkeypatch, tmp_path):
+def test_resume_with_every_request_done_loads_nothing(capsys, monkeypatch, tmp_path, three_done):
     _no_load(monkeypatch)
     reqs = _write_requests(tmp_path / "in.jsonl", THREE)
     out = tmp_path / "out.jsonl"
-    done = '{"id": "a"}\n{"id": "1"}\n{"id": "7"}\n'
-    out.write_text(done)
-    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--resume",
-                     "--model", TINY_GGUF])
+    done = b"".join(three_done)
+    out.write_bytes(done)
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--resume"] + FLAGS)
     stdout, err = capsys.readouterr()
     assert code == 0 and stdout == "" and "all 3 requests are in" in err, err
-    assert out.read_text() == done
+    assert out.read_bytes() == done
 
 
 def test_out_with_a_shared_prefix_writes_each_call_as_it_ends(tmp_path):
@@ -423,3 +437,210 @@ def test_without_out_each_call_is_printed_as_it_ends(tmp_path, capsys, monkeypat
     assert code == 130
     lines = [json.loads(x) for x in stdout.splitlines()]
     assert [x["id"] for x in lines] == ["x"]
+
+
+# ---------------------------------------------------------------------------
+# --resume keeps only finished results; one writer per file; editors' files; full disks
+
+
+def _forged(line: bytes, how: str) -> bytes:
+    """`line` (a finished result) forged or stubbed in one of many ways."""
+    rec = json.loads(line)
+    rid = rec["id"]
+    if how == "stub":
+        return (json.dumps({"id": rid}) + "\n").encode()
+    if how == "partial":
+        return (json.dumps({"id": rid, "branches": [{"text": "forged"}], "model": rec["model"]})
+                + "\n").encode()
+    field, _, action = how.partition(":")
+    target, key = rec, field
+    if "." in field:  # "branches.0.tokens" -> rec["branches"][0]["tokens"]
+        *path, key = field.split(".")
+        for p in path:
+            target = target[int(p)] if p.isdigit() else target[p]
+    if action == "drop":
+        del target[key]
+    elif action == "extra":
+        target[key] = 1
+    elif action == "halve":
+        target[key] = target[key][: len(target[key]) // 2]
+    else:
+        target[key] = json.loads(action)
+    return (json.dumps(rec) + "\n").encode()
+
+
+FORGERIES = (["stub", "partial"]
+             + [f"{f}:drop" for f in ("index", "model", "dtype", "weights", "prompt", "params",
+                                      "branches", "result", "bill", "timings", "usage", "batch")]
+             + ["forged:extra", "branches:halve", "branches.0.tokens:\"6\"",
+                "branches.0.tokens:true", "branches.0.tokens:99", "branches.0.text:7",
+                "branches.0.mean_logprob:\"x\"", "branches.0.finish_reason:null",
+                "branches.1.answer:[1]", "branches.0.text:drop", "branches.0.token_ids:extra",
+                "result.share:\"1\"", "result.branch:5", "result.answer:drop",
+                "bill.decoded_tokens_total:drop", "bill.n:\"2\"", "timings.total:null",
+                "usage.kept_tokens:1", "usage.prompt_tokens:-1", "batch.requests:[]",
+                "result.share:1.5", "result.support:-1", "branches.0.finish_reason:\"done\"",
+                "timings.load:-1", "usage.decoded_tokens:0",
+                "index:5", "params.n:3", "params.seed:99", "prompt:\"other\"", "messages:extra",
+                "params.extra:extra", "model:\"other\"", "weights:\"int8\""])
+
+
+@pytest.mark.parametrize("how", FORGERIES)
+def test_resume_refuses_a_stub_or_forged_line_naming_it(capsys, monkeypatch, tmp_path,
+                                                        three_done, how):
+    """A kept line must hold everything the writer writes for its request, with the
+    right types and settings; otherwise --resume refuses the file naming the line,
+    before any load, and leaves it as it was (never treats the line as done)."""
+    _no_load(monkeypatch)
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    lines = list(three_done)
+    lines[1] = _forged(lines[1], how)
+    out.write_bytes(b"".join(lines))
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--resume"] + FLAGS)
+    stdout, err = capsys.readouterr()
+    rid = json.loads(lines[1])["id"]
+    assert code == 2 and stdout == "" and err.count("\n") == 1, err
+    assert f"line 2 (id {rid!r})" in err and "Traceback" not in err, err
+    assert out.read_bytes() == b"".join(lines)
+
+
+def test_resume_checks_lines_of_ids_not_in_the_prompt_file_too(capsys, monkeypatch, tmp_path,
+                                                               three_done):
+    _no_load(monkeypatch)
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE[:2])
+    out = tmp_path / "out.jsonl"
+    other = next(x for x in three_done if json.loads(x)["id"] == "7")
+    kept = [x for x in three_done if x != other]
+    out.write_bytes(b"".join(kept) + other)  # a full line of an id the prompt file lacks: kept
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--resume"] + FLAGS)
+    assert code == 0 and "1 lines of ids not in the prompt file kept" in capsys.readouterr().err
+    out.write_bytes(b"".join(kept) + b'{"id": "zz"}\n')  # a stub of one: refused
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--resume"] + FLAGS)
+    err = capsys.readouterr().err
+    assert code == 2 and "line 3 (id 'zz')" in err and "missing" in err, err
+
+
+def test_resume_accepts_a_byte_order_mark_and_a_trailing_blank_line(capsys, monkeypatch,
+                                                                    tmp_path, three_done):
+    _no_load(monkeypatch)
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    text = b"\xef\xbb\xbf" + b"".join(three_done) + b"\n"
+    out.write_bytes(text)
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--resume"] + FLAGS)
+    assert code == 0 and "all 3 requests are in" in capsys.readouterr().err
+    assert out.read_bytes() == text
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_second_run_on_a_held_out_file_is_refused_with_the_holders_pid(
+        capsys, monkeypatch, tmp_path, three_done, resume):
+    """Another process holds the out file (a real one, through its lock): the run is
+    refused in one line naming the file and that pid, exit 2, before any load, and the
+    file is untouched."""
+    _no_load(monkeypatch)
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    text = three_done[0]
+    out.write_bytes(text)
+    with results_file_held(out) as pid:
+        code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out)]
+                        + (["--resume"] if resume else []) + FLAGS)
+        stdout, err = capsys.readouterr()
+    assert code == 2 and stdout == "" and err.count("\n") == 1, err
+    assert f"{out} is being written by another run (pid {pid})" in err, err
+    assert out.read_bytes() == text
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_out_file_one_writes_the_other_is_refused(tmp_path):
+    """Two real `jaxsample run` processes on one --out at once (the file empty, then
+    with --resume on a seeded file): one writes every line, the other exits 2 in one
+    line naming the file, and the file holds each id once, every line whole."""
+    R = 40
+    reqs = _write_requests(tmp_path / "in.jsonl",
+                           [{"id": f"m{i}", "prompt": f"request number {i}"} for i in range(R)])
+    out = tmp_path / "out.jsonl"
+    argv = [sys.executable, "-m", "jaxsample", "run", "--prompt-file", str(reqs), "--out",
+            str(out), "-q"] + FLAGS
+    for extra in ([], ["--resume"]):
+        if extra:  # five lines seeded
+            lines = out.read_bytes().splitlines(keepends=True)
+            out.write_bytes(b"".join(lines[:5]))
+        procs = [subprocess.Popen(argv + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(2)]
+        got = [p.communicate(timeout=600) + (p.returncode,) for p in procs]
+        codes = sorted(c for _, _, c in got)
+        assert codes == [0, 2], got
+        _, err, _ = next(g for g in got if g[2] == 2)
+        assert err.count("\n") == 1 and str(out) in err and "Traceback" not in err, err
+        assert "being written by another run (pid" in err or "already holds results" in err
+        recs = _strict_lines(out)
+        assert sorted(r["id"] for r in recs) == sorted(f"m{i}" for i in range(R))
+    r = subprocess.run(argv + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_is_one_line_naming_the_out_path(tmp_path):
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE[:1])
+    code, stdout, err = _main(["run", "--prompt-file", str(reqs), "--out", "/dev/full", "-q"]
+                              + FLAGS)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("jaxsample: error: /dev/full: No space left on device"), err
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('{"id": "a", "prompt": "hi \\udfff there"}', "prompt holds a lone surrogate ('\\udfff' at "
+                                                  "character 3)"),
+    ('{"id": "\\ud800", "prompt": "hi"}', "id holds a lone surrogate"),
+    ('{"messages": [{"role": "user", "content": "a\\udc00"}]}', "messages[0].content holds"),
+    ('{"messages": [{"role": "\\ud800x", "content": "a"}]}', "messages[0].role holds"),
+    ('{"prompt": "x", "stop": ["ok", "\\udc80"]}', "stop[1] holds"),
+    ('{"prompt": "x", "\\udc80": 1}', "the key '\\udc80' holds"),
+])
+def test_a_lone_surrogate_in_a_request_line_is_refused_with_the_line(
+        capsys, monkeypatch, tmp_path, line, needle):
+    """A lone surrogate (an unpaired \\u escape) anywhere in a request line is refused
+    naming the line and the item, before any load, and no out file is created."""
+    _no_load(monkeypatch)
+    reqs = tmp_path / "in.jsonl"
+    reqs.write_text('{"prompt": "fine", "id": "ok"}\n' + line + "\n", encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out)] + FLAGS)
+    stdout, err = capsys.readouterr()
+    assert code == 2 and stdout == "" and err.count("\n") == 1, err
+    assert f"{reqs} line 2: " in err and needle in err, err
+    assert not out.exists()
+
+
+def test_a_lone_surrogate_in_a_flag_is_refused(capsys, monkeypatch):
+    """Bytes that are not UTF-8 in an argument reach Python as lone surrogates."""
+    _no_load(monkeypatch)
+    for argv, needle in ((["--prompt", "hi \udcff"], "--prompt: the prompt holds a lone"),
+                         (["--prompt", "hi", "--stop", "\udcff"], "--stop"),
+                         (["--prompt", "hi", "--shared-prefix", "a\udcff"],
+                          "--shared-prefix: the shared prefix holds")):
+        code = cli.main(["run", "--model", TINY_GGUF] + argv)
+        stdout, err = capsys.readouterr()
+        assert code == 2 and stdout == "" and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("flags", [
+    ["--logprobs", "2"], ["--logprobs", "0"], ["--reduce", "best"], ["--reduce", "none"],
+    ["--select", "self-certainty"], ["--adaptive", "esc", "--max-n", "4", "--window", "2"],
+    ["--shared-prefix", "Context: x y z.", "--no-chat"], ["--stop", "a", "--seed", "5"]])
+def test_every_kind_of_line_the_writer_writes_is_kept_by_resume(capsys, tmp_path, flags):
+    """The schema follows the writer: a finished file of each kind of run (logprobs,
+    reducers, selection signals, adaptive, shared prefix, chat messages) resumes with
+    nothing to run."""
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE[:2] + [
+        {"messages": [{"role": "user", "content": "hello"}], "id": "chat"}])
+    out = tmp_path / "out.jsonl"
+    argv = ["run", "--prompt-file", str(reqs), "--out", str(out)] + FLAGS + flags
+    assert cli.main(argv + ["-q"]) == 0, capsys.readouterr().err
+    text = out.read_bytes()
+    assert cli.main(argv + ["--resume"]) == 0
+    assert "all 3 requests are in" in capsys.readouterr().err
+    assert out.read_bytes() == text

@@ -28,8 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # its submodules ("jaxsample" itself: the package face only, which imports
 # nothing statically); the longest match decides.
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("jaxsample", "jaxsample.errors", "jaxsample.sharding", "jaxsample.sampling_params",
-              "jaxsample.progress")),
+    ("base", ("jaxsample", "jaxsample.errors", "jaxsample.floats", "jaxsample.sharding",
+              "jaxsample.sampling_params", "jaxsample.progress")),
     ("load", ("jaxsample.models", "jaxsample.lm", "jaxsample.loading", "jaxsample.cache_files",
               "jaxsample.xla_cache", "jaxsample.disk_cache", "jaxsample.weight_cache")),
     ("kernels", ("jaxsample.kernels",)),

@@ -25,6 +25,7 @@ from jaxsample.cli.merge import merge_parts, part_path
 from jaxsample.cli.results_file import ResultsFile
 from jaxsample.engine.shard_requests import process_share, run_share, share_bounds
 from jaxsample.errors import InputError
+from helpers import results_file_held
 from ties import assert_same_tokens_up_to_ties
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "multihost_requests.py"
@@ -211,6 +212,26 @@ def test_merge_refuses_bad_parts_in_one_line_and_leaves_out_alone(tmp_path, caps
     assert re.search(match, err), err
     assert out.read_text() == "kept\n"  # refused before the output is touched
     assert sorted(p.name for p in tmp_path.iterdir() if "merging" in p.name) == []
+
+
+@pytest.mark.parametrize("held", ["part", "out"])
+def test_merge_refuses_while_a_run_writes_a_part_or_the_output(tmp_path, capsys, held):
+    """A part still being written (its process holds the lock) would merge incomplete;
+    an OUT being written would be replaced under its writer: both refused, naming the
+    pid, OUT untouched."""
+    out = tmp_path / "out.jsonl"
+    kept = "kept\n" if held == "part" else ""  # (a run writing OUT starts it empty)
+    out.write_text(kept)
+    _write_part(out, 0, 2, [{"id": "a", "index": 0}])
+    _write_part(out, 1, 2, [{"id": "b", "index": 1}])
+    target = part_path(out, 1, 2) if held == "part" else str(out)
+    with results_file_held(target, resume=held == "part") as pid:
+        assert main(["merge", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+    assert f"{target} is being written by a run (pid {pid})" in err, err
+    assert out.read_text() == kept
+    if held == "part":
+        assert main(["merge", "--out", str(out)]) == 0  # once its run has ended
 
 
 def test_merge_refuses_the_output_as_a_part(tmp_path):

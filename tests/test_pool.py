@@ -325,21 +325,24 @@ def test_plan_sizes_the_pool_from_the_budget(tiny_lm):
     from jaxsample.engine import budget as pool
 
     cfg = tiny_lm.config
-    row, slot = pool.row_bytes(cfg, 64), pool.slot_bytes(cfg, 16)
+    row, slot = pool.row_bytes(cfg, 512), pool.slot_bytes(cfg, 16)
+    # A slot: its tail, its buffers and its decode step's temporaries.
+    assert slot == pool.kv_size(cfg, 16) + 4 * cfg.vocab_size + 8 * 16 + pool.step_bytes(cfg)
     # Everything at once: every prefix and every branch's slot.
     full = 3 * row + 15 * slot
-    assert pool.plan(cfg, B=3, n=5, p_cap=64, t_cap=16, budget=full) == (3, 5)
-    # A pool: rows of pool_slots slots (16 here: a 64-token prefix outweighs a
-    # 16-token tail), each row 2 x row (the prefill beside its copy) + 16 slots.
+    assert pool.plan(cfg, B=3, n=5, p_cap=512, t_cap=16, budget=full) == (3, 5)
+    # A pool: rows of pool_slots slots (16 here: a 512-token prefix outweighs a
+    # 16-token tail and its step), each row 2 x row (the prefill beside its copy)
+    # + 16 slots.
     assert pool.pool_slots(16, row, slot) == 16
     per_row = 2 * row + 16 * slot
     budget = 2 * per_row + slot
     assert 3 * (row + 16 * slot) > budget  # not everything at once
-    assert pool.plan(cfg, B=3, n=16, p_cap=64, t_cap=16, budget=budget) == (2, 16)
+    assert pool.plan(cfg, B=3, n=16, p_cap=512, t_cap=16, budget=budget) == (2, 16)
     # Not one full row: one row with as many slots as fit.
-    assert pool.plan(cfg, B=3, n=16, p_cap=64, t_cap=16, budget=2 * row + 3 * slot) == (1, 3)
+    assert pool.plan(cfg, B=3, n=16, p_cap=512, t_cap=16, budget=2 * row + 3 * slot) == (1, 3)
     with pytest.raises(InputError, match="max_kv_bytes"):
-        pool.plan(cfg, B=3, n=16, p_cap=64, t_cap=16, budget=2 * row + slot - 1)
+        pool.plan(cfg, B=3, n=16, p_cap=512, t_cap=16, budget=2 * row + slot - 1)
     # KV bytes: k and v, every layer, K x D per position in float32.
     assert pool.kv_size(cfg, 10) == cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4 * 10
 

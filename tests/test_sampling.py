@@ -556,7 +556,7 @@ def dataclasses_frozen_error():
     ("min_p", -0.01), ("min_p", 1.5),
     ("max_new_tokens", 0), ("max_new_tokens", 3.0),
     ("stop_token_ids", [1, -2]), ("stop_token_ids", [1.0]), ("stop_token_ids", 3),
-    ("stop", [""]), ("stop", [1]), ("stop", 5),
+    ("stop", [""]), ("stop", [1]), ("stop", 5), ("stop", ["ok", "\udc80"]),
     ("seed", -1), ("seed", 2**32), ("seed", 1.0), ("seed", True),
 ])
 def test_sampling_params_errors_name_the_field(field, value):

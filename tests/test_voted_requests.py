@@ -164,3 +164,23 @@ def test_a_pool_the_budget_cannot_hold_is_refused_before_anything_runs(tiny_lm):
     assert engine.PROGRAMS.compilations == before
     # The first alone runs in that budget.
     assert [r.id for r in engine.run_pool(tiny_lm, reqs[:1], max_kv_bytes=kv)] == ["a"]
+
+
+@pytest.mark.parametrize("adaptive", [None, {"max_n": 7, "window": 7, "rule": "esc"}])
+def test_vote_shares_are_the_float32_values_the_command_line_writes(tiny_lm, adaptive):
+    """3 of 7 branches: the float32 share 3/7 is 0.42857143 (its shortest decimal, what
+    `run --json` writes), never float64's 0.4285714328289032."""
+    from jaxsample.cli.console import dumps
+
+    calls = []
+
+    def cycle(text):  # branch order: a, b, c, a, b, c, a
+        calls.append(text)
+        return "abc"[(len(calls) - 1) % 3]
+
+    params = SamplingParams(n=7, max_new_tokens=3, seed=1, temperature=1.0)
+    (res,) = jaxsample.run_requests(tiny_lm, [Request(id="v", prompt="x", params=params,
+                                                      extract=cycle, adaptive=adaptive)])
+    assert res.vote.answer == "a" and res.vote.support == 3.0
+    assert repr(res.vote.share) == "0.42857143" and dumps(res.vote.share) == "0.42857143"
+    assert np.float32(res.vote.share) == np.float32(3) / np.float32(7)

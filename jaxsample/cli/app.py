@@ -34,7 +34,7 @@ from jaxsample.cli.console import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, dumps, 
 from jaxsample.cli.parser import UsageError, build_parser
 from jaxsample.cli.price import price_command
 from jaxsample.cli.batches import make_mesh, run_batch
-from jaxsample.cli.requests import check_adaptive, check_kv_budget, check_requests, is_jsonl, read_requests, read_shared_prefix, group_requests
+from jaxsample.cli.requests import check_adaptive, check_kv_budget, check_requests, check_results, is_jsonl, read_requests, read_shared_prefix, group_requests
 from jaxsample.errors import ConfigError, InputError, JaxsampleError
 
 
@@ -183,6 +183,9 @@ def _run(args) -> int:
     t0 = time.perf_counter()
     header = _model_header(cfg, use_cache)
     check_requests(*header, requests, cfg.chat, shared)
+    if not args.adaptive:  # (adaptive rounds hold --window branches at a time)
+        check_results(requests, streamed=getattr(args, "out", None) is not None
+                      and shared is None)
     if args.kv_budget is not None and shared is None:
         check_kv_budget(*header, requests, cfg.chat, args.kv_budget)
     t_meta = time.perf_counter() - t0  # reading the header counts as loading
@@ -218,7 +221,7 @@ def _run(args) -> int:
                              weights=cfg.model.weights)
     except BaseException:
         if results is not None:
-            results.close()
+            results.close(failed=True)
         raise
     # One figure, said twice: the header and tokenizer read first, then the weights.
     t_load = t_meta + time.perf_counter() - t0

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from jaxsample.floats import shortest_float32
 
 EXIT_OK = 0
 
@@ -23,21 +24,9 @@ def finite(x) -> float | None:
 
 
 def _f32(x) -> float | None:
-    """A float32-derived value for JSON: the Python float of the shortest decimal that
-    rounds back to the same float32 (0.53333336, not float64's 0.5333333611488342), or
-    None (JSON null) when it is not finite.
-
-    numpy's Dragon4 (`format_float_scientific(unique=True)`) gives the shortest float32
-    digits, at most 9 significant; the float64 nearest to them prints back (`repr`, what
-    `json` writes) as exactly those digits, since two decimals of <= 9 digits are much
-    farther apart than a float64 ulp.
-    """
-    import numpy as np
-
-    x = np.float32(x)
-    if not np.isfinite(x):
-        return None
-    return float(np.format_float_scientific(x, unique=True))
+    """A float32-derived value for JSON (`floats.shortest_float32`: 0.53333336, not
+    float64's 0.5333333611488342), or None (JSON null) when it is not finite."""
+    return shortest_float32(x)
 
 
 def _f32_list(a) -> list:

@@ -16,7 +16,8 @@ reads every part strictly and refuses, in one line naming the file and line
 without its newline (the part is unfinished: its process was interrupted;
 finish it with `--resume`, then merge), a line that is not such an object
 (NaN and Infinity are not JSON), an id or index twice across the parts, a
-gap in the indices (a request with no line), fewer than `--expect` lines.
+gap in the indices (a request with no line), fewer than `--expect` lines, a
+part (or OUT) that a run is still writing (it holds the file's lock).
 The output holds the parts' lines byte for byte, ordered by "index" (the
 input's order, which is what a single-process run's `--out` holds once sorted
 the same way), written to a temporary file, fsynced and renamed over OUT.
@@ -29,6 +30,7 @@ import os
 import re
 
 from jaxsample.cli.console import loads
+from jaxsample.cli.results_file import writer_of
 from jaxsample.errors import InputError
 
 _PART = re.compile(r"^(?P<out>.+)\.part-(?P<index>\d{5,})-of-(?P<count>\d{5,})$")
@@ -124,6 +126,11 @@ def merge_parts(out, parts=None, expect: int | None = None) -> dict:
     """
     out = os.fspath(out)
     files = _part_set(out, [os.fspath(p) for p in parts or []])
+    for path in files + [out]:  # a run still writing a part, or writing OUT itself
+        pid = writer_of(path)
+        if pid is not None:
+            raise InputError(f"{path} is being written by a run (pid {pid}); merge once it "
+                             "has ended")
     by_id, by_index = {}, {}
     for path in files:
         for index, rid, raw, line in read_part(path):

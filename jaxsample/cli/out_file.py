@@ -1,37 +1,42 @@
 """`run --prompt-file in.jsonl --out out.jsonl [--resume]`: each request's record
-written as it completes (issue 21, part 5).
+written as it completes.
 
 - Every line of the prompt file, the flags and (with --resume) the out file are
-  checked before the out file is opened and before the weights are read; a bad
-  one is one error line naming it, exit 2, and the out file is left as it was.
+  checked before the weights are read; a bad one is one error line naming it,
+  exit 2, and the out file is left as it was (one this run created removed).
+- One run writes a file at a time: `ResultsFile` locks it before reading or
+  writing it, and a second run is refused naming the holder's pid.
 - Each completed request is `json_record`'s object (what `--json` prints for a
   .jsonl request) with "id" as a string (`out_id`), written by `ResultsFile`:
-  one strict JSON line, flushed and fsynced, so Ctrl-C (exit 130) or a crash
-  keeps every finished line.
+  one strict JSON line, fsynced, so Ctrl-C (exit 130) or a crash keeps every
+  finished line.
 - Without --adaptive or --shared-prefix, requests stream through the decode
   pool (`engine.run_pool`) and are written in completion order; with
   either, `run_requests` has no place for the adaptive rounds or the common
   context, so each call of consecutive equal-settings requests runs as without
   --out and its lines are written when the call ends.
 - `--resume` keeps the file's lines and runs the requests whose id is not in
-  it; a torn last line is cut and its request redone. A remaining request keeps
-  its position as its prompt index (`index_offset`), so its branches are
-  those of the uninterrupted run (up to float ties). The bill's pool figures
-  (decode steps, branch steps, KV bytes) and the timings are the pool's that
-  ran it, so they differ from the uninterrupted run's.
+  it; a torn last line is cut and its request redone. A kept line must be a
+  finished result of what its request asks now (`record_schema.check_line`:
+  every field the writer writes, with its type, and the same settings), else
+  the file is refused naming the line. A remaining request keeps its position
+  as its prompt index (`index_offset`), so its branches are those of the
+  uninterrupted run (up to float ties). The bill's pool figures (decode steps,
+  branch steps, KV bytes) and the timings are the pool's that ran it, so they
+  differ from the uninterrupted run's.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
-from jaxsample.cli.console import EXIT_OK, dumps, json_record, model_fields, record_params
+from jaxsample.cli.console import EXIT_OK, dumps, json_record
+from jaxsample.cli.record_schema import check_line
 from jaxsample.cli.requests import group_requests, is_jsonl, render
 from jaxsample.cli.results_file import ResultsFile
-from jaxsample.errors import InputError, short_repr
+from jaxsample.errors import InputError
 
 
 def out_id(r) -> str:
@@ -75,35 +80,35 @@ def check_out_args(args, requests) -> None:
 
 
 def open_results(args, requests, cfg, model: str) -> ResultsFile | None:
-    """The out file, opened (created, or with --resume read, its kept lines checked
-    against the requests (`check_kept`) and its torn last line cut).
+    """The out file, opened and locked (`ResultsFile`: created, or with --resume read,
+    each kept line checked (`record_schema.check_line`) and a torn last line cut).
 
     Args:
       cfg: the run's `RunConfig`; model: the name the records carry (`loading.model_name`).
     Returns:
-      The `ResultsFile`, or None (closed) when --resume finds every request in it.
+      The `ResultsFile` (holding the file's lock until it is closed), or None (closed)
+      when --resume finds every request in it.
     Raises:
-      InputError: FILE is a directory; without --resume, a non-empty FILE (never
-        truncated: pass --resume or remove it); with it, a FILE that is not a results
-        file (`ResultsFile`) or a kept line written with other settings (`check_kept`).
-      OSError: FILE cannot be created or read.
+      InputError: FILE is a directory; another run is writing FILE (naming its pid);
+        without --resume, a non-empty FILE (never truncated: pass --resume or remove
+        it); with it, a FILE that is not a results file, or a kept line that is not a
+        finished result of what its request asks now (naming the line).
+      OSError: FILE cannot be created, locked or read.
     """
     path = args.out
     if os.path.isdir(path):
         raise InputError(f"--out: {path} is a directory; name a file")
-    if not args.resume and os.path.exists(path) and os.path.getsize(path) > 0:
-        raise InputError(f"--out: {path} already holds results; pass --resume to continue "
-                         "it, or remove it")
-    results = ResultsFile(path, resume=args.resume)
+    by_id = {out_id(r): r for r in requests}
+    adaptive = args.adaptive or None
+
+    def check(obj):
+        check_line(obj, by_id.get(obj["id"]), cfg, model, adaptive,
+                   args.max_n if adaptive else None)
+
+    results = ResultsFile(path, resume=args.resume, check=check)
     if args.resume:
-        try:
-            check_kept(results, requests, cfg, model)
-        except BaseException:
-            results.close()
-            raise
-        ids = {out_id(r) for r in requests}
-        done = len(ids & results.done)
-        extra = len(results.done - ids)
+        done = len(set(by_id) & results.done)
+        extra = len(results.done - set(by_id))
         torn = "; its torn last line was cut" if results.torn is not None else ""
         other = f"; {extra} lines of ids not in the prompt file kept" if extra else ""
         if done == len(requests):
@@ -114,43 +119,6 @@ def open_results(args, requests, cfg, model: str) -> ResultsFile | None:
         _note(args, f"--resume: {done} of {len(requests)} requests are in {path} already, "
                     f"running the other {len(requests) - done}{torn}{other}")
     return results
-
-
-def check_kept(results: ResultsFile, requests, cfg, model: str) -> None:
-    """--resume: each kept line must record what its request asks now, so one file never
-    mixes two settings. Compared where the line records it: "model", "dtype",
-    "weights" (float32 and int8 results never share a file), "prompt" /
-    "messages" and "params" (sampling settings, chat, reducer; the seed too unless the
-    request's seed is None, a fresh draw each run).
-
-    Raises:
-      InputError: naming the out file's line, the request's line and the fields that differ.
-    """
-    for r in requests:
-        key = out_id(r)
-        if key not in results.kept:
-            continue
-        line, got = results.kept[key]
-        want = {**model_fields(model, cfg), "prompt": r.prompt if r.messages is None else None,
-                "messages": r.messages,
-                "params": record_params(cfg, r.sampling, r.sampling.seed)}
-        want = json.loads(dumps(want))  # as a line reads back (tuples as lists, ...)
-        if r.sampling.seed is None and isinstance(got.get("params"), dict):
-            got = {**got, "params": {k: v for k, v in got["params"].items() if k != "seed"}}
-            want["params"].pop("seed")
-        diff = []
-        for field in got:
-            if field == "params" and isinstance(got[field], dict):
-                names = sorted(set(got[field]) | set(want[field]))
-                diff += [f"{k} {short_repr(got[field].get(k))} -> {short_repr(want[field].get(k))}"
-                         for k in names
-                         if got[field].get(k) != want[field].get(k)]
-            elif got[field] != want[field]:
-                diff.append(f"{field} {short_repr(got[field])} -> {short_repr(want[field])}")
-        if diff:
-            raise InputError(f"--resume: {results.path} line {line} (id {key!r}) was written "
-                             f"with other settings than {r.where} asks ({'; '.join(diff)}): "
-                             "use another --out, or remove that line to redo it")
 
 
 def _runs(requests):
@@ -246,15 +214,18 @@ def run_to_file(lm, cfg, args, requests, shared, results, progress, *, t_start, 
             raise
         if progress is not None:
             progress.line(_bill_line(args.out, counter, bills))
+    except BaseException:
+        results.close(failed=True)
+        raise
     finally:
-        results.close()
+        results.close()  # (a no-op once closed)
         if progress is not None:
             progress.close()
     return EXIT_OK
 
 
 def _stream(lm, cfg, args, run, progress, batch_of, write, t_start, t_load, app_lib):
-    """One `run_requests` call over consecutive requests; each written as it completes."""
+    """One `run_pool` call over consecutive requests; each written as it completes."""
     from jaxsample.engine.requests import Request, run_pool
 
     by_id = {out_id(r): r for r in run}

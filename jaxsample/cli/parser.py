@@ -6,7 +6,7 @@ import argparse
 
 from jaxsample import disk_cache as cache_lib
 from jaxsample.cli import config as config_lib
-from jaxsample.cli.price import PRICE_PRESETS
+from jaxsample.models import registry
 
 
 def _version_line() -> str:
@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how to read --prompt-file: auto (jsonl for a name ending in .jsonl, "
                           "else one text prompt), text or jsonl")
     run.add_argument("--model", metavar="NAME_OR_PATH", type=_non_empty,
-                     help="a model name or a .gguf file / Hugging Face directory "
-                          "(default: the embedded SmolLM2-135M-Instruct)")
+                     help="a model name (" + ", ".join(registry.known_names()) + ") or a "
+                          ".gguf file / Hugging Face directory (default: the embedded "
+                          "SmolLM2-135M-Instruct)")
     run.add_argument("--config", metavar="YAML", type=_non_empty,
                      help="a run configuration (configs/NAME.yaml, or just NAME)")
     run.add_argument("--dtype", choices=config_lib.DTYPES, help="weights/activations dtype")
@@ -245,8 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Price N branches over one shared prompt against N "
                                        "separate retries, from the model's config alone.")
     price.add_argument("--model", metavar="NAME_OR_PATH", default=None, type=_non_empty,
-                       help="a model name or path, or a preset: "
-                            + ", ".join(sorted(PRICE_PRESETS)) + " (default: the embedded model)")
+                       help="a model name (" + registry.describe_names() + ") or path "
+                            "(default: the embedded model)")
     price.add_argument("--prompt-tokens", type=_non_negative_int, default=4096, metavar="P",
                        help="prompt length P in tokens (default 4096)")
     price.add_argument("--new-tokens", type=_non_negative_int, default=256, metavar="T",

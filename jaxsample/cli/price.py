@@ -4,53 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 from jaxsample import cost
 from jaxsample.cli.console import EXIT_OK, dumps, stdout_console
-from jaxsample.errors import InputError, ModelLoadError
-
-
-# Published shapes of a few Llama-family models, for `price` only (no weights
-# needed). From each model's Hugging Face `config.json`.
-PRICE_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=264, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                 ffn_dim=64, max_seq_len=512),
-    "smollm2-135m": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
-                         head_dim=64, ffn_dim=1536, max_seq_len=8192, rope_theta=100000.0),
-    "smollm2-360m": dict(vocab_size=49152, dim=960, n_layers=32, n_heads=15, n_kv_heads=5,
-                         head_dim=64, ffn_dim=2560, max_seq_len=8192, rope_theta=100000.0),
-    "qwen2.5-0.5b": dict(vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2,
-                         head_dim=64, ffn_dim=4864, max_seq_len=32768, rope_theta=1000000.0,
-                         qkv_bias=True, arch="qwen2"),
-    "llama-3.2-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                         head_dim=64, ffn_dim=8192, max_seq_len=131072, rope_theta=500000.0),
-    "llama-3.1-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                         head_dim=128, ffn_dim=14336, max_seq_len=131072, rope_theta=500000.0,
-                         tie_embeddings=False),
-}
-
-
-PRICE_PRESETS["smollm2-135m-instruct"] = PRICE_PRESETS["smollm2-135m"]
+from jaxsample.errors import InputError
 
 
 def resolve_model_config(name: str | None):
     """A `LlamaConfig` for pricing, as cheaply as possible.
 
-    Order: a preset name (`PRICE_PRESETS`); a config-only reader of
-    `jaxsample.loading` if it offers one (no dequantisation); else the
-    config of the fully loaded model.
+    Order: a name of the one name table with a published shape
+    (`registry.PUBLISHED_SHAPES`, aliases resolved: the same names `run` takes);
+    a config-only reader of `jaxsample.loading` if it offers one (no
+    dequantisation); else the config of the fully loaded model.
 
     Raises:
       ModelLoadError / InputError: unknown name or unreadable checkpoint.
     """
+    from jaxsample import loading
+    from jaxsample.models import registry
     from jaxsample.models.llama import LlamaConfig
 
-    from jaxsample import loading
-
-    key = (name or _default_model_name()).lower()
-    if key in PRICE_PRESETS:
-        return LlamaConfig(**PRICE_PRESETS[key]), key
+    key = registry.canonical_name(name or registry.DEFAULT_MODEL)
+    if key in registry.PUBLISHED_SHAPES:
+        return LlamaConfig(**registry.PUBLISHED_SHAPES[key]), key
 
     for attr in ("load_config", "read_config", "model_config"):
         reader = getattr(loading, attr, None)
@@ -58,22 +35,9 @@ def resolve_model_config(name: str | None):
             cfg = reader(name) if name is not None else reader()
             cfg = getattr(cfg, "config", cfg)
             if isinstance(cfg, LlamaConfig) or hasattr(cfg, "family"):  # any model family
-                return cfg, name or "embedded"
-    try:
-        lm = loading.load(name) if name is not None else loading.load()
-    except ModelLoadError as e:
-        if name is not None and Path(name).expanduser().exists():
-            raise  # a broken checkpoint: the presets are no answer to that
-        raise ModelLoadError(f"{e}; price also knows the presets {sorted(PRICE_PRESETS)}") from e
+                return cfg, key or name or "embedded"
+    lm = loading.load(name) if name is not None else loading.load()
     return lm.config, lm.name
-
-
-def _default_model_name() -> str:
-    try:
-        from jaxsample.models.registry import DEFAULT_MODEL
-    except ImportError:  # pragma: no cover - the registry ships with the package
-        return "smollm2-135m-instruct"
-    return DEFAULT_MODEL
 
 
 def _short_flops(n: float) -> str:
@@ -118,7 +82,6 @@ def price_command(args) -> int:
         return EXIT_OK
 
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
     console = stdout_console()

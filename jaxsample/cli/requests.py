@@ -12,7 +12,7 @@ from typing import Any
 from jaxsample.cli import config as config_lib
 from jaxsample.cli.console import unique_keys
 from jaxsample.cli.parser import ADAPTIVE
-from jaxsample.errors import ConfigError, InputError, short_repr
+from jaxsample.errors import ConfigError, InputError, lone_surrogate, short_repr
 from jaxsample.sampling_params import FOREIGN_KEYWORDS
 
 
@@ -36,6 +36,7 @@ def read_shared_prefix(args) -> str | None:
         return None
     if not text.strip():
         raise InputError(f"{where}: the shared prefix is empty")
+    check_text(text, where, "the shared prefix")
     return text
 
 
@@ -69,7 +70,32 @@ def _read_prompt(args) -> str:
         prompt = _read_text(args.prompt_file, where)
     if not prompt.strip():
         raise InputError(f"the prompt is empty ({where})")
+    check_text(prompt, where, "the prompt")
     return prompt
+
+
+def check_text(value, where: str, what: str) -> None:
+    """Every string in `value` (a string, or JSON lists and objects, keys included) is
+    Unicode text: a lone surrogate (JSON's unpaired `"\\udfff"` escape, or bytes that
+    are not UTF-8 in a command-line argument) cannot be tokenised or written back.
+
+    Raises:
+      InputError: naming `where`, the item (`what`, "messages[0].content", ...) and
+        the surrogate's position.
+    """
+    if isinstance(value, str):
+        at = lone_surrogate(value)
+        if at is not None:
+            raise InputError(f"{where}: {what} holds a lone surrogate ({value[at]!a} at "
+                             f"character {at}), which is not Unicode text (an unpaired \\u "
+                             "escape in JSON, or bytes that are not UTF-8)")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, where, f"the key {k!a}" if lone_surrogate(k) is not None else k)
+            check_text(v, where, k if what == "the line" else f"{what}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_text(v, where, f"{what}[{i}]")
 
 
 def _read_text(name: str, where: str, flag: str = "--prompt-file") -> str:
@@ -166,6 +192,7 @@ def read_requests(args, cfg: config_lib.RunConfig) -> list[Request]:
         if not isinstance(obj, dict):
             raise InputError(f"{at}: expected a JSON object like {{\"prompt\": \"...\"}}, got "
                              f"{type(obj).__name__}")
+        check_text(obj, at, "the line")
         if ("prompt" in obj) == ("messages" in obj):
             raise InputError(f"{at}: give exactly one of \"prompt\" (a string) and "
                              "\"messages\" (a chat message list)")
@@ -291,6 +318,27 @@ def check_kv_budget(model_cfg, tokenizer, requests: list[Request], chat: bool,
         except InputError as e:
             where = group[0].where if " line " in group[0].where else "--kv-budget"
             raise InputError(f"{where}: --kv-budget {str(e).replace('max_kv_bytes=', '')}") from None
+
+
+def check_results(requests: list[Request], streamed: bool) -> None:
+    """Each call's results against host memory (`engine.budget.check_results_fit`, as
+    the engine checks them), before any weight is read: one request at a time when
+    `streamed` (`--out` through `run_requests`), else each call of consecutive
+    equal-settings requests (`group_requests`), whose results are held together.
+
+    Raises:
+      InputError: naming the line (or --n), with the numbers.
+    """
+    from jaxsample.engine import budget
+
+    for group in ([[r] for r in requests] if streamed else group_requests(requests)):
+        sp = group[0].sampling
+        try:
+            budget.check_results_fit(len(group), sp.n, sp.max_new_tokens, sp.logprobs or 0,
+                                     sp.logprobs is not None, sp.signals)
+        except InputError as e:
+            where = group[0].where if " line " in group[0].where else "--n"
+            raise InputError(f"{where}: {e}") from None
 
 
 def check_adaptive(args) -> None:

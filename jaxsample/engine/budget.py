@@ -14,7 +14,10 @@ prefix, `state.prefix_kv_dtype`, is priced at twice its bytes: the command line
 checks a budget before the weights, and whether the CPU kernels run, are known)
 plus its last logits and prompt mask; `slot`
 is one branch's tail KV plus its decode buffers (logits `[V]`, tokens and
-logprobs `[T]`, top logprobs, ranks, penalty counts, signals). At once, every
+logprobs `[T]`, top logprobs, ranks, penalty counts, signals) plus what its
+decode step needs while it runs (`step_bytes`: XLA's temporaries, the token
+choice's `[V]` arrays and one layer's activations, which on a CPU are host
+memory as much as the state is). At once, every
 prompt is prefilled when the request starts. In a pool, a prompt is prefilled
 when a row takes it (`Session(lazy_prefill=...)`, `Session.prefill_rows`):
 only the pool's rows hold prefix caches, and a row's fresh prefill is held
@@ -38,7 +41,17 @@ device has no memory statistics).
 Refused before any compute (InputError, a ValueError, one line with the
 numbers): a budget that cannot hold the prompts' prefixes plus one branch's
 tail, and results too large for host memory (`n` x T tokens with their
-logprobs are returned, not streamed: `n = 2147483647` asks for terabytes).
+logprobs are returned, not streamed). A returned branch keeps, besides its
+arrays, Python objects on the host (`HOST_BRANCH_BYTES`, `HOST_TOKEN_BYTES`
+per token, `HOST_LOGPROB_BYTES` and `HOST_TOP_BYTES` per token with
+logprobs: its text, its output record, token ids as Python ints, Logprob
+dicts), so `result_bytes` counts those as well.
+
+The per-slot and per-branch constants are upper bounds of measurements (XLA
+CPU's `memory_analysis()` of the decode program at two slot counts; tracemalloc
+and VmHWM of `run_requests` at two branch counts), checked by
+tests/test_host_memory.py, which bounds a real process's peak resident memory
+by what `plan` and `result_bytes` count.
 
 Sources: vLLM's scheduler sizes its KV blocks from `gpu_memory_utilization`
 (a fraction of device memory, 0.9 by default there); JetStream's fixed number
@@ -58,6 +71,20 @@ from jaxsample.errors import InputError
 DEFAULT_KV_FRACTION = 0.5  # of device memory (host RAM on CPU) for the KV cache and decode state
 SHARING_RATIO = 4  # a pool row's slots hold at least this many times its prefix copy's bytes
 HOST_RESULTS_FRACTION = 0.5  # of host RAM the returned results may take
+# One decode step's temporaries per slot: bytes per vocabulary entry (the token
+# choice's [V] logits, masks and noise in float32), per element of one layer's
+# activations (E + F + H x D, by k experts' F in a mixture of experts), and a floor.
+STEP_BYTES_PER_VOCAB = 36
+STEP_BYTES_PER_ACTIVATION = 12
+STEP_BYTES_FLOOR = 8192
+# Host bytes a returned branch keeps besides its arrays (`result_bytes`): its text,
+# finish reason and output record; per kept token (its id as a Python int in the
+# outputs' lists, its text); per token with logprobs (the position's Logprob dict);
+# per top-logprob entry.
+HOST_BRANCH_BYTES = 1024
+HOST_TOKEN_BYTES = 96
+HOST_LOGPROB_BYTES = 512
+HOST_TOP_BYTES = 256
 
 
 def host_memory_bytes() -> int:
@@ -100,36 +127,56 @@ def row_bytes(cfg, p_cap: int, penalties: bool = False) -> int:
     return kv_size(cfg, p_cap) + 4 * V + (V if penalties else 0)
 
 
+def step_bytes(cfg) -> int:
+    """Bytes one slot's decode step needs while it runs, beyond the state: XLA's
+    temporaries (the token choice's `[V]` float32 arrays, one layer's activations),
+    an upper bound of `memory_analysis().temp_size_in_bytes` per slot of the compiled
+    decode program (`STEP_BYTES_*`); independent of T."""
+    k = max(1, int(getattr(cfg, "n_experts_per_tok", 0) or 1))
+    act = cfg.dim + k * cfg.ffn_dim + cfg.n_heads * cfg.head_dim
+    return (STEP_BYTES_PER_VOCAB * cfg.vocab_size + STEP_BYTES_PER_ACTIVATION * act
+            + STEP_BYTES_FLOOR)
+
+
 def slot_bytes(cfg, t_cap: int, top_logprobs: int = 0, token_ranks: bool = False,
                penalties: bool = False, signals: bool = False) -> int:
-    """Bytes one pool slot holds: the tail KV for `t_cap` positions and the decode
-    buffers of `DecodeState` (logits, tokens, logprobs, top-k, ranks, counts, signals)."""
+    """Bytes one pool slot takes: the tail KV for `t_cap` positions, the decode
+    buffers of `DecodeState` (logits, tokens, logprobs, top-k, ranks, counts, signals)
+    and its step's temporaries (`step_bytes`)."""
     V, T, k = cfg.vocab_size, t_cap, top_logprobs
     buffers = 4 * V + 8 * T + 8 * T * k + (4 * T if token_ranks else 0)
     buffers += (4 * V if penalties else 0) + (12 * T if signals else 0)
-    return kv_size(cfg, t_cap) + buffers
+    return kv_size(cfg, t_cap) + buffers + step_bytes(cfg)
 
 
 def result_bytes(B: int, n: int, T: int, top_logprobs: int = 0, token_ranks: bool = False,
                  signals: bool = False) -> int:
-    """Host bytes of the results of B x n branches of T tokens (the round's host
-    arrays and the Generation's copy: twice the per-token arrays)."""
-    per_token = 8 + 8 * top_logprobs + (4 if token_ranks else 0) + (12 if signals else 0)
-    return 2 * B * n * T * per_token
+    """Host bytes of the results of B x n branches of up to T tokens: the per-token
+    arrays twice (the round's host arrays and the Generation's copy) and each
+    branch's Python objects (`HOST_*_BYTES`; with logprobs, `token_ranks` on, the
+    outputs' Logprob dicts of 1 + `top_logprobs` entries per token)."""
+    per_token = 2 * (8 + 8 * top_logprobs + (4 if token_ranks else 0) + (12 if signals else 0))
+    per_token += HOST_TOKEN_BYTES
+    if token_ranks:
+        per_token += HOST_LOGPROB_BYTES + HOST_TOP_BYTES * top_logprobs
+    return B * n * (HOST_BRANCH_BYTES + T * per_token)
 
 
 def check_results_fit(B: int, n: int, T: int, top_logprobs: int = 0, token_ranks: bool = False,
                       signals: bool = False, host_bytes: int | None = None) -> None:
     """InputError naming `n` when the returned results cannot fit in
-    `HOST_RESULTS_FRACTION` of host memory."""
+    `HOST_RESULTS_FRACTION` of host memory, with the numbers (bytes per branch,
+    total, the limit)."""
     need = result_bytes(B, n, T, top_logprobs, token_ranks, signals)
     have = int(HOST_RESULTS_FRACTION * (host_memory_bytes() if host_bytes is None
                                         else host_bytes))
     if need > have:
+        per = result_bytes(1, 1, T, top_logprobs, token_ranks, signals)
         raise InputError(
-            f"n={n} x max_new_tokens={T} x {B} prompt(s) returns {need:,} bytes of tokens and "
-            f"logprobs, more than {have:,} bytes ({HOST_RESULTS_FRACTION:.0%} of host memory); "
-            f"lower n or max_new_tokens")
+            f"n={n} x {B} prompt(s) of up to max_new_tokens={T} tokens keep about {need:,} "
+            f"bytes on the host ({per:,} per branch: its tokens, logprobs, text and Python "
+            f"objects), more than {have:,} bytes ({HOST_RESULTS_FRACTION:.0%} of host "
+            f"memory); lower n or max_new_tokens")
 
 
 def pool_slots(n: int, row: int, slot: int, nb: int = 1) -> int:

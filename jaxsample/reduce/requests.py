@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from jaxsample.engine.requests import (RequestResult, check_requests, encode_requests, open_pool,
                                        pool_results)
 from jaxsample.errors import ExtractError, InputError, short_repr
+from jaxsample.floats import shortest_float32
 from jaxsample.reduce import adaptive as adaptive_lib
 from jaxsample.reduce.self_consistency import self_consistency
 from jaxsample.sampling_params import SamplingParams
@@ -30,8 +31,11 @@ class RequestVote:
     Attributes:
       answer: the winning answer (a normalised string), None when no branch
         gave one.
-      share: the winner's fraction of the counted votes (or weight), in [0, 1].
-      support: the winner's votes (DeepConf: their summed confidence weight).
+      share: the winner's fraction of the counted votes (or weight), in [0, 1]: the
+        float32 vote's value as the shortest decimal that reads back as it
+        (`floats.shortest_float32`: 0.15873016, what the command line writes).
+      support: the winner's votes (DeepConf: their summed confidence weight), the
+        same way.
       answers: each branch's answer (None: none extracted), branch order; for
         an adaptive request only the branches drawn.
       n: branches drawn (`params.n`, or the adaptive rule's `n_used`).
@@ -159,8 +163,9 @@ def _run(lm, reqs, pools, chunk_size, mesh, index_offset, seed):
                     sc = self_consistency(res.generation, extract=r.extract)
                 except ExtractError as e:
                     raise ExtractError(f"request {r.id!r} (index {res.index}): {e}") from e
-                vote = RequestVote(answer=sc.winner[0], share=float(sc.share[0]),
-                                   support=float(sc.support[0]), answers=list(sc.answers[0]),
+                vote = RequestVote(answer=sc.winner[0], share=shortest_float32(sc.share[0]),
+                                   support=shortest_float32(sc.support[0]),
+                                   answers=list(sc.answers[0]),
                                    n=len(sc.answers[0]))
                 yield dataclasses.replace(res, vote=vote)
             continue
@@ -177,8 +182,9 @@ def _run(lm, reqs, pools, chunk_size, mesh, index_offset, seed):
             raise ExtractError(f"requests {short_repr(ids)} (one adaptive call): {e}") from e
         outputs = result.generation.outputs()
         for b, i in enumerate(idx):
-            vote = RequestVote(answer=result.winner[b], share=float(result.share[b]),
-                               support=float(result.support[b]), answers=list(result.answers[b]),
+            vote = RequestVote(answer=result.winner[b], share=shortest_float32(result.share[b]),
+                               support=shortest_float32(result.support[b]),
+                               answers=list(result.answers[b]),
                                n=int(result.n_used[b]))
             # Its branches drawn only (the group's Generation pads to the longest n_used).
             out = dataclasses.replace(outputs[b], request_id=reqs[i].id,
