@@ -141,3 +141,59 @@ def test_readme_quick_start_is_the_benchmarked_block():
     assert code.strip() == QUICKSTART.strip()
     index = [c for _, _, c in blocks(ROOT / "docs" / "index.md")]
     assert index[0].strip() == QUICKSTART.strip()
+
+
+def _fenced(path: pathlib.Path, info: str) -> list[list[str]]:
+    """The lines of every ```info block of a page."""
+    out, block = [], None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if block is None and line.strip() == "```" + info:
+            block = []
+        elif block is not None and line.strip() == "```":
+            out.append(block)
+            block = None
+        elif block is not None:
+            block.append(line)
+    return out
+
+
+@pytest.mark.slow
+def test_readme_command_prints_what_the_readme_shows(monkeypatch, compilation_cache_calls):
+    """README's `jaxsample run` command, run as written (in process, 100 columns), prints
+    the README's expected output: the same heading, table header, one row per branch,
+    vote and bill lines, and the bill's prefill line word for word (it depends only on
+    the tokenizer and the config). The branches' texts are not compared: another
+    CPU's rounding may flip a sampled token."""
+    import shlex
+
+    from helpers import main_captured
+
+    readme = ROOT / "README.md"
+    [command] = [line for block in _fenced(readme, "bash") for line in block
+                 if "jaxsample run" in line]
+    argv = shlex.split(command.split("jaxsample run", 1)[1])
+    expected = [line.rstrip() for line in _fenced(readme, "text")[0]]
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, err = main_captured(["run"] + argv)
+    assert code == 0, err
+    got = [line.rstrip() for line in out.splitlines()]
+
+    shown = [line for line in expected if not line.startswith("jaxsample: ")]
+    assert got[0] == shown[0]  # "smollm2-135m-instruct: 8 branches (temperature ...)"
+    header = next(line for line in shown if line.lstrip().startswith("#"))
+    assert header in got
+    row = re.compile(r"^ +\d+ +\S+ +\d+ +(stop|length) +-?\d+\.\d{3} +\S.*$")
+    assert sum(bool(row.match(line)) for line in got) == \
+        sum(bool(row.match(line)) for line in shown) == 8
+    vote = re.compile(r"^vote: \S+  share \d\.\d\d  support \d+ of \d+ answering branches "
+                      r"\(8 sampled; first given by branch \d+\)$")
+    assert any(vote.match(line) for line in got) and any(vote.match(line) for line in shown)
+    prefill = next(line for line in shown if line.startswith("prefill: "))
+    assert prefill in got
+    for start in ("bill", "decode: ", "KV cache held: ", "decode reads: ", "timings: "):
+        assert any(line.startswith(start) for line in got), start
+        assert any(line.startswith(start) for line in shown), start
+    # stderr: the progress lines the README keeps, numbers aside.
+    assert "jaxsample: decoding 8 branches of 1 prompt, up to 32 tokens each" in err
+    assert "jaxsample: decoding 8 branches of 1 prompt, up to 32 tokens each" in expected
+    assert re.search(r"jaxsample: decoded \d+ tokens in ", err)
