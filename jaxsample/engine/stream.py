@@ -98,11 +98,13 @@ def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
 
     Args:
       chunk_size: decode steps between two events, in [1, 2**31 - 1] (default 8).
+
     Returns:
       An iterator of `StreamEvent`s: one per chunk, the last with `final` True
       and the `Generation`. For each (prompt, branch) the `text` of its deltas
       concatenates to exactly `generation.texts[prompt][branch]`, and its last
       delta's `finish_reason` is `generation.finish_reason[prompt][branch]`.
+
     Raises:
       InputError: as `generate`, by this call itself (the prompts are
         validated and prefilled before it returns), before any compute.
