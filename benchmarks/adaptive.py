@@ -18,7 +18,7 @@ Branch keys depend on (seed, prompt index, branch index) only, so every run
 of a problem shares the pool's branches. Standard errors are across problems.
 
     python -m benchmarks.adaptive                       # run, write results
-    python -m benchmarks.adaptive --from-json benchmarks/results/adaptive.json   # report only
+    python -m benchmarks.adaptive --from-json benchmarks/results/adaptive_pool_issue21.json   # report only
 
 Outputs: benchmarks/results/adaptive.json, adaptive.md, adaptive.png.
 """

@@ -43,7 +43,7 @@ from jaxsample import SamplingParams  # noqa: E402
 
 from benchmarks.common import se
 
-# cpu: the settings of the reported CPU run (benchmarks/RESULTS.md, Bridge).
+# cpu: the settings of the reported CPU run (docs/benchmarks.md, Bridge).
 # cpu-v1: the first CPU run, which collapsed both trained models to ~0 accuracy
 # (lr 1e-3 and Adam's momentum on zero-signal steps wrecked the answer format:
 # the models stopped emitting the newline and ran into the 12-token limit).

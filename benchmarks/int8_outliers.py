@@ -2,7 +2,7 @@
 
 The W8A8 product (`models.quant`, activations quantised per row) with every
 input channel in int8 more than doubles weight-only's last-position logit
-error against float32 (benchmarks/RESULTS.md, "Int8 weights"). The usual
+error against float32 (docs/benchmarks.md, "Int8 weights"). The usual
 cause is activation outlier channels: one large channel sets a row's scale
 and flattens the others. Three remedies:
 
@@ -30,8 +30,7 @@ prompts, and how many argmaxes agree): the same metric as that script.
 
     python -m benchmarks.int8_outliers [--out benchmarks/results/int8_outliers.json]
 
-Speed is not measured here: see RESULTS.md for the blocks product's step time,
-and `benchmarks/quantized.py` for the outlier channels'.
+Speed is not measured here: `benchmarks/quantized.py` measures the outlier channels'.
 """
 
 from __future__ import annotations

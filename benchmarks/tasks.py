@@ -6,7 +6,7 @@ reference. A problem set is a pure function of (family, count, seed): no
 downloads, no global random state. Problems within one set are distinct.
 
 Families (difficulty for SmolLM2-135M-Instruct measured in
-benchmarks/RESULTS.md, "Accuracy: best-of-N and self-consistency"):
+docs/benchmarks.md, "Accuracy: best-of-N and self-consistency"):
 
   add1     single-digit addition        "What is 3 + 4?"
   add2     two-digit addition           "What is 23 + 48?"

@@ -164,11 +164,13 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
         `cache_dir() / "exported"` (nothing with `JAXSAMPLE_NO_CACHE`), a path
         there, False not at all. Only when the compilation cache was turned
         on (a second process would compile them again otherwise).
+
     Returns:
       The directory in use, or None when caching is off (`JAXSAMPLE_NO_CACHE`
       and no explicit `path`) or the directory cannot be created (one warning
       line says why; never an error: the run only gets slower). A directory
       that cannot be written is still read (one warning line).
+
     Raises:
       ConfigError: `path` or `exported` names an unknown home (`~nosuchuser`).
 

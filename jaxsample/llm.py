@@ -120,6 +120,7 @@ class LLM:
         one-line warning where they mean nothing here (`trust_remote_code`,
         `enforce_eager`, ...), or refused naming the jaxsample equivalent
         (`quantization`, `max_num_seqs`, ...); any other keyword is refused.
+
     Raises:
       InputError: a bad or unknown argument, before anything loads.
       ModelLoadError: the model cannot be found or read.
@@ -260,6 +261,7 @@ class LLM:
 
         Args:
           params: the new parameter pytree (jax or numpy arrays).
+
         Raises:
           InputError: an int8 engine, or a tree that does not match.
         """
@@ -359,9 +361,11 @@ class LLM:
             with its own n, max_tokens, sampling values, stops and seed).
           use_tqdm: show progress on stderr (None: the engine's `progress`).
           lora_request: must be None (no LoRA).
+
         Returns:
           One `RequestOutput` per prompt, in input order (`request_id`: its
           position as a string; vLLM counts across calls).
+
         Raises:
           InputError: bad prompts or params, before any compute.
         """
@@ -383,8 +387,10 @@ class LLM:
           use_tqdm: as `generate`.
           lora_request, chat_template, tools: must be None; add_generation_prompt
             must be True and continue_final_message False (what is implemented).
+
         Returns:
           One `RequestOutput` per conversation, in input order.
+
         Raises:
           InputError: as `generate`, and for the unsupported arguments.
         """
@@ -413,8 +419,10 @@ class LLM:
           index_offset: the position of the first request in a larger list
             (requests without their own seed draw from that position).
           use_tqdm: as `generate`.
+
         Returns:
           An iterator of `RequestResult`s, in completion order.
+
         Raises:
           InputError: as `jaxsample.run_requests`, before any compute.
         """
@@ -432,6 +440,7 @@ class LLM:
         Args:
           prompts, sampling_params: as `generate` (chat prompts with `chat=True`).
           chunk_size: decode steps between events (default 8).
+
         Returns:
           An iterator of `StreamEvent`s, the last with the `Generation`.
         """
@@ -459,6 +468,7 @@ class LLM:
           shared_prefix: a context common to every prompt, stored once.
           bridge: optional `jaxsample.bridge.Bridge` (cross-branch layers).
           pool: `compact`, `max_rows`, `max_slots` of `jaxsample.generate`.
+
         Returns:
           A `Generation`.
         """

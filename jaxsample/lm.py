@@ -64,8 +64,10 @@ class LanguageModel:
 
         Args:
           tokens: `[B, S]` int (array or nested lists); a `[S]` row is promoted to `[1, S]`.
+
         Returns:
           logits `[B, S, V]` float32.
+
         Raises:
           ValueError: tokens out of range or longer than the context.
         """

@@ -82,10 +82,12 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         keeps the int8 weights and their channels beside the float32 ones
         (`weight_cache.int8_entry`, 150 MB for SmolLM2), so only the first
         int8 load calibrates and quantises.
+
     Returns:
       A `LanguageModel`. Loads are also cached per (resolved path, the file's
       device, inode, size, mtime and ctime, dtype) for the process, so loading
       twice is free.
+
     Raises:
       ConfigError: an unknown dtype or weights, or a cache that is not None, a bool
         or a path (before any file is read).

@@ -152,6 +152,7 @@ class Progress:
             that ends sooner prints nothing.
           cached_end: the end line after `handle.from_cache()` (as `end`).
           exported_end: the end line after `handle.from_exported()` (as `end`).
+
         Yields:
           A handle whose `cancel()` drops the end line and whose `from_cache()`
           picks `cached_end`. Off a terminal, a phase still running prints

@@ -4,9 +4,9 @@ Prints a SHA-256 prefix of the compiled HLO text of the SmolLM2 decode step
 (float32 and bfloat16, P = 1024, N = 1 and 16; `engine.step_cost.compile_decode_step`)
 and of the tiny model's causal forward (its StableHLO and its compiled HLO), with
 the source metadata (file names, lines, stack frames) removed. Equal lines in two
-checkouts mean the same XLA programs, so the same numbers: how the int8 branch
-showed that `weights=None` is the code of before (benchmarks/RESULTS.md, "Int8
-weights"). Run with each checkout's own interpreter and diff the outputs:
+checkouts mean the same XLA programs, so the same numbers (how a change that
+must leave the default path alone shows it did). Run with each checkout's own
+interpreter and diff the outputs:
 
     python scripts/hlo_fingerprint.py > after.txt
 """

@@ -274,19 +274,20 @@ def test_a_broken_pipe_during_run_exits_quietly(tmp_path, json_flag):
 
 
 # ---------------------------------------------------------------------------
-# The README's claims (issue 19, item 13)
+# The porting guide's claims (docs/how-to/porting.md)
 
 
-def test_readme_vllm_row_is_true():
+def test_porting_guide_vllm_row_is_true():
     import re
     from pathlib import Path
 
     from jaxsample import SamplingParams
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    row = next(line for line in readme.splitlines() if line.startswith("| `SamplingParams("))
+    page = Path(__file__).resolve().parent.parent / "docs" / "how-to" / "porting.md"
+    row = next(line for line in page.read_text(encoding="utf-8").splitlines()
+               if line.startswith("| `SamplingParams("))
     call = re.match(r"\| `(SamplingParams\(.*?\))` \|", row).group(1)
-    p = eval(call, {"SamplingParams": SamplingParams})  # noqa: S307 - our own README
+    p = eval(call, {"SamplingParams": SamplingParams})  # noqa: S307 - our own docs
     assert p.top_k == 0 and p.max_new_tokens == p.max_tokens == 128  # vLLM's values accepted
     assert "refused" not in row and "max_tokens" in row.split("|")[2]
     # The command line takes vLLM's name too.

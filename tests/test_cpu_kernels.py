@@ -346,7 +346,7 @@ def test_w8a8_model_products_equal_the_xla_expression_on_their_inputs(tiny_lm, m
     inputs bit for bit: the kernel is wired in right (the rows folded, the weights as
     stored). The logits themselves are compared within rounding only: XLA may fuse
     the expression's rescale with the next add (a last-bit change that W8A8 can
-    amplify, RESULTS.md)."""
+    amplify, docs/benchmarks.md)."""
     lm = dataclasses.replace(tiny_lm, params=jax.tree_util.tree_map(
         jnp.asarray, quant.quantize_params(llama.unstack_layers(tiny_lm.params), mode="w8a8")))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, lm.vocab_limit, (2, 9)), jnp.int32)

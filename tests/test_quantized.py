@@ -456,7 +456,7 @@ def test_mesh_equals_unsharded(qlm, mode, atol):
     amplify. On the tiny model that stays within the shared-prefix test's 0.05; on
     SmolLM2 a one-ulp change of one layer-0 norm weight moves W8A8's logprobs by up
     to 1.9 nats, its own error against float32 (`benchmarks/quantized.py --parts
-    invariance`, RESULTS.md), so there only weight-only int8 reproduces across meshes."""
+    invariance`, docs/benchmarks.md), so there only weight-only int8 reproduces across meshes."""
     if jax.device_count() < 4:
         pytest.skip("needs --xla_force_host_platform_device_count (tests/conftest.py)")
     lm8 = dataclasses.replace(qlm, params=quant.with_mode(qlm.params, mode))

@@ -377,8 +377,10 @@ def estimate(config, prompt_tokens: int, new_tokens: int, n: int,
       context_tokens: C, tokens of a context common to all prompts
         (`generate(shared_prefix=...)`), an int in [0, 2**40); 0: none.
       num_prompts: B, prompts sharing the context, an int in [1, 2**40).
+
     Returns:
       A `CostEstimate` (see the module docstring for the counting conventions).
+
     Raises:
       ValueError: a token count outside [0, 2**40), n or num_prompts outside
         [1, 2**40), a non-integer count, or a bad dtype_bytes.
@@ -435,12 +437,14 @@ def table(config, prompt_tokens: int, new_tokens: int, ns: Sequence[int],
       ns: the branch counts to price (each >= 1).
       context_tokens, num_prompts: C and B, as `estimate` (with C > 0 the rows
         also carry `prefill_flops_two_level` and `kv_bytes_two_level`).
+
     Returns:
       A list of dicts, one per N, with keys `n`, `prefill_flops_shared`,
       `prefill_flops_separate`, `decode_flops` (the same for both),
       `step_bytes_shared`, `step_bytes_separate` (bytes read by the last decode
       step), `kv_bytes_shared`, `kv_bytes_separate`, `kv_saving` (ratio),
       `total_flops_shared`, `total_flops_separate`.
+
     Raises:
       ValueError: as `estimate`, or an empty `ns`.
     """

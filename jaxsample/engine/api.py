@@ -108,6 +108,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         kernels of `jaxsample.kernels` on GPU and TPU, XLA on CPU), "xla" or
         "pallas" (on CPU in Pallas's interpreter: slow, for tests). The same
         tokens either way, up to float ties.
+
     Returns:
       `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
       `[B, N]`, finish reasons, texts, the bill, with `params.logprobs = k`
@@ -116,6 +117,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
       top k, with `params.signals` the per-token entropy, self-certainty and
       top-2 margin `[B, N, T]`. `Generation.outputs()` gives vLLM-style
       `RequestOutput`s.
+
     Raises:
       InputError: empty prompt, a malformed chat prompt, prompt + max_new_tokens
         beyond the context (shared_prefix included), an empty or malformed

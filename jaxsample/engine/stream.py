@@ -90,17 +90,21 @@ def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
             if ev.final:
                 gen = ev.generation          # == generate(...) with the same arguments
 
+    The arguments other than `chunk_size` (lm, prompts, params, chat, mesh,
+    bridge, prompt_index_offset, compact, progress, shared_prefix, max_rows,
+    max_slots, max_kv_bytes) are those of `jaxsample.generate`, and so are the
+    tokens: the same loop, and neither the chunk size nor the pool's shape
+    changes tokens.
+
     Args:
-      lm, prompts, params, chat, mesh, bridge, prompt_index_offset, compact,
-        progress, shared_prefix, max_rows, max_slots, max_kv_bytes: as `jaxsample.generate`
-        (the tokens are the same: the same loop, and neither the chunk size nor
-        the pool's shape changes tokens).
       chunk_size: decode steps between two events, in [1, 2**31 - 1] (default 8).
+
     Returns:
       An iterator of `StreamEvent`s: one per chunk, the last with `final` True
       and the `Generation`. For each (prompt, branch) the `text` of its deltas
       concatenates to exactly `generation.texts[prompt][branch]`, and its last
       delta's `finish_reason` is `generation.finish_reason[prompt][branch]`.
+
     Raises:
       InputError: as `generate`, by this call itself (the prompts are
         validated and prefilled before it returns), before any compute.

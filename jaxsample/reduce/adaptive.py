@@ -238,8 +238,10 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
         k = V, minus log V; no top-k over V and 3 floats per token instead of
         k). The group means, threshold and terminations are computed on the
         host from it in both cases.
+
     Returns:
       An `AdaptiveResult`.
+
     Raises:
       InputError: an argument outside the ranges above, or anything
         `generate` refuses; before any compute.

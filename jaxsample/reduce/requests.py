@@ -123,9 +123,11 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None,
         (default the model's context).
       attention: the decode step's attention for the plain requests, as
         `jaxsample.generate`'s.
+
     Yields:
       `RequestResult`s (`output`, `vote`, `adaptive`, `index`, `generation`)
       in completion order.
+
     Raises:
       InputError: a malformed request, a bad adaptive option or extractor, a
         prompt the tokenizer refuses, or a stretch of plain requests whose pool

@@ -347,9 +347,11 @@ def confidence_vote(answer_ids: Any, confidence: Any, valid: Any = None, *,
         `majority_vote`'s non-finite weights).
       valid: `[B, N]` bool or None.
       top_percent: None (no filter) or eta in (0, 100].
+
     Returns:
       A `Vote` (ties as `majority_vote`: the answer seen first; with all
       weights 0 the first kept answer wins with support 0).
+
     Raises:
       ValueError: shapes or dtypes as `majority_vote`, or a top_percent
         outside (0, 100].
@@ -402,8 +404,10 @@ def borda_vote(answer_ids: Any, confidence: Any, valid: Any = None, *,
         `branch_scores(gen, "self_certainty")`); NaN excludes a branch.
       valid: `[B, N]` bool or None.
       power: finite float >= 0.
+
     Returns:
       A `Vote`; `support` is the winner's summed (m - r + 1)^power.
+
     Raises:
       ValueError: shapes or dtypes as `majority_vote`, or a bad power.
     """
