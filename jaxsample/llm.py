@@ -444,7 +444,8 @@ class LLM:
         Returns:
           An iterator of `StreamEvent`s, the last with the `Generation`.
         """
-        from jaxsample.engine import api, stream as stream_lib
+        from jaxsample.engine import api
+        from jaxsample.engine.stream import events
 
         items = _prompt_items(prompts)
         session, rnd, chunk, observer = api.start(
@@ -454,7 +455,7 @@ class LLM:
             progress=self._progress(use_tqdm), max_kv_bytes=self.max_kv_bytes,
             seed=self.seed, request_seeds=True, max_model_len=self.max_model_len,
             attention=self.attention)
-        return stream_lib.events(session, rnd, chunk, None, observer)
+        return events(session, rnd, chunk, None, observer)
 
     def sample(self, prompts, sampling_params=None, *, chat: bool = False, shared_prefix=None,
                bridge=None, use_tqdm: bool | None = None, **pool):

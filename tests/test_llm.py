@@ -261,3 +261,18 @@ def test_default_max_tokens_is_vllms_and_progress_is_quiet_off_a_terminal(llm, c
     out = llm.generate("abc", SamplingParams(temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 16  # vLLM's default max_tokens
     assert capfd.readouterr().err == ""  # stderr is not a terminal here: no progress
+
+
+def test_stream_yields_the_texts_generate_returns(tiny_lm, llm):
+    """LLM.stream: each branch's deltas concatenate to the text LLM.generate returns
+    for the same requests (the same keys: own seed, or the engine's and the position)."""
+    params = [SamplingParams(n=2, max_tokens=10, seed=4, stop=["e"]),
+              SamplingParams(n=3, max_tokens=7, temperature=0.0)]
+    texts = {}
+    events = list(llm.stream(["Hello", "ab"], params, chunk_size=3))
+    assert events[-1].final and all(not e.final for e in events[:-1])
+    for e in events:
+        for d in e.deltas:
+            texts[d.prompt, d.branch] = texts.get((d.prompt, d.branch), "") + d.text
+    outs = llm.generate(["Hello", "ab"], params)
+    assert texts == {(b, c.index): c.text for b, o in enumerate(outs) for c in o.outputs}
