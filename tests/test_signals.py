@@ -244,8 +244,11 @@ def test_off_changes_nothing(tiny_lm, off):
     s_off = jax.eval_shape(lambda: init_state(st, np.zeros((1, 264), np.float32),
                                               np.zeros((1,), np.int32), np.zeros((1, 2), np.int32),
                                               np.ones((1, 2), bool)))
-    assert s_off.signals is None
-    assert len(jax.tree_util.tree_leaves(s_off)) == len(s_off) - 1 + 2 * (len(s_off.tail_k) - 1)
+    assert s_off.out.signals is None
+    # one leaf per field, but the outputs (one per output but signals) and the tails
+    # (one per layer each)
+    assert len(jax.tree_util.tree_leaves(s_off)) == (
+        (len(s_off) - 1) + (len(s_off.out) - 1) + 2 * (len(s_off.tail_k) - 1))
     c_off = decode_step_cost(tiny_lm.config, 32, 4, 16)
     c_on = decode_step_cost(tiny_lm.config, 32, 4, 16, signals=True)
     assert c_on.flops > c_off.flops

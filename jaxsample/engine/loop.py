@@ -18,11 +18,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsample import disk_cache
 from jaxsample.engine import exported
 from jaxsample.engine.prefill import window_extent
-from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
+from jaxsample.engine.state import (ROW_FIELDS, SLOT_FIELDS, DecodeState, Knobs, Outputs,
+                                    PrefixCache, Static)
 from jaxsample.engine.step import all_done, branch_keys, make_step
 
 
@@ -68,7 +70,7 @@ def init_state(st: Static, last_logits: jax.Array, prompt_index: jax.Array,
         with `st.penalties`, ignored otherwise.
     """
     cfg = st.cfg
-    R, N, T, k = last_logits.shape[0], branch_ids.shape[1], st.t_cap, st.top_logprobs
+    R, N, T = last_logits.shape[0], branch_ids.shape[1], st.t_cap
     V = last_logits.shape[-1]
     if st.penalties:
         if prompt_mask is None or prompt_mask.shape != (R, V):
@@ -82,19 +84,27 @@ def init_state(st: Static, last_logits: jax.Array, prompt_index: jax.Array,
     return DecodeState(
         t=jnp.zeros((), jnp.int32),
         logits=jnp.broadcast_to(last_logits[:, None], (R, N, last_logits.shape[-1])),
-        tokens=jnp.full((R, N, T), st.pad_id, jnp.int32),
-        logprobs=jnp.zeros((R, N, T), jnp.float32),
-        top_logprobs=jnp.zeros((R, N, T, k), jnp.float32),
-        top_ids=jnp.full((R, N, T, k), st.pad_id, jnp.int32),
+        out=empty_outputs(st, R, N, jnp),
         lengths=jnp.zeros((R, N), jnp.int32),
         done=~live,
         stopped=jnp.zeros((R, N), bool),
         prompt_index=prompt_index,
         branch_ids=branch_ids,
         tail_k=tail, tail_v=tail,
-        token_ranks=jnp.zeros((R, N, T if st.token_ranks else 0), jnp.int32),
-        counts=counts, prompt_mask=prompt_mask,
-        signals=jnp.zeros((R, N, T, 3), jnp.float32) if st.signals else None)
+        counts=counts, prompt_mask=prompt_mask)
+
+
+def empty_outputs(st: Static, R: int, N: int, xp=np) -> Outputs:
+    """`Outputs` of R rows x N slots x `st.t_cap` tokens with nothing written
+    (`Outputs.fill`), as `xp` arrays: jax.numpy on the device, numpy for the
+    host's copy."""
+    T, k, pad = st.t_cap, st.top_logprobs, st.pad_id
+    return Outputs(tokens=xp.full((R, N, T), pad, np.int32),
+                   logprobs=xp.zeros((R, N, T), np.float32),
+                   top_logprobs=xp.zeros((R, N, T, k), np.float32),
+                   top_ids=xp.full((R, N, T, k), pad, np.int32),
+                   token_ranks=xp.zeros((R, N, T if st.token_ranks else 0), np.int32),
+                   signals=xp.zeros((R, N, T, 3), np.float32) if st.signals else None)
 
 
 def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slot_rows: jax.Array,
@@ -122,18 +132,10 @@ def compact(prefix: PrefixCache, state: DecodeState, rows: jax.Array, slot_rows:
 
     new_prefix = PrefixCache(tuple(map(take_rows, prefix.k)), tuple(map(take_rows, prefix.v)),
                              take_rows(prefix.lengths))
-    s = state
-    new = DecodeState(
-        t=s.t, logits=take_slots(s.logits), tokens=take_slots(s.tokens),
-        logprobs=take_slots(s.logprobs), top_logprobs=take_slots(s.top_logprobs),
-        top_ids=take_slots(s.top_ids), lengths=take_slots(s.lengths),
-        done=take_slots(s.done) | ~live, stopped=take_slots(s.stopped),
-        prompt_index=take_rows(s.prompt_index), branch_ids=take_slots(s.branch_ids),
-        tail_k=tuple(map(take_slots, s.tail_k)), tail_v=tuple(map(take_slots, s.tail_v)),
-        token_ranks=take_slots(s.token_ranks), counts=take_slots(s.counts),
-        prompt_mask=take_rows(s.prompt_mask),
-        signals=None if s.signals is None else take_slots(s.signals))
-    return new_prefix, new
+    tm = jax.tree_util.tree_map
+    new = state._replace(**{f: tm(take_slots, getattr(state, f)) for f in SLOT_FIELDS},
+                         **{f: tm(take_rows, getattr(state, f)) for f in ROW_FIELDS})
+    return new_prefix, new._replace(done=new.done | ~live)
 
 
 def refill(state: DecodeState, last_logits: jax.Array, reset: jax.Array,
@@ -174,27 +176,20 @@ def new_columns(state: DecodeState, starts: jax.Array, width: int) -> tuple:
       width: static, the most columns a slot can have written since (the chunk's
         steps); columns past the buffer repeat its last.
     Returns:
-      (tokens, logprobs, top_logprobs, top_ids, token_ranks, signals), each
-      `[R, N, width, ...]` (signals None when the state has none).
+      `Outputs` of `[R, N, width, ...]` (token_ranks `[R, N, 0]` without ranks).
     """
-    T = state.tokens.shape[2]
+    T = state.out.tokens.shape[2]
     idx = jnp.clip(starts[..., None] + jnp.arange(width, dtype=jnp.int32), 0, T - 1)
     take = jax.vmap(jax.vmap(lambda row, i: row[i] if row.shape[0] else row[:0]))
-    fields = (state.tokens, state.logprobs, state.top_logprobs, state.top_ids,
-              state.token_ranks, state.signals)
-    return tuple(None if a is None else take(a, idx) for a in fields)
-
-
-SLOT_FIELDS = ("logits", "tokens", "logprobs", "top_logprobs", "top_ids", "lengths", "done",
-               "stopped", "branch_ids", "tail_k", "tail_v", "token_ranks", "counts", "signals")
+    return jax.tree_util.tree_map(lambda a: take(a, idx), state.out)
 
 
 def move_slots(state: DecodeState, src_rows: jax.Array, src_slots: jax.Array,
                dst_rows: jax.Array, dst_slots: jax.Array) -> DecodeState:
     """Move branches to other slots between chunks, in place (rows of one prompt).
 
-    Every per-slot field (`SLOT_FIELDS`: the next-token logits, outputs, tail
-    KV, counts, position) of slot (src_rows[k], src_slots[k]) is copied into
+    Every per-slot field (`state.SLOT_FIELDS`: the next-token logits, outputs,
+    tail KV, counts, position) of slot (src_rows[k], src_slots[k]) is copied into
     (dst_rows[k], dst_slots[k]), and the source slot is marked done. Only
     meaningful between rows holding the same prompt (the per-row prefix,
     prompt index and prompt mask stay where they are: a moved branch reads
@@ -209,8 +204,7 @@ def move_slots(state: DecodeState, src_rows: jax.Array, src_slots: jax.Array,
     def mv(a):
         return a.at[dst_rows, dst_slots].set(a[src_rows, src_slots])
 
-    moved = {f: jax.tree_util.tree_map(mv, getattr(state, f)) for f in SLOT_FIELDS
-             if getattr(state, f) is not None}
+    moved = {f: jax.tree_util.tree_map(mv, getattr(state, f)) for f in SLOT_FIELDS}
     moved["done"] = moved["done"].at[src_rows, src_slots].set(True)
     return state._replace(**moved)
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxsample.engine.state import DecodeState, Knobs, PrefixCache
+from jaxsample.engine.state import SLOT_FIELDS, DecodeState, Knobs, Outputs, PrefixCache
 from jaxsample.lm import LanguageModel
 from jaxsample.models import families
 from jaxsample.sharding import BRANCH_AXIS
@@ -109,13 +109,14 @@ class MeshLayout:
         self.slots = NamedSharding(mesh, Ps(d, b))
         self.prefix_spec = PrefixCache(Ps(d), Ps(d), Ps(d))
         self.context_spec = Ps()  # the common context: replicated on every device
-        self.state_spec = DecodeState(
-            t=Ps(), logits=Ps(d, b), tokens=Ps(d, b), logprobs=Ps(d, b),
-            top_logprobs=Ps(d, b), top_ids=Ps(d, b), lengths=Ps(d, b), done=Ps(d, b),
-            stopped=Ps(d, b), prompt_index=Ps(d), branch_ids=Ps(d, b), tail_k=Ps(d, b),
-            tail_v=Ps(d, b), token_ranks=Ps(d, b), counts=Ps(d, b), prompt_mask=Ps(d))
-        # With SamplingParams.signals (a state whose `signals` is None has no leaf there).
-        self.state_spec_signals = self.state_spec._replace(signals=Ps(d, b))
+        # Every slot field over (data, branch), the row fields over data, the clock
+        # replicated; the outputs' signals with SamplingParams.signals only (a state
+        # whose `signals` is None has no leaf there).
+        slot = {f: Ps(d, b) for f in SLOT_FIELDS}
+        slot["out"] = Outputs(*([Ps(d, b)] * 5), signals=None)
+        self.state_spec = DecodeState(t=Ps(), prompt_index=Ps(d), prompt_mask=Ps(d), **slot)
+        self.state_spec_signals = self.state_spec._replace(
+            out=slot["out"]._replace(signals=Ps(d, b)))
         # Per-row settings are split over the data axis like the rows; t_stop replicated.
         self.knob_spec = Knobs(*([Ps(d)] * len(Knobs._fields)))._replace(t_stop=Ps())
         self.Ps = Ps

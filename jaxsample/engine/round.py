@@ -8,12 +8,14 @@ chunk ends, so refills and compaction never lose or move them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.engine.loop import compact, decode_chunk, init_state, new_columns
+from jaxsample.engine.loop import compact, decode_chunk, empty_outputs, init_state, new_columns
 from jaxsample.engine.pool import PoolSchedule
 from jaxsample.engine.placement import kv_bytes, to_host
 from jaxsample.engine.prefill import take_rows
@@ -68,15 +70,11 @@ class Round(PoolSchedule):
         R, N = len(rows), branch_ids.shape[1]
         if branch_ids.shape[0] != R:
             raise ValueError(f"branch_ids must be [{R}, N], got {branch_ids.shape}")
-        T, k = s.T, s.st.top_logprobs
         self.R, self.N = R, N
         self.branch_ids = branch_ids
-        self.tokens = np.full((R, N, T), s.st.pad_id, np.int32)
-        self.logprobs = np.zeros((R, N, T), np.float32)
-        self.top_logprobs = np.zeros((R, N, T, k), np.float32)
-        self.top_ids = np.full((R, N, T, k), s.st.pad_id, np.int32)
-        self.token_ranks = np.zeros((R, N, T if s.st.token_ranks else 0), np.int32)
-        self.signals = np.zeros((R, N, T, 3), np.float32) if s.st.signals else None
+        # The host's copy of every branch's outputs, [R, N, T, ...] (T: the requests'
+        # longest max_new_tokens).
+        self.out = empty_outputs(dataclasses.replace(s.st, t_cap=s.T), R, N)
         self.lengths = np.zeros((R, N), np.int32)
         self.prev = self.lengths.copy()  # lengths before the last chunk
         self.stopped = np.zeros((R, N), bool)
@@ -132,8 +130,6 @@ class Round(PoolSchedule):
     # -- device programs ------------------------------------------------------
 
     def _static(self, n_dev: int) -> Static:
-        import dataclasses
-
         return dataclasses.replace(self.s.st, n=n_dev // self.s.nb)
 
     def _mask(self, session_rows) -> np.ndarray:
@@ -250,26 +246,48 @@ class Round(PoolSchedule):
             args = (st, s.put(starts, "slots"))
             if s.m is not None:
                 m = s.m
-                sl = m.Ps(m.d, BRANCH_AXIS)
-                fn = m.shard_map(fn, (s.state_spec, sl), (sl,) * 5 + ((sl,) if st.signals
-                                                                      is not None else (None,)))
+                fn = m.shard_map(fn, (s.state_spec, m.Ps(m.d, BRANCH_AXIS)), s.state_spec.out)
             cols = s.program(("new_columns", width, s.mesh), fn, args)(*args)
-            cols = [None if c is None else to_host(c)[real] for c in cols]
             g = l1 - l0
             si, wi = np.nonzero(np.arange(width)[None] < np.where(grew, g, 0)[:, None])
             dst = (ri[si], ci[si], l0[si] + wi)
-            self.tokens[dst] = cols[0][si, wi]
-            self.logprobs[dst] = cols[1][si, wi]
-            if s.st.top_logprobs:
-                self.top_logprobs[dst] = cols[2][si, wi]
-                self.top_ids[dst] = cols[3][si, wi]
-            if s.st.token_ranks:
-                self.token_ranks[dst] = cols[4][si, wi]
-            if s.st.signals:
-                self.signals[dst] = cols[5][si, wi]
+            for host, col in zip(self.out, cols):
+                if host is not None and host.shape[2]:
+                    host[dst] = to_host(col)[real][si, wi]
         self.lengths[ri, ci] = l1
         self.stopped[ri, ci] = stopped[real]
         self.done[ri, ci] = done[real] | self.done[ri, ci]
+
+    @property
+    def tokens(self):
+        return self.out.tokens
+
+    @property
+    def logprobs(self):
+        return self.out.logprobs
+
+    @property
+    def top_logprobs(self):
+        return self.out.top_logprobs
+
+    @property
+    def top_ids(self):
+        return self.out.top_ids
+
+    @property
+    def token_ranks(self):
+        return self.out.token_ranks
+
+    @property
+    def signals(self):
+        return self.out.signals
+
+    def clear_branch(self, r: int, c: int) -> None:
+        """Forget what branch (round row r, column c) recorded (every output back to
+        its fill value), as if it had never been drawn."""
+        for host, fill in zip(self.out, self.out.fill(self.s.st.pad_id)):
+            if host is not None:
+                host[r, c] = fill
 
     def new_tokens(self, t0=None):
         """(row, column, new tokens excluding a final stop token) of every branch

@@ -104,6 +104,42 @@ class PromptLogprobs(NamedTuple):
     top_ids: jax.Array
 
 
+class Outputs(NamedTuple):
+    """What every slot records per token: `[R, N, T, ...]` (device) or, on the host,
+    the same fields indexed by (round row, branch column, token).
+
+    Every per-token output is a field here and nowhere else: compaction,
+    slot moves, the host's copy of each chunk and the reset of a branch are
+    `tree_map`s over it (`loop`, `round`), so a new output is one field, the
+    step's write and the `Generation`'s read.
+
+    tokens: `[R, N, T]` int32; logprobs: `[R, N, T]` float32 (the sampled
+      token's, raw or processed: `SamplingParams.logprobs_mode`).
+    top_logprobs: `[R, N, T, k]` float32 and top_ids `[R, N, T, k]` int32: the
+      k most likely tokens of the raw distribution at each step (k = 0: empty).
+    token_ranks: `[R, N, T]` int32 rank of each sampled token under the raw
+      distribution (vLLM's `Logprob.rank`), with `Static.token_ranks`; else
+      `[R, N, 0]`.
+    signals: `[R, N, T, 3]` float32 per-token selection signals of the raw
+      distribution (entropy, self-certainty, top-2 margin:
+      `sampling.token_signals`; 0 after a slot is done), with
+      `Static.signals`; else None, which is no pytree leaf at all, so the
+      compiled programs without the option are those from before it existed.
+    """
+
+    tokens: Any
+    logprobs: Any
+    top_logprobs: Any
+    top_ids: Any
+    token_ranks: Any
+    signals: Any = None
+
+    def fill(self, pad_id: int) -> "Outputs":
+        """The value of each field where nothing was written: the pad id for token
+        ids, 0 elsewhere (the same structure, scalars at the leaves)."""
+        return Outputs(pad_id, 0.0, 0.0, pad_id, 0, None if self.signals is None else 0.0)
+
+
 class DecodeState(NamedTuple):
     """The resumable decode state: it lives across device calls (chunks).
 
@@ -116,47 +152,36 @@ class DecodeState(NamedTuple):
     a smaller state (compaction) or start a new state over the same prefix
     cache (another round of branches).
 
+    Every field but `t` and the row fields (`ROW_FIELDS`) has the slot axes
+    `[R, N]` first (`SLOT_FIELDS`): gathering or moving slots maps one
+    function over them.
+
     t: `[]` int32, the clock: steps this state has run (`knobs.t_stop` ends a
       chunk). When every slot started together, it is every live slot's
       token index.
     logits: `[R, N, V]` float32, each slot's distribution for its next token.
-    tokens: `[R, N, T]` int32; logprobs: `[R, N, T]` float32.
-    top_logprobs: `[R, N, T, k]` float32 and top_ids `[R, N, T, k]` int32: the
-      k most likely tokens of the raw distribution at each step (k = 0: empty).
+    out: the per-token `Outputs`, `[R, N, T, ...]`.
     lengths: `[R, N]` int32 tokens generated so far (stop token included): a
       live slot's next token index.
     done: `[R, N]` bool; stopped: `[R, N]` bool (ended by a stop token).
-    prompt_index: `[R]` int32 global prompt index of each row (for the keys).
+    prompt_index: `[R]` int32 key index of each row (for the keys).
     branch_ids: `[R, N]` int32 global branch index of each slot (for the keys):
       compaction moves a branch to another slot but keeps its key.
     tail_k, tail_v: tuples of L arrays `[R, N, K, T_l, D]`, the branches' own KV:
       T_l = T on global layers; on a local layer of window w a ring of
       min(T, w - 1) slots written at lengths mod T_l (`prefill.window_extent`).
-    token_ranks: `[R, N, T]` int32 rank of each sampled token under the raw
-      distribution (vLLM's `Logprob.rank`), with `Static.token_ranks`; else
-      `[R, N, 0]`.
     counts: `[R, N, V]` int32, how often each slot generated each token (for
       the frequency, presence and repetition penalties), with
-      `Static.penalties`; else `[R, N, 0]`. Updated by one scatter per step.
-      Its size equals the `logits` buffer the state already holds (67 MB at
-      V = 262144, N = 64, R = 1), a few percent of the tails of any real
-      model at T in the thousands.
+      `Static.penalties`; else `[R, N, 0]`. Updated by one scatter per step;
+      the size of the `logits` buffer the state already holds.
     prompt_mask: `[R, V]` bool, the tokens of each row's prompt (repetition
       penalty), shared by the row's slots (never copied N times), with
       `Static.penalties`; else `[R, 0]`.
-    signals: `[R, N, T, 3]` float32 per-token selection signals of the raw
-      distribution (entropy, self-certainty, top-2 margin:
-      `sampling.token_signals`; 0 after a slot is done), with
-      `Static.signals`; else None, which is no pytree leaf at all, so the
-      compiled programs without the option are those from before it existed.
     """
 
     t: jax.Array
     logits: jax.Array
-    tokens: jax.Array
-    logprobs: jax.Array
-    top_logprobs: jax.Array
-    top_ids: jax.Array
+    out: Outputs
     lengths: jax.Array
     done: jax.Array
     stopped: jax.Array
@@ -164,10 +189,14 @@ class DecodeState(NamedTuple):
     branch_ids: jax.Array
     tail_k: Any
     tail_v: Any
-    token_ranks: jax.Array
     counts: jax.Array
     prompt_mask: jax.Array
-    signals: Any = None
+
+
+ROW_FIELDS = ("prompt_index", "prompt_mask")  # `[R, ...]`: one entry per row
+SLOT_FIELDS = tuple(f for f in DecodeState._fields if f not in ROW_FIELDS + ("t",))
+"""The `DecodeState` fields with the slot axes `[R, N]` first (every field but the
+clock and the row fields)."""
 
 
 class Knobs(NamedTuple):

@@ -19,7 +19,7 @@ from jaxsample import kernels
 from jaxsample.engine import sampling
 from jaxsample.engine.prefill import prefix_start
 from jaxsample.engine.prefix_attention import prefix_attention
-from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
+from jaxsample.engine.state import DecodeState, Knobs, Outputs, PrefixCache, Static
 from jaxsample.kernels.decode_attention import segment_attention
 from jaxsample.models import common, families, quant
 
@@ -231,27 +231,23 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
         ri, ni = jnp.arange(R)[:, None], jnp.arange(N)[None, :]
         # Each live slot writes its own column (a scatter); done slots write nothing
         # (index T: dropped), so a finished branch's buffers stay as it left them.
-        col = jnp.where(live, pos, s.tokens.shape[2])
+        col = jnp.where(live, pos, s.out.tokens.shape[2])
+
+        # This step's per-token outputs, [R, N, ...] (a field off: its buffer as is).
+        top = (vv(lambda x: sampling.top_logprobs(x, st.top_logprobs, st.vocab_limit))(s.logits)
+               if st.top_logprobs else (None, None))
+        new = Outputs(
+            tokens=tok, logprobs=lp, top_logprobs=top[0], top_ids=top[1],
+            token_ranks=(vv(lambda x, k: sampling.token_rank(x, k, st.vocab_limit))(s.logits, tok)
+                         if st.token_ranks else None),
+            # on the raw logits, like the logprobs: [R, N, 3]
+            signals=(vv(lambda x: sampling.token_signals(x, st.vocab_limit))(s.logits)
+                     if st.signals else None))
 
         def put(buf, val):  # buf [R, N, T, ...] <- val [R, N, ...] at column col[r, n]
-            return buf.at[ri, ni, col].set(val, mode="drop")
+            return buf if val is None else buf.at[ri, ni, col].set(val, mode="drop")
 
-        tokens = put(s.tokens, tok)
-        logprobs = put(s.logprobs, lp)
-        top_lp, top_ids = s.top_logprobs, s.top_ids
-        if st.top_logprobs:
-            vals, ids = vv(lambda x: sampling.top_logprobs(x, st.top_logprobs,
-                                                           st.vocab_limit))(s.logits)
-            top_lp = put(top_lp, vals)
-            top_ids = put(top_ids, ids)
-        ranks = s.token_ranks
-        if st.token_ranks:
-            rank = vv(lambda x, k: sampling.token_rank(x, k, st.vocab_limit))(s.logits, tok)
-            ranks = put(ranks, rank)
-        sig = s.signals
-        if st.signals:  # on the raw logits, like the logprobs: [R, N, 3]
-            vals = vv(lambda x: sampling.token_signals(x, st.vocab_limit))(s.logits)
-            sig = put(sig, vals)
+        out = Outputs(*(None if b is None else put(b, v) for b, v in zip(s.out, new)))
         counts = s.counts
         if st.penalties:  # one scatter of R x N ones (zeros for done slots)
             counts = counts.at[ri, ni, tok].add(live.astype(jnp.int32), mode="drop")
@@ -279,9 +275,8 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
                        for c, a in zip(s.tail_k, k))
         tail_v = tuple(c.at[ri, ni, :, pos % c.shape[3]].set(a)
                        for c, a in zip(s.tail_v, v))
-        return s._replace(t=s.t + 1, logits=logits, tokens=tokens, logprobs=logprobs,
-                          top_logprobs=top_lp, top_ids=top_ids, lengths=lengths, done=done,
+        return s._replace(t=s.t + 1, logits=logits, out=out, lengths=lengths, done=done,
                           stopped=s.stopped | hit_stop, tail_k=tail_k, tail_v=tail_v,
-                          token_ranks=ranks, counts=counts, signals=sig)
+                          counts=counts)
 
     return step

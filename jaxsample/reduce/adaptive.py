@@ -343,11 +343,7 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
     for b in range(B):  # branches beyond n_used: not drawn, as the offline rule has it
         for n in range(int(n_used[b]), max_n):
             reasons[(b, n)] = "not_drawn"
-            rnd.tokens[b, n], rnd.logprobs[b, n] = session.st.pad_id, 0.0
-            rnd.top_logprobs[b, n], rnd.top_ids[b, n] = 0.0, session.st.pad_id
-            rnd.token_ranks[b, n] = 0
-            if rnd.signals is not None:
-                rnd.signals[b, n] = 0.0
+            rnd.clear_branch(b, n)
             rnd.lengths[b, n], rnd.stopped[b, n] = 0, False
         del answers[b][int(n_used[b]):], term[b][int(n_used[b]):], lowest[b][int(n_used[b]):]
 
