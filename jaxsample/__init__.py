@@ -46,9 +46,11 @@ _EXPORTS = {
     "RequestVote": "jaxsample.reduce.requests",
     "Request": "jaxsample.engine.requests",
     "RequestResult": "jaxsample.engine.requests",
+    "token_logprobs": "jaxsample.training.logprobs",
 }
 _SUBMODULES = {"bridge", "bridge_training", "cli", "cost", "disk_cache", "engine", "errors", "weight_cache",
-               "generation", "lm", "loading", "progress", "reduce", "sampling_params", "sharding"}
+               "generation", "lm", "loading", "progress", "reduce", "sampling_params", "sharding",
+               "training"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 

@@ -1,0 +1,230 @@
+"""`token_logprobs`: per-token log-probabilities of given sequences, differentiable in the weights.
+
+The training-side twin of the sampler. The sampler reports, for every token it
+draws, `log_softmax` of the raw logits at that token (padding rows excluded);
+`token_logprobs` recomputes the same numbers for whole sequences with one plain
+causal forward (the family's `embed`, `run_causal` and `logits`, as the prefill
+runs them), as a pure function of the parameters: `jax.jit` and `jax.grad` go
+through it (GRPO, PPO, distillation).
+
+The vocabulary projection is the memory hazard of such a function: the logits
+of B sequences of S positions are `[B, S, V]` float32 (32 sequences of 96
+tokens over SmolLM2's 49,152 rows: 604 MB, and as much again for their
+gradient). Here they exist one chunk of C positions at a time: the final
+hidden states `[B, S, E]` are split into `ceil((S - 1) / C)` chunks, a
+`lax.map` computes each chunk's logits, log-normaliser and target entry, and
+`jax.checkpoint` makes the backward pass recompute a chunk's logits instead
+of keeping them. The peak of logits-sized memory is therefore one chunk's
+`[B, C, V]` float32 and its cotangent, `2 * 4 * B * C * V` bytes, whatever S
+is (tests/test_token_logprobs.py bounds XLA's temporary bytes by it).
+
+The arithmetic of one position is the sampler's (`engine.sampling.prepare`
+and `choose_token`): rows `>= vocab_limit` at -inf, the maximum subtracted,
+then `shifted[token] - log(sum(exp(shifted)))`; with a temperature the
+logits are divided by it first (the policy softmax(logits / temperature)).
+The numbers agree with the sampler's to float32 rounding, not bit for bit:
+the prefill and the decode step reduce in another order than one causal
+forward (another matmul shape per position, attention merged by log-sum-exp
+over prefix and tail); benchmarks/token_logprobs_agreement.py measures the gap.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsample.errors import InputError
+from jaxsample.lm import LanguageModel
+from jaxsample.models import families
+
+# The default chunk: the largest C whose [B, C, V] float32 logits fit in this many bytes.
+LOGITS_CHUNK_BYTES = 64 << 20
+
+
+def language_model(model: Any) -> LanguageModel:
+    """The `LanguageModel` behind `model`: itself, or an engine's `.lm`.
+
+    Raises:
+      InputError: neither.
+    """
+    if isinstance(model, LanguageModel):
+        return model
+    lm = getattr(model, "lm", None)
+    if isinstance(lm, LanguageModel):
+        return lm
+    raise InputError(f"model must be a jaxsample.LanguageModel or an engine holding one in "
+                     f".lm (jaxsample.LLM), got {type(model).__name__}")
+
+
+def check_temperature(temperature: Any, name: str = "temperature") -> float:
+    """`temperature` as a Python float, finite and > 0, or an InputError naming `name`."""
+    if isinstance(temperature, (jax.Array, np.ndarray)) and temperature.ndim == 0:
+        if isinstance(temperature, jax.core.Tracer):
+            raise InputError(f"{name} must be a concrete number (it selects the policy "
+                             "softmax(logits / temperature)), got a traced value")
+        temperature = temperature.item()
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(
+            temperature, (int, float, np.integer, np.floating)):
+        raise InputError(f"{name} must be a number > 0, got {type(temperature).__name__} "
+                         f"{temperature!r:.40}")
+    t = float(temperature)
+    if not (math.isfinite(t) and t > 0):
+        raise InputError(f"{name} must be a finite number > 0 (the policy is "
+                         f"softmax(logits / {name}); greedy decoding has no log-probabilities), "
+                         f"got {temperature!r}")
+    return t
+
+
+def check_tokens(tokens: Any, lm: LanguageModel, name: str = "tokens"):
+    """`tokens` as a `[B, S]` int32 array (numpy, or the jax array / tracer as given).
+
+    Shapes and dtypes are checked always; the ids (in `[0, vocab_limit)`) when
+    the values are concrete.
+
+    Raises:
+      InputError: not 2-D with B, S >= 1, not an integer dtype, S beyond the
+        model's context, or an id outside the vocabulary.
+    """
+    traced = isinstance(tokens, jax.core.Tracer)
+    if not isinstance(tokens, (jax.Array, np.ndarray)):
+        try:
+            tokens = np.asarray(tokens)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"{name} must be a [B, S] integer array, got "
+                             f"{type(tokens).__name__} ({e})") from None
+    if tokens.ndim != 2 or 0 in tokens.shape:
+        raise InputError(f"{name} must have shape [B, S] with B, S >= 1, got {tuple(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise InputError(f"{name} must be an integer array (token ids), got dtype {tokens.dtype}")
+    S, context = tokens.shape[1], lm.config.max_seq_len
+    if S > context:
+        raise InputError(f"{name} has {S} positions, more than the model's context ({context})")
+    limit = lm.vocab_limit
+    if not traced:
+        host = np.asarray(tokens)
+        lo, hi = int(host.min()), int(host.max())
+        if lo < 0 or hi >= limit:
+            raise InputError(f"{name} must be token ids in [0, {limit}) (the vocabulary), got "
+                             f"values in [{lo}, {hi}]")
+    if tokens.dtype != jnp.int32:
+        tokens = tokens.astype(np.int32) if isinstance(tokens, np.ndarray) else tokens.astype(
+            jnp.int32)
+    return tokens
+
+
+def default_chunk(B: int, S: int, V: int, budget: int = LOGITS_CHUNK_BYTES) -> int:
+    """C, positions per chunk: the largest whose `[B, C, V]` float32 fit in `budget`
+    bytes, at least 1 and at most S - 1 (the scored positions)."""
+    return max(1, min(max(S - 1, 1), budget // (4 * B * V)))
+
+
+def token_logprobs(model, params, tokens, *, temperature: float = 1.0,
+                   chunk_size: int | None = None) -> jax.Array:
+    """Per-token log-probabilities of `tokens` under `params`, differentiable in `params`.
+
+    Entry `[b, i]` is `log p(tokens[b, i] | tokens[b, :i])` under
+    `softmax(logits / temperature)` over the model's vocabulary (rows `>=
+    vocab_limit` excluded, as the sampler does); entry `[b, 0]` is 0 (no
+    context). At temperature 1 these are the sampler's raw logprobs
+    (`Generation.logprobs`) to float32 rounding.
+
+    A pure function of `params`: `jax.jit`, `jax.grad` and `jax.vjp` go
+    through it, and B needs no `jax.vmap`. On a mesh, place `params` (for
+    example replicated) and `tokens` (for example split over a data axis on
+    B) with `jax.device_put`; the computation follows the placement and the
+    result is split like `tokens`.
+
+    Memory: the logits exist one chunk of C positions at a time, `[B, C, V]`
+    float32, and the backward pass recomputes each chunk (`jax.checkpoint`);
+    logits-sized memory peaks at `2 * 4 * B * C * V` bytes (the chunk's
+    logits and their cotangent), never `[B, S, V]`.
+
+    Args:
+      model: a `jaxsample.LanguageModel`, or an engine with one in `.lm`
+        (`jaxsample.LLM`); only its config and tokenizer's vocabulary are
+        used, never its weights.
+      params: the parameter pytree (the family's `param_shapes`, stacked or
+        the list-of-layers layout; leaves may also be objects the families
+        multiply with `@`, such as `models.quant.QuantizedWeight` or
+        `jaxsample.training.lora` adapters).
+      tokens: `[B, S]` integer token ids (cast to int32), S <= the context.
+      temperature: a finite number > 0 (a Python number: it is the policy).
+      chunk_size: C, positions per chunk (an int >= 1); default the largest C
+        with `4 * B * C * V <= LOGITS_CHUNK_BYTES` (64 MiB).
+    Returns:
+      `[B, S]` float32.
+    Raises:
+      InputError: a model that is not one, a temperature that is not a finite
+        number > 0, tokens that are not `[B, S]` integers within the
+        vocabulary and the context, a chunk_size that is not an int >= 1.
+    """
+    lm = language_model(model)
+    t = check_temperature(temperature)
+    tokens = check_tokens(tokens, lm)
+    B, S = tokens.shape
+    V = lm.config.vocab_size
+    if chunk_size is None:
+        chunk = default_chunk(B, S, V)
+    elif isinstance(chunk_size, (bool, np.bool_)) or not isinstance(
+            chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise InputError(f"chunk_size must be an int >= 1 (positions per chunk), got {chunk_size!r}")
+    else:
+        chunk = int(min(chunk_size, max(S - 1, 1)))
+    return _token_logprobs(lm.config, lm.vocab_limit, chunk, params, tokens, np.float32(t))
+
+
+def chunked_logprobs(cfg, vocab_limit: int, chunk: int, params, hidden: jax.Array,
+                     targets: jax.Array, temperature) -> jax.Array:
+    """Log-probabilities of `targets` from final hidden states, C positions at a time.
+
+    Args:
+      cfg: the model config; vocab_limit: static, rows >= it are excluded.
+      chunk: static C.
+      hidden: `[B, M, E]` the last layer's output (before the final norm) at
+        the M positions that predict `targets`.
+      targets: `[B, M]` int32.
+      temperature: `[]` float32 > 0.
+    Returns:
+      `[B, M]` float32; logits-sized memory `2 * 4 * B * C * V` bytes at most.
+    """
+    fam = families.module_for(cfg)
+    B, M, E = hidden.shape
+    n = -(-M // chunk)
+    pad = n * chunk - M
+    xs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, E).swapaxes(0, 1)
+    ts = jnp.pad(targets, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(args):
+        x, tgt = args  # [B, C, E], [B, C]
+        z = fam.logits(cfg, params, x)  # [B, C, V] float32
+        z = z / temperature
+        z = jnp.where(jnp.arange(z.shape[-1]) < vocab_limit, z, -jnp.inf)
+        shifted = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+        picked = jnp.take_along_axis(shifted, tgt[..., None], axis=-1)[..., 0]
+        return picked - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+
+    out = jax.lax.map(one, (xs, ts))  # [n, B, C]
+    return out.swapaxes(0, 1).reshape(B, n * chunk)[:, :M]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _token_logprobs(cfg, vocab_limit: int, chunk: int, params, tokens, temperature):
+    fam = families.module_for(cfg)
+    B, S = tokens.shape
+    positions = jnp.arange(S, dtype=jnp.int32)
+
+    def hidden(toks):
+        x, _ = fam.run_causal(cfg, params, fam.embed(params, toks), positions)
+        return x
+
+    if S == 1:
+        return jnp.zeros((B, 1), jnp.float32)
+    h = jax.vmap(hidden)(tokens)  # [B, S, E]
+    lp = chunked_logprobs(cfg, vocab_limit, chunk, params, h[:, :-1], tokens[:, 1:], temperature)
+    return jnp.concatenate([jnp.zeros((B, 1), jnp.float32), lp], axis=1)
