@@ -29,6 +29,8 @@ from jaxsample.lm import LanguageModel
 from jaxsample.models import common, llama
 from jaxsample.models.tiny import byte_tokenizer
 from jaxsample.training import rollout as ro
+from jaxsample.training.logprobs import group_token_logprobs
+from helpers import next_token_logprobs as reference
 
 DATA = pathlib.Path(__file__).parent / "data"
 FAMILIES = ["tiny_llama", "tiny_llama3_untied", "tiny_qwen2", "tiny_qwen3", "tiny_phi3",
@@ -39,17 +41,6 @@ F32_BOUND = 2e-5
 # bfloat16 activations: a last-bit difference in a hidden state moves a logit by about
 # 2**-8 of its size; 16 such units of logits up to ~8 (dense families, measured <= 0.06).
 BF16_BOUND = 16 * 2.0**-8 * 8
-
-
-def reference(lm, tokens, temperature=1.0):
-    """`[B, S]` float64: log-softmax of `lm.forward(tokens) / temperature` over the
-    vocabulary at the next token, 0 at position 0 (numpy)."""
-    z = np.asarray(lm.forward(tokens), np.float64)[:, :-1] / temperature
-    z[..., lm.vocab_limit:] = -np.inf
-    z = z - z.max(-1, keepdims=True)
-    lp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    picked = np.take_along_axis(lp, np.asarray(tokens)[:, 1:, None], -1)[..., 0]
-    return np.concatenate([np.zeros((len(tokens), 1)), picked], axis=1)
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +225,69 @@ def test_agrees_with_the_sampler_on_a_mesh(tiny_lm):
 
     gap, _ = sampler_gap(tiny_lm, mesh=make_mesh(branch=2, data=2), n=4)
     assert gap <= F32_BOUND
+
+
+# ---------------------------------------------------------------------------
+# Each prompt once for its N completions
+
+
+def _grouped_case(lm, seed=0, B=2, N=3, P=12, T=9):
+    rng = np.random.RandomState(seed)
+    prompt = rng.randint(0, lm.vocab_limit, (B, P)).astype(np.int32)
+    plen = np.asarray([P - 4, 3][:B], np.int32)
+    prompt[1, 3:] = 0  # right padding
+    comp = rng.randint(0, lm.vocab_limit, (B, N, T)).astype(np.int32)
+    packed = ro.pack(jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(comp),
+                     jnp.full((B, N), T, jnp.int32)).reshape(B * N, -1)
+    idx = np.broadcast_to(plen[:, None, None] + np.arange(T), (B, N, T))
+    return prompt, plen, comp, packed, idx
+
+
+def _grouped_vs_packed(lm, params, temperature):
+    prompt, plen, comp, packed, idx = _grouped_case(lm)
+    got = group_token_logprobs(
+        lm, params, prompt, plen, comp, temperature=temperature, chunk_size=4)
+    lp = jaxsample.token_logprobs(lm, params, packed, temperature=temperature)
+    want = np.take_along_axis(np.asarray(lp).reshape(comp.shape[:2] + (-1,)), idx, -1)
+    return np.asarray(got), want
+
+
+@pytest.mark.parametrize("layout", ["stacked", "list"])
+def test_grouped_equals_packed_sequences(tiny_lm, layout):
+    lm = tiny_lm if layout == "stacked" else dataclasses.replace(
+        tiny_lm, params=common.unstack_layers(tiny_lm.params))
+    got, want = _grouped_vs_packed(lm, lm.params, 0.8)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_grouped_gradient_equals_packed_sequences(tiny_lm):
+    lm = tiny_lm
+    prompt, plen, comp, packed, idx = _grouped_case(lm)
+    w = np.random.RandomState(5).normal(size=comp.shape)
+    g1 = jax.grad(lambda p: jnp.sum(w * group_token_logprobs(
+        lm, p, prompt, plen, comp)))(lm.params)
+    g2 = jax.grad(lambda p: jnp.sum(w * jnp.take_along_axis(jaxsample.token_logprobs(
+        lm, p, packed).reshape(comp.shape[:2] + (-1,)), idx, -1)))(lm.params)
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
+        np.testing.assert_allclose(a, b, atol=1e-4 * float(np.abs(b).max()) + 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny_gemma3_local", "tiny_gemma2", "tiny_qwen3_moe",
+                                  "tiny_phi3"])
+def test_grouped_equals_packed_sequences_on_families(name):
+    """Sliding windows (5 and 8 positions), Gemma 2's soft-capped scores, experts."""
+    lm = _family(name)
+    got, want = _grouped_vs_packed(lm, lm.params, 1.0)
+    np.testing.assert_allclose(got, want, atol=F32_BOUND, rtol=0)
+
+
+def test_grouped_input_errors(tiny_lm):
+    prompt, plen, comp, _, _ = _grouped_case(tiny_lm)
+    with pytest.raises(InputError, match="completions must have shape"):
+        group_token_logprobs(tiny_lm, tiny_lm.params, prompt, plen, comp[0])
+    with pytest.raises(InputError, match="prompt_len"):
+        group_token_logprobs(tiny_lm, tiny_lm.params, prompt, np.asarray([0, 3]), comp)
+    with pytest.raises(InputError, match=r"completions must be token ids"):
+        group_token_logprobs(tiny_lm, tiny_lm.params, prompt, plen, comp + 300)

@@ -40,7 +40,7 @@ import numpy as np
 
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
-from jaxsample.models import families
+from jaxsample.models import common, families
 
 # The default chunk: the largest C whose [B, C, V] float32 logits fit in this many bytes.
 LOGITS_CHUNK_BYTES = 64 << 20
@@ -228,3 +228,110 @@ def _token_logprobs(cfg, vocab_limit: int, chunk: int, params, tokens, temperatu
     h = jax.vmap(hidden)(tokens)  # [B, S, E]
     lp = chunked_logprobs(cfg, vocab_limit, chunk, params, h[:, :-1], tokens[:, 1:], temperature)
     return jnp.concatenate([jnp.zeros((B, 1), jnp.float32), lp], axis=1)
+
+
+def group_token_logprobs(model, params, prompt, prompt_len, completions, *,
+                         temperature: float = 1.0, chunk_size: int | None = None) -> jax.Array:
+    """`token_logprobs` of N completions of each of B prompts, each prompt run once.
+
+    Entry `[b, n, t]` is `log p(completions[b, n, t] | prompt[b, :prompt_len[b]],
+    completions[b, n, :t])` under softmax(logits / temperature): the numbers
+    `token_logprobs` gives for the sequence prompt + completion at its
+    completion positions (to float32 rounding), at the cost of one prompt
+    per group instead of N. The prompt runs once with causal attention (the
+    prefill); each completion attends to the prompt's keys and values
+    (shared, not copied) and to its own, the two partial softmaxes merged by
+    log-sum-exp (`models.common.merge_attention`), sliding windows included.
+    A pure function of `params`, differentiable; padding after a branch's
+    end is scored too (the caller masks it).
+
+    Args:
+      model, params, temperature, chunk_size: as `token_logprobs` (C chunks the
+        T completion positions).
+      prompt: `[B, P]` int32 right-padded prompt ids; prompt_len: `[B]` int32 in [1, P].
+      completions: `[B, N, T]` int32 ids.
+    Returns:
+      `[B, N, T]` float32.
+    Raises:
+      InputError: as `token_logprobs`, for shapes and ids of prompt and
+        completions (P + T within the context).
+    """
+    lm = language_model(model)
+    t = check_temperature(temperature)
+    prompt = check_tokens(prompt, lm, "prompt")
+    if not isinstance(completions, (jax.Array, np.ndarray)):
+        completions = np.asarray(completions)
+    if completions.ndim != 3 or completions.shape[0] != prompt.shape[0]:
+        raise InputError(f"completions must have shape [B, N, T] with B = {prompt.shape[0]} "
+                         f"(the prompts), got {tuple(completions.shape)}")
+    B, N, T = completions.shape
+    comp = check_tokens(completions.reshape(B * N, T), lm, "completions").reshape(B, N, T)
+    if prompt.shape[1] + T > lm.config.max_seq_len:
+        raise InputError(f"prompt ({prompt.shape[1]}) + completions ({T}) positions exceed the "
+                         f"model's context ({lm.config.max_seq_len})")
+    if not isinstance(prompt_len, jax.core.Tracer):
+        pl = np.asarray(prompt_len)
+        if pl.shape != (B,) or not np.issubdtype(pl.dtype, np.integer) or (
+                pl.size and (pl.min() < 1 or pl.max() > prompt.shape[1])):
+            raise InputError(f"prompt_len must be [B] = [{B}] ints in [1, {prompt.shape[1]}], "
+                             f"got {pl.dtype} {pl.shape}")
+    if chunk_size is None:
+        chunk = default_chunk(B * N, T + 1, lm.config.vocab_size)
+    elif isinstance(chunk_size, (bool, np.bool_)) or not isinstance(
+            chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise InputError(f"chunk_size must be an int >= 1 (positions per chunk), got {chunk_size!r}")
+    else:
+        chunk = int(min(chunk_size, T))
+    return _group_token_logprobs(lm.config, lm.vocab_limit, chunk, params, prompt,
+                                 jnp.asarray(prompt_len, jnp.int32), comp, np.float32(t))
+
+
+def _tail_attend(kp, vp, window, prompt_len, scale):
+    """Attention of T completion queries (absolute positions prompt_len + t) over the
+    prompt's keys `< prompt_len` and their own causal tail, within `window`."""
+
+    def attend(q, k, v):
+        T, P = q.shape[0], kp.shape[0]
+        q_pos = prompt_len + jnp.arange(T)
+        pre = (jnp.arange(P)[None, :] < prompt_len) & common.window_mask(q_pos, jnp.arange(P),
+                                                                          window)
+        own = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]) & common.window_mask(
+            q_pos, q_pos, window)
+        a = common.partial_attention(q, kp.swapaxes(0, 1), vp.swapaxes(0, 1), pre, scale)
+        b = common.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), own, scale)
+        return common.merge_attention([a, b]).astype(q.dtype)
+
+    return attend
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _group_token_logprobs(cfg, vocab_limit: int, chunk: int, params, prompt, prompt_len,
+                          completions, temperature):
+    fam = families.module_for(cfg)
+    B, N, T = completions.shape
+    P = prompt.shape[1]
+    stacked = not isinstance(params["layers"], (list, tuple))
+    windows = (jnp.asarray([common.NO_WINDOW if w is None else w for w in cfg.layer_windows],
+                           jnp.int32) if stacked else list(cfg.layer_windows))
+    scale = cfg.attention_scale
+
+    def group(toks, pl, comp):
+        hp, (kp, vp) = fam.run_causal(cfg, params, fam.embed(params, toks),
+                                      jnp.arange(P, dtype=jnp.int32), pl)
+        xs = (kp, vp, windows) if stacked else list(zip(kp, vp, windows))
+        positions = pl + jnp.arange(T, dtype=jnp.int32)
+
+        def branch(c):
+            x, _ = fam.run_layers(cfg, params, fam.embed(params, c), positions,
+                                  lambda lx: _tail_attend(*lx, pl, scale), layer_xs=xs)
+            return x
+
+        hc = jax.vmap(branch)(comp)  # [N, T, E]
+        first = jnp.broadcast_to(jax.lax.dynamic_index_in_dim(hp, pl - 1, 0, keepdims=False),
+                                 (N, 1, hp.shape[-1]))
+        return jnp.concatenate([first, hc[:, :T - 1]], axis=1)  # position t predicts token t
+
+    hidden = jax.vmap(group)(prompt, prompt_len, completions)  # [B, N, T, E]
+    lp = chunked_logprobs(cfg, vocab_limit, chunk, params, hidden.reshape(B * N, T, -1),
+                          completions.reshape(B * N, T), temperature)
+    return lp.reshape(B, N, T)

@@ -34,7 +34,7 @@ from jaxsample.engine.state import MAX_STOP_IDS, bucket
 from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.sampling_params import SamplingParams
-from jaxsample.training.logprobs import check_temperature, language_model, token_logprobs
+from jaxsample.training.logprobs import check_temperature, group_token_logprobs, language_model
 
 __all__ = ["Batch", "Rollout", "rollout", "pad_prompts", "stop_array", "pack",
            "completion_logprobs", "completion_mask"]
@@ -126,16 +126,15 @@ def pack(prompt: jax.Array, prompt_len: jax.Array, completions: jax.Array,
 
 def completion_logprobs(model, params, batch: Batch, temperature: float = 1.0,
                         chunk_size: int | None = None) -> jax.Array:
-    """`[B, N, T]` float32 log-probabilities of the completions under `params`
-    (`token_logprobs` of `pack`ed sequences at the completion positions), 0 at
-    padding. A pure function of `params`, differentiable."""
-    B, N, T = batch.completions.shape
-    seq = pack(batch.prompt, batch.prompt_len, batch.completions, batch.lengths)
-    lp = token_logprobs(model, params, seq.reshape(B * N, -1), temperature=temperature,
-                        chunk_size=chunk_size).reshape(B, N, -1)
-    idx = batch.prompt_len[:, None, None] + jnp.arange(T)
-    out = jnp.take_along_axis(lp, jnp.broadcast_to(idx, (B, N, T)), axis=-1)
-    return jnp.where(completion_mask(batch), out, 0.0)
+    """`[B, N, T]` float32 log-probabilities of the completions under `params`, 0 at
+    padding: `group_token_logprobs` (each prompt run once for its N branches), the
+    numbers `token_logprobs` gives for the `pack`ed sequences. A pure function of
+    `params`, differentiable."""
+    mask = completion_mask(batch)
+    comp = jnp.where(mask, batch.completions, 0)  # padding ids need not be in the vocabulary
+    lp = group_token_logprobs(model, params, batch.prompt, batch.prompt_len, comp,
+                              temperature=temperature, chunk_size=chunk_size)
+    return jnp.where(mask, lp, 0.0)
 
 
 _FILTERS = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0,
