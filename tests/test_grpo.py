@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import next_token_logprobs as reference
+from jaxsample.models import common
 
 import jaxsample
 from jaxsample import SamplingParams, engine
 from jaxsample.errors import InputError
-from jaxsample.models import common
 from jaxsample.training import checkpoints, grpo, lora
 from jaxsample.training import rollout as ro
-from helpers import next_token_logprobs as reference
 
 PROMPTS = ["Hello there, branch!", "ab", "xyz 123"]
 LORA = lora.LoraConfig(rank=4, alpha=8.0, targets=("wq", "wv", "w_down"))
@@ -272,3 +272,26 @@ def test_train_argument_errors(tiny_lm):
         grpo.train(policy, PROMPTS, config, log=None)
     with pytest.raises(InputError, match="prompts_per_step"):
         grpo.train(policy, PROMPTS[:1], config, reward=_reward, log=None)
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_at_tiny_sizes(tmp_path):
+    """`python -m benchmarks.grpo --tiny`: two steps, both evaluations, the rollout
+    comparison, the JSON and the reward curve."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    out = tmp_path / "grpo.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.grpo", "--tiny", "--out", str(out)],
+                         cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [h["step"] for h in report["history"]] == [1, 2]
+    assert {"rollout_s", "logprobs_s", "update_s", "reward"} <= set(report["history"][0])
+    assert 0 <= report["before"]["pass@1"] <= 1 and 0 <= report["after"]["pass@1"] <= 1
+    assert len(report["before"]["per_problem"]) == 8
+    assert [r["G"] for r in report["rollout_compare"]] == [4, 4]
+    assert (tmp_path / "grpo_reward.png").stat().st_size > 0

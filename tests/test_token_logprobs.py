@@ -21,16 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import next_token_logprobs as reference
+from jaxsample.models import common, llama
+from jaxsample.models.tiny import byte_tokenizer
 
 import jaxsample
 from jaxsample import SamplingParams, loading
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
-from jaxsample.models import common, llama
-from jaxsample.models.tiny import byte_tokenizer
 from jaxsample.training import rollout as ro
 from jaxsample.training.logprobs import group_token_logprobs
-from helpers import next_token_logprobs as reference
 
 DATA = pathlib.Path(__file__).parent / "data"
 FAMILIES = ["tiny_llama", "tiny_llama3_untied", "tiny_qwen2", "tiny_qwen3", "tiny_phi3",
@@ -187,7 +187,8 @@ def sampler_gap(lm, mesh=None, n=3, max_tokens=10):
                              jnp.asarray(gen.lengths))).reshape(len(prompts) * n, -1)
     params = lm.params
     if mesh is not None:  # rows over the data axis, weights replicated
-        from jax.sharding import NamedSharding, PartitionSpec as Ps
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as Ps
 
         seq = jax.device_put(seq, NamedSharding(mesh, Ps("data")))
         params = jax.device_put(params, NamedSharding(mesh, Ps()))

@@ -50,7 +50,8 @@ import optax
 
 from jaxsample.errors import InputError
 from jaxsample.sampling_params import SamplingParams
-from jaxsample.training import checkpoints, lora as lora_lib
+from jaxsample.training import checkpoints
+from jaxsample.training import lora as lora_lib
 from jaxsample.training.checkpoints import TrainState
 from jaxsample.training.logprobs import check_temperature, language_model
 from jaxsample.training.rollout import Batch, completion_logprobs, completion_mask, rollout
@@ -356,7 +357,7 @@ def train(policy: Policy, problems: Sequence[Any], config: GRPOConfig, *,
           group_reward: Callable[[Any, list[str]], Sequence[float]] | None = None,
           optimizer=None, ckpt_dir: str | None = None,
           log: Callable[[str], None] | None = print,
-          on_step: Callable[[dict, TrainState], None] | None = None,
+          on_step: Callable[[dict, TrainState], bool | None] | None = None,
           stop_after: int | None = None):
     """GRPO training of `policy`, resumable from `ckpt_dir`.
 
@@ -373,7 +374,8 @@ def train(policy: Policy, problems: Sequence[Any], config: GRPOConfig, *,
       ckpt_dir: orbax directory; resumes from its latest step (refusing a
         checkpoint of another base model or adapter: ValueError).
       log: gets one JSON line per step (and a line on resuming); None: quiet.
-      on_step: `f(record, state)` after every step (a benchmark's writer).
+      on_step: `f(record, state)` after every step (a benchmark's writer); a true
+        return value ends the run there (after the step's checkpoint, if due).
       stop_after: stop (after saving) once this step is reached (tests).
     Returns:
       (trained params, TrainState, history: one dict per step with step, loss,
@@ -447,11 +449,10 @@ def train(policy: Policy, problems: Sequence[Any], config: GRPOConfig, *,
         if log:
             log(json.dumps(rec))
         done = int(state.step)
+        stop = on_step is not None and bool(on_step(rec, state))
         if ckpt_dir and (done % config.save_every == 0 or done == config.steps
-                         or done == stop_after):
+                         or done == stop_after or stop):
             checkpoints.save(ckpt_dir, state, meta)
-        if on_step is not None:
-            on_step(rec, state)
-        if stop_after is not None and done >= stop_after:
+        if stop or (stop_after is not None and done >= stop_after):
             break
     return state.params, state, history

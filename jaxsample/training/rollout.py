@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsample.engine.api import generate
 from jaxsample.engine.sampling import pad_stop_ids
 from jaxsample.engine.state import MAX_STOP_IDS, bucket
 from jaxsample.errors import InputError
@@ -166,8 +167,9 @@ def rollout(engine: Any, params, prompts, group_size: int, sampling_params: Samp
     """Sample `group_size` branches of each prompt with `params` (a GRPO group each).
 
     Args:
-      engine: a `jaxsample.LanguageModel` or an engine holding one in `.lm`;
-        its weights are replaced by `params` for this call (not reloaded).
+      engine: a `jaxsample.LanguageModel` or an engine holding one in `.lm`
+        (and its device mesh in `.mesh`, as `jaxsample.LLM`); its weights are
+        replaced by `params` for this call (not reloaded).
       params: the weights to sample with (the model's pytree layout).
       prompts: B prompts, as `jaxsample.generate` takes them.
       group_size: N, branches per prompt (an int >= 1).
@@ -186,16 +188,15 @@ def rollout(engine: Any, params, prompts, group_size: int, sampling_params: Samp
       InputError: a bad group_size or sampling_params, and whatever
         `jaxsample.generate` refuses, before any compute.
     """
-    from jaxsample import engine as engine_lib
-
     lm = language_model(engine)
     sp = check_sampling(sampling_params)
     if isinstance(group_size, (bool, np.bool_)) or not isinstance(
             group_size, (int, np.integer)) or group_size < 1:
         raise InputError(f"group_size must be an int >= 1 (branches per prompt), got {group_size!r}")
-    model = dataclasses.replace(lm, params=params)
-    gen = engine_lib.generate(model, prompts, sp.replace(n=int(group_size)), chat=chat,
-                              prompt_index_offset=prompt_index_offset, bridge=bridge)
+    model = lm if params is lm.params else dataclasses.replace(lm, params=params)
+    gen = generate(model, prompts, sp.replace(n=int(group_size)), chat=chat,
+                   prompt_index_offset=prompt_index_offset, bridge=bridge,
+                   mesh=getattr(engine, "mesh", None))
     prompt, prompt_len = pad_prompts(gen.prompt_tokens, prompt_cap)
     batch = Batch(prompt=jnp.asarray(prompt), prompt_len=jnp.asarray(prompt_len),
                   completions=jnp.asarray(gen.tokens), lengths=jnp.asarray(gen.lengths),
