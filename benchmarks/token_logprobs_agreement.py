@@ -7,9 +7,13 @@ forward, the public function) and by `completion_logprobs` (each prompt once
 for its branches, `group_token_logprobs`), and the largest absolute
 difference over the sampled tokens is reported, with the 99th percentile
 and the prompt positions (the prefill's `prompt_logprobs` against
-`token_logprobs`). Models: the tiny random Llama and the tiny checkpoints of
-every family in tests/data; float32 and bfloat16; one device and a
-("data", "branch") = (2, 2) mesh of CPU devices (float32).
+`token_logprobs`). The floor beside them: `token_logprobs` of the same
+sequences against itself with the last 8 positions cut off, over their
+prompt and completion tokens (the first S - 8 positions are the same numbers
+mathematically; only the shapes, hence XLA's reduction orders, differ). Models: the embedded SmolLM2-135M, the tiny random Llama
+and the tiny checkpoints of every family in tests/data; float32 and
+bfloat16; one device and a ("data", "branch") = (2, 2) mesh of CPU devices
+(float32).
 
     python -m benchmarks.token_logprobs_agreement [--out benchmarks/results/token_logprobs_agreement.json]
     JAXSAMPLE_CPU_KERNELS=0 python -m benchmarks.token_logprobs_agreement --out ...   # XLA attention in decode
@@ -30,7 +34,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import environment, md_table  # noqa: E402
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data"
-FAMILIES = ["tiny", "tiny_llama", "tiny_llama3_untied", "tiny_qwen2", "tiny_qwen3", "tiny_phi3",
+FAMILIES = ["smollm2", "tiny", "tiny_llama", "tiny_llama3_untied", "tiny_qwen2", "tiny_qwen3", "tiny_phi3",
             "tiny_mixtral", "tiny_qwen3_moe", "tiny_gemma2", "tiny_gemma3", "tiny_gemma3_local"]
 
 
@@ -43,6 +47,8 @@ def load(name: str, dtype: str):
 
     from jaxsample import loading
 
+    if name == "smollm2":
+        return loading.load(dtype=dtype)
     if name != "tiny":
         return loading._load_uncached(str(DATA / name), 0, dtype, None, None)
     lm = make_tiny_lm()
@@ -88,7 +94,14 @@ def measure(lm, mesh=None) -> dict:
     dp = max(float(np.abs(np.asarray(jaxsample.token_logprobs(lm, lm.params, np.asarray(p)[None]))
                           [0, 1:] - q).max()) for p, q in zip(gen.prompt_tokens,
                                                              gen.prompt_token_logprobs))
-    return {"tokens": int(mask.sum()), "max_abs_logprob": float(np.abs(gen.logprobs[mask]).max()),
+    # The floor: the same tokens scored by two programs that differ only in S (causal, so the
+    # first S - 8 positions are the same numbers mathematically).
+    cut = seq.shape[1] - 8
+    real = (np.arange(cut) < (plen[:, None] + gen.lengths).reshape(-1, 1))  # not the padding
+    floor = float(np.abs(np.asarray(jaxsample.token_logprobs(lm, params, seq[:, :cut]))
+                         - np.asarray(jaxsample.token_logprobs(lm, params, seq))[:, :cut])[real]
+                  .max())
+    return {"tokens": int(mask.sum()), "shape_floor": floor, "max_abs_logprob": float(np.abs(gen.logprobs[mask]).max()),
             "token_logprobs_max": float(d1.max()), "token_logprobs_p99": float(np.quantile(d1, .99)),
             "grouped_max": float(d2.max()), "grouped_p99": float(np.quantile(d2, .99)),
             "prompt_max": dp}
@@ -119,9 +132,10 @@ def main(argv=None):
         json.dump(report, f, indent=1)
     print("\n".join(md_table(
         ["model", "dtype", "mesh", "tokens", "token_logprobs max", "p99", "grouped max",
-         "prompt max"],
+         "prompt max", "shape floor"],
         [[r["model"], r["dtype"], r["mesh"], r["tokens"], f"{r['token_logprobs_max']:.2e}",
-          f"{r['token_logprobs_p99']:.2e}", f"{r['grouped_max']:.2e}", f"{r['prompt_max']:.2e}"]
+          f"{r['token_logprobs_p99']:.2e}", f"{r['grouped_max']:.2e}", f"{r['prompt_max']:.2e}",
+          f"{r['shape_floor']:.2e}"]
          for r in rows])))
     for dtype in sorted({r["dtype"] for r in rows}):
         worst = max((r for r in rows if r["dtype"] == dtype), key=lambda r: r["token_logprobs_max"])

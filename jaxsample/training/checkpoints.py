@@ -77,6 +77,20 @@ def latest_step(ckpt_dir: str) -> int | None:
     return step
 
 
+def _restore(ckpt_dir: str, step: int | None, **items) -> dict:
+    """orbax's restore of `items` (name -> restore args) at `step` (default the latest)."""
+    import orbax.checkpoint as ocp
+
+    mgr = _manager(ckpt_dir)
+    step = mgr.latest_step() if step is None else step
+    if step is None:
+        mgr.close()
+        raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
+    got = mgr.restore(step, args=ocp.args.Composite(**items))
+    mgr.close()
+    return got
+
+
 def restore(ckpt_dir: str, target: TrainState, step: int | None = None):
     """Restore a TrainState shaped like `target` (latest step by default).
 
@@ -87,16 +101,10 @@ def restore(ckpt_dir: str, target: TrainState, step: int | None = None):
     """
     import orbax.checkpoint as ocp
 
-    mgr = _manager(ckpt_dir)
-    step = mgr.latest_step() if step is None else step
-    if step is None:
-        mgr.close()
-        raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
     tree = target._asdict()
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
-    got = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                    meta=ocp.args.JsonRestore()))
-    mgr.close()
+    got = _restore(ckpt_dir, step, state=ocp.args.StandardRestore(abstract),
+                   meta=ocp.args.JsonRestore())
     # Re-impose the target's tree structure (optax NamedTuples come back as tuples).
     leaves = jax.tree_util.tree_leaves(got["state"])
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
@@ -111,14 +119,7 @@ def read_meta(ckpt_dir: str, step: int | None = None) -> dict:
     """
     import orbax.checkpoint as ocp
 
-    mgr = _manager(ckpt_dir)
-    step = mgr.latest_step() if step is None else step
-    if step is None:
-        mgr.close()
-        raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
-    got = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    mgr.close()
-    return got["meta"]
+    return _restore(ckpt_dir, step, meta=ocp.args.JsonRestore())["meta"]
 
 
 def check_meta(ckpt_dir: str, meta: dict, want: dict) -> None:

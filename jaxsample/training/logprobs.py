@@ -84,7 +84,7 @@ def check_tokens(tokens: Any, lm: LanguageModel, name: str = "tokens"):
     """`tokens` as a `[B, S]` int32 array (numpy, or the jax array / tracer as given).
 
     Shapes and dtypes are checked always; the ids (in `[0, vocab_limit)`) when
-    the values are concrete.
+    the values are concrete and on this process.
 
     Raises:
       InputError: not 2-D with B, S >= 1, not an integer dtype, S beyond the
@@ -105,7 +105,7 @@ def check_tokens(tokens: Any, lm: LanguageModel, name: str = "tokens"):
     if S > context:
         raise InputError(f"{name} has {S} positions, more than the model's context ({context})")
     limit = lm.vocab_limit
-    if not traced:
+    if not traced and getattr(tokens, "is_fully_addressable", True):
         host = np.asarray(tokens)
         lo, hi = int(host.min()), int(host.max())
         if lo < 0 or hi >= limit:
