@@ -135,7 +135,8 @@ def summary(report: dict) -> list[str]:
         d = np.asarray(a["per_problem"]) - np.asarray(b["per_problem"])
         lines += md_table(["held-out pass@1", "before", "after", "after - before (paired)"],
                           [[f"{len(d)} problems x {report['args']['eval_samples']}",
-                            f"{b['pass@1']:.3f} ± {b['se']:.3f}", f"{a['pass@1']:.3f} ± {a['se']:.3f}",
+                            f"{b['pass@1']:.3f} ± {b['se']:.3f}",
+                            f"{a['pass@1']:.3f} ± {a['se']:.3f}",
                             f"{d.mean():+.3f} ± {se(d):.3f}"]])
     hist = report["history"][1:] or report["history"]
     if hist:

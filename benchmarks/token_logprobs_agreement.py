@@ -10,13 +10,13 @@ and the prompt positions (the prefill's `prompt_logprobs` against
 `token_logprobs`). The floor beside them: `token_logprobs` of the same
 sequences against itself with the last 8 positions cut off, over their
 prompt and completion tokens (the first S - 8 positions are the same numbers
-mathematically; only the shapes, hence XLA's reduction orders, differ). Models: the embedded SmolLM2-135M, the tiny random Llama
-and the tiny checkpoints of every family in tests/data; float32 and
-bfloat16; one device and a ("data", "branch") = (2, 2) mesh of CPU devices
-(float32).
+mathematically; only the shapes, hence XLA's reduction orders, differ).
+Models: the embedded SmolLM2-135M, the tiny random Llama and the tiny
+checkpoints of every family in tests/data; float32 and bfloat16; one device
+and a ("data", "branch") = (2, 2) mesh of CPU devices (float32).
 
-    python -m benchmarks.token_logprobs_agreement [--out benchmarks/results/token_logprobs_agreement.json]
-    JAXSAMPLE_CPU_KERNELS=0 python -m benchmarks.token_logprobs_agreement --out ...   # XLA attention in decode
+    python -m benchmarks.token_logprobs_agreement     # results/token_logprobs_agreement.json
+    JAXSAMPLE_CPU_KERNELS=0 python -m benchmarks.token_logprobs_agreement --out ...  # no kernels
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import numpy as np  # noqa: E402
 from benchmarks.common import environment, md_table  # noqa: E402
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "tests" / "data"
-FAMILIES = ["smollm2", "tiny", "tiny_llama", "tiny_llama3_untied", "tiny_qwen2", "tiny_qwen3", "tiny_phi3",
-            "tiny_mixtral", "tiny_qwen3_moe", "tiny_gemma2", "tiny_gemma3", "tiny_gemma3_local"]
+FAMILIES = ["smollm2", "tiny", "tiny_llama", "tiny_llama3_untied", "tiny_qwen2", "tiny_qwen3",
+            "tiny_phi3", "tiny_mixtral", "tiny_qwen3_moe", "tiny_gemma2", "tiny_gemma3",
+            "tiny_gemma3_local"]
 
 
 def load(name: str, dtype: str):
@@ -101,8 +102,10 @@ def measure(lm, mesh=None) -> dict:
     floor = float(np.abs(np.asarray(jaxsample.token_logprobs(lm, params, seq[:, :cut]))
                          - np.asarray(jaxsample.token_logprobs(lm, params, seq))[:, :cut])[real]
                   .max())
-    return {"tokens": int(mask.sum()), "shape_floor": floor, "max_abs_logprob": float(np.abs(gen.logprobs[mask]).max()),
-            "token_logprobs_max": float(d1.max()), "token_logprobs_p99": float(np.quantile(d1, .99)),
+    return {"tokens": int(mask.sum()), "shape_floor": floor,
+            "max_abs_logprob": float(np.abs(gen.logprobs[mask]).max()),
+            "token_logprobs_max": float(d1.max()),
+            "token_logprobs_p99": float(np.quantile(d1, .99)),
             "grouped_max": float(d2.max()), "grouped_p99": float(np.quantile(d2, .99)),
             "prompt_max": dp}
 

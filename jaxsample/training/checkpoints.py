@@ -54,7 +54,8 @@ def _manager(ckpt_dir: str, max_to_keep: int = 3):
 
 
 def save(ckpt_dir: str, state: TrainState, meta: dict) -> int:
-    """Save `state` at step `int(state.step)` with the JSON `meta` (and the step); returns the step."""
+    """Save `state` at step `int(state.step)` with the JSON `meta` (and the step);
+    returns the step."""
     import orbax.checkpoint as ocp
 
     step = int(state.step)

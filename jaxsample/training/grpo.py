@@ -139,7 +139,8 @@ class GRPOConfig:
         object.__setattr__(self, "stop", tuple(self.stop))
         if not self.importance_ratio and self.updates_per_batch != 1:
             raise InputError("GRPOConfig: importance_ratio=False (ratio exactly 1) holds for one "
-                             f"update per batch only, got updates_per_batch={self.updates_per_batch}")
+                             "update per batch only, got updates_per_batch="
+                             f"{self.updates_per_batch}")
 
     def sampling_params(self, step: int) -> SamplingParams:
         """The rollout's SamplingParams at `step` (its seed `seed * 1_000_003 + step`)."""
@@ -188,11 +189,13 @@ def lora_policy(model, config: lora_lib.LoraConfig, *, seed: int = 0) -> Policy:
     lm = language_model(model)
     if not isinstance(config, lora_lib.LoraConfig):
         raise InputError(f"config must be a LoraConfig, got {type(config).__name__}")
+
     def logprobs(params, frozen, batch, temperature):
         return completion_logprobs(lm, lora_lib.apply(frozen, params, config), batch, temperature)
 
     def sample(params, prompts, group_size, sp, chat):
-        return rollout(model, lora_lib.merge(lm.params, params, config), prompts, group_size, sp, chat=chat)
+        return rollout(model, lora_lib.merge(lm.params, params, config), prompts, group_size, sp,
+                       chat=chat)
 
     return Policy(params=lora_lib.init(lm.params, config, jax.random.key(seed)), frozen=lm.params,
                   logprobs=logprobs, sample=sample,

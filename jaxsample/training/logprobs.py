@@ -117,10 +117,21 @@ def check_tokens(tokens: Any, lm: LanguageModel, name: str = "tokens"):
     return tokens
 
 
-def default_chunk(B: int, S: int, V: int, budget: int = LOGITS_CHUNK_BYTES) -> int:
-    """C, positions per chunk: the largest whose `[B, C, V]` float32 fit in `budget`
-    bytes, at least 1 and at most S - 1 (the scored positions)."""
-    return max(1, min(max(S - 1, 1), budget // (4 * B * V)))
+def chunk_positions(chunk_size, rows: int, positions: int, V: int) -> int:
+    """C, positions per chunk: `chunk_size` (at most `positions`), or by default the
+    largest C whose `[rows, C, V]` float32 logits fit in `LOGITS_CHUNK_BYTES`, at
+    least 1 and at most `positions`.
+
+    Raises:
+      InputError: chunk_size neither None nor an int >= 1.
+    """
+    if chunk_size is None:
+        return max(1, min(positions, LOGITS_CHUNK_BYTES // (4 * rows * V)))
+    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(
+            chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise InputError(f"chunk_size must be an int >= 1 (positions per chunk), "
+                         f"got {chunk_size!r}")
+    return int(min(chunk_size, positions))
 
 
 def token_logprobs(model, params, tokens, *, temperature: float = 1.0,
@@ -167,14 +178,7 @@ def token_logprobs(model, params, tokens, *, temperature: float = 1.0,
     t = check_temperature(temperature)
     tokens = check_tokens(tokens, lm)
     B, S = tokens.shape
-    V = lm.config.vocab_size
-    if chunk_size is None:
-        chunk = default_chunk(B, S, V)
-    elif isinstance(chunk_size, (bool, np.bool_)) or not isinstance(
-            chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise InputError(f"chunk_size must be an int >= 1 (positions per chunk), got {chunk_size!r}")
-    else:
-        chunk = int(min(chunk_size, max(S - 1, 1)))
+    chunk = chunk_positions(chunk_size, B, max(S - 1, 1), lm.config.vocab_size)
     return _token_logprobs(lm.config, lm.vocab_limit, chunk, params, tokens, np.float32(t))
 
 
@@ -275,13 +279,7 @@ def group_token_logprobs(model, params, prompt, prompt_len, completions, *,
                 pl.size and (pl.min() < 1 or pl.max() > prompt.shape[1])):
             raise InputError(f"prompt_len must be [B] = [{B}] ints in [1, {prompt.shape[1]}], "
                              f"got {pl.dtype} {pl.shape}")
-    if chunk_size is None:
-        chunk = default_chunk(B * N, T + 1, lm.config.vocab_size)
-    elif isinstance(chunk_size, (bool, np.bool_)) or not isinstance(
-            chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise InputError(f"chunk_size must be an int >= 1 (positions per chunk), got {chunk_size!r}")
-    else:
-        chunk = int(min(chunk_size, T))
+    chunk = chunk_positions(chunk_size, B * N, T, lm.config.vocab_size)
     return _group_token_logprobs(lm.config, lm.vocab_limit, chunk, params, prompt,
                                  jnp.asarray(prompt_len, jnp.int32), comp, np.float32(t))
 

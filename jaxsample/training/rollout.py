@@ -192,7 +192,8 @@ def rollout(engine: Any, params, prompts, group_size: int, sampling_params: Samp
     sp = check_sampling(sampling_params)
     if isinstance(group_size, (bool, np.bool_)) or not isinstance(
             group_size, (int, np.integer)) or group_size < 1:
-        raise InputError(f"group_size must be an int >= 1 (branches per prompt), got {group_size!r}")
+        raise InputError(f"group_size must be an int >= 1 (branches per prompt), "
+                         f"got {group_size!r}")
     model = lm if params is lm.params else dataclasses.replace(lm, params=params)
     gen = generate(model, prompts, sp.replace(n=int(group_size)), chat=chat,
                    prompt_index_offset=prompt_index_offset, bridge=bridge,
