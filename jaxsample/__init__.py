@@ -45,6 +45,8 @@ _EXPORTS = {
     "adaptive_self_consistency": "jaxsample.reduce.adaptive",
     "AdaptiveResult": "jaxsample.reduce.adaptive",
     "AdaptiveBill": "jaxsample.reduce.adaptive",
+    # training on the engine's log-probabilities
+    "token_logprobs": "jaxsample.training.logprobs",
     # reducers and estimators
     "best_of_n": "jaxsample.reduce",
     "majority_vote": "jaxsample.reduce",
@@ -62,7 +64,7 @@ _EXPORTS = {
 # Submodules reachable as attributes (`jaxsample.engine`), not star-exported.
 _SUBMODULES = {"bridge", "bridge_training", "cli", "cost", "disk_cache", "engine", "errors",
                "generation", "kernels", "lm", "llm", "loading", "progress", "reduce",
-               "sampling_params", "sharding", "weight_cache"}
+               "sampling_params", "sharding", "training", "weight_cache"}
 
 __all__ = sorted(_EXPORTS)
 
@@ -82,6 +84,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see of the lazy names
     from jaxsample.reduce.estimators import best_of_k, maj_at_k, pass_at_k
     from jaxsample.reduce.requests import RequestVote, run_requests
     from jaxsample.sampling_params import SamplingParams
+    from jaxsample.training.logprobs import token_logprobs
 
 
 def __getattr__(name: str):

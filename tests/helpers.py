@@ -12,6 +12,7 @@ import io
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsample import bridge as bridge_lib
 from jaxsample import engine
@@ -136,3 +137,18 @@ def results_file_held(path, resume: bool = True, write: bool = False):
     finally:
         p.communicate(timeout=60)
     assert p.returncode == 0
+
+
+# Per-token log-probabilities (tests/test_token_logprobs.py, tests/test_grpo.py)
+
+
+def next_token_logprobs(lm, tokens, temperature=1.0):
+    """`[B, S]` float64 oracle of `token_logprobs`: numpy's log-softmax of
+    `lm.forward(tokens) / temperature` over the vocabulary at the next token, 0 at
+    position 0."""
+    z = np.asarray(lm.forward(tokens), np.float64)[:, :-1] / temperature
+    z[..., lm.vocab_limit:] = -np.inf
+    z = z - z.max(-1, keepdims=True)
+    lp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    picked = np.take_along_axis(lp, np.asarray(tokens)[:, 1:, None], -1)[..., 0]
+    return np.concatenate([np.zeros((len(tokens), 1)), picked], axis=1)

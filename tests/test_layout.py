@@ -39,6 +39,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine", ("jaxsample.engine",)),
     ("reduce", ("jaxsample.reduce",)),
     ("offline", ("jaxsample.llm",)),
+    ("training", ("jaxsample.training",)),
     ("bridge_training", ("jaxsample.bridge_training",)),
     ("cli", ("jaxsample.cli", "jaxsample.__main__")),
 )

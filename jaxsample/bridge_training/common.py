@@ -19,8 +19,10 @@ data flow by module:
 
    (`pg_loss`; with A = 1 on kept samples and 0 on padding it is the SFT loss).
 
-This module: the teacher-forced forward both phases differentiate, the loss,
-the optimizer step and orbax checkpoints. The base weights are never updated:
+This module: the teacher-forced forward both phases differentiate, and the
+Bridge as a policy of the GRPO loop (`bridge_policy`; the loop, its loss,
+optimizer step and orbax checkpoints are `jaxsample.training`'s). The base
+weights are never updated:
 gradients are taken with respect to the Bridge (or MLP-control) parameters
 only, and `gate` sits behind `stop_gradient`.
 
@@ -45,24 +47,22 @@ on (seed, step), so an interrupted-and-resumed run equals an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import os
-from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
 from jaxsample import bridge as bridge_lib
-from jaxsample import engine
-from jaxsample.sharding import BRANCH_AXIS
 from jaxsample.models import llama
+from jaxsample.sharding import BRANCH_AXIS
+from jaxsample.training import checkpoints, grpo
+from jaxsample.training.checkpoints import TrainState, fingerprint, latest_step
+from jaxsample.training.grpo import make_optimizer
+from jaxsample.training.rollout import Batch, pad_prompts, rollout, stop_array
 
 __all__ = ["Problem", "TrainState", "Batch", "group_forward", "shared_prefix_forward",
-           "group_logprobs", "pg_loss", "make_optimizer", "init_state", "update", "fingerprint",
-           "save", "restore", "latest_step", "pad_prompts", "stop_array", "completion_alive"]
+           "group_logprobs", "batch_logprobs", "pg_loss", "bridge_policy", "make_optimizer",
+           "init_state", "update", "fingerprint", "save", "restore", "latest_step", "pad_prompts",
+           "stop_array", "completion_alive"]
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -209,129 +209,70 @@ def group_logprobs(cfg: llama.LlamaConfig, base_params, bconfig, bparams, prompt
 
 
 # ---------------------------------------------------------------------------
-# Loss, optimizer, state
+# Loss, optimizer, state: the GRPO loop's (`jaxsample.training`) with the Bridge's policy
 
 
-class Batch(NamedTuple):
-    """G groups (problems) of N sampled completions, padded to common shapes.
-
-    prompt: `[G, P]` int32; prompt_len: `[G]` int32; completions: `[G, N, T]` int32;
-    lengths: `[G, N]` int32; advantages: `[G, N]` float32; stop_ids: `[M]` int32.
-    """
-
-    prompt: jax.Array
-    prompt_len: jax.Array
-    completions: jax.Array
-    lengths: jax.Array
-    advantages: jax.Array
-    stop_ids: jax.Array
-
-
-def pad_prompts(prompt_tokens: Sequence[Sequence[int]], cap: int = 0):
-    """Right-pad prompts to a bucketed common length: (`[G, P]` int32, lengths `[G]` int32)."""
-    P = max(cap, engine.bucket(max(len(t) for t in prompt_tokens)))
-    out = np.zeros((len(prompt_tokens), P), np.int32)
-    for i, t in enumerate(prompt_tokens):
-        out[i, :len(t)] = t
-    return out, np.asarray([len(t) for t in prompt_tokens], np.int32)
-
-
-def stop_array(lm, stop_token_ids=()) -> np.ndarray:
-    """`[engine.MAX_STOP_IDS]` int32: the tokenizer's end ids and `stop_token_ids`, -1 padded."""
-    stop = sorted(set(lm.tokenizer.eos_token_ids) | set(stop_token_ids))
-    return np.asarray(stop + [-1] * (engine.MAX_STOP_IDS - len(stop)), np.int32)
-
-
-class TrainState(NamedTuple):
-    """step: `[]` int32; params: Bridge params; opt_state: optax state."""
-
-    step: jax.Array
-    params: Any
-    opt_state: Any
+def batch_logprobs(cfg: llama.LlamaConfig, vocab_limit: int, bconfig, bparams, base_params,
+                   batch: Batch, temperature: float = 1.0) -> jax.Array:
+    """`[G, N, T]` float32 `group_logprobs` of every group of `batch` (0 at padding)."""
+    return jax.vmap(lambda p, pl, c, n: group_logprobs(
+        cfg, base_params, bconfig, bparams, p, pl, c, n, batch.stop_ids, vocab_limit,
+        temperature))(batch.prompt, batch.prompt_len, batch.completions, batch.lengths)
 
 
 def pg_loss(bparams, cfg, base_params, bconfig, batch: Batch, vocab_limit: int,
             temperature: float = 1.0):
-    """Token-level normalised policy-gradient loss (GRPO with ratio 1, no KL).
+    """Token-level normalised policy-gradient loss (GRPO with ratio 1, no KL:
+    `training.grpo.grpo_loss(..., importance_ratio=False)`).
 
     With all advantages 1 this is the supervised (SFT) loss on the completions.
 
     Returns:
       (loss `[]` float32, number of completion tokens `[]`).
     """
-    lp = jax.vmap(lambda p, pl, c, n: group_logprobs(
-        cfg, base_params, bconfig, bparams, p, pl, c, n, batch.stop_ids, vocab_limit,
-        temperature))(batch.prompt, batch.prompt_len, batch.completions, batch.lengths)
-    mask = jnp.arange(lp.shape[-1])[None, None] < batch.lengths[..., None]
-    n_tok = jnp.maximum(jnp.sum(mask), 1)
-    loss = -jnp.sum(batch.advantages[..., None] * lp * mask) / n_tok
-    return loss, n_tok
+    lp = batch_logprobs(cfg, vocab_limit, bconfig, bparams, base_params, batch, temperature)
+    loss, metrics = grpo.grpo_loss(lp, batch, importance_ratio=False)
+    return loss, metrics["tokens"]
 
 
-@functools.lru_cache(maxsize=16)
-def make_optimizer(learning_rate: float = 1e-3, clip_norm: float = 1.0):
-    """Adam with global-norm clipping (cached: the same settings give the same object,
-    so `update` compiles once). No weight decay: the frozen gates get zero gradients,
-    hence zero Adam updates."""
-    return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adam(learning_rate))
+def bridge_policy(lm, bridge: bridge_lib.Bridge) -> grpo.Policy:
+    """The Bridge (or MLP-control) parameters of `bridge` as the GRPO loop's policy,
+    the base model frozen: rollouts sample with the Bridge coupling the branches,
+    log-probabilities come from `group_logprobs`."""
+    bconfig = bridge.config
+
+    def logprobs(bparams, base_params, batch, temperature):
+        return batch_logprobs(lm.config, lm.vocab_limit, bconfig, bparams, base_params, batch,
+                              temperature)
+
+    def sample(bparams, prompts, group_size, sp, chat):
+        return rollout(lm, lm.params, prompts, group_size, sp, chat=chat,
+                       bridge=bridge.replace_params(bparams))
+
+    return grpo.Policy(params=bridge.params, frozen=lm.params, logprobs=logprobs, sample=sample,
+                       key=("bridge", lm.config, lm.vocab_limit, bconfig),
+                       meta=lambda: _meta(lm, bconfig))
 
 
 def init_state(bridge: bridge_lib.Bridge, optimizer) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), bridge.params, optimizer.init(bridge.params))
 
 
-def _update(optimizer, cfg, bconfig, vocab_limit, temperature, base_params, state: TrainState,
-            batch: Batch):
-    (loss, n_tok), grads = jax.value_and_grad(pg_loss, has_aux=True)(
-        state.params, cfg, base_params, bconfig, batch, vocab_limit, temperature)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    return TrainState(state.step + 1, params, opt_state), {
-        "loss": loss, "tokens": n_tok, "grad_norm": optax.tree.norm(grads)}
-
-
-_UPDATE_CACHE: dict[Any, Callable] = {}
-
-
 def update(optimizer, lm, bconfig, state: TrainState, batch: Batch, temperature: float = 1.0):
-    """One jitted optimizer step on a batch; returns (new state, metrics dict).
-
-    The optimizer must be the same object across calls for the compile cache to hit.
-    """
-    key = (id(optimizer), lm.config, bconfig, lm.vocab_limit, float(temperature))
-    fn = _UPDATE_CACHE.get(key)
-    if fn is None:
-        fn = jax.jit(lambda bp, s, b: _update(optimizer, lm.config, bconfig, lm.vocab_limit,
-                                              temperature, bp, s, b))
-        _UPDATE_CACHE[key] = fn
-    return fn(lm.params, state, batch)
+    """One jitted optimizer step of `pg_loss` on a batch; returns (new state, metrics dict
+    with loss, tokens, grad_norm). Pass the same optimizer object on every call."""
+    policy = bridge_policy(lm, bridge_lib.Bridge(bconfig, state.params))
+    return grpo.update(policy, optimizer, state, batch, temperature=temperature,
+                       importance_ratio=False)
 
 
 # ---------------------------------------------------------------------------
-# Checkpoints (orbax)
+# Checkpoints (orbax, `training.checkpoints`)
 
 
-def fingerprint(params) -> str:
-    """A cheap, order-sensitive fingerprint of a parameter pytree (hex sha256).
-
-    Hashes every leaf's path, shape, dtype, float64 sum, sum of squares and
-    first 8 values: any reload of different weights changes it.
-    """
-    h = hashlib.sha256()
-    for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
-        a = np.asarray(a)
-        af = a.astype(np.float64).ravel()
-        h.update(f"{jax.tree_util.keystr(path)}|{a.shape}|{a.dtype}|".encode())
-        h.update(np.array([af.sum(), np.square(af).sum()]).tobytes())
-        h.update(af[:8].tobytes())
-    return h.hexdigest()
-
-
-def _manager(ckpt_dir: str, max_to_keep: int = 3):
-    import orbax.checkpoint as ocp
-
-    return ocp.CheckpointManager(os.path.abspath(ckpt_dir),
-                                 options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+def _meta(lm, bconfig, extra: dict | None = None, base_fingerprint: str | None = None) -> dict:
+    return {"base_model": lm.name, "base_fingerprint": base_fingerprint or fingerprint(lm.params),
+            "bridge_config": bconfig.to_dict(), "extra": extra or {}}
 
 
 def save(ckpt_dir: str, state: TrainState, lm, bconfig: bridge_lib.BridgeConfig,
@@ -340,29 +281,9 @@ def save(ckpt_dir: str, state: TrainState, lm, bconfig: bridge_lib.BridgeConfig,
 
     Layout: `<ckpt_dir>/<step>/state` (orbax StandardSave of params, opt_state,
     step) and `<ckpt_dir>/<step>/meta` (JSON: base model name and fingerprint,
-    Bridge config, `extra`).
+    Bridge config, `extra`, step).
     """
-    import orbax.checkpoint as ocp
-
-    step = int(state.step)
-    meta = {"base_model": lm.name, "base_fingerprint": base_fingerprint or fingerprint(lm.params),
-            "bridge_config": bconfig.to_dict(), "step": step, "extra": extra or {}}
-    mgr = _manager(ckpt_dir)
-    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state._asdict()),
-                                           meta=ocp.args.JsonSave(meta)), force=True)
-    mgr.wait_until_finished()
-    mgr.close()
-    return step
-
-
-def latest_step(ckpt_dir: str) -> int | None:
-    """The latest saved step in `ckpt_dir`, or None."""
-    if not os.path.isdir(ckpt_dir):
-        return None
-    mgr = _manager(ckpt_dir)
-    step = mgr.latest_step()
-    mgr.close()
-    return step
+    return checkpoints.save(ckpt_dir, state, _meta(lm, bconfig, extra, base_fingerprint))
 
 
 def restore(ckpt_dir: str, target: TrainState, lm, bconfig: bridge_lib.BridgeConfig,
@@ -376,19 +297,8 @@ def restore(ckpt_dir: str, target: TrainState, lm, bconfig: bridge_lib.BridgeCon
       ValueError: the checkpoint was trained on another base model (fingerprint)
         or with another Bridge config.
     """
-    import orbax.checkpoint as ocp
-
-    mgr = _manager(ckpt_dir)
-    step = mgr.latest_step() if step is None else step
-    if step is None:
-        mgr.close()
-        raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
-    tree = target._asdict()
-    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
-    got = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                    meta=ocp.args.JsonRestore()))
-    mgr.close()
-    meta = got["meta"]
+    state, meta = checkpoints.restore(ckpt_dir, target, step)
+    step = meta["step"]
     want_fp = base_fingerprint or fingerprint(lm.params)
     if meta["base_fingerprint"] != want_fp:
         raise ValueError(f"{ckpt_dir} step {step}: trained on base model {meta['base_model']!r} "
@@ -397,9 +307,4 @@ def restore(ckpt_dir: str, target: TrainState, lm, bconfig: bridge_lib.BridgeCon
     if bridge_lib.BridgeConfig.from_dict(meta["bridge_config"]) != bconfig:
         raise ValueError(f"{ckpt_dir} step {step}: Bridge config {meta['bridge_config']} "
                          f"differs from {bconfig.to_dict()}")
-    # Re-impose the target's tree structure (optax NamedTuples come back as tuples).
-    leaves = jax.tree_util.tree_leaves(got["state"])
-    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
-    return TrainState(**state), meta
-
-
+    return state, meta

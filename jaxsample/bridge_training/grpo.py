@@ -1,13 +1,15 @@
 """GRPO-style RL for Bridge layers (base frozen), resumable with orbax.
 
-Per step: sample N Bridge-coupled branches per problem with
-`jaxsample.engine.generate(..., bridge=...)`, score them (a per-sample
-verifiable reward, or a per-group one for coordination tasks:
-`distinct_rewards`), group-relative advantage A_n = (r_n - mean r) /
+The GRPO loop of `jaxsample.training.grpo` with the Bridge's policy
+(`common.bridge_policy`): per step, sample N Bridge-coupled branches per
+problem (`jaxsample.training.rollout`, `generate(..., bridge=...)`), score
+them (a per-sample verifiable reward, or a per-group one for coordination
+tasks: `distinct_rewards`), group-relative advantage A_n = (r_n - mean r) /
 (std r + eps), one on-policy step of the token-normalised policy-gradient
-loss `jaxsample.bridge_training.common.pg_loss` (ratio exactly 1, no clipping, no KL:
-the base is frozen and the Bridge starts as an exact no-op). Recipe: Dong et
-al., arXiv 2510.01143; GRPO: Shao et al. 2024, arXiv 2402.03300.
+loss `jaxsample.bridge_training.common.pg_loss` (ratio exactly 1, no
+clipping, no KL: the base is frozen and the Bridge starts as an exact
+no-op). Recipe: Dong et al., arXiv 2510.01143; GRPO: Shao et al. 2024,
+arXiv 2402.03300.
 
 A batch in which no group has any reward variance has all advantages 0,
 hence zero gradient; by default (`skip_no_signal`) such a step leaves the
@@ -20,21 +22,18 @@ in the same direction).
 from __future__ import annotations
 
 import collections
-import json
 import re
-import time
 from typing import Callable, Hashable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsample import bridge as bridge_lib
 from jaxsample.bridge_training import common as bt
-from jaxsample import engine
-from jaxsample.bridge_training.common import (Batch, Problem, init_state, latest_step, make_optimizer,
-                                    restore, save, update, fingerprint)
+from jaxsample.bridge_training.common import Problem
 from jaxsample.sampling_params import SamplingParams
+from jaxsample.training import grpo
+from jaxsample.training import rollout as rollout_lib
 
 __all__ = ["reward", "distinct_rewards", "distinct_correct", "score_group", "rollout", "train"]
 
@@ -101,20 +100,14 @@ def rollout(lm, bridge, problems: Sequence[Problem], n: int, seed: int, max_new_
     Returns:
       (Batch with group-normalised advantages, rewards `[G, N]` float32, Generation).
     """
-    gen = engine.generate(lm, [p.prompt for p in problems],
-                          SamplingParams(n=n, temperature=temperature,
-                                         max_new_tokens=max_new_tokens, seed=seed,
-                                         stop_token_ids=tuple(stop_token_ids)),
-                          chat=chat, bridge=bridge)
+    sp = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                        stop_token_ids=tuple(stop_token_ids))
+    got = rollout_lib.rollout(lm, lm.params, [p.prompt for p in problems], n, sp, chat=chat,
+                              bridge=bridge, prompt_cap=prompt_cap)
     rewards = np.stack([score_group(row, p, reward_fn, group_reward_fn)
-                        for row, p in zip(gen.texts, problems)])
-    adv = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + eps)
-    prompt, prompt_len = bt.pad_prompts(gen.prompt_tokens, prompt_cap)
-    batch = Batch(prompt=jnp.asarray(prompt), prompt_len=jnp.asarray(prompt_len),
-                  completions=jnp.asarray(gen.tokens), lengths=jnp.asarray(gen.lengths),
-                  advantages=jnp.asarray(adv),
-                  stop_ids=jnp.asarray(bt.stop_array(lm, stop_token_ids)))
-    return batch, rewards, gen
+                        for row, p in zip(got.texts, problems)])
+    adv = grpo.group_advantages(rewards, eps=eps)
+    return got.batch._replace(advantages=jnp.asarray(adv)), rewards, got.generation
 
 
 # ---------------------------------------------------------------------------
@@ -131,13 +124,15 @@ def train(lm, bridge: bridge_lib.Bridge, problems: Sequence[Problem], *, steps: 
           group_reward_fn: Callable[[list[str], Problem], Sequence[float]] | None = None):
     """GRPO-style training of the Bridge (base frozen), resumable from `ckpt_dir`.
 
-    Step s uses problems chosen by `fold_in(key(seed), s)` and rollout seed
-    `seed * 1_000_003 + s`, so the run is a function of (seed, step): resuming
-    from a checkpoint at step s continues exactly as the uninterrupted run.
-    Steps `< sft_steps` are an on-policy supervised warm-up: advantage 1 on the
-    rewarded samples of each group, 0 on the others. (The paper's warm-up, on
-    groups of correct samples drawn once from the base model, is
-    `jaxsample.bridge_training.sft`; pass its Bridge here as `bridge`.)
+    `jaxsample.training.grpo.train` with `bridge_policy` and the ratio taken as
+    exactly 1 (`importance_ratio=False`). Step s uses problems chosen by
+    `fold_in(key(seed), s)` and rollout seed `seed * 1_000_003 + s`, so the
+    run is a function of (seed, step): resuming from a checkpoint at step s
+    continues exactly as the uninterrupted run. Steps `< sft_steps` are an
+    on-policy supervised warm-up: advantage 1 on the rewarded samples of each
+    group, 0 on the others. (The paper's warm-up, on groups of correct samples
+    drawn once from the base model, is `jaxsample.bridge_training.sft`; pass
+    its Bridge here as `bridge`.)
 
     Args:
       problems: the training problems.
@@ -151,52 +146,21 @@ def train(lm, bridge: bridge_lib.Bridge, problems: Sequence[Problem], *, steps: 
       skip_no_signal: a step whose advantages are all 0 (no group with reward
         variance; in the warm-up: no correct sample) only advances the step
         counter: params and optimizer state are unchanged (no Adam momentum
-        step on a zero gradient). False applies the optimizer anyway (the
-        behaviour before this option existed).
+        step on a zero gradient). False applies the optimizer anyway.
     Returns:
       (Bridge with the trained params, TrainState, history: list of per-step dicts
-      with step, loss, mean reward, tokens, grad_norm, seconds, phase, the number
-      of groups with a nonzero advantage (`signal_groups`) and `skipped`).
+      with step, loss, mean reward, tokens, grad_norm, seconds (and their split:
+      rollout_s, logprobs_s, update_s), phase, the number of groups with a
+      nonzero advantage (`signal_groups`) and `skipped`).
     """
-    optimizer = make_optimizer(learning_rate)
-    state = init_state(bridge, optimizer)
-    base_fp = fingerprint(lm.params) if ckpt_dir else None
-    if ckpt_dir and latest_step(ckpt_dir) is not None:
-        state, meta = restore(ckpt_dir, state, lm, bridge.config, base_fingerprint=base_fp)
-        if log:
-            log(f"resumed from {ckpt_dir} at step {int(state.step)}")
-    history = []
-    key = jax.random.key(seed)
-    while int(state.step) < steps:
-        s = int(state.step)
-        t0 = time.perf_counter()
-        idx = np.asarray(jax.random.choice(jax.random.fold_in(key, s), len(problems), (groups,),
-                                           replace=False))
-        chosen = [problems[i] for i in idx]
-        current = bridge.replace_params(state.params)
-        batch, rewards, _ = rollout(lm, current, chosen, n, seed * 1_000_003 + s,
-                                    max_new_tokens, temperature, chat=chat, reward_fn=reward_fn,
-                                    stop_token_ids=stop_token_ids,
-                                    group_reward_fn=group_reward_fn)
-        if s < sft_steps:
-            batch = batch._replace(advantages=jnp.asarray(rewards))
-        signal = int(np.sum(np.any(np.asarray(batch.advantages) != 0, axis=1)))
-        skipped = skip_no_signal and signal == 0
-        if skipped:
-            state = state._replace(step=state.step + 1)
-            m = {"loss": 0.0, "tokens": int(np.asarray(batch.lengths).sum()), "grad_norm": 0.0}
-        else:
-            state, m = update(optimizer, lm, bridge.config, state, batch, temperature)
-        rec = {"step": s + 1, "loss": float(m["loss"]), "reward": float(rewards.mean()),
-               "tokens": int(m["tokens"]), "grad_norm": float(m["grad_norm"]),
-               "seconds": time.perf_counter() - t0, "phase": "sft" if s < sft_steps else "rl",
-               "signal_groups": signal, "skipped": bool(skipped)}
-        history.append(rec)
-        if log:
-            log(json.dumps(rec))
-        done = int(state.step)
-        if ckpt_dir and (done % save_every == 0 or done == steps or done == stop_after):
-            save(ckpt_dir, state, lm, bridge.config, base_fingerprint=base_fp)
-        if stop_after is not None and done >= stop_after:
-            break
-    return bridge.replace_params(state.params), state, history
+    config = grpo.GRPOConfig(steps=steps, prompts_per_step=groups, group_size=n,
+                             max_tokens=max_new_tokens, temperature=temperature,
+                             stop_token_ids=tuple(stop_token_ids), chat=chat,
+                             learning_rate=learning_rate, importance_ratio=False, seed=seed,
+                             save_every=save_every, sft_steps=sft_steps,
+                             skip_no_signal=skip_no_signal)
+    params, state, history = grpo.train(
+        bt.bridge_policy(lm, bridge), problems, config,
+        group_reward=lambda p, texts: score_group(texts, p, reward_fn, group_reward_fn),
+        ckpt_dir=ckpt_dir, log=log, stop_after=stop_after)
+    return bridge.replace_params(params), state, history

@@ -146,19 +146,21 @@ def collect(lm, problems: Sequence[Problem], *, n: int = 8, max_group: int = 8, 
 def save_data(path: str, data: SFTData) -> None:
     """Write `SFTData` to an `.npz` file."""
     b = data.batch
-    np.savez(path, **{f: np.asarray(getattr(b, f)) for f in Batch._fields},
+    np.savez(path, **{f: np.asarray(getattr(b, f)) for f in Batch._fields
+                      if getattr(b, f) is not None},
              problem_index=data.problem_index, kept=data.kept, drawn=np.int64(data.drawn))
 
 
 def load_data(path: str) -> SFTData:
     """Read `SFTData` written by `save_data`."""
     z = np.load(path)
-    batch = Batch(**{f: jnp.asarray(z[f]) for f in Batch._fields})
+    batch = Batch(**{f: jnp.asarray(z[f]) for f in Batch._fields if f in z.files})
     return SFTData(batch, z["problem_index"], z["kept"], int(z["drawn"]))
 
 
 def _take(batch: Batch, idx: np.ndarray) -> Batch:
-    return Batch(*(a if f == "stop_ids" else a[idx] for f, a in zip(Batch._fields, batch)))
+    return Batch(*(a if f == "stop_ids" or a is None else a[idx]
+                   for f, a in zip(Batch._fields, batch)))
 
 
 def train_sft(lm, bridge: bridge_lib.Bridge, data: SFTData, *, steps: int, groups: int = 4,
