@@ -17,7 +17,7 @@ the reward curve goes to a PNG beside it.
 
 Rollout comparison: one prompt of P = `--compare-prompt` (1024) tokens, G =
 `--compare-group` (16) branches of 32 tokens (`ignore_eos`), end to end with
-`jaxsample.generate` (shared prefix) and `generate(..., naive=True)` (the
+`jaxsample.generate` (shared prefix) and `engine.naive.naive_generate` (the
 prompt copied G times, as a sampler without prefix sharing does); the first
 call (compiles) and a second one.
 
@@ -79,6 +79,7 @@ def evaluate(lm, params, tasks, args) -> dict:
 def rollout_compare(lm, args) -> list[dict]:
     """End-to-end seconds of G branches of one P-token prompt: shared prefix vs naive."""
     import jaxsample
+    from jaxsample.engine.naive import naive_generate
 
     ids = prompt_ids(0, args.compare_prompt, lm.vocab_limit)
     sp = jaxsample.SamplingParams(n=args.compare_group, max_tokens=32, ignore_eos=True, seed=0)
@@ -87,7 +88,7 @@ def rollout_compare(lm, args) -> list[dict]:
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
-            g = jaxsample.generate(lm, [ids], sp, naive=naive)
+            g = (naive_generate if naive else jaxsample.generate)(lm, [ids], sp)
             times.append(time.perf_counter() - t0)
         rows.append({"engine": "naive (prompt repeated G times)" if naive else "shared prefix",
                      "P": len(ids), "G": args.compare_group, "T": int(g.lengths.max()),
@@ -210,7 +211,9 @@ def main(argv=None):
         print("\n".join(summary({**report, "history": []})), flush=True)
     if "train" not in args.skip:
         cfg = lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
-        policy = grpo.lora_policy(lm, cfg, seed=args.seed)
+        # Rollouts through the engine object: each step hands it the merged weights.
+        policy = grpo.lora_policy(jaxsample.LLM(lm, compilation_cache=False), cfg,
+                                  seed=args.seed)
         config = grpo.GRPOConfig(steps=args.steps, prompts_per_step=args.prompts_per_step,
                                  group_size=args.group_size, max_tokens=args.max_tokens,
                                  temperature=args.temperature, chat=True,

@@ -135,6 +135,21 @@ def test_rollout_with_new_weights_builds_no_program(tiny_lm):
     np.testing.assert_array_equal(r.batch.completions, again.tokens)
 
 
+def test_rollout_through_the_engine_object_takes_new_weights_in_place(tiny_lm):
+    """An `LLM` engine: the rollout hands it the weights (`update_weights`), builds no
+    program, and samples what the bare model with those weights samples."""
+    llm = jaxsample.LLM(tiny_lm, compilation_cache=False)
+    sp = SamplingParams(max_tokens=8, seed=0, temperature=0.7)
+    ro.rollout(llm, tiny_lm.params, PROMPTS[:2], 2, sp)
+    built = engine.PROGRAMS.compilations
+    other = jax.tree_util.tree_map(lambda a: a * 1.01, tiny_lm.params)
+    r = ro.rollout(llm, other, PROMPTS[:2], 2, sp)
+    assert engine.PROGRAMS.compilations == built and llm.params is other
+    bare = ro.rollout(tiny_lm, other, PROMPTS[:2], 2, sp)
+    np.testing.assert_array_equal(r.batch.completions, bare.batch.completions)
+    np.testing.assert_array_equal(r.batch.behaviour, bare.batch.behaviour)
+
+
 @pytest.mark.parametrize("changes, match", [
     (dict(top_k=5), "top_k=5"), (dict(top_p=0.9), "top_p"), (dict(min_p=0.1), "min_p"),
     (dict(repetition_penalty=1.2), "repetition_penalty"), (dict(temperature=0.0), "temperature")])

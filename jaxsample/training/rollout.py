@@ -6,18 +6,21 @@ and returns them as one typed `Batch` of device arrays in group layout
 (`[B, P]` prompts, `[B, N, T]` completions) with the behaviour policy's
 log-probability of every sampled token, beside the texts the rewards read.
 
-`rollout` is the one place where the training code calls the engine: it runs
-`jaxsample.generate` on the model with its parameters replaced (no reload;
-the compiled programs take the weights as an argument, so new weights do not
-recompile).
+`rollout` is the one place where the training code calls the engine: with a
+`jaxsample.LLM` it hands the engine the new weights (`LLM.update_weights`: no
+reload, no recompilation, the engine's mesh and KV budget kept) and samples
+through it; with a bare `LanguageModel` it runs `jaxsample.generate` on the
+model with its parameters replaced. Either way the compiled programs take the
+weights as an argument, so new weights do not recompile.
 
 The behaviour log-probabilities are those of the distribution the tokens
-were drawn from, softmax(logits / temperature). At temperature 1 they are the
-sampler's own (`Generation.logprobs`, the raw distribution); at another
-temperature they are recomputed with `token_logprobs` at that temperature
-(one more forward pass over the batch). Filters (top-k, top-p, min-p),
-penalties and logit bias change the sampling distribution in ways these
-numbers would not show, so a rollout refuses them.
+were drawn from, softmax(logits / temperature), reported by the sampler
+itself: the raw distribution at temperature 1, `SamplingParams(logprobs_mode=
+"processed_logprobs")` at another temperature. The training forward's
+`completion_logprobs` computes the same numbers to float32 rounding (the
+importance ratio is 1 to that on the first update). Filters (top-k, top-p,
+min-p), penalties and logit bias would make the sampling distribution
+another than the one the loss differentiates, so a rollout refuses them.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.engine.api import generate
+from jaxsample.engine.api import generate, run_generate
 from jaxsample.engine.sampling import pad_stop_ids
 from jaxsample.engine.state import MAX_STOP_IDS, bucket
 from jaxsample.errors import InputError
 from jaxsample.generation import Generation
+from jaxsample.llm import LLM
 from jaxsample.sampling_params import SamplingParams
 from jaxsample.training.logprobs import check_temperature, group_token_logprobs, language_model
 
@@ -181,9 +185,8 @@ def rollout(engine: Any, params, prompts, group_size: int, sampling_params: Samp
       bridge: optional `jaxsample.bridge.Bridge` (cross-branch layers).
       prompt_cap: the least prompt width P of the batch.
     Returns:
-      A `Rollout`: `batch.behaviour` holds the behaviour log-probabilities
-      (None with a Bridge at a temperature other than 1: the Bridge-coupled
-      policy's log-probabilities need its own forward), `batch.advantages` zeros.
+      A `Rollout`: `batch.behaviour` holds the behaviour log-probabilities,
+      `batch.advantages` zeros.
     Raises:
       InputError: a bad group_size or sampling_params, and whatever
         `jaxsample.generate` refuses, before any compute.
@@ -194,17 +197,22 @@ def rollout(engine: Any, params, prompts, group_size: int, sampling_params: Samp
             group_size, (int, np.integer)) or group_size < 1:
         raise InputError(f"group_size must be an int >= 1 (branches per prompt), "
                          f"got {group_size!r}")
-    model = lm if params is lm.params else dataclasses.replace(lm, params=params)
-    gen = generate(model, prompts, sp.replace(n=int(group_size)), chat=chat,
-                   prompt_index_offset=prompt_index_offset, bridge=bridge,
-                   mesh=getattr(engine, "mesh", None))
+    mode = "raw_logprobs" if sp.temperature == 1.0 else "processed_logprobs"
+    sp = sp.replace(n=int(group_size), logprobs_mode=mode)
+    if isinstance(engine, LLM):
+        if params is not engine.params:
+            engine.update_weights(params)
+        gen = run_generate(engine.lm, prompts, sp, chat=chat, mesh=engine.mesh, bridge=bridge,
+                           prompt_index_offset=prompt_index_offset,
+                           max_kv_bytes=engine.max_kv_bytes, attention=engine.attention)
+    else:
+        model = lm if params is lm.params else dataclasses.replace(lm, params=params)
+        gen = generate(model, prompts, sp, chat=chat, prompt_index_offset=prompt_index_offset,
+                       bridge=bridge, mesh=getattr(engine, "mesh", None))
     prompt, prompt_len = pad_prompts(gen.prompt_tokens, prompt_cap)
     batch = Batch(prompt=jnp.asarray(prompt), prompt_len=jnp.asarray(prompt_len),
                   completions=jnp.asarray(gen.tokens), lengths=jnp.asarray(gen.lengths),
                   advantages=jnp.zeros(gen.lengths.shape, jnp.float32),
                   stop_ids=jnp.asarray(stop_array(lm, sp.stop_token_ids)),
                   behaviour=jnp.asarray(gen.logprobs, jnp.float32))
-    if sp.temperature != 1.0:  # the sampler reports the raw (temperature 1) logprobs
-        batch = batch._replace(behaviour=None if bridge is not None else completion_logprobs(
-            model, params, batch, sp.temperature))
     return Rollout(batch=batch, texts=gen.texts, generation=gen)
