@@ -82,15 +82,15 @@ def test_exported_programs_give_the_same_tokens_and_skip_tracing(tiny_lm, export
                         lambda *a, **k: traced.append(1) or real(*a, **k))
     written = _run(tiny_lm)  # traced, exported, written, compiled from the export
     names = sorted(p.name.split("-")[0] for p in exported_dir.iterdir())
-    assert names == ["decode", "init", "prefill"] and traced == [1]
+    assert names == ["decode", "init", "new_columns", "prefill"] and traced == [1]
     _fresh()
     built, hits, reads = (engine.PROGRAMS.compilations, engine.PROGRAMS.from_cache,
                           engine.PROGRAMS.from_exported)
     read = _run(tiny_lm)  # read back: the model is never traced
     assert traced == [1]
-    assert engine.PROGRAMS.compilations - built == 3
-    assert engine.PROGRAMS.from_exported - reads == 3  # every lookup read its entry
-    assert engine.PROGRAMS.from_cache - hits == 3  # and the compilation cache served it
+    assert engine.PROGRAMS.compilations - built == 4
+    assert engine.PROGRAMS.from_exported - reads == 4  # every lookup read its entry
+    assert engine.PROGRAMS.from_cache - hits == 4  # and the compilation cache served it
     _same(plain, written)
     _same(plain, read)
 
@@ -113,7 +113,7 @@ def test_int8_programs_calling_the_cpu_kernels_round_trip(tiny_lm, exported_dir,
     _fresh()
     reads = engine.PROGRAMS.from_exported
     read = _run(qlm)
-    assert engine.PROGRAMS.from_exported - reads == 3
+    assert engine.PROGRAMS.from_exported - reads == 4
     _same(plain, written)
     _same(plain, read)
 
@@ -332,4 +332,4 @@ def test_on_a_mesh_the_same_tokens_with_and_without(tiny_lm, exported_dir, monke
     _fresh()
     reads = engine.PROGRAMS.from_exported
     _same(plain, run())  # read back
-    assert engine.PROGRAMS.from_exported - reads == 3
+    assert engine.PROGRAMS.from_exported - reads == 4

@@ -9,7 +9,7 @@ shapes than the oracle's).
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 
 import jax
 import numpy as np
@@ -160,8 +160,13 @@ def test_a_request_with_its_own_seed_draws_the_same_wherever_it_stands(tiny_lm, 
 
 
 def test_update_weights_equals_a_new_engine_without_compiling(tiny_lm):
-    other = make_tiny_lm(seed=7)
-    llm = LLM(tiny_lm, seed=SEED, compilation_cache=False)
+    # The weights in the layout `jaxsample.load` gives (one dict per layer): the layout
+    # the engine serves, so new weights need no conversion at all.
+    from jaxsample.engine.placement import serving_params
+
+    serve = lambda lm: dataclasses.replace(lm, params=serving_params(lm))
+    base, other = serve(tiny_lm), serve(make_tiny_lm(seed=7))
+    llm = LLM(base, seed=SEED, compilation_cache=False)
     params = SamplingParams(n=4, max_tokens=8, temperature=0.9)
     llm.generate(PROMPTS[:2], params)  # compiled with the old weights
     before = len(COMPILES)

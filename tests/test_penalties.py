@@ -142,8 +142,8 @@ def _same(a, b):
 @pytest.mark.parametrize("field,value,allowed", [
     ("max_tokens", 0, r"\[1, 2\*\*31 - 1\]"), ("max_tokens", 2**31, r"\[1, 2\*\*31 - 1\]"),
     ("max_tokens", 3.0, r"\[1, 2\*\*31 - 1\]"), ("max_tokens", True, r"\[1, 2\*\*31 - 1\]"),
-    ("min_tokens", -1, r"\[0, max_new_tokens=64\]"), ("min_tokens", 65, r"\[0, max_new_tokens=64\]"),
-    ("min_tokens", 1.0, r"\[0, max_new_tokens=64\]"),
+    ("min_tokens", -1, r"\[0, max_new_tokens=16\]"), ("min_tokens", 17, r"\[0, max_new_tokens=16\]"),
+    ("min_tokens", 1.0, r"\[0, max_new_tokens=16\]"),
     ("ignore_eos", 1, "a bool"), ("ignore_eos", "yes", "a bool"),
     ("presence_penalty", 2.01, r"\[-2, 2\]"), ("presence_penalty", -3, r"\[-2, 2\]"),
     ("presence_penalty", float("nan"), r"\[-2, 2\]"), ("presence_penalty", True, r"\[-2, 2\]"),

@@ -526,7 +526,7 @@ def test_inside_jitted_while_loop_vmapped_over_branches():
 def test_sampling_params_defaults_and_conversions():
     sp = SamplingParams()
     assert (sp.n, sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.max_new_tokens,
-            sp.stop_token_ids, sp.stop, sp.seed) == (1, 1.0, 0, 1.0, 0.0, 64, (), (), None)
+            sp.stop_token_ids, sp.stop, sp.seed) == (1, 1.0, 0, 1.0, 0.0, 16, (), (), None)
     sp = SamplingParams(n=np.int64(4), top_k=np.int32(5), temperature=1, seed=np.uint32(7),
                         stop_token_ids=[2, np.int64(3)], stop=["\n\n"])
     assert type(sp.n) is int and type(sp.top_k) is int and type(sp.seed) is int

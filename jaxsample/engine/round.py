@@ -19,7 +19,7 @@ from jaxsample.engine.loop import compact, decode_chunk, empty_outputs, init_sta
 from jaxsample.engine.pool import PoolSchedule
 from jaxsample.engine.placement import kv_bytes, to_host
 from jaxsample.engine.prefill import take_rows
-from jaxsample.engine.state import Static, slot_bucket
+from jaxsample.engine.state import Static, bucket, slot_bucket
 from jaxsample.sharding import BRANCH_AXIS
 
 COMPACT_FRACTION = 0.75  # compact when the live slots fit in buckets this much smaller
@@ -241,7 +241,7 @@ class Round(PoolSchedule):
         if grew.any():
             starts = np.zeros(self.col_of.shape, np.int32)
             starts[real] = l0
-            width = int(min(width, s.st.t_cap))
+            width = int(min(bucket(width), s.st.t_cap))  # few widths: few programs
             fn = lambda state, a: new_columns(state, a, width)
             args = (st, s.put(starts, "slots"))
             if s.m is not None:
