@@ -61,8 +61,41 @@ def _unfused_w8a8():
         cpu_kernels.w8a8_dot = new
 
 
+@contextlib.contextmanager
+def _while_loop_chunk():
+    """A chunk as one `lax.while_loop` of single steps whose predicate (the traced
+    t_stop, every slot done) is read every step (before `loop.decode_chunk`'s blocks
+    of `loop.STEPS_PER_CHECK` steps with a static trip count). Replaced wherever the
+    engine imported `decode_chunk` by name."""
+    import sys
+
+    import jax
+
+    from jaxsample.engine import loop
+    from jaxsample.engine.step import all_done, branch_keys, make_step
+
+    new = loop.decode_chunk
+
+    def old(st, params, prefix, state, knobs, bridge_params=None, context=None):
+        keys = branch_keys(knobs, state.prompt_index, state.branch_ids)
+        step = make_step(st, params, prefix, knobs, keys, bridge_params, context)
+        return jax.lax.while_loop(
+            lambda s: (s.t < knobs.t_stop) & ~all_done(st, s.done), step, state)
+
+    mods = [m for name, m in list(sys.modules.items())
+            if name.startswith("jaxsample.engine") and getattr(m, "decode_chunk", None) is new]
+    for m in mods:
+        m.decode_chunk = old
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.decode_chunk = new
+
+
 PATCHES = {
     "now": contextlib.nullcontext,
+    "while_loop_chunk": _while_loop_chunk,
     "old_prefix_attention": _old_prefix_attention,
     "prefix_kv_float32": prefix_kv_float32,  # with --weights int8
     "unfused_w8a8": _unfused_w8a8,  # with --weights int8
