@@ -71,7 +71,7 @@ TRACE_KNOBS = ("jaxsample.models.flash", "jaxsample.models.moe", "jaxsample.mode
                "jaxsample.engine.state", "jaxsample.engine.sampling.select",
                "jaxsample.engine.sampling.logprobs", "jaxsample.bridge")
 """Modules whose public constants (upper-case ints, floats, strings, tuples) are
-read while a program is traced (`flash.BLOCKWISE_MIN_LEN`, `select.TOP_CANDIDATES`,
+read while a program is traced (`flash.BLOCKWISE_FROM`, `select.TOP_CANDIDATES`,
 ...): their current values are part of every key, so a process that changed
 one (a benchmark) never reads another's program."""
 
