@@ -38,6 +38,21 @@ def test_a_worker_past_its_timeout_is_killed():
     assert ran.returncode == 0 and rows == ran.rows == [{"a": 1}, {"b": 2}]
 
 
+def test_a_failing_engine_option_makes_the_later_parts_use_xlas_defaults():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import accel
+
+    def rows(**errors):
+        return [dict(part="fixed", cell=c, **({"error": errors[k]} if k in errors else {}))
+                for k, c in (("xla", "narrow/xla_default/N=1"), ("engine", "narrow/engine/N=1"),
+                             ("engine64", "narrow/engine/N=64"))]
+
+    assert not accel.engine_options_failed(rows())
+    assert accel.engine_options_failed(rows(engine64="not run: worker -11"))
+    assert not accel.engine_options_failed(rows(xla="XlaRuntimeError", engine="XlaRuntimeError"))
+    assert not accel.engine_options_failed([])  # no fixed part in this call
+
+
 @pytest.mark.slow
 def test_the_smoke_run_measures_every_planned_cell(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"}
