@@ -101,6 +101,20 @@ COMMAND_BUFFER_VARIANTS = ("xla_default", "engine", "engine_unroll")
 # Worker side (targets of common.spawn: these import jax or torch)
 
 
+CACHE_ENV = "JAXSAMPLE_BENCH_XLA_CACHE"  # a directory: the workers' persistent compilation cache
+
+
+def _compilation_cache():
+    """JAX's persistent compilation cache in `$JAXSAMPLE_BENCH_XLA_CACHE` when set (gpu_run.sh
+    sets it outside the smoke run): a second call on the same machine fetches the
+    programs the first compiled. Global JAX state, in this worker process only."""
+    if os.environ.get(CACHE_ENV):
+        from jaxsample import disk_cache
+
+        disk_cache.enable_compilation_cache(os.environ[CACHE_ENV], min_compile_time_s=1.0,
+                                            exported=False)
+
+
 def _lm(shapes, dtype, weights=None, seed=0):
     """(LanguageModel of random weights made on the device, seconds to make them)."""
     import jax
@@ -199,6 +213,7 @@ def fixed(spec):
 
     cfg, clock = spec["cfg"], Clock(spec["budget"])
     P, Ns, T = cfg["P"], cfg["Ns"], spec["new_tokens"]
+    _compilation_cache()
     plat = jax.devices()[0].platform
     variants = {"xla_default": {}, "engine": dict(loop.GPU_COMPILER_OPTIONS),
                 "engine_unroll": dict(loop.GPU_COMPILER_OPTIONS,
@@ -266,6 +281,7 @@ def model(spec):
 
     if spec.get("xla_default"):
         loop.GPU_COMPILER_OPTIONS = {}
+    _compilation_cache()
 
     name, cfg, T = spec["model"], spec["cfg"], spec["new_tokens"]
     clock = Clock(spec["budget"])
@@ -520,6 +536,39 @@ def summarize(rows):
     return out
 
 
+def tables(rows) -> str:
+    """Markdown tables of the measured cells (every row also in the JSON)."""
+    fmt = common.fmt
+    out = []
+    fixed = [r for r in rows if r.get("part") == "fixed" and r.get("decode_step_s")]
+    if fixed:
+        out += common.md_table(("model", "variant", "N", "step us", "compile s"), [
+            [r["model"], r["variant"], r["N"], fmt(r["decode_step_s"] * 1e6),
+             fmt(r.get("compile_s_warm"))] for r in fixed]) + [""]
+    for part in ("1b", "8b", "hf"):
+        cells = [r for r in rows if r.get("part") == part and r.get("kind") == "cell"
+                 and r.get("decode_step_s")]
+        if cells:
+            out += [f"{part}:"] + common.md_table(
+                ("cell", "step ms", "roofline ms", "of roofline", "tok/s", "prefill s",
+                 "compile s"),
+                [[r["cell"], fmt(r["decode_step_s"] * 1e3),
+                  fmt((r.get("roofline_step_s") or 0) * 1e3), fmt(r.get("roofline_fraction")),
+                  fmt(r.get("decode_tokens_per_s")), fmt(r.get("prefill_s")),
+                  fmt(r.get("compile_s_warm"))] for r in cells]) + [""]
+        pre = [r for r in rows if r.get("part") == part and r.get("cell", "").startswith(
+            "prefill=") and r.get("prefill_s")]
+        if pre:
+            out += common.md_table(("cell", "prefill s", "compile s", "device peak MiB"), [
+                [r["cell"], fmt(r["prefill_s"]), fmt(r["compile_s"]),
+                 fmt(r.get("device_peak_bytes"), "MiB")] for r in pre]) + [""]
+    errors = [r for r in rows if r.get("error")]
+    if errors:
+        out += [f"{len(errors)} rows with an error:"] + [
+            f"  {r.get('part')} {r.get('cell')}: {r['error'][:120]}" for r in errors]
+    return "\n".join(out)
+
+
 def engine_options_failed(rows) -> bool:
     """Whether the fixed part's narrow model ran with XLA's default options but not with
     the engine's (`loop.GPU_COMPILER_OPTIONS`): the parts after it then compile with
@@ -628,6 +677,7 @@ def main(argv=None):
             for cell in [c for c in planned if c not in seen] or ["*"]:
                 on_row(dict(kind="cell", part=part, cell=cell, error=f"not run: {why}"))
     write()
+    print(tables(doc["rows"]))
     print(json.dumps(doc["summary"], indent=1, default=str))
     print(f"wrote {out} ({time.perf_counter() - t_begin:.0f} s)")
 

@@ -61,6 +61,9 @@ if [[ "${1:-}" == "--smoke" ]]; then
     SMOKE="--smoke"
 else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
+    # The workers' compilation cache: a second call on the same machine fetches the
+    # programs the first one compiled (benchmarks/accel.py CACHE_ENV).
+    export JAXSAMPLE_BENCH_XLA_CACHE=${XLA_CACHE:-/tmp/jaxsample-gpu-run-xla}
 fi
 # The checkout's own jaxsample.models, not another install's: from the root,
 # `import jaxsample` finds ./jaxsample, but jaxsample.models comes from whichever
