@@ -5,6 +5,7 @@ Usage (from the repository root; CPU, the embedded SmolLM2-135M-Instruct):
     python -m benchmarks.startup --repeats 3 \
         --out benchmarks/results/startup.json
     python -m benchmarks.startup --repeats 3 --weights int8   # the int8 weights
+    python -m benchmarks.startup --repeats 3 --python    # the Python quick start vs the CLI
 
 Every measured call is a fresh process running
 
@@ -75,6 +76,34 @@ sys.stderr.write("\nBREAKDOWN " + json.dumps(sums) + "\n")
 raise SystemExit(code)
 """
 
+# The Python quick start's first block (README.md), run as its own process for
+# `--python`: the engine object with its defaults (the compilation cache on).
+QUICKSTART = """
+from jaxsample import LLM, SamplingParams
+
+llm = LLM("smollm2-135m-instruct", seed=0)
+params = SamplingParams(n=8, temperature=0.8, top_p=0.95, max_tokens=32)
+out = llm.chat([{"role": "user", "content": "What is 3 + 4? Answer with a number."}], params)
+for branch in out[0].outputs:
+    print(branch.text)
+"""
+
+PY_WRAPPER = r"""
+import collections, json, sys, time
+t0 = time.perf_counter()
+import jax
+sums = collections.defaultdict(float)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **_: sums.__setitem__(event, sums[event] + seconds))
+import io, contextlib
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf):
+    exec(compile(sys.argv[1], "quickstart", "exec"), {})
+total = time.perf_counter() - t0
+sys.stderr.write("\nBREAKDOWN " + json.dumps(sums) + "\n")
+print(json.dumps({"total": total, "texts": buf.getvalue().splitlines()}))
+"""
+
 EVENTS = {"trace": "/jax/core/compile/jaxpr_trace_duration",
           "lower": "/jax/core/compile/jaxpr_to_mlir_module_duration",
           "xla": "/jax/core/compile/backend_compile_duration",
@@ -117,6 +146,53 @@ def call(args, cache_dir: pathlib.Path, no_cache: bool, extra_env=None) -> dict:
             "texts": [b["text"] for b in d["branches"]]}
 
 
+def py_call(cache_dir: pathlib.Path) -> dict:
+    """The quick start's first block in a fresh process (`QUICKSTART`)."""
+    env = {**os.environ, "JAXSAMPLE_CACHE_DIR": str(cache_dir)}
+    env.pop("JAXSAMPLE_NO_CACHE", None)
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", PY_WRAPPER, QUICKSTART], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - t0
+    if out.returncode:
+        raise SystemExit(f"the quick start failed ({out.returncode}): {out.stderr[-2000:]}")
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    sums = json.loads(out.stderr.rsplit("BREAKDOWN ", 1)[1])
+    return {"total": d["total"], "wall": wall, "texts": d["texts"],
+            **{k: sums.get(e, 0.0) for k, e in EVENTS.items()}}
+
+
+def python_main(args) -> int:
+    """`--python`: the CLI's first and second run against the quick start's first
+    block, first and second, each in its own cache directory, alternated per repeat."""
+    calls = []
+    for r in range(args.repeats):
+        cli_dir = pathlib.Path(tempfile.mkdtemp(prefix="jaxsample-startup-"))
+        py_dir = pathlib.Path(tempfile.mkdtemp(prefix="jaxsample-startup-"))
+        try:
+            for kind in ("cli-first", "py-first", "cli-second", "py-second"):
+                if kind.startswith("cli"):
+                    c = call(args, cli_dir, False)
+                else:
+                    c = py_call(py_dir)
+                c.update(kind=kind, repeat=r)
+                calls.append(c)
+                if args.out:
+                    _write(args.out, {"quickstart": QUICKSTART, "calls": calls})
+                print(f"repeat {r} {kind:10s} wall {c['wall']:6.2f} s  total in process "
+                      f"{c['total']:6.2f} s  xla {c['xla']:.2f} s", flush=True)
+        finally:
+            shutil.rmtree(cli_dir, ignore_errors=True)
+            shutil.rmtree(py_dir, ignore_errors=True)
+    med = {k: statistics.median(c["wall"] for c in calls if c["kind"] == k)
+           for k in ("cli-first", "py-first", "cli-second", "py-second")}
+    print("\n| call | wall, median (s) |\n|---|---|")
+    for k, v in med.items():
+        print(f"| {k} | {v:.2f} |")
+    print(f"\nquick start second / CLI second: {med['py-second'] / med['cli-second']:.2f}x")
+    return 0
+
+
 def dir_bytes(path: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -130,7 +206,12 @@ def main(argv=None) -> int:
     p.add_argument("--weights", default=None, choices=["int8", "int8-weight-only"],
                    help="quantised weights (default: the model's float weights)")
     p.add_argument("--out", default=None, help="write every call as JSON here (after each call)")
+    p.add_argument("--python", action="store_true",
+                   help="the Python quick start's first block against the CLI (first and "
+                        "second process each)")
     args = p.parse_args(argv)
+    if args.python:
+        return python_main(args)
 
     # Warm the page cache with the GGUF and the code (not what is measured).
     from jaxsample.models import registry

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -214,11 +215,39 @@ def _resolve(name_or_path) -> tuple[pathlib.Path, str | None]:
         name = registry.DEFAULT_MODEL if name_or_path is None else str(name_or_path).lower()
         return registry.embedded_path(name), name
     path = pathlib.Path(name_or_path).expanduser()
+    if not path.exists() and isinstance(name_or_path, str) and _HUB_ID.fullmatch(name_or_path):
+        snapshot = _hub_snapshot(name_or_path)
+        if snapshot is not None:
+            return snapshot, None
+        raise ModelLoadError(
+            f"{name_or_path!r} looks like a Hugging Face hub id, and its files are not on disk: "
+            f"jaxsample downloads nothing; download it where there is a network "
+            f"(`huggingface-cli download {name_or_path} --local-dir DIR`) and pass the folder "
+            f"(config.json, *.safetensors, tokenizer.json) or a .gguf file as the model")
     if not path.exists():
         raise ModelLoadError(
             f"{path}: no such file or directory, and not a known model name; known names: "
             f"{registry.known_names()} (or pass a .gguf file or a Hugging Face model directory)")
     return path.resolve(), None
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _hub_snapshot(repo_id: str) -> pathlib.Path | None:
+    """A complete local snapshot of `repo_id` in the Hugging Face cache (`$HF_HUB_CACHE`,
+    `$HF_HOME/hub` or `~/.cache/huggingface/hub`), read from its `refs/main`; None if
+    there is none (nothing is downloaded)."""
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                   "huggingface"), "hub")
+    root = pathlib.Path(hub) / ("models--" + repo_id.replace("/", "--"))
+    try:
+        rev = (root / "refs" / "main").read_text().strip()
+    except OSError:
+        return None
+    snap = root / "snapshots" / rev
+    return snap.resolve() if rev and (snap / "config.json").is_file() else None
 
 
 def _check_cache(cache) -> None:

@@ -88,7 +88,8 @@ def refuse_foreign_keywords(where: str):
 
 MAX_BIAS = 100.0  # SamplingParams.logit_bias is clamped to [-MAX_BIAS, MAX_BIAS], as vLLM does
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (vLLM, OpenAI)
-DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_MAX_NEW_TOKENS = 16  # vLLM's default max_tokens (the command line's is 128)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,7 +109,8 @@ class SamplingParams:
       top_p: nucleus mass in (0, 1]; 1 (default) is off.
       min_p: in [0, 1]; keep tokens with prob >= min_p * max prob; 0 is off.
       max_new_tokens: the decode budget per branch in tokens, in
-        [1, 2**31 - 1] (Hugging Face's name; default 64).
+        [1, 2**31 - 1] (Hugging Face's name; default 16, vLLM's default
+        `max_tokens`; the command line's `--max-new-tokens` defaults to 128).
       max_tokens: vLLM's name for the same budget. Give either; after
         construction both fields hold the value (`params.max_new_tokens` is
         the one the engine reads). Giving both with different values is a
@@ -129,6 +131,16 @@ class SamplingParams:
         (vllm/sampling_params.py; raw, before logit bias, penalties,
         temperature and filters: vLLM's default `logprobs_mode`). 0 records
         only the ranks (vLLM: the sampled token's logprob alone).
+      logprobs_mode: which log-probability of each sampled token is reported
+        (`Generation.logprobs`, `CompletionOutput.logprobs` and
+        `cumulative_logprob`; vLLM's field): "raw_logprobs" (default) under
+        the model's distribution (temperature 1, no processors or filters);
+        "processed_logprobs" under the distribution the token was drawn from
+        (after logit bias, min-tokens, penalties, temperature, top-k, top-p and
+        min-p, renormalised over the kept tokens; 0 at temperature 0), the
+        behaviour policy of an importance ratio. The top-k alternatives and
+        ranks are raw in both modes, so "processed_logprobs" takes `logprobs`
+        None or 0. A static setting: on, it compiles another step.
       min_tokens: in [0, max_new_tokens]: until a branch has generated this
         many tokens, every stop token id (the model's end ids and
         `stop_token_ids`, even with `ignore_eos`: vLLM's
@@ -208,6 +220,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     signals: bool = False
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self):
         def fail(name: str, allowed: str, value: Any):
@@ -303,6 +316,11 @@ class SamplingParams:
             check_float(name, lambda x: -MAX_PENALTY <= x <= MAX_PENALTY,
                         "a float in [-2, 2] (0 is off)")
         check_float("repetition_penalty", lambda x: x > 0.0, "a finite float > 0 (1 is off)")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            fail("logprobs_mode", " or ".join(map(repr, LOGPROBS_MODES)), self.logprobs_mode)
+        if self.logprobs_mode == "processed_logprobs" and (self.logprobs or 0) > 0:
+            fail("logprobs", "None or 0 with logprobs_mode='processed_logprobs' (the top-k "
+                 "alternatives are reported raw only)", self.logprobs)
         set_("logit_bias", _logit_bias(self.logit_bias, fail))
 
     def replace(self, **changes: Any) -> "SamplingParams":

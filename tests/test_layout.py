@@ -32,6 +32,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
               "jaxsample.progress")),
     ("load", ("jaxsample.models", "jaxsample.lm", "jaxsample.loading", "jaxsample.cache_files",
               "jaxsample.xla_cache", "jaxsample.disk_cache", "jaxsample.weight_cache")),
+    ("kernels", ("jaxsample.kernels",)),
     ("cost", ("jaxsample.cost",)),
     ("generation", ("jaxsample.generation",)),
     ("bridge", ("jaxsample.bridge",)),

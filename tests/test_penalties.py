@@ -167,7 +167,7 @@ def test_new_fields_are_validated_at_construction(field, value, allowed):
 
 
 def test_max_tokens_is_max_new_tokens():
-    assert SamplingParams().max_new_tokens == SamplingParams().max_tokens == 64
+    assert SamplingParams().max_new_tokens == SamplingParams().max_tokens == 16
     p = SamplingParams(max_tokens=12)
     assert p.max_new_tokens == 12 and p.max_tokens == 12
     assert SamplingParams(max_new_tokens=7).max_tokens == 7

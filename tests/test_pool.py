@@ -386,9 +386,11 @@ def test_a_budget_makes_the_request_a_pool_with_the_same_tokens(tiny_lm, refs):
 def test_run_requests_yields_each_request_tagged_with_its_id(tiny_lm, refs):
     from jaxsample.engine.requests import Request, run_requests
 
-    reqs = [Request(id=f"q{b}", prompt=p, params=_params()) for b, p in enumerate(PROMPTS)]
+    # Requests without their own seed draw from the run's seed and their position
+    # (the refs' keys); one with its own seed would draw from (seed, branch) alone.
+    reqs = [Request(id=f"q{b}", prompt=p, params=_params(seed=None)) for b, p in enumerate(PROMPTS)]
     seen = {}
-    run = run_requests(tiny_lm, reqs, max_kv_bytes=None, chunk_size=2)
+    run = run_requests(tiny_lm, reqs, max_kv_bytes=None, chunk_size=2, seed=_params().seed)
     for res in run:
         assert res.output.request_id == res.id == f"q{res.index}"
         seen[res.id] = res
@@ -431,7 +433,8 @@ def test_llm_generate_and_chat_are_the_pool_in_input_order(tiny_lm):
     params = _params(n=2, max_new_tokens=6)
     llm = LLM(model=tiny_lm)
     outs = llm.generate(PROMPTS, params)
-    ref = engine.generate(tiny_lm, PROMPTS, params).outputs()
+    # Each request has its own seed: it draws what it draws alone (vLLM's rule).
+    ref = [engine.generate(tiny_lm, [p], params).outputs()[0] for p in PROMPTS]
     assert [o.request_id for o in outs] == ["0", "1", "2"]
     assert [o.prompt_token_ids for o in outs] == [o.prompt_token_ids for o in ref]
     # One pool over all three (same params): the same tokens, up to float ties.

@@ -135,11 +135,12 @@ def test_an_extractor_that_raises_is_named_with_its_request(tiny_lm):
         list(jaxsample.run_requests(tiny_lm, reqs))
 
 
-@pytest.mark.parametrize("run", ["engine", "reduce"])
-def test_a_later_pool_the_budget_cannot_hold_is_refused_before_the_first_runs(tiny_lm, run):
-    """Two groups of requests (two pools); the budget holds the first's smallest
-    pool, not the second's (longer tails): refused up front, naming the second
-    group's first request, before the first group computes anything."""
+def test_a_pool_the_budget_cannot_hold_is_refused_before_anything_runs(tiny_lm):
+    """Requests with different max_tokens share one pool, whose tails hold the longest:
+    a budget that holds the short request's pool but not the mixed one refuses the
+    run up front (nothing compiled); the short request alone runs in it. Through
+    `jaxsample.run_requests`, a later stretch of plain requests (after an adaptive
+    one) that cannot run is refused before the first stretch computes, naming it."""
     from jaxsample.engine import budget, inputs
     from jaxsample.engine.state import bucket
 
@@ -151,12 +152,15 @@ def test_a_later_pool_the_budget_cannot_hold_is_refused_before_the_first_runs(ti
     cfg = tiny_lm.config
     kv = 2 * budget.row_bytes(cfg, p_cap) + budget.slot_bytes(cfg, bucket(6))
     assert budget.plan_params(cfg, PARAMS, B=1, p_cap=p_cap, budget=kv) == (1, 1)
-    with pytest.raises(InputError, match="max_kv_bytes"):  # control: the second cannot run
+    with pytest.raises(InputError, match="max_kv_bytes"):  # control: the long one cannot run
         budget.plan_params(cfg, long, B=1, p_cap=p_cap, budget=kv)
-    call = engine.run_requests if run == "engine" else jaxsample.run_requests
     before = engine.PROGRAMS.compilations
-    with pytest.raises(InputError, match=r"^requests 1-1 \(from 'b', their pool\): max_kv_bytes="):
-        call(tiny_lm, reqs, max_kv_bytes=kv)
+    with pytest.raises(InputError, match=r"^max_kv_bytes=.*max_new_tokens bucket 256"):
+        engine.run_requests(tiny_lm, reqs, max_kv_bytes=kv)
+    stretches = [reqs[0], Request(id="ad", prompt="x", params=PARAMS, adaptive=ADAPTIVE),
+                 reqs[1]]
+    with pytest.raises(InputError, match=r"^requests 2-2 \(from 'b', their pool\): max_kv_bytes="):
+        jaxsample.run_requests(tiny_lm, stretches, max_kv_bytes=kv)
     assert engine.PROGRAMS.compilations == before
     # The first alone runs in that budget.
-    assert [r.id for r in call(tiny_lm, reqs[:1], max_kv_bytes=kv)] == ["a"]
+    assert [r.id for r in engine.run_requests(tiny_lm, reqs[:1], max_kv_bytes=kv)] == ["a"]

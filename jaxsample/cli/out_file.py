@@ -258,11 +258,15 @@ def _stream(lm, cfg, args, run, progress, batch_of, write, t_start, t_load, app_
     from jaxsample.engine.requests import Request, run_requests
 
     by_id = {out_id(r): r for r in run}
-    reqs = [Request(id=out_id(r), prompt=render(lm.tokenizer, r, cfg.chat), params=r.sampling)
-            for r in run]
+    # The run's seed is the engine's: a request with the run's seed draws from (seed, its
+    # index in the file); a line with a seed of its own, from (that seed, branch) alone.
+    seed = cfg.sampling.seed
+    own = lambda sp: sp if sp.seed != seed else sp.replace(seed=None)
+    reqs = [Request(id=out_id(r), prompt=render(lm.tokenizer, r, cfg.chat),
+                    params=own(r.sampling)) for r in run]
     stream = run_requests(lm, reqs, max_kv_bytes=args.kv_budget,
                           mesh=app_lib.make_mesh(cfg.mesh, run[0].sampling.n),
-                          index_offset=run[0].index, progress=progress or False)
+                          index_offset=run[0].index, progress=progress or False, seed=seed)
     for res in stream:
         r, gen = by_id[res.id], res.generation
         k, members = batch_of[r.index]

@@ -13,7 +13,8 @@ Data flow of one request, one file per stage:
     step.py     one decode step of one branch, vmapped over the N slots
                 (axis_name "branch") with the prefix unbatched: the prefix is
                 read once per step for all branches; prefix / tail / current
-                token merged by log-sum-exp
+                token merged by log-sum-exp (XLA's ops, or the Pallas kernels
+                of `jaxsample.kernels`: `generate(attention=...)`)
     loop.py     a chunk: blocks of k guarded steps (an inner loop with a
                 static trip count) until a traced t_stop (so every chunk
                 size runs one program); fresh states;

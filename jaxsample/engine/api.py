@@ -31,7 +31,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
              naive: bool = False, chunk_size: int | None = None,
              compact: bool | None = None, progress=False, shared_prefix=None,
              max_rows: int | None = None, max_slots: int | None = None,
-             max_kv_bytes: int | None = None) -> Generation:
+             max_kv_bytes: int | None = None, attention: str = "auto") -> Generation:
     """Sample `params.n` continuations of each prompt, sharing each prompt's KV cache.
 
     The prompts are prefilled once; the N branches are decoded together, in
@@ -105,6 +105,10 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         (host RAM on CPU). When the whole request does not fit, the pool
         (rows x slots, unless max_rows / max_slots are given) is the largest
         the budget holds.
+      attention: the decode step's attention: "auto" (default: the Pallas
+        kernels of `jaxsample.kernels` on GPU and TPU, XLA on CPU), "xla" or
+        "pallas" (on CPU in Pallas's interpreter: slow, for tests). The same
+        tokens either way, up to float ties.
     Returns:
       `Generation` with tokens/logprobs `[B, N, T]` (T = max_new_tokens), lengths
       `[B, N]`, finish reasons, texts, the bill, with `params.logprobs = k`
@@ -121,17 +125,31 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         the request; bad max_rows / max_slots / max_kv_bytes, a budget that
         cannot hold the prompts' prefixes plus one branch's tail, or results
         (n x max_new_tokens tokens and logprobs) too large for host memory,
-        each in one line with the numbers.
+        each in one line with the numbers; an unknown attention.
         Raised before any compute.
       NumericalError: a sampled token's logits were all NaN or -inf (no distribution;
         see `sampling.check_logprobs`). Raised after decoding, before returning.
     """
+    return run_generate(lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
+                        prompt_index_offset=prompt_index_offset, naive=naive,
+                        chunk_size=chunk_size, compact=compact, progress=progress,
+                        shared_prefix=shared_prefix, max_rows=max_rows, max_slots=max_slots,
+                        max_kv_bytes=max_kv_bytes, attention=attention)
+
+
+def run_generate(lm, prompts, params, *, chat=False, mesh=None, bridge=None,
+                 prompt_index_offset: int = 0, naive: bool = False, chunk_size=None,
+                 compact=None, progress=False, shared_prefix=None, max_rows=None,
+                 max_slots=None, max_kv_bytes=None, attention: str = "auto",
+                 **session_kw) -> Generation:
+    """`generate`'s body, also `LLM.sample`'s: `session_kw` are `Session`'s seed,
+    request_seeds and max_model_len."""
     check_compact(compact)
     session, rnd, chunk_size, observer = start(
         lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
         prompt_index_offset=prompt_index_offset, naive=naive, chunk_size=chunk_size,
         progress=progress, shared_prefix=shared_prefix, max_rows=max_rows, max_slots=max_slots,
-        max_kv_bytes=max_kv_bytes)
+        max_kv_bytes=max_kv_bytes, attention=attention, **session_kw)
     for _ in chunks(session, rnd, chunk_size, compact, observer):
         pass
     return finish(session, [rnd])
@@ -146,9 +164,12 @@ def check_compact(compact) -> None:
 def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive, chunk_size,
           progress, default_chunk: int | None = None, shared_prefix=None,
           max_rows: int | None = None, max_slots: int | None = None,
-          max_kv_bytes: int | None = None):
+          max_kv_bytes: int | None = None, attention: str = "auto", **session_kw):
     """Validate, prefill and open the one round of `generate` / `stream`.
 
+    Args:
+      params: one SamplingParams, or one per prompt (`Session`).
+      session_kw: `Session`'s seed, request_seeds, encoded, max_model_len.
     Returns:
       (session, round with all branches, chunk size, progress observer or None).
     Raises:
@@ -161,31 +182,52 @@ def start(lm, prompts, params, *, chat, mesh, bridge, prompt_index_offset, naive
     if naive and (max_rows is not None or max_slots is not None):
         raise InputError("naive=True is the baseline of one state per copy; pass "
                          "max_rows=None and max_slots=None")
-    n_req = getattr(params if params is not None else SamplingParams(), "n", 1)
+    n_req = max((p.n for p in params), default=1) if isinstance(params, (list, tuple)) else \
+        getattr(params if params is not None else SamplingParams(), "n", 1)
     if bridge is not None and max_slots is not None and max_slots < n_req:
         raise InputError(f"a Bridge runs a prompt's branches in lockstep: max_slots must be "
                          f">= n = {n_req}, got {max_slots}")
     session = Session(lm, prompts, params, chat=chat, mesh=mesh, bridge=bridge,
                       prompt_index_offset=prompt_index_offset, naive=naive, observer=observer,
                       shared_prefix=shared_prefix, max_kv_bytes=max_kv_bytes,
-                      lazy_prefill=max_rows is not None or max_slots is not None)
-    params = session.params
+                      lazy_prefill=max_rows is not None or max_slots is not None,
+                      attention=attention, **session_kw)
+    rnd, chunk_size = open_round(session, max_rows=max_rows, max_slots=max_slots,
+                                 chunk_size=chunk_size, default_chunk=default_chunk,
+                                 lockstep=bridge is not None)
+    return session, rnd, chunk_size, observer
+
+
+def open_round(session: Session, *, max_rows: int | None = None, max_slots: int | None = None,
+               chunk_size: int | None = None, default_chunk: int | None = None,
+               lockstep: bool = False) -> tuple[Round, int]:
+    """The one round over every branch of a session's prompts, and its chunk size.
+
+    The device state is the session's `pool_shape` unless `max_rows` / `max_slots`
+    narrow it (then a pool); a prompt's branches beyond its n are never drawn.
+    Default chunk: `default_chunk`, else `STOP_CHUNK` with stop strings, progress or
+    a pool, else the whole budget in one call. Raises InputError for a bad chunk_size.
+    """
+    naive = session.naive
     if not naive:
         max_rows = session.pool_shape[0] if max_rows is None else max_rows
         max_slots = session.pool_shape[1] if max_slots is None else max_slots
     B, N = session.B, session.N
     pooled = (max_rows is not None and max_rows < B) or (max_slots is not None and max_slots < N)
     if chunk_size is None:
+        stops = any(p.stop for p in session.prompt_params)
         chunk_size = (default_chunk if default_chunk is not None
-                      else STOP_CHUNK if params.stop or observer is not None or pooled
-                      else params.max_new_tokens)
+                      else STOP_CHUNK if stops or session.observer is not None or pooled
+                      else session.T)
     chunk_size = check_int("chunk_size", chunk_size, 1, 2**31 - 1)
     if naive:  # rows are (prompt, branch) copies, one branch each
         rnd = session.round(range(B * N), np.arange(B * N, dtype=np.int32)[:, None] % N)
     else:
-        rnd = session.round(range(B), np.broadcast_to(np.arange(N, dtype=np.int32), (B, N)),
-                            max_rows=max_rows, max_slots=max_slots, lockstep=bridge is not None)
-    return session, rnd, chunk_size, observer
+        n = np.asarray(session.n_of)[:, None]
+        cols = np.arange(N, dtype=np.int32)[None, :]
+        rnd = session.round(range(B), np.where(cols < n, cols, -1).astype(np.int32),
+                            max_rows=max_rows, max_slots=max_slots, lockstep=lockstep)
+    return rnd, chunk_size
 
 
 def chunks(session: Session, rnd: Round, chunk_size: int, compact: bool | None,
@@ -199,9 +241,13 @@ def chunks(session: Session, rnd: Round, chunk_size: int, compact: bool | None,
     branches are gathered.
     """
     compact = rnd.pooled if compact is None else compact
-    params = session.params
-    watch = (stops_lib.StopWatch(text_tokenizer(session), params.stop, params.min_tokens)
-             if params.stop else None)
+    # One stop-string watcher per prompt that has stop strings (its own strings,
+    # min_tokens and tokenizer), fed each branch's new tokens.
+    watches = {}
+    for b in range(session.B):
+        p = session.prompt_params[b]
+        if p.stop:
+            watches[b] = stops_lib.StopWatch(text_tokenizer(session, b), p.stop, p.min_tokens)
     c0 = session.timings["compile"]
     if observer is not None:
         observer.decode_start(session.T, session.B, session.N)
@@ -210,10 +256,12 @@ def chunks(session: Session, rnd: Round, chunk_size: int, compact: bool | None,
         t0 = 0
         while True:
             more = rnd.run(chunk_size)
-            if more and watch is not None:
+            if more and watches:
                 hit = np.zeros(rnd.done.shape, bool)
                 for r, c, new in rnd.new_tokens(t0):
-                    hit[r, c] = watch.feed((r, c), new)
+                    watch = watches.get(session.row_prompt[rnd.rows[r]])
+                    if watch is not None:
+                        hit[r, c] = watch.feed((r, c), new)
                 rnd.finish_slots(hit)
             if observer is not None:
                 observer.decode_update(rnd.t, int((~rnd.done).sum()) if more else 0,
@@ -242,10 +290,11 @@ def branch_text(tokenizer, tokens, length, stopped, stop_strings, min_tokens: in
     return stops_lib.cut(tokenizer, body, stop_strings, min_tokens)
 
 
-def text_tokenizer(session: Session):
-    """What branch text is decoded with: the model's tokenizer, keeping special
-    tokens' text when `params.skip_special_tokens` is False."""
-    return stops_lib.text_tokenizer(session.lm.tokenizer, session.params.skip_special_tokens)
+def text_tokenizer(session: Session, b: int = 0):
+    """What prompt b's branch text is decoded with: the model's tokenizer, keeping
+    special tokens' text when its `skip_special_tokens` is False."""
+    return stops_lib.text_tokenizer(session.lm.tokenizer,
+                                    session.prompt_params[b].skip_special_tokens)
 
 
 def _stored_bytes(params) -> int | None:
@@ -262,16 +311,16 @@ def _prefix_dtype_bytes(s: Session) -> int | None:
     return None if s.prefix_dtype is None else s.prefix_dtype.itemsize
 
 
-def final_text(session: Session, tokens, length, stopped):
-    """(text, kept tokens or None, stop string or None) of one branch exactly as
-    `Generation.texts` holds it: the one function `finish`, `stream` and
-    `adaptive_self_consistency` call, so the text a vote reads and the text
-    returned cannot differ (the session's stop strings, `min_tokens`,
+def final_text(session: Session, b: int, tokens, length, stopped):
+    """(text, kept tokens or None, stop string or None) of one branch of prompt b
+    exactly as `Generation.texts` holds it: the one function `finish`, `stream`
+    and `adaptive_self_consistency` call, so the text a vote reads and the text
+    returned cannot differ (the prompt's stop strings, `min_tokens`,
     `include_stop_str_in_output` and `skip_special_tokens` applied)."""
-    p = session.params
+    p = session.prompt_params[b]
     L = int(length)
     body = [int(t) for t in (tokens[:L - 1] if stopped else tokens[:L])]
-    return stops_lib.cut_at(text_tokenizer(session), body, p.stop, p.min_tokens,
+    return stops_lib.cut_at(text_tokenizer(session, b), body, p.stop, p.min_tokens,
                             p.include_stop_str_in_output)
 
 
@@ -286,7 +335,7 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
       reasons_override: optional `{(prompt, branch): reason}` for branches the
         caller ended ("terminated").
     """
-    s, lm, params = session, session.lm, session.params
+    s, lm = session, session.lm
     B = s.B
     width = max(int(r.branch_ids.max()) + 1 for r in rounds) if not s.naive else s.N
     T, k = s.T, s.st.top_logprobs
@@ -325,14 +374,15 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
     for b in range(B):
         row = []
         for n in range(width):
-            text, keep, stop_str = final_text(s, tok[b, n], lens[b, n], stopped[b, n])
+            pb = s.prompt_params[b]
+            text, keep, stop_str = final_text(s, b, tok[b, n], lens[b, n], stopped[b, n])
             # vLLM's stop_reason: the stop string, else the stop token id when the
             # branch ended on one of stop_token_ids (not on the model's end id,
             # unless ignore_eos), else None (length, the model's end id).
             last = int(tok[b, n, lens[b, n] - 1]) if stopped[b, n] else None
             why[b][n] = (stop_str if stop_str is not None
-                         else last if last is not None and last in params.stop_token_ids
-                         and (params.ignore_eos or last not in eos) else None)
+                         else last if last is not None and last in pb.stop_token_ids
+                         and (pb.ignore_eos or last not in eos) else None)
             if keep is not None:
                 tok[b, n, keep:], lp[b, n, keep:], lens[b, n] = pad, 0.0, keep
                 top_lp[b, n, keep:], top_id[b, n, keep:] = 0.0, pad
@@ -361,7 +411,7 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
     s.timings["total"] = time.perf_counter() - s.t_start
     plp = s.prompt_logprobs
     return Generation(tokens=tok, logprobs=lp, lengths=lens, finish_reason=reasons,
-                      texts=texts, prompt_tokens=s.prompt_ids, prompts=s.texts, params=params,
+                      texts=texts, prompt_tokens=s.prompt_ids, prompts=s.texts, params=s.params,
                       bill=bill, timings=s.timings, pad_id=pad,
                       top_logprobs=top_lp if k else None, top_token_ids=top_id if k else None,
                       token_ranks=ranks if s.st.token_ranks else None,

@@ -148,12 +148,37 @@ def pool_slots(n: int, row: int, slot: int, nb: int = 1) -> int:
     return min(size, cap)
 
 
-def plan(cfg, *, B: int, n: int, p_cap: int, t_cap: int, budget: int, context_bytes: int = 0,
+def mixed_slots(ns, row: int, slot: int, nb: int = 1) -> int:
+    """Slots per row for prompts with different n: of the `nb * 2^j` up to the
+    largest n (rounded up to nb), the one that holds every branch in the fewest
+    bytes, `sum_b ceil(n_b / S) * (row + S * slot)` (each prompt in as many
+    rows of S slots as its branches need; idle slots and prefix copies both
+    count), the larger S on ties.
+
+    Args:
+      ns: each prompt's n; row, slot: bytes (`row_bytes`, `slot_bytes`);
+        nb: the mesh's branch axis size.
+    """
+    cap = -(-max(ns) // nb) * nb
+    best, size = None, nb
+    while True:
+        S = min(size, cap)
+        cost = sum(-(-n // S) * (row + -(-S // nb) * slot) for n in ns)
+        if best is None or cost <= best[0]:
+            best = (cost, S)
+        if S >= cap:
+            return best[1]
+        size *= 2
+
+
+def plan(cfg, *, B: int, n, p_cap: int, t_cap: int, budget: int, context_bytes: int = 0,
          nd: int = 1, nb: int = 1, lockstep: bool = False, **buffers) -> tuple[int, int]:
     """(rows, slots) of the largest pool the budget holds (see the module docstring).
 
     Args:
-      B, n: prompts and branches per prompt of the request.
+      B, n: prompts and branches per prompt of the request (an int, or B ints:
+        prompts with different n share rows of `mixed_slots` slots, each prompt
+        in as many rows as its branches need).
       p_cap, t_cap: prefix and tail buckets.
       budget: bytes for every prefix, the pool and the context (`max_kv_bytes`).
       nd, nb: the mesh's data and branch axis sizes (rows and slots are split
@@ -167,6 +192,11 @@ def plan(cfg, *, B: int, n: int, p_cap: int, t_cap: int, budget: int, context_by
     penalties = bool(buffers.get("penalties", False))
     row = row_bytes(cfg, p_cap, penalties)
     slot = slot_bytes(cfg, t_cap, **buffers)
+    if not isinstance(n, (int, np.integer)):
+        ns = [int(x) for x in n]
+        if len(set(ns)) > 1:
+            return _plan_mixed(ns, row, slot, budget, context_bytes, nd, nb, t_cap)
+        n = ns[0]
     if B * n <= 0:
         return max(B, 1), max(n, 1)
     full = context_bytes + -(-B // nd) * (row + -(-n // nb) * slot)  # per device
@@ -188,6 +218,29 @@ def plan(cfg, *, B: int, n: int, p_cap: int, t_cap: int, budget: int, context_by
             f"bucket {t_cap}); raise max_kv_bytes or lower max_new_tokens")
     slots = min(n, int((room - 2 * row) // slot) * nb)
     return nd, max(slots, nb)
+
+
+def _plan_mixed(ns, row, slot, budget, context_bytes, nd, nb, t_cap) -> tuple[int, int]:
+    """`plan` for prompts with different n: rows of `mixed_slots` slots, as many
+    as hold every branch at once, or as fit the budget (a pool). Raises InputError
+    as `plan`."""
+    S = mixed_slots(ns, row, slot, nb)
+    rows = sum(-(-n // S) for n in ns)
+    room = budget - context_bytes
+    if -(-rows // nd) * (row + -(-S // nb) * slot) <= room:
+        return rows, S
+    per_row = lambda S: 2 * row + -(-S // nb) * slot  # a pool row: its prefill held beside it
+    while S > nb and room < per_row(S):  # narrower rows before refusing
+        S = max(nb, S // 2)
+    if room < per_row(S):
+        raise InputError(
+            f"max_kv_bytes={budget:,} cannot hold one pool row (a prompt's prefix at the "
+            f"model's dtype, {row:,} bytes, held twice while it is prefilled and copied in"
+            + (f", beside the common context's {context_bytes:,}" if context_bytes else "")
+            + f") and its {S} slots ({slot:,} bytes each at max_new_tokens bucket {t_cap}); "
+            f"raise max_kv_bytes or lower max_new_tokens")
+    rows = sum(-(-n // S) for n in ns)
+    return int(min(rows, (room // per_row(S)) * nd)), S
 
 
 def plan_params(cfg, params, *, B: int, p_cap: int, budget: int, context_bytes: int = 0,

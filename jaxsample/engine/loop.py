@@ -215,6 +215,26 @@ def refill(state: DecodeState, last_logits: jax.Array, reset: jax.Array,
         counts=jnp.where(r3, 0, s.counts) if s.counts.shape[-1] else s.counts)
 
 
+def new_columns(state: DecodeState, starts: jax.Array, width: int) -> tuple:
+    """Each slot's `width` output columns from its own start (the host's copy of a chunk).
+
+    Args:
+      state: the DecodeState `[R, N, ...]`.
+      starts: `[R, N]` int32, the first column each slot's host copy lacks.
+      width: static, the most columns a slot can have written since (the chunk's
+        steps); columns past the buffer repeat its last.
+    Returns:
+      (tokens, logprobs, top_logprobs, top_ids, token_ranks, signals), each
+      `[R, N, width, ...]` (signals None when the state has none).
+    """
+    T = state.tokens.shape[2]
+    idx = jnp.clip(starts[..., None] + jnp.arange(width, dtype=jnp.int32), 0, T - 1)
+    take = jax.vmap(jax.vmap(lambda row, i: row[i] if row.shape[0] else row[:0]))
+    fields = (state.tokens, state.logprobs, state.top_logprobs, state.top_ids,
+              state.token_ranks, state.signals)
+    return tuple(None if a is None else take(a, idx) for a in fields)
+
+
 SLOT_FIELDS = ("logits", "tokens", "logprobs", "top_logprobs", "top_ids", "lengths", "done",
                "stopped", "branch_ids", "tail_k", "tail_v", "token_ranks", "counts", "signals")
 

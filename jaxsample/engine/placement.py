@@ -36,6 +36,13 @@ def serving_params(lm: LanguageModel):
 _ON_MESH: "weakref.WeakKeyDictionary[LanguageModel, dict]" = weakref.WeakKeyDictionary()
 
 
+def forget(lm: LanguageModel) -> None:
+    """Drop the serving layout and the mesh placements made for `lm` (its weights are
+    being replaced: `LLM.update_weights`), so they can be freed now."""
+    _SERVING.pop(lm, None)
+    _ON_MESH.pop(lm, None)
+
+
 def params_on_mesh(lm: LanguageModel, mesh):
     """The serving params replicated over `mesh`, placed once per (model, mesh).
 
@@ -46,7 +53,11 @@ def params_on_mesh(lm: LanguageModel, mesh):
     if mesh not in per_mesh:
         from jax.sharding import NamedSharding, PartitionSpec as Ps
 
-        per_mesh[mesh] = place(serving_params(lm), NamedSharding(mesh, Ps()))
+        params, rep = serving_params(lm), NamedSharding(mesh, Ps())
+        if jax.process_count() == 1:  # device to device; several processes go through the host
+            per_mesh[mesh] = jax.device_put(params, rep)
+        else:
+            per_mesh[mesh] = place(params, rep)
     return per_mesh[mesh]
 
 
@@ -105,9 +116,15 @@ class MeshLayout:
             tail_v=Ps(d, b), token_ranks=Ps(d, b), counts=Ps(d, b), prompt_mask=Ps(d))
         # With SamplingParams.signals (a state whose `signals` is None has no leaf there).
         self.state_spec_signals = self.state_spec._replace(signals=Ps(d, b))
-        self.knob_spec = Knobs(*([Ps()] * len(Knobs._fields)))
+        # Per-row settings are split over the data axis like the rows; t_stop replicated.
+        self.knob_spec = Knobs(*([Ps(d)] * len(Knobs._fields)))._replace(t_stop=Ps())
         self.Ps = Ps
         self.NamedSharding = NamedSharding
+
+    def place_knobs(self, knobs):
+        """Host `Knobs` placed as `knob_spec` says (rows over the data axis)."""
+        return Knobs(*(place(a, self.NamedSharding(self.mesh, spec))
+                       for a, spec in zip(knobs, self.knob_spec)))
 
     def shard_map(self, fn, in_specs, out_specs):
         shard_map = getattr(jax, "shard_map", None)

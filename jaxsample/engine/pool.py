@@ -245,7 +245,7 @@ class PoolSchedule:
         session_rows = [j for _, j in pairs] if session_rows is None else session_rows
         for k, ((i, j), r) in enumerate(zip(pairs, session_rows)):
             dest[k], src[k], rows[k] = i, j, r
-        pidx = np.array([s.offset + s.row_prompt[r] for r in rows], np.int32)
+        pidx = np.array([s.key_of_row(int(r)) for r in rows], np.int32)
         mask = self._mask(rows)
         args = (self.prefix, self.last, self.state.prompt_index, self.state.prompt_mask,
                 prefix, last, jnp.asarray(src), jnp.asarray(dest), jnp.asarray(pidx),

@@ -1,5 +1,14 @@
 """Many requests in, each result out as soon as it completes: `run_requests`
-over the decode pool (`engine.round.Round`), with the bill of the run.
+over one decode pool (`engine.round.Round`) whatever their settings, with the
+bill of the run.
+
+Every request carries its own SamplingParams into the one pool: n and
+max_tokens per prompt row, the sampling values per row (`state.Knobs`,
+traced), stop strings per prompt on the host; what changes the step's code
+(penalties, top logprobs, signals, processed logprobs) is the union of the
+requests' (`session.Session`). Keys follow vLLM's rule: a request with its own
+seed draws from (seed, branch) alone; one without from the run's seed and its
+position (`index_offset + i`).
 
 Sources: vLLM's offline `LLM.generate` over its continuous-batching scheduler;
 JetStream's prefill / insert / generate.
@@ -15,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxsample import progress as progress_lib
 from jaxsample.engine import api, budget, inputs
-from jaxsample.engine.state import bucket
+from jaxsample.engine.session import Session
 from jaxsample.errors import InputError
 from jaxsample.sampling_params import SamplingParams
 
@@ -105,69 +115,35 @@ def check_requests(requests) -> list[Request]:
     return out
 
 
-def check_prompts(lm, reqs) -> list[int]:
-    """Every request's prompt or messages encoded (the tokenizer's and the chat
+def encode_requests(lm, reqs) -> tuple[list[list[int]], list]:
+    """Every request's prompt or messages encoded once (the tokenizer's and the chat
     template's checks), its length with `max_tokens` against the model's context and
     its results against host memory (`budget.check_results_fit`), before the first
     compute. Raises InputError naming the request.
 
     Returns:
-      Each request's prompt length in tokens (the KV budget's check: `check_budgets`).
+      (each request's prompt token ids, each one's rendered text or None).
     """
-    lengths = []
+    ids, texts = [], []
     for i, r in enumerate(reqs):
         chat = r.messages is not None
         try:
             if not chat and not isinstance(r.prompt, (str, list, tuple, np.ndarray)):
                 raise InputError(f"prompt must be a string or a list of token ids, got "
                                  f"{type(r.prompt).__name__}")
-            ids, _ = inputs.encode_prompts(lm, [r.messages if chat else r.prompt], chat)
+            one, text = inputs.encode_prompts(lm, [r.messages if chat else r.prompt], chat)
             p = r.params or SamplingParams()
-            n_tok = len(ids[0]) + p.max_new_tokens
+            n_tok = len(one[0]) + p.max_new_tokens
             if n_tok > lm.config.max_seq_len:
-                raise InputError(f"{len(ids[0])} prompt tokens + max_tokens={p.max_new_tokens} "
+                raise InputError(f"{len(one[0])} prompt tokens + max_tokens={p.max_new_tokens} "
                                  f"= {n_tok} > the model's context of {lm.config.max_seq_len}")
             budget.check_results_fit(1, p.n, p.max_new_tokens, p.logprobs or 0,
                                      p.logprobs is not None, p.signals)
         except InputError as e:
             raise InputError(f"request {i} ({r.id!r}): {e}") from None
-        lengths.append(len(ids[0]))
-    return lengths
-
-
-def param_groups(reqs, positions=None) -> list:
-    """Runs of consecutive requests with equal SamplingParams and kind (prompt or
-    messages): one pool each. Returns [((params, chat), [positions])] over
-    `positions` (default: all)."""
-    groups: list = []
-    for i in range(len(reqs)) if positions is None else positions:
-        r = reqs[i]
-        key = (r.params or SamplingParams(), r.messages is not None)
-        if groups and groups[-1][0] == key and groups[-1][1][-1] == i - 1:
-            groups[-1][1].append(i)
-        else:
-            groups.append((key, [i]))
-    return groups
-
-
-def check_budgets(lm, reqs, groups, lengths, max_kv_bytes, mesh) -> None:
-    """Each group's pool against the KV budget (`budget.plan_params`, as its
-    `Session` will size it), before the first group runs: a later group that
-    can never run is refused before an earlier one computes anything.
-    Raises InputError naming the group's first request."""
-    if max_kv_bytes is not None:
-        max_kv_bytes = inputs.check_int("max_kv_bytes", max_kv_bytes, 1, 2**62)
-    kv = budget.default_kv_budget() if max_kv_bytes is None else max_kv_bytes
-    for (params, _), idx in groups:
-        _, _, nb, nd = inputs.resolve_mesh(mesh, params.n)
-        try:
-            budget.plan_params(lm.config, params, B=len(idx),
-                               p_cap=bucket(max(lengths[i] for i in idx)), budget=kv, nd=nd,
-                               nb=nb)
-        except InputError as e:
-            first = reqs[idx[0]]
-            raise InputError(f"requests {idx[0]}-{idx[-1]} (from {first.id!r}, their pool): "
-                             f"{e}") from None
+        ids.append(one[0])
+        texts.append(text[0])
+    return ids, texts
 
 
 @dataclasses.dataclass
@@ -243,38 +219,42 @@ class RequestRun:
 
 
 def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: int | None = None,
-                 mesh=None, index_offset: int = 0, progress=False) -> RequestRun:
-    """Run many requests through the decode pool; yield each result as it completes.
+                 mesh=None, index_offset: int = 0, progress=False, seed: int | None = None,
+                 max_rows: int | None = None, max_slots: int | None = None) -> RequestRun:
+    """Run many requests through one decode pool; yield each result as it completes.
 
-    Consecutive requests with the same SamplingParams and kind (prompt or
-    messages) share one pool (`generate` with the budget's rows x slots);
-    within it a request is yielded at the first chunk boundary after all its
-    branches are done (continuous batching: vLLM's LLMEngine.step outputs,
-    JetStream's generate loop). Request i's keys are those of prompt index i
-    (`prompt_index_offset`), so its tokens equal `generate` on it alone with
-    `prompt_index_offset=i` and the same seed (up to float ties). With
-    `index_offset=k`, request i is at global position k + i (its keys and
-    `RequestResult.index`): one process's contiguous share of a larger list
-    (`engine.shard_requests.process_share`) then draws what a single run of
-    the whole list draws.
+    The requests share one pool (one `Session`, one decode program) whatever
+    their SamplingParams: each prompt row decodes with its own n, max_tokens,
+    temperature, top-k/p, min-p, penalties, stop ids and strings, and seed. A
+    request is yielded at the first chunk boundary after all its branches are
+    done (continuous batching: vLLM's LLMEngine.step outputs, JetStream's
+    generate loop). Keys: a request with its own `SamplingParams.seed` draws
+    from (that seed, branch) alone, wherever it stands; a request without one
+    from (`seed`, its position `index_offset + i`, branch), so one process's
+    contiguous share of a larger list (`engine.shard_requests.process_share`)
+    draws what a single run of the whole list draws. Either way its tokens equal
+    `generate` on it alone with the same key (up to float ties).
 
     Args:
       lm: a loaded `LanguageModel`.
       requests: an iterable of `Request`s (or dicts with its fields; `id`
-        defaults to the position).
-      max_kv_bytes, chunk_size, mesh: as `jaxsample.generate`.
+        defaults to the position). Their `adaptive` and `extract` fields are
+        read by `jaxsample.run_requests` (`reduce.requests`), which calls this
+        for the plain requests.
+      max_kv_bytes, chunk_size, mesh, progress, max_rows, max_slots: as
+        `jaxsample.generate`.
       index_offset: the global position of the first request (an int >= 0):
-        request i draws the keys of prompt index `index_offset + i` and is
-        `RequestResult.index` `index_offset + i` (one process's share; a
-        resumed run's remaining requests at their positions in the whole run).
-      progress: as `generate`'s, reported for each group's pool.
+        request i is `RequestResult.index` `index_offset + i` (and, without its
+        own seed, draws that key index).
+      seed: the seed of requests without their own (an int in [0, 2**32));
+        None draws a random one.
     Returns:
       A `RequestRun`: iterate it for `RequestResult`s in completion order;
-      its `bill` (a `RunBill`) grows as groups end.
+      its `bill` (a `RunBill`) grows as requests complete.
     Raises:
-      InputError: a malformed request (naming its position and id), or a
-        group of requests whose pool the KV budget cannot hold (naming its
-        first request), here, before any compute.
+      InputError: a malformed request (naming its position and id), a prompt
+        the tokenizer refuses, or a pool the KV budget cannot hold, here,
+        before any compute.
     """
     if isinstance(index_offset, bool) or not isinstance(index_offset, int) or index_offset < 0:
         raise InputError(f"index_offset must be an int >= 0, got {index_offset!r}")
@@ -284,56 +264,92 @@ def run_requests(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: i
             raise InputError(f"request {i} ({r.id!r}): an adaptive request runs in "
                              f"jaxsample.run_requests (jaxsample.reduce.requests), not "
                              f"engine.run_requests")
-    groups = param_groups(reqs)
-    check_budgets(lm, reqs, groups, check_prompts(lm, reqs), max_kv_bytes, mesh)
+    session = open_pool(lm, reqs, encode_requests(lm, reqs), max_kv_bytes=max_kv_bytes,
+                        mesh=mesh, index_offset=index_offset, progress=progress, seed=seed)
+    return pool_results(session, reqs, chunk_size=chunk_size, index_offset=index_offset,
+                        max_rows=max_rows, max_slots=max_slots)
+
+
+def open_pool(lm, reqs, encoded, *, max_kv_bytes=None, mesh=None, index_offset: int = 0,
+              progress=False, seed=None, max_model_len: int | None = None,
+              attention: str = "auto") -> Session:
+    """The `Session` of checked requests (`check_requests`) with their prompts encoded
+    (`encode_requests`): every check and the pool's size against the KV budget, no
+    compute (its rows are prefilled as the pool takes them). Raises InputError."""
+    observer = progress_lib.resolve(progress)
+    return Session(lm, None, [r.params or SamplingParams() for r in reqs], mesh=mesh,
+                   prompt_index_offset=index_offset, observer=observer,
+                   max_kv_bytes=max_kv_bytes, lazy_prefill=True, seed=seed,
+                   request_seeds=True, encoded=encoded, max_model_len=max_model_len,
+                   attention=attention)
+
+
+def pool_results(session, reqs, *, chunk_size=None, index_offset: int = 0, max_rows=None,
+                 max_slots=None) -> "RequestRun":
+    """Run an `open_pool` session; a `RequestRun` over its requests' results."""
+    for name, v in (("max_rows", max_rows), ("max_slots", max_slots)):
+        if v is not None:
+            inputs.check_int(name, v, 1, 2**31 - 1)
+    if chunk_size is not None:
+        inputs.check_int("chunk_size", chunk_size, 1, 2**31 - 1)
     bill = RunBill()
-    return RequestRun(_run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh,
-                                  index_offset, progress), bill)
+    return RequestRun(_run(session, reqs, bill, chunk_size, index_offset, max_rows, max_slots),
+                      bill)
 
 
-def _run_groups(lm, reqs, groups, bill, max_kv_bytes, chunk_size, mesh, index_offset,
-                progress=False):
+def _run(session, reqs, bill, chunk_size, index_offset, max_rows, max_slots):
     t0 = time.perf_counter()
-    for (params, chat), idx in groups:
-        prompts = [reqs[i].messages if chat else reqs[i].prompt for i in idx]
-        session, rnd, chunk, observer = api.start(
-            lm, prompts, params, chat=chat, mesh=mesh, bridge=None,
-            prompt_index_offset=index_offset + idx[0], naive=False,
-            chunk_size=chunk_size if chunk_size is not None else api.STOP_CHUNK,
-            progress=progress, max_kv_bytes=max_kv_bytes)
-        shape = rnd.col_of.shape
-        sent = np.zeros(len(idx), bool)
-        for _, more in api.chunks(session, rnd, chunk, None, observer):
-            settled = ~sent & rnd.done.all(axis=1)
-            for j in np.nonzero(settled)[0]:
-                sent[j] = True
-                gen = finish_one(session, rnd, int(j))
-                out = dataclasses.replace(gen.outputs()[0], request_id=reqs[idx[j]].id)
-                bill.requests += 1
-                bill.seconds = time.perf_counter() - t0
-                yield RequestResult(id=reqs[idx[j]].id, output=out, generation=gen,
-                                    index=index_offset + idx[j])
-        bill.decoded_tokens += int(rnd.lengths.sum())
-        bill.branch_steps += int(session.branch_steps)
-        bill.prefill_tokens += len(session.context_ids) + sum(len(x) for x in session.ids)
-        bill.batch_branch_steps += batch_branch_steps(rnd.lengths, *shape)
-        bill.seconds = time.perf_counter() - t0
+    rnd, chunk = api.open_round(session, max_rows=max_rows, max_slots=max_slots,
+                                chunk_size=chunk_size)
+    shape = rnd.col_of.shape
+    sent = np.zeros(len(reqs), bool)
+    for _, more in api.chunks(session, rnd, chunk, None, session.observer):
+        settled = ~sent & rnd.done.all(axis=1)
+        for j in np.nonzero(settled)[0]:
+            sent[j] = True
+            gen = finish_one(session, rnd, int(j))
+            out = dataclasses.replace(gen.outputs()[0], request_id=reqs[j].id)
+            bill.requests += 1
+            bill.decoded_tokens += int(rnd.lengths[j].sum())
+            bill.seconds = time.perf_counter() - t0
+            yield RequestResult(id=reqs[j].id, output=out, generation=gen,
+                                index=index_offset + int(j))
+    bill.branch_steps = int(session.branch_steps)
+    bill.prefill_tokens = sum(len(x) for x in session.ids)
+    bill.batch_branch_steps = batch_branch_steps(rnd.lengths, *shape)
+    bill.seconds = time.perf_counter() - t0
 
 
 def finish_one(session, rnd, row: int):
-    """The one-prompt Generation of round row `row` (`api.finish` on a view)."""
+    """The one-prompt Generation of round row `row` (`api.finish` on a view), shaped as
+    `generate` on that request alone: tokens `[1, n, T]` with its own n and
+    max_tokens, its own top-k, ranks and signals only where it asked for them."""
     s = session
     b = s.row_prompt[rnd.rows[row]]
+    p = s.prompt_params[b]
+    n, T, k = s.n_of[b], s.T_of[b], s.k_of[b]
     sub = copy.copy(s)
     sub.B, sub.ids, sub.prompt_ids, sub.texts = 1, [s.ids[b]], [s.prompt_ids[b]], [s.texts[b]]
-    sub.prompt_logprobs = None if s.prompt_logprobs is None else [s.prompt_logprobs[b]]
+    sub.prompt_params, sub.n_of, sub.T_of, sub.k_of = [p], [n], [T], [k]
+    sub.N, sub.T, sub.params = n, T, s.params_of(b)
+    sub.st = dataclasses.replace(s.st, top_logprobs=k, token_ranks=p.logprobs is not None,
+                                 signals=p.signals)
+    own_k = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+    sub.prompt_logprobs = (None if s.prompt_logprobs is None or own_k < 0 else
+                           [_top(s.prompt_logprobs[b], own_k)])
     sub.row_prompt = [0]
     sub.timings = dict(s.timings)
-    sl = slice(row, row + 1)
+    sl = (slice(row, row + 1), slice(0, n), slice(0, T))
     view = types.SimpleNamespace(
-        rows=[0], N=rnd.N, branch_ids=rnd.branch_ids[sl], tokens=rnd.tokens[sl],
-        logprobs=rnd.logprobs[sl], lengths=rnd.lengths[sl], top_logprobs=rnd.top_logprobs[sl],
-        top_ids=rnd.top_ids[sl], token_ranks=rnd.token_ranks[sl],
-        signals=None if rnd.signals is None else rnd.signals[sl], stopped=rnd.stopped[sl],
-        tail_bytes=rnd.tail_bytes)
+        rows=[0], N=n, branch_ids=rnd.branch_ids[sl[:2]], tokens=rnd.tokens[sl],
+        logprobs=rnd.logprobs[sl], lengths=rnd.lengths[sl[:2]],
+        top_logprobs=rnd.top_logprobs[sl][..., :k], top_ids=rnd.top_ids[sl][..., :k],
+        token_ranks=rnd.token_ranks[sl] if p.logprobs is not None else rnd.token_ranks[sl][..., :0],
+        signals=None if rnd.signals is None or not p.signals else rnd.signals[sl],
+        stopped=rnd.stopped[sl[:2]], tail_bytes=rnd.tail_bytes)
     return api.finish(sub, [view])
+
+
+def _top(plp, k: int):
+    """A prompt's `PromptLogprobs` with its top-k alternatives cut to k."""
+    return plp._replace(top_logprobs=plp.top_logprobs[..., :k], top_ids=plp.top_ids[..., :k])

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.engine.loop import compact, decode_chunk, init_state
+from jaxsample.engine.loop import compact, decode_chunk, init_state, new_columns
 from jaxsample.engine.pool import PoolSchedule
 from jaxsample.engine.placement import kv_bytes, to_host
 from jaxsample.engine.prefill import take_rows
@@ -123,8 +123,7 @@ class Round(PoolSchedule):
         rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
         ids = np.where(self.col_of >= 0, branch_ids[rr, np.maximum(self.col_of, 0)],
                        0).astype(np.int32)
-        pidx = np.array([s.offset + s.row_prompt[r] if r < len(s.row_prompt) else 0
-                         for r in prefix_rows], np.int32)
+        pidx = np.array([s.key_of_row(int(r)) for r in prefix_rows], np.int32)
         live = self.col_of >= 0
         live[~self.row_placed] = False
         self.rows = rows
@@ -199,8 +198,8 @@ class Round(PoolSchedule):
         t_stop = t0 + max(int(steps), 1)
         st = self._static(self.col_of.shape[1])
         fn = lambda p, pre, state, kn, bp, c: decode_chunk(st, p, pre, state, kn, bp, c)
-        args = (s.model_params, self.prefix, self.state, s.knob_args(t_stop), s.bridge_dev,
-                s.context)
+        knobs = s.knob_args(t_stop, [self.rows[int(r)] for r in self.row_of])
+        args = (s.model_params, self.prefix, self.state, knobs, s.bridge_dev, s.context)
         if s.m is not None:
             m = s.m
             fn = m.shard_map(fn, (m.Ps(), m.prefix_spec, s.state_spec, m.knob_spec, m.Ps(),
@@ -215,7 +214,7 @@ class Round(PoolSchedule):
         s.decode_steps += ran
         s.branch_steps += ran * self.col_of.size
         self.t = t1
-        self._collect()
+        self._collect(max(int(steps), 1))
         s.timings["host"] += time.perf_counter() - t_host
         return bool((~self.done).any())
 
@@ -227,10 +226,13 @@ class Round(PoolSchedule):
         live[real] = ~self.done[rr[real], self.col_of[real]]
         return live
 
-    def _collect(self):
+    def _collect(self, width: int):
         """Copy each slot's new tokens (its columns from the host's length to the
-        device's) and every slot's flags to the host arrays."""
-        st = self.state
+        device's: at most `width`, the chunk's steps) and every slot's flags to the
+        host arrays. The columns are gathered on the device per slot
+        (`loop.new_columns`, one program per width), so what crosses to the host is
+        `[R, N, width]`, whatever lengths the chunk ended at."""
+        s, st = self.s, self.state
         done = to_host(st.done)
         lengths = to_host(st.lengths)
         stopped = to_host(st.stopped)
@@ -241,21 +243,30 @@ class Round(PoolSchedule):
         l0, l1 = self.lengths[ri, ci], lengths[real]
         grew = l1 > l0
         if grew.any():
-            a, b = int(l0[grew].min()), int(l1[grew].max())
-            j = np.arange(a, b)
-            si, wi = np.nonzero((j[None] >= l0[:, None]) & (j[None] < l1[:, None]))
-            dst = (ri[si], ci[si], a + wi)
-            sl = (slice(None), slice(None), slice(a, b))
-            take = lambda x: to_host(x[sl])[real][si, wi]
-            self.tokens[dst] = take(st.tokens)
-            self.logprobs[dst] = take(st.logprobs)
-            if self.s.st.top_logprobs:
-                self.top_logprobs[dst] = take(st.top_logprobs)
-                self.top_ids[dst] = take(st.top_ids)
-            if self.s.st.token_ranks:
-                self.token_ranks[dst] = take(st.token_ranks)
-            if self.s.st.signals:
-                self.signals[dst] = take(st.signals)
+            starts = np.zeros(self.col_of.shape, np.int32)
+            starts[real] = l0
+            width = int(min(width, s.st.t_cap))
+            fn = lambda state, a: new_columns(state, a, width)
+            args = (st, s.put(starts, "slots"))
+            if s.m is not None:
+                m = s.m
+                sl = m.Ps(m.d, BRANCH_AXIS)
+                fn = m.shard_map(fn, (s.state_spec, sl), (sl,) * 5 + ((sl,) if st.signals
+                                                                      is not None else (None,)))
+            cols = s.program(("new_columns", width, s.mesh), fn, args)(*args)
+            cols = [None if c is None else to_host(c)[real] for c in cols]
+            g = l1 - l0
+            si, wi = np.nonzero(np.arange(width)[None] < np.where(grew, g, 0)[:, None])
+            dst = (ri[si], ci[si], l0[si] + wi)
+            self.tokens[dst] = cols[0][si, wi]
+            self.logprobs[dst] = cols[1][si, wi]
+            if s.st.top_logprobs:
+                self.top_logprobs[dst] = cols[2][si, wi]
+                self.top_ids[dst] = cols[3][si, wi]
+            if s.st.token_ranks:
+                self.token_ranks[dst] = cols[4][si, wi]
+            if s.st.signals:
+                self.signals[dst] = cols[5][si, wi]
         self.lengths[ri, ci] = l1
         self.stopped[ri, ci] = stopped[real]
         self.done[ri, ci] = done[real] | self.done[ri, ci]

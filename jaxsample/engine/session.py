@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsample import kernels
 from jaxsample.engine import inputs
 from jaxsample.engine import budget as budget_lib
 from jaxsample.engine.context import prefill_context, prefill_suffix
@@ -38,12 +39,40 @@ from jaxsample.sharding import BRANCH_AXIS, LOCAL_BRANCH_AXIS
 
 
 class Session:
-    """One request: validated inputs, the prefill, and the rounds decoded over it.
+    """Requests sharing one decode state: validated inputs, the prefill, the rounds.
+
+    Each prompt carries its own `SamplingParams` (one for all, or one per
+    prompt): n, max_tokens, the sampling values, stop ids and strings and the
+    seed are per prompt (traced per row, `Knobs`), so a list of mixed requests
+    runs in one pool with one decode program. What changes the step's code
+    (`Static`: logits processors, penalties, top logprobs, ranks, signals,
+    processed logprobs) is the union of what the prompts ask for.
+
+    Keys (`step.branch_keys`): branch n of prompt b draws from
+    fold_in(fold_in(key(seed), key index), n), folded with the token index.
+    By default the prompts are one batch: `SamplingParams.seed` (one for all)
+    is the batch's seed, and prompt b's key index is its position
+    `prompt_index_offset + b`, so a data set split over calls keeps its draws
+    (`jaxsample.generate`). With `request_seeds` each prompt is a request
+    (vLLM's rule, `jaxsample.LLM`): a prompt whose params carry a seed draws
+    from (that seed, key index 0) alone, wherever it stands; a prompt without
+    one from (`seed`, its position).
 
     Args:
-      lm, prompts, params, chat, mesh, bridge, prompt_index_offset, naive,
-        shared_prefix: as `jaxsample.generate`.
-      top_logprobs: k of the top-k log-probabilities to record per token (0: none).
+      lm, prompts, chat, mesh, bridge, prompt_index_offset, naive,
+        shared_prefix, attention: as `jaxsample.generate`; `chat` may also be one bool
+        per prompt.
+      params: one `SamplingParams` for every prompt, a list of B (one per
+        prompt), or None (`SamplingParams()`).
+      seed: the seed of prompts whose params have none (with `request_seeds`),
+        or the batch's seed instead of `SamplingParams.seed`; an int in
+        [0, 2**32), None for the params' seed or, without one, a random one
+        (`engine_seed` records it).
+      request_seeds: each prompt's `SamplingParams.seed` is its own (above).
+      encoded: optional (B token-id lists, B rendered texts or None), the
+        prompts already encoded (`inputs.encode_prompts`): not encoded again.
+      top_logprobs: k of the top-k log-probabilities to record per token
+        (default: the largest `logprobs` of the prompts; 0: none).
       observer: optional `jaxsample.progress.Progress` (anything with a
         `compiling(name)` context manager): told around every program lookup,
         so a long compile can be shown.
@@ -61,22 +90,27 @@ class Session:
         memory allows (`engine.budget`).
     """
 
-    def __init__(self, lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
-                 chat: bool = False, mesh=None, bridge=None, prompt_index_offset: int = 0,
+    def __init__(self, lm: LanguageModel, prompts, params=None, *,
+                 chat=False, mesh=None, bridge=None, prompt_index_offset: int = 0,
                  naive: bool = False, top_logprobs: int | None = None, observer=None,
                  shared_prefix=None, max_kv_bytes: int | None = None,
-                 lazy_prefill: bool = False):
+                 lazy_prefill: bool = False, seed: int | None = None,
+                 request_seeds: bool = False, encoded=None, max_model_len: int | None = None,
+                 attention: str = "auto"):
         self.t_start = time.perf_counter()
+        attention = kernels.resolve_attention(attention, lm.config)
         self.observer = observer
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.seed is None:
-            params = params.replace(seed=secrets.randbits(31))
-        self.lm, self.params, self.cfg = lm, params, lm.config
-        if shared_prefix is None:
+        self.lm, self.cfg = lm, lm.config
+        if encoded is not None:
             self.context_ids: list[int] = []
-            self.ids, self.texts = inputs.encode_prompts(lm, prompts, chat)
+            self.ids, self.texts = [list(x) for x in encoded[0]], list(encoded[1])
+        elif shared_prefix is None:
+            self.context_ids = []
+            if isinstance(chat, (list, tuple)):
+                encs = [inputs.encode_prompts(lm, [p], bool(c)) for p, c in zip(prompts, chat)]
+                self.ids, self.texts = [e[0][0] for e in encs], [e[1][0] for e in encs]
+            else:
+                self.ids, self.texts = inputs.encode_prompts(lm, prompts, chat)
         else:
             if naive:
                 raise InputError("naive=True is the baseline without sharing; pass "
@@ -86,38 +120,83 @@ class Session:
         # self.ids: each prompt's own tokens (after the context, if any); prompt_ids: all
         # the tokens the model saw before the first new one.
         self.prompt_ids = [self.context_ids + x for x in self.ids]
-        B, N, T = len(self.ids), params.n, params.max_new_tokens
-        self.B, self.N, self.T = B, N, T
-        C = len(self.context_ids)
-        for i, toks in enumerate(self.ids):
-            if C + len(toks) + T > self.cfg.max_seq_len:
-                head = f"shared_prefix ({C} tokens) + " if C else ""
-                raise InputError(
-                    f"{head}prompt {i} has {C + len(toks)} tokens; with max_new_tokens={T} "
-                    f"that is {C + len(toks) + T} > the model's context of "
-                    f"{self.cfg.max_seq_len} tokens")
-        # Stop ids: the model's end ids (unless ignore_eos) and stop_token_ids; min_tokens
-        # masks all of them, end ids included even with ignore_eos (vLLM's all_stop_token_ids).
-        all_stop_ids = sorted(set(lm.tokenizer.eos_token_ids) | set(params.stop_token_ids))
-        stop_ids = (sorted(set(params.stop_token_ids)) if params.ignore_eos else all_stop_ids)
-        if len(all_stop_ids) > MAX_STOP_IDS:
-            raise InputError(f"at most {MAX_STOP_IDS} stop token ids (the model's end ids and "
-                             f"stop_token_ids) are supported, got {len(all_stop_ids)}")
-        bad_bias = [i for i, _ in params.logit_bias if i >= lm.vocab_limit]
-        if bad_bias:
-            raise InputError(f"SamplingParams.logit_bias has token ids outside the vocabulary "
-                             f"[0, {lm.vocab_limit}): {bad_bias[:5]}")
-        mesh, data_axis, self.nb, self.nd = inputs.resolve_mesh(mesh, N)
+        B = len(self.ids)
+        pp = _per_prompt(params, B)
+        if not request_seeds:  # one batch: the params' one seed is the batch's
+            batch = {p.seed for p in pp}
+            if len(batch) > 1:
+                raise InputError(f"params: the prompts of one batch share one seed, got "
+                                 f"{sorted(batch, key=str)}")
+            seed = pp[0].seed if seed is None else seed
+            pp = [p if p.seed is None else p.replace(seed=None) for p in pp]
+        if seed is None:
+            seed = secrets.randbits(31)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
+                or not 0 <= seed < 2**32:
+            raise InputError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        self.engine_seed = int(seed)
+        self.prompt_params = pp
         if isinstance(prompt_index_offset, bool) or not isinstance(
                 prompt_index_offset, (int, np.integer)) or not 0 <= prompt_index_offset < 2**31 - B:
             raise InputError(f"prompt_index_offset must be an int in [0, 2**31 - B), "
                              f"got {prompt_index_offset!r}")
+        self.offset = int(prompt_index_offset)
+        # The one params of a uniform session (what `Generation.params` records, the seed
+        # filled in), else None: per-prompt settings are read through `params_of(b)`.
+        self.params = self.params_of(0) if all(p == pp[0] for p in pp) else None
+        self.seeds = np.array([self.engine_seed if p.seed is None else p.seed for p in pp],
+                              np.uint32)
+        self.key_index = np.array([self.offset + b if p.seed is None else 0
+                                   for b, p in enumerate(pp)], np.int32)
+        self.n_of = [p.n for p in pp]
+        self.T_of = [p.max_new_tokens for p in pp]
+        N, T = max(self.n_of), max(self.T_of)
+        self.B, self.N, self.T = B, N, T
+        C = len(self.context_ids)
+        limit, what = self.cfg.max_seq_len, "the model's context"
+        if max_model_len is not None and max_model_len < limit:
+            limit, what = int(max_model_len), "max_model_len"
+        for i, toks in enumerate(self.ids):
+            if C + len(toks) + self.T_of[i] > limit:
+                head = f"shared_prefix ({C} tokens) + " if C else ""
+                raise InputError(
+                    f"{head}prompt {i} has {C + len(toks)} tokens; with max_new_tokens="
+                    f"{self.T_of[i]} that is {C + len(toks) + self.T_of[i]} > {what} of "
+                    f"{limit} tokens")
+        # Stop ids: the model's end ids (unless ignore_eos) and stop_token_ids; min_tokens
+        # masks all of them, end ids included even with ignore_eos (vLLM's all_stop_token_ids).
+        eos = set(lm.tokenizer.eos_token_ids)
+        stop_ids, all_stop_ids = [], []
+        for i, p in enumerate(pp):
+            every = sorted(eos | set(p.stop_token_ids))
+            if len(every) > MAX_STOP_IDS:
+                raise InputError(f"prompt {i}: at most {MAX_STOP_IDS} stop token ids (the "
+                                 f"model's end ids and stop_token_ids) are supported, got "
+                                 f"{len(every)}")
+            all_stop_ids.append(every)
+            stop_ids.append(sorted(set(p.stop_token_ids)) if p.ignore_eos else every)
+            bad_bias = [t for t, _ in p.logit_bias if t >= lm.vocab_limit]
+            if bad_bias:
+                raise InputError(f"SamplingParams.logit_bias has token ids outside the "
+                                 f"vocabulary [0, {lm.vocab_limit}): {bad_bias[:5]}")
+        mesh, data_axis, self.nb, self.nd = inputs.resolve_mesh(mesh, N)
+        for i, n in enumerate(self.n_of):
+            if n % self.nb:
+                raise InputError(f"prompt {i}: params.n ({n}) must be a multiple of the mesh's "
+                                 f"{BRANCH_AXIS!r} axis size ({self.nb})")
         if naive and (mesh is not None or bridge is not None):
             raise InputError("naive=True is a single-device baseline without Bridge; "
                              "pass mesh=None and bridge=None")
-        k = params.logprobs if top_logprobs is None else top_logprobs
+        if naive and len(set(self.n_of)) > 1:
+            raise InputError("naive=True copies every prompt n times: give every prompt the "
+                             "same n")
+        if bridge is not None and self.params is None:
+            raise InputError("a Bridge runs one SamplingParams for every prompt (its branches "
+                             "attend to each other in lockstep)")
+        k = max((p.logprobs or 0) for p in pp) if top_logprobs is None else top_logprobs
         k = inputs.check_int("top_logprobs", k or 0, 0, MAX_LOGPROBS)
-        self.mesh, self.naive, self.offset = mesh, naive, int(prompt_index_offset)
+        self.k_of = [min(p.logprobs or 0, k) for p in pp]
+        self.mesh, self.naive = mesh, naive
         self.m = None if mesh is None else MeshLayout(mesh, data_axis)
         self.bridge_cfg = None if bridge is None else bridge.config
         self.bridge_params = None if bridge is None else bridge.params
@@ -127,28 +206,39 @@ class Session:
         self.timings = {"compile": 0.0, "prefill": 0.0, "decode": 0.0, "host": 0.0}
         if C:
             self.timings["prefill_context"] = 0.0  # part of "prefill"
+        processors = any(p.logits_processors for p in pp)
         self.st = Static(cfg=self.cfg, n=1, t_cap=bucket(T), vocab_limit=lm.vocab_limit,
                          pad_id=int(lm.tokenizer.pad_token_id), top_logprobs=k,
                          axes=((BRANCH_AXIS,) + ((data_axis,) if data_axis else ())) if mesh else (),
                          branch_axis=LOCAL_BRANCH_AXIS if mesh else BRANCH_AXIS,
                          branch_axes=(LOCAL_BRANCH_AXIS, BRANCH_AXIS) if mesh else (BRANCH_AXIS,),
-                         bridge=self.bridge_cfg, processors=params.logits_processors,
-                         penalties=params.penalties, token_ranks=params.logprobs is not None,
-                         signals=params.signals)
-        self.prompt_k = -1 if params.prompt_logprobs is None else params.prompt_logprobs
-        pad_ids = lambda ids: np.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
+                         bridge=self.bridge_cfg, processors=processors,
+                         penalties=any(p.penalties for p in pp),
+                         token_ranks=any(p.logprobs is not None for p in pp),
+                         signals=any(p.signals for p in pp),
+                         processed_logprobs=any(p.logprobs_mode == "processed_logprobs"
+                                                for p in pp),
+                         attention=attention)
+        self.prompt_k = max(-1 if p.prompt_logprobs is None else p.prompt_logprobs for p in pp)
         assert T <= self.st.t_cap  # tail writes stay in range: dynamic_update_slice would clamp
-        self.knobs = Knobs(
-            temperature=np.float32(params.temperature),
-            top_k=np.int32(min(params.top_k, lm.vocab_limit)),  # k >= V is off either way
-            top_p=np.float32(params.top_p), min_p=np.float32(params.min_p),
-            seed=np.uint32(params.seed), max_new_tokens=np.int32(T),
-            stop_ids=pad_ids(stop_ids), t_stop=np.int32(T),
-            logit_bias=params.bias_vector(self.cfg.vocab_size if self.st.processors else 0),
-            min_tokens=np.int32(params.min_tokens), min_stop_ids=pad_ids(all_stop_ids),
-            repetition_penalty=np.float32(params.repetition_penalty),
-            frequency_penalty=np.float32(params.frequency_penalty),
-            presence_penalty=np.float32(params.presence_penalty))
+        V = self.cfg.vocab_size if processors else 0
+        pad_ids = lambda ids: np.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
+        # Each prompt's settings as host arrays with a leading prompt axis [B]; a chunk's
+        # knobs take the rows' prompts (`knob_args`).
+        self.prompt_knobs = Knobs(
+            temperature=np.array([p.temperature for p in pp], np.float32),
+            top_k=np.array([min(p.top_k, lm.vocab_limit) for p in pp], np.int32),
+            top_p=np.array([p.top_p for p in pp], np.float32),
+            min_p=np.array([p.min_p for p in pp], np.float32),
+            seed=self.seeds, max_new_tokens=np.array(self.T_of, np.int32),
+            stop_ids=np.stack([pad_ids(x) for x in stop_ids]), t_stop=np.int32(T),
+            logit_bias=np.stack([p.bias_vector(V) for p in pp]),
+            min_tokens=np.array([p.min_tokens for p in pp], np.int32),
+            min_stop_ids=np.stack([pad_ids(x) for x in all_stop_ids]),
+            repetition_penalty=np.array([p.repetition_penalty for p in pp], np.float32),
+            frequency_penalty=np.array([p.frequency_penalty for p in pp], np.float32),
+            presence_penalty=np.array([p.presence_penalty for p in pp], np.float32),
+            processed_logprobs=np.array([p.logprobs_mode == "processed_logprobs" for p in pp]))
         # Rows: one per prompt (shared) or one per (prompt, branch) copy (naive).
         self.row_prompt = [r for r in range(B) for _ in range(N)] if naive else list(range(B))
         self.decode_steps = 0
@@ -159,6 +249,15 @@ class Session:
         self._plan(max_kv_bytes)
         self.lazy = not naive and (bool(lazy_prefill) or self.pool_shape != (B, N))
         self._prefill()
+
+    def params_of(self, b: int) -> SamplingParams:
+        """Prompt b's SamplingParams, its seed filled in when it had none (the engine's)."""
+        p = self.prompt_params[b]
+        return p if p.seed is not None else p.replace(seed=self.engine_seed)
+
+    def key_of_row(self, r: int) -> int:
+        """The key index (`DecodeState.prompt_index`) of session row r."""
+        return int(self.key_index[self.row_prompt[r]]) if 0 <= r < len(self.row_prompt) else 0
 
     def _plan(self, max_kv_bytes):
         """Refuse requests that can never run, and size the pool (before any compute)."""
@@ -175,7 +274,7 @@ class Session:
             return
         C = len(self.context_ids)
         rows, slots = budget_lib.plan(
-            self.cfg, B=self.B, n=self.N, p_cap=self.p_cap, t_cap=st.t_cap, budget=budget,
+            self.cfg, B=self.B, n=self.n_of, p_cap=self.p_cap, t_cap=st.t_cap, budget=budget,
             context_bytes=budget_lib.kv_size(self.cfg, bucket(C)) if C else 0, nd=self.nd,
             nb=self.nb, lockstep=self.bridge_cfg is not None, penalties=st.penalties, **flags)
         if self.bridge_cfg is not None and slots < self.N:
@@ -351,9 +450,16 @@ class Session:
         """The DecodeState's partition specs on the mesh (with or without signals)."""
         return self.m.state_spec_signals if self.st.signals else self.m.state_spec
 
-    def knob_args(self, t_stop: int):
-        knobs = self.knobs._replace(t_stop=np.int32(t_stop))
-        return knobs if self.m is None else place(knobs, self.m.rep)
+    def knob_args(self, t_stop: int, rows):
+        """The chunk's `Knobs`: the settings of each device row's prompt (`rows`: the
+        session rows the device rows hold), and the clock's stop `t_stop`."""
+        idx = np.asarray([self.row_prompt[r] if 0 <= r < len(self.row_prompt) else 0
+                          for r in rows], np.int64)
+        knobs = Knobs(*(np.int32(t_stop) if f == "t_stop" else np.asarray(a)[idx]
+                        for f, a in zip(Knobs._fields, self.prompt_knobs)))
+        if self.m is None:
+            return knobs
+        return self.m.place_knobs(knobs)
 
     def put(self, x, kind: str):
         """A host array placed as the engine's programs expect ("rows", "slots", "rep")."""
@@ -377,3 +483,21 @@ class Session:
             lambda spec, sub: jax.tree_util.tree_map(
                 lambda a: jax.device_put(a, self.m.NamedSharding(self.mesh, spec)), sub),
             out_specs, out, is_leaf=lambda x: isinstance(x, self.m.Ps))
+
+
+def _per_prompt(params, B: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt from one, a list of B, or None. Raises InputError."""
+    if params is None:
+        return [SamplingParams()] * B
+    if isinstance(params, SamplingParams):
+        return [params] * B
+    if isinstance(params, (list, tuple)):
+        if len(params) != B:
+            raise InputError(f"params: {len(params)} SamplingParams given for {B} prompts "
+                             f"(give one, or one per prompt)")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise InputError(f"params[{i}] must be a SamplingParams, got "
+                                 f"{type(p).__name__}")
+        return list(params)
+    raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")

@@ -171,26 +171,30 @@ class DecodeState(NamedTuple):
 
 
 class Knobs(NamedTuple):
-    """Traced request settings: changing them never recompiles.
+    """Traced request settings, one entry per row: changing them never recompiles.
 
-    The logits processors' settings (`sampling.process_logits`) are read
-    only with `Static.processors`; `logit_bias` is then `[V]` (else `[0]`).
+    Every field but `t_stop` has a leading row axis R (the rows of the decode
+    state: each row holds one prompt, so each request carries its own
+    settings into the one compiled program). The logits processors' settings
+    (`sampling.process_logits`) are read only with `Static.processors`;
+    `logit_bias` is then `[R, V]` (else `[R, 0]`).
     """
 
-    temperature: jax.Array  # [] float32
-    top_k: jax.Array  # [] int32
-    top_p: jax.Array  # [] float32
-    min_p: jax.Array  # [] float32
-    seed: jax.Array  # [] uint32
-    max_new_tokens: jax.Array  # [] int32
-    stop_ids: jax.Array  # [MAX_STOP_IDS] int32, -1 padded
+    temperature: jax.Array  # [R] float32
+    top_k: jax.Array  # [R] int32
+    top_p: jax.Array  # [R] float32
+    min_p: jax.Array  # [R] float32
+    seed: jax.Array  # [R] uint32: the key's seed (`step.branch_keys`)
+    max_new_tokens: jax.Array  # [R] int32
+    stop_ids: jax.Array  # [R, MAX_STOP_IDS] int32, -1 padded
     t_stop: jax.Array  # [] int32: this chunk ends when the clock DecodeState.t reaches it
-    logit_bias: jax.Array  # [V] float32 (0 where none), or [0] without processors
-    min_tokens: jax.Array  # [] int32
-    min_stop_ids: jax.Array  # [MAX_STOP_IDS] int32, -1 padded: masked until min_tokens
-    repetition_penalty: jax.Array  # [] float32
-    frequency_penalty: jax.Array  # [] float32
-    presence_penalty: jax.Array  # [] float32
+    logit_bias: jax.Array  # [R, V] float32 (0 where none), or [R, 0] without processors
+    min_tokens: jax.Array  # [R] int32
+    min_stop_ids: jax.Array  # [R, MAX_STOP_IDS] int32, -1 padded: masked until min_tokens
+    repetition_penalty: jax.Array  # [R] float32
+    frequency_penalty: jax.Array  # [R] float32
+    presence_penalty: jax.Array  # [R] float32
+    processed_logprobs: jax.Array  # [R] bool: report the processed logprob (logprobs_mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +215,8 @@ class Static:
     penalties: bool = False  # keep DecodeState.counts / prompt_mask (implies processors)
     token_ranks: bool = False  # record DecodeState.token_ranks (SamplingParams.logprobs set)
     signals: bool = False  # record DecodeState.signals (SamplingParams.signals)
+    processed_logprobs: bool = False  # compute processed logprobs (some row's logprobs_mode)
+    attention: str = "xla"  # the step's attention: "xla" or "pallas" (kernels.resolve_attention)
 
     def post_layer(self, alive, axes):
         """The Bridge hook for `llama.run_layers` (None without a Bridge)."""

@@ -5,7 +5,9 @@ The step is written for one branch and vmapped over the N slots of a row
 turns the prefix half of the attention into one batched matmul that reads
 the prefix K/V once for all branches. Each branch owns its tail. Prefix,
 tail and current-token partial attentions are merged by log-sum-exp
-(Hydragen, arXiv 2402.05099; FlashInfer's cascade attention).
+(Hydragen, arXiv 2402.05099; FlashInfer's cascade attention). With
+`Static.attention == "pallas"` the context, prefix and tail parts are the
+Pallas kernels of `jaxsample.kernels.decode_attention` instead of XLA's.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxsample import kernels
 from jaxsample.engine import sampling
 from jaxsample.engine.prefill import prefix_start
 from jaxsample.engine.prefix_attention import prefix_attention
 from jaxsample.engine.state import DecodeState, Knobs, PrefixCache, Static
+from jaxsample.kernels.decode_attention import segment_attention
 from jaxsample.models import common, families, quant
 
 
 def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, post_layer=None,
-                bridge_params=None, context=None):
+                bridge_params=None, context=None, attention: str = "xla"):
     """One decode step of one branch (vmapped over branches and rows).
 
     Any model family (`models.families.module_for(cfg)`). On a local layer of
@@ -41,6 +45,9 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
       context: None, or the `ContextCache` common to all prompts (unbatched over
         rows and branches; k, v L x `[K, C_l, D]`, length C): a fourth segment
         of the attention, and the prefix's positions start at C.
+      attention: "xla" (`prefix_attention` and `common.partial_attention`) or
+        "pallas" (`kernels.decode_attention.segment_attention` for the context,
+        the prefix and the tail: the same visible positions, merged the same way).
     Returns:
       (logits `[V]` float32, new k L x `[K, D]`, new v L x `[K, D]`).
     """
@@ -50,6 +57,14 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
 
     base = 0 if context is None else context.length  # position of the prefix's slot 0
     kernel = quant.is_quantized(params)  # the int8 step's prefix attention: the CPU kernel
+    if attention == "pallas":
+        backend, interpret = kernels.kernel_backend()
+
+    def visible(start, end, window):
+        """(lo, hi): a segment whose slot j holds position start + j shows the
+        slots lo <= j < hi, positions < end and (local layers) > position - window."""
+        lo = 0 if window is None else jnp.maximum(position - window + 1 - start, 0)
+        return lo, end - start
 
     def attend_for_layer(xs):
         lpk, lpv, ltk, ltv, window, lck, lcv = xs
@@ -57,30 +72,34 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
         # position base + start + j) and a ring of T_l <= w - 1 tail slots (written at
         # t mod T_l), so every written tail slot lies within the window.
         start = prefix_start(prefix_len, lpk.shape[1], window)
-        key_pos = base + start + jnp.arange(lpk.shape[1])
-        prefix_mask = key_pos < base + prefix_len
-        tail_mask = jnp.arange(ltk.shape[1]) < t
-        if window is not None:  # keys at positions > p - w, p = base + prefix_len + t
-            prefix_mask &= key_pos > position - window
-            tail_mask &= window > 1  # a window of 1 is the token itself
-        shared = []  # (k, v, mask) segments without a branch axis
+        shared = []  # (k, v, (lo, hi)) segments without a branch axis
         if context is not None:  # the common context: positions [0, C), its last C_l kept
-            c_pos = prefix_start(base, lck.shape[1], window) + jnp.arange(lck.shape[1])
-            c_mask = c_pos < base
-            if window is not None:
-                c_mask &= c_pos > position - window
-            shared.append((lck, lcv, c_mask))
-        shared.append((lpk, lpv, prefix_mask))
+            c_start = prefix_start(base, lck.shape[1], window)
+            shared.append((lck, lcv, visible(c_start, base, window)))
+        shared.append((lpk, lpv, visible(base + start, base + prefix_len, window)))
+        # The tail's first min(t, T_l) slots; none where a window of 1 is the token itself.
+        tail_hi = jnp.minimum(t, ltk.shape[1]) if window is None or window > 1 else 0
+
+        def mask(n_slots, lo, hi):  # [n_slots] bool
+            j = jnp.arange(n_slots)
+            return (j >= lo) & (j < hi)
 
         def attend(q, k, v):
-            # The context and the prefix are unbatched over the branches: one
-            # matmul per kv head for all branches (`prefix_attention`).
-            out = common.merge_attention(
-                [prefix_attention(q, a, b, m, scale, kernel) for a, b, m in shared]
-                + [common.partial_attention(q, ltk, ltv, tail_mask[None], scale),
-                   common.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask,
-                                            scale)])
-            return out.astype(q.dtype)
+            if attention == "pallas":
+                seg = lambda a, b, lo, hi: segment_attention(  # noqa: E731
+                    q, a, b, lo, hi, scale, backend=backend, interpret=interpret)
+                parts = ([seg(a, b, *bounds) for a, b, bounds in shared]
+                         + [seg(ltk, ltv, 0, tail_hi)])
+            else:
+                # The context and the prefix are unbatched over the branches: one
+                # matmul per kv head for all branches (`prefix_attention`).
+                parts = ([prefix_attention(q, a, b, mask(a.shape[1], *bounds), scale, kernel)
+                          for a, b, bounds in shared]
+                         + [common.partial_attention(q, ltk, ltv,
+                                                     mask(ltk.shape[1], 0, tail_hi)[None], scale)])
+            self_part = common.partial_attention(q, k.swapaxes(0, 1), v.swapaxes(0, 1), self_mask,
+                                                 scale)
+            return common.merge_attention(parts + [self_part]).astype(q.dtype)
 
         return attend
 
@@ -102,13 +121,15 @@ def all_done(st: Static, done: jax.Array) -> jax.Array:
 
 
 def branch_keys(knobs: Knobs, prompt_index: jax.Array, branch_ids: jax.Array) -> jax.Array:
-    """`[R, N]` keys: fold_in(fold_in(key(seed), prompt_index), branch_index).
+    """`[R, N]` keys: fold_in(fold_in(key(seed[r]), prompt_index[r]), branch_index).
 
-    levanter's discipline: a branch's tokens depend on its global prompt and
-    branch index only, not on its slot, its batch or its device.
+    levanter's discipline: a branch's tokens depend on its row's seed, its key
+    index (`DecodeState.prompt_index`: the request's position, or 0 for a
+    request with its own seed) and its branch index only, not on its slot,
+    its batch or its device.
     """
-    base = jax.random.key(knobs.seed)
-    rows = jax.vmap(lambda i: jax.random.fold_in(base, i))(prompt_index)  # [R]
+    rows = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
+        knobs.seed, prompt_index)  # [R]
     return jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (0, 0))(rows, branch_ids)
 
 
@@ -132,34 +153,53 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
       `step(state) -> state`, advancing every slot by one token.
     """
     cfg = st.cfg
+    # Per-row settings; the sampler's conds test whether any row needs a path,
+    # so a step whose rows all decode greedily (or none filters) skips it.
+    sampling_rows = knobs.temperature > 0
+    filters = ((knobs.top_k > 0) & (knobs.top_k < st.vocab_limit)) | (knobs.top_p < 1.0)
+    any_sampling = jnp.any(sampling_rows)
+    any_filter = jnp.any(sampling_rows & filters)
+    row_knobs = (knobs.temperature, knobs.top_k, knobs.top_p, knobs.min_p)
 
-    def choose(logits, key, processed=None):
-        return sampling.choose_token(logits, key, knobs.temperature, knobs.top_k, knobs.top_p,
-                                     knobs.min_p, st.vocab_limit, processed)
+    def choose(logits, key, temperature, top_k, top_p, min_p, processed=None):
+        return sampling.choose_token(logits, key, temperature, top_k, top_p, min_p,
+                                     st.vocab_limit, processed, any_sampling=any_sampling,
+                                     any_filter=any_filter, with_processed=st.processed_logprobs)
 
     if st.processors:
-        # Computed once per chunk (outside the loop body): every stop id, as a [V] mask.
+        # Computed once per chunk (outside the loop body): each row's stop ids, as [R, V].
         V = cfg.vocab_size
         ids = knobs.min_stop_ids
-        stop_mask = jnp.zeros((V,), bool).at[jnp.where(ids >= 0, ids, V)].set(True, mode="drop")
+        rr = jnp.arange(ids.shape[0])[:, None]
+        stop_mask = jnp.zeros((ids.shape[0], V), bool).at[rr, jnp.where(ids >= 0, ids, V)].set(
+            True, mode="drop")
 
-        def process(logits, t, counts=None, prompt_mask=None):
+        def process(logits, t, bias, stops, min_tokens, rep, freq, pres, counts=None,
+                    prompt_mask=None):
             return sampling.process_logits(
-                logits, t=t, bias=knobs.logit_bias, stop_mask=stop_mask,
-                min_tokens=knobs.min_tokens, counts=counts, prompt_mask=prompt_mask,
-                repetition_penalty=knobs.repetition_penalty,
-                frequency_penalty=knobs.frequency_penalty,
-                presence_penalty=knobs.presence_penalty)
+                logits, t=t, bias=bias, stop_mask=stops, min_tokens=min_tokens, counts=counts,
+                prompt_mask=prompt_mask, repetition_penalty=rep, frequency_penalty=freq,
+                presence_penalty=pres)
+
+        proc_rows = (knobs.logit_bias, stop_mask, knobs.min_tokens, knobs.repetition_penalty,
+                     knobs.frequency_penalty, knobs.presence_penalty)
 
     # Row-level vmap: prefix per row (in_axes 0); branch-level vmap: prefix unbatched.
     def one_branch(tok, pos, t, pk, pv, plen, tk, tv, alive):
         return branch_step(cfg, params, tok, pos, t, pk, pv, plen, tk, tv,
-                           st.post_layer(alive, st.branch_axes), bridge_params, context)
+                           st.post_layer(alive, st.branch_axes), bridge_params, context,
+                           st.attention)
 
     step_branches = jax.vmap(one_branch, in_axes=(0, 0, 0, None, None, None, 0, 0, 0),
                              axis_name=st.branch_axis)
     step_rows = jax.vmap(step_branches, in_axes=(0, 0, 0, 0, 0, 0, 0, 0, 0))
     vv = lambda f: jax.vmap(jax.vmap(f))
+    # Over rows (every argument batched), then over a row's slots (the per-row
+    # settings unbatched, so the slots of a row share them).
+    per_row = lambda f, n_slot, n_row: jax.vmap(
+        jax.vmap(f, (0,) * n_slot + (None,) * n_row), (0,) * (n_slot + n_row))
+    choose_rows = per_row(choose, 2, 4)
+    choose_processed = jax.vmap(jax.vmap(choose, (0, 0, None, None, None, None, 0)), (0,) * 7)
 
     def step(s: DecodeState) -> DecodeState:
         # Per-slot positions: a live slot's next token index is its length (tokens
@@ -168,22 +208,25 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
         pos = s.lengths  # [R, N]
         step_keys = vv(lambda k, t: jax.random.fold_in(k, t))(keys, pos)
         if not st.processors:
-            tok, lp = vv(choose)(s.logits, step_keys)
-        elif st.penalties:
-            # counts per slot; the prompt mask per row, unbatched over the slots.
-            proc = jax.vmap(jax.vmap(process, (0, 0, 0, None)), (0, 0, 0, 0))(
-                s.logits, pos, s.counts, s.prompt_mask)
-            tok, lp = vv(choose)(s.logits, step_keys, proc)
+            out = choose_rows(s.logits, step_keys, *row_knobs)
         else:
-            proc = vv(process)(s.logits, pos)
-            tok, lp = vv(choose)(s.logits, step_keys, proc)
+            if st.penalties:
+                # counts per slot; the prompt mask per row, unbatched over the slots.
+                proc = jax.vmap(jax.vmap(process, (0, 0) + (None,) * 6 + (0, None)),
+                                (0,) * 10)(s.logits, pos, *proc_rows, s.counts, s.prompt_mask)
+            else:
+                proc = per_row(process, 2, 6)(s.logits, pos, *proc_rows)
+            out = choose_processed(s.logits, step_keys, *row_knobs, proc)
+        tok, lp = out[0], out[1]
+        if st.processed_logprobs:  # logprobs_mode per row
+            lp = jnp.where(knobs.processed_logprobs[:, None], out[2], lp)
         live = ~s.done
         tok = jnp.where(live, tok, st.pad_id)
         lp = jnp.where(live, lp, 0.0)
-        hit_stop = live & jax.vmap(jax.vmap(sampling.is_stop, (0, None)), (0, None))(
+        hit_stop = live & jax.vmap(jax.vmap(sampling.is_stop, (0, None)), (0, 0))(
             tok, knobs.stop_ids)
         lengths = s.lengths + live.astype(jnp.int32)
-        done = s.done | hit_stop | (pos + 1 >= knobs.max_new_tokens)
+        done = s.done | hit_stop | (pos + 1 >= knobs.max_new_tokens[:, None])
         R, N = tok.shape
         ri, ni = jnp.arange(R)[:, None], jnp.arange(N)[None, :]
         # Each live slot writes its own column (a scatter); done slots write nothing

@@ -190,16 +190,14 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
     state = jax.eval_shape(
         lambda: init_state(st, jnp.zeros((R, V), jnp.float32), jnp.zeros((R,), jnp.int32),
                            jnp.zeros((R, slots), jnp.int32), jnp.ones((R, slots), bool)))
-    scalar = lambda d: jax.ShapeDtypeStruct((), d)
-    knobs = Knobs(temperature=scalar(jnp.float32), top_k=scalar(jnp.int32),
-                  top_p=scalar(jnp.float32), min_p=scalar(jnp.float32),
-                  seed=scalar(jnp.uint32), max_new_tokens=scalar(jnp.int32),
-                  stop_ids=jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32),
-                  t_stop=scalar(jnp.int32), logit_bias=jax.ShapeDtypeStruct((0,), jnp.float32),
-                  min_tokens=scalar(jnp.int32),
-                  min_stop_ids=jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32),
-                  repetition_penalty=scalar(jnp.float32),
-                  frequency_penalty=scalar(jnp.float32), presence_penalty=scalar(jnp.float32))
+    row = lambda d, *shape: jax.ShapeDtypeStruct((R,) + shape, d)
+    knobs = Knobs(temperature=row(jnp.float32), top_k=row(jnp.int32), top_p=row(jnp.float32),
+                  min_p=row(jnp.float32), seed=row(jnp.uint32), max_new_tokens=row(jnp.int32),
+                  stop_ids=row(jnp.int32, MAX_STOP_IDS),
+                  t_stop=jax.ShapeDtypeStruct((), jnp.int32), logit_bias=row(jnp.float32, 0),
+                  min_tokens=row(jnp.int32), min_stop_ids=row(jnp.int32, MAX_STOP_IDS),
+                  repetition_penalty=row(jnp.float32), frequency_penalty=row(jnp.float32),
+                  presence_penalty=row(jnp.float32), processed_logprobs=row(jnp.bool_))
 
     def step(p, pf, s, kn):
         keys = branch_keys(kn, s.prompt_index, s.branch_ids)

@@ -112,12 +112,13 @@ def stream(lm: LanguageModel, prompts, params: SamplingParams | None = None, *,
         prompt_index_offset=prompt_index_offset, naive=False, chunk_size=chunk_size,
         progress=progress, shared_prefix=shared_prefix, max_rows=max_rows, max_slots=max_slots,
         max_kv_bytes=max_kv_bytes)
-    return _events(session, rnd, chunk_size, compact, observer)
+    return events(session, rnd, chunk_size, compact, observer)
 
 
-def _events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent]:
-    s, tok = session, api.text_tokenizer(session)
-    stops = s.params.stop
+def events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent]:
+    """The `StreamEvent`s of an opened round (`api.start`): one per chunk, the last
+    with the `Generation`."""
+    s = session
     texts: dict[tuple[int, int], stops_lib.StreamText] = {}
     ended: set[tuple[int, int]] = set()
 
@@ -141,10 +142,10 @@ def _events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent
             key = where(r, c)
             if key in ended:
                 continue
-            st = texts.setdefault(key, stops_lib.StreamText(stops, s.params.min_tokens))
-            text = st.feed(tok, new[(r, c)]) if (r, c) in new else ""
+            st = texts.setdefault(key, _stream_text(s, key[0]))
+            text = st.feed(api.text_tokenizer(s, key[0]), new[(r, c)]) if (r, c) in new else ""
             if rnd.done[r, c]:  # ended by a stop token or a stop string: its text is final now
-                final, _, _ = api.final_text(s, rnd.tokens[r, c], rnd.lengths[r, c],
+                final, _, _ = api.final_text(s, key[0], rnd.tokens[r, c], rnd.lengths[r, c],
                                              rnd.stopped[r, c])
                 rest, ok = st.finish(final)
                 _check(ok, key)
@@ -157,14 +158,20 @@ def _events(session, rnd, chunk_size, compact, observer) -> Iterator[StreamEvent
     gen = api.finish(s, [rnd])
     deltas = []
     for b in range(s.B):
-        for n in range(s.N):
+        for n in range(s.n_of[b]):
             if (b, n) in ended:
                 continue
-            st = texts.get((b, n)) or stops_lib.StreamText(stops, s.params.min_tokens)
+            st = texts.get((b, n)) or _stream_text(s, b)
             rest, ok = st.finish(gen.texts[b][n])
             _check(ok, (b, n))
             deltas.append(TextDelta(b, n, rest, gen.finish_reason[b][n]))
     yield event(deltas, 0, gen)
+
+
+def _stream_text(session, b: int) -> stops_lib.StreamText:
+    """A branch's stream text under prompt b's stop strings and min_tokens."""
+    p = session.prompt_params[b]
+    return stops_lib.StreamText(p.stop, p.min_tokens)
 
 
 def _check(ok: bool, key) -> None:

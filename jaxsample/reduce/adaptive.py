@@ -290,7 +290,8 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
     checks = 0
 
     def record(b, n):  # answer, termination and confidence of branch (b, n), once done
-        text, _, _ = final_text(session, rnd.tokens[b, n], rnd.lengths[b, n], rnd.stopped[b, n])
+        text, _, _ = final_text(session, b, rnd.tokens[b, n], rnd.lengths[b, n],
+                                rnd.stopped[b, n])
         answers[b].append(get_answer(text))
         term[b].append(reasons.get((b, n)) == "terminated")
         if confidence:

@@ -15,9 +15,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 
-from jaxsample.engine.requests import (RequestResult, check_budgets, check_prompts,
-                                       check_requests, param_groups)
-from jaxsample.engine.requests import run_requests as run_pool
+from jaxsample.engine.requests import (RequestResult, check_requests, encode_requests, open_pool,
+                                       pool_results)
 from jaxsample.errors import ExtractError, InputError, short_repr
 from jaxsample.reduce import adaptive as adaptive_lib
 from jaxsample.reduce.self_consistency import self_consistency
@@ -86,58 +85,75 @@ def _groups(reqs):
 
 
 def run_requests(lm, requests, *, max_kv_bytes: int | None = None,
-                 chunk_size: int | None = None, mesh=None,
-                 index_offset: int = 0) -> Iterator[RequestResult]:
+                 chunk_size: int | None = None, mesh=None, index_offset: int = 0,
+                 seed: int | None = None, progress=False,
+                 max_model_len: int | None = None,
+                 attention: str = "auto") -> Iterator[RequestResult]:
     """Run many requests; yield each one's result, with its vote, as it completes.
 
-    Plain requests (no `adaptive`) run through `engine.run_requests` (the
-    decode pool; consecutive plain requests form one stretch, one pool per
-    run of equal SamplingParams) and are yielded as their branches finish,
+    Plain requests (no `adaptive`) run through the decode pool
+    (`engine.requests`: consecutive plain requests form one stretch, one pool
+    whatever their SamplingParams) and are yielded as their branches finish,
     each with `vote` = the majority vote of its branches' answers
     (`self_consistency(extract=request.extract)`). Consecutive adaptive
     requests with equal params, kind and options run as one
     `adaptive_self_consistency` call (its own pool of `window` slots per
     prompt) and are yielded together when it ends, each with its vote (the
     rule's winner, DeepConf-weighted with `confidence`) and the group's
-    `AdaptiveResult`. Request i's keys are those of prompt index
-    `index_offset + i` in both cases, so its tokens equal a run of it alone
-    at that index (up to float ties).
+    `AdaptiveResult`. Keys: a plain request with its own seed draws from
+    (seed, branch) alone; any other request from (`seed`, its position
+    `index_offset + i`), adaptive groups with their params' seed as the
+    group's (`adaptive_self_consistency`).
 
     Args:
       lm: a loaded `LanguageModel`.
       requests: `Request`s or dicts of their fields (`engine.requests.Request`:
         id, prompt or messages, params, adaptive, extract).
-      max_kv_bytes, chunk_size, mesh: as `jaxsample.generate`, for the plain
-        requests (an adaptive request's chunk size is its `adaptive`
+      max_kv_bytes, chunk_size, mesh, progress: as `jaxsample.generate`, for the
+        plain requests (an adaptive request's chunk size is its `adaptive`
         option "chunk_size"; it takes no KV budget).
       index_offset: the global position of the first request (an int >= 0;
         `engine.shard_requests.process_share`).
+      seed: the seed of plain requests without their own (None: random).
+      max_model_len: the longest prompt + max_tokens a plain request may have
+        (default the model's context).
+      attention: the decode step's attention for the plain requests, as
+        `jaxsample.generate`'s.
     Yields:
       `RequestResult`s (`output`, `vote`, `adaptive`, `index`, `generation`)
       in completion order.
     Raises:
       InputError: a malformed request, a bad adaptive option or extractor, a
-        prompt the tokenizer refuses, or plain requests whose pool the KV
-        budget cannot hold, naming the request, before any compute; then as
-        `adaptive_self_consistency` per adaptive stretch, before its compute.
+        prompt the tokenizer refuses, or a stretch of plain requests whose pool
+        the KV budget cannot hold, naming the request, before any compute; then
+        as `adaptive_self_consistency` per adaptive stretch, before its compute.
     """
     if isinstance(index_offset, bool) or not isinstance(index_offset, int) or index_offset < 0:
         raise InputError(f"index_offset must be an int >= 0, got {index_offset!r}")
     reqs = check_requests(requests)
     _check(reqs)
-    lengths = check_prompts(lm, reqs)  # every prompt encoded before the first compute
-    for key, idx in _groups(reqs):  # and every plain stretch's pools against the KV budget
+    ids, texts = encode_requests(lm, reqs)  # every prompt encoded before the first compute
+    pools = {}  # every plain stretch's pool against the KV budget, before any compute
+    for key, idx in _groups(reqs):
         if key[0] == "pool":
-            check_budgets(lm, reqs, param_groups(reqs, idx), lengths, max_kv_bytes, mesh)
-    return _run(lm, reqs, max_kv_bytes, chunk_size, mesh, index_offset)
+            try:
+                pools[idx[0]] = open_pool(
+                    lm, [reqs[i] for i in idx], ([ids[i] for i in idx], [texts[i] for i in idx]),
+                    max_kv_bytes=max_kv_bytes, mesh=mesh, index_offset=index_offset + idx[0],
+                    progress=progress, seed=seed, max_model_len=max_model_len,
+                    attention=attention)
+            except InputError as e:
+                raise InputError(f"requests {idx[0]}-{idx[-1]} (from {reqs[idx[0]].id!r}, their "
+                                 f"pool): {e}") from None
+    return _run(lm, reqs, pools, chunk_size, mesh, index_offset, seed)
 
 
-def _run(lm, reqs, max_kv_bytes, chunk_size, mesh, index_offset):
+def _run(lm, reqs, pools, chunk_size, mesh, index_offset, seed):
     for key, idx in _groups(reqs):
         start = idx[0]
         if key[0] == "pool":
-            for res in run_pool(lm, [reqs[i] for i in idx], max_kv_bytes=max_kv_bytes, chunk_size=chunk_size,
-                                mesh=mesh, index_offset=index_offset + start):
+            for res in pool_results(pools.pop(start), [reqs[i] for i in idx],
+                                    chunk_size=chunk_size, index_offset=index_offset + start):
                 r = reqs[res.index - index_offset]
                 try:
                     sc = self_consistency(res.generation, extract=r.extract)
@@ -149,6 +165,8 @@ def _run(lm, reqs, max_kv_bytes, chunk_size, mesh, index_offset):
                 yield dataclasses.replace(res, vote=vote)
             continue
         _, params, chat, options, extract = key
+        if params.seed is None and seed is not None:
+            params = params.replace(seed=seed)
         prompts = [reqs[i].messages if chat else reqs[i].prompt for i in idx]
         try:
             result = adaptive_lib.adaptive_self_consistency(

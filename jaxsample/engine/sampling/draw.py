@@ -81,7 +81,10 @@ def _draw_rows(z, keep, data, *cands, impl, use_candidates: bool):
 def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
                  top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
                  vocab_limit: int, processed: jax.Array | None = None,
-                 candidates: int | tuple[int, ...] = TOP_CANDIDATES) -> tuple[jax.Array, jax.Array]:
+                 candidates: int | tuple[int, ...] = TOP_CANDIDATES, *,
+                 any_sampling: jax.Array | None = None,
+                 any_filter: jax.Array | None = None,
+                 with_processed: bool = False) -> tuple[jax.Array, ...]:
     """Sample one token from one distribution (see the table of `jaxsample.engine.sampling`).
 
     Works under `jit`, `vmap` and inside `lax.while_loop`; the filter
@@ -114,6 +117,14 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
         an int K0 > 0 or a tuple of them (`select.py`, "Cost"; default
         (256, 1024)); 0 or () runs the bisection and the full Gumbel draw
         alone (the reference path).
+      any_sampling, any_filter: optional bool scalars for parameters that
+        differ per row of a `vmap` (the engine's per-request settings): whether
+        any row samples (temperature > 0) and whether any sampling row has
+        top-k or top-p on. Pass them unbatched; the draw and the filters then
+        sit behind real conds on these batch-wide predicates instead of
+        selects that run both sides. Each row's token is the same as without
+        them (None: each row's own predicate).
+      with_processed: static; also return the token's processed logprob.
 
     NaN logits count as -inf and +inf logits as the largest finite float32
     (the table of `jaxsample.engine.sampling`'s "NaN, inf" row).
@@ -125,33 +136,52 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
         row has no distribution (every valid logit NaN or -inf, in `logits`
         or in `processed`); the token is then 0 and must not be used:
         `check_logprobs` turns it into an error.
+      processed_logprob (with `with_processed`): float32 scalar, the token's
+        log-probability under the distribution it was drawn from (vLLM's
+        `logprobs_mode="processed_logprobs"`): the processed logits tempered,
+        renormalised over the kept set (top-k, top-p, min-p); 0 at
+        temperature 0 (the greedy choice is certain); NaN as `logprob`.
 
     Raises:
       ValueError: logits is not 1-D, vocab_limit or candidates is out of range.
     """
     candidates = check_candidates(candidates)
     if processed is not None:
-        return _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p,
-                                 vocab_limit, candidates)
-    raw, z, greedy_tok = prepare(logits, temperature, vocab_limit)
-    keep, cand = keep_set(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates)
-    token = _draw(z, keep, greedy_tok, key, temperature, cand)
-    # log_softmax(raw)[token]; raw[greedy_tok] is the max. Subtract the max before
+        raw, _, raw_top = prepare(logits, 1.0, vocab_limit)
+        _, z, greedy_tok = prepare(processed, temperature, vocab_limit)
+        m = raw[raw_top]
+        has_dist = (m > -jnp.inf) & (z[greedy_tok] > -jnp.inf)
+    else:
+        raw, z, greedy_tok = prepare(logits, temperature, vocab_limit)
+        m = raw[greedy_tok]
+        has_dist = m > -jnp.inf
+    keep, cand = keep_set(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates,
+                          any_filter)
+    token = _draw(z, keep, greedy_tok, key, temperature, cand, any_sampling)
+    # log_softmax(raw)[token]; m is the max of raw. Subtract the max before
     # adding the log-sum, so a max near the float32 limit loses no precision.
-    m = raw[greedy_tok]
-    has_dist = m > -jnp.inf
-    shifted = jnp.where(has_dist, raw - m, -jnp.inf)
+    shifted = jnp.where(m > -jnp.inf, raw - m, -jnp.inf)
     logprob = shifted[token] - jnp.log(jnp.sum(jnp.exp(shifted)))
-    logprob = jnp.where(has_dist, logprob, jnp.nan)  # the marker of "no distribution"
-    return token, logprob.astype(jnp.float32)
+    logprob = jnp.where(has_dist, logprob, jnp.nan).astype(jnp.float32)  # NaN: no distribution
+    if not with_processed:
+        return token, logprob
+    kept = jnp.where(keep, z, -jnp.inf)  # max z is 0 and the top token is kept: no overflow
+    lq = z[token] - jnp.log(jnp.sum(jnp.exp(kept)))
+    lq = jnp.where(jnp.asarray(temperature) > 0, lq, 0.0)
+    return token, logprob, jnp.where(has_dist, lq, jnp.nan).astype(jnp.float32)
 
 
-def _draw(z, keep, greedy_tok, key, temperature, cand=None):
+def _draw(z, keep, greedy_tok, key, temperature, cand=None, any_sampling=None):
     """The chosen token: Gumbel-max over the kept tokens, or `greedy_tok` at
     temperature 0, where no noise is drawn at all (a `lax.cond` on the scalar
-    temperature: V Gumbel draws per slot are a large part of a step at V = 262k).
-    With candidates, the noise is drawn at the K0 candidates only when every
-    row's kept set lies within them (a cond reduced over the vmapped rows)."""
+    temperature, or on `any_sampling` for per-row temperatures: V Gumbel draws
+    per slot are a large part of a step at V = 262k). With candidates, the
+    noise is drawn at the K0 candidates only when every sampling row's kept
+    set lies within them (a cond reduced over the vmapped rows)."""
+    sampling = jnp.asarray(temperature) > 0
+    if cand is not None and any_sampling is not None:
+        # A greedy row's noise is never used: it does not force the full draw.
+        cand = tuple((idx, ok | ~sampling) for idx, ok in cand)
 
     def sample(_):
         if cand is None:
@@ -164,19 +194,8 @@ def _draw(z, keep, greedy_tok, key, temperature, cand=None):
         rows = batch_rows(lambda *a: _draw_rows(*a, impl=impl, use_candidates=use))
         return one_row(rows, z, keep, data, *(x for pair in cand for x in pair))
 
-    return jax.lax.cond(jnp.asarray(temperature) > 0, sample, lambda _: greedy_tok, None)
-
-
-def _choose_processed(logits, processed, key, temperature, top_k, top_p, min_p, vocab_limit,
-                      candidates):
-    """`choose_token` with the token chosen from `processed`, the logprob from `logits`."""
-    raw, _, raw_top = prepare(logits, 1.0, vocab_limit)
-    _, z, greedy_tok = prepare(processed, temperature, vocab_limit)
-    keep, cand = keep_set(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates)
-    token = _draw(z, keep, greedy_tok, key, temperature, cand)
-    m = raw[raw_top]
-    has_dist = (m > -jnp.inf) & (z[greedy_tok] > -jnp.inf)
-    shifted = jnp.where(m > -jnp.inf, raw - m, -jnp.inf)
-    logprob = shifted[token] - jnp.log(jnp.sum(jnp.exp(shifted)))
-    logprob = jnp.where(has_dist, logprob, jnp.nan)
-    return token, logprob.astype(jnp.float32)
+    if any_sampling is None:
+        return jax.lax.cond(sampling, sample, lambda _: greedy_tok, None)
+    return jax.lax.cond(jnp.asarray(any_sampling, bool),
+                        lambda _: jnp.where(sampling, sample(None), greedy_tok),
+                        lambda _: greedy_tok, None)

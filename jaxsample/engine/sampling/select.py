@@ -234,12 +234,16 @@ def _rank_filter_rows(z, top_k, top_p, k_on, p_on, *, k0s: tuple[int, ...]):
 
 
 def keep_set(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
-          min_p, vocab_limit: int, candidates: int):
+             min_p, vocab_limit: int, candidates: int, any_filter=None):
     """[V] bool keep set of the sampling (temperature > 0) path, and the
     candidates `(idx [K0] int32, ok bool)` (None on the bisection path).
 
     Top-k and top-p together run behind one `lax.cond` on the scalar
-    parameters, so inactive filters cost nothing.
+    parameters, so inactive filters cost nothing. `any_filter` (a bool
+    scalar, unbatched under `vmap`) replaces that predicate when the
+    parameters are per row: the cond is then on "some row filters", which
+    stays a real cond, and a row whose own filters are off keeps every token
+    on either side.
     """
     v = z.shape[0]
     sampling = jnp.asarray(temperature, jnp.float32) > 0
@@ -267,7 +271,8 @@ def keep_set(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
             return jnp.ones((v,), bool), tuple(
                 (jnp.zeros((k,), jnp.int32), jnp.bool_(False)) for k in k0s)
 
-        keep, cand = jax.lax.cond(k_on | p_on, on, off, z, top_k, top_p, k_on, p_on)
+        pred = k_on | p_on if any_filter is None else jnp.asarray(any_filter, bool)
+        keep, cand = jax.lax.cond(pred, on, off, z, top_k, top_p, k_on, p_on)
     # min-p: prob_i / prob_max = exp(z_i - max z) = exp(z_i), the max token is
     # never filtered; log(0) = -inf keeps everything.
     keep &= z >= jnp.log(min_p) + jnp.log1p(-MIN_P_TOL)
