@@ -180,14 +180,16 @@ def _warm(lm, P, N, T, generate_kw=None):
 
 
 def _control(cfg, P, N, T, weights=None, mode=None):
-    """The compiled decode chunk's control flow and what it holds (for the rows)."""
+    """The compiled decode chunk's control flow and what it holds (for the rows), with
+    the decode attention a request gets by default here (`attention="auto"`)."""
     import re
 
     from jaxsample.engine import step_cost
 
     kw = dict(weights="int8", mode=mode) if weights else {}
     t0 = time.perf_counter()
-    text = step_cost.compile_decode_step(cfg, P, N, T, chunk=True, **kw).as_text()
+    text = step_cost.compile_decode_step(cfg, P, N, T, chunk=True, attention="auto",
+                                         **kw).as_text()
     pc = step_cost.program_control(text)
     out = dict(compile_s=time.perf_counter() - t0,
                step_loop_trip_counts=[lp.trip_count for lp in pc.step_loops()],

@@ -132,7 +132,7 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
                         naive: bool = False, vocab_limit: int | None = None,
                         signals: bool = False, top_logprobs: int = 0,
                         weights: str | None = None, mode: str | None = None,
-                        chunk: bool = False):
+                        chunk: bool = False, attention: str = "xla"):
     """The compiled decode step (`jax.stages.Compiled`) for abstract inputs.
 
     Args:
@@ -151,6 +151,8 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
       chunk: compile the whole chunk, `loop.decode_chunk` (the step inside its
         loops), with the engine's `loop.compiler_options` for the default
         backend, instead of the loop body alone.
+      attention: the engine option (`kernels.resolve_attention`: "auto" is what
+        a request gets by default on the default backend).
     Returns:
       `jax.stages.Compiled` of `step(params, prefix, state, knobs) -> state`
       (state donated), the loop body of `loop.decode_chunk` (or the chunk).
@@ -170,8 +172,11 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
     V = config.vocab_size
     vocab_limit = V if vocab_limit is None else vocab_limit
     R, slots = (n, 1) if naive else (1, n)
+    from jaxsample import kernels
+
     st = Static(cfg=config, n=slots, t_cap=new_tokens, vocab_limit=vocab_limit, pad_id=0,
-                top_logprobs=top_logprobs, token_ranks=top_logprobs > 0, signals=signals)
+                top_logprobs=top_logprobs, token_ranks=top_logprobs > 0, signals=signals,
+                attention=kernels.resolve_attention(attention, config))
     params = jax.eval_shape(
         lambda: fam.unstack_layers(fam.init_params(config, jax.random.key(0))))
     if weights is not None:
