@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import importlib
 import json
 import math
@@ -265,6 +266,88 @@ def prefix_kv_float32():
         state.PREFIX_KV_FLOAT16 = True
 
 
+# The 8B-class Llama (Llama-3.1-8B shapes, untied head).
+LLAMA_8B = dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                ffn_dim=14336, rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False)
+
+INIT_STD = 0.02  # the random weights' standard deviation
+INT8_STEPS = 42.0  # a random int8 weight's standard deviation in quantisation steps
+
+
+def random_params(cfg, *, seed=0, weights=None):
+    """Random parameters of `cfg` (any family) in the serving layout `load` returns
+    (one dict per layer), made on the default device in seconds.
+
+    Each leaf is drawn by a jitted program of its own shape (the model has a few
+    distinct shapes, so a few small programs) from its own key, `fold_in(key(seed),
+    leaf index)`: nothing is drawn on the host and no program holds every draw. Float
+    leaves are N(0, `INIT_STD`) in the model's dtype, 1-D leaves (norm weights) ones.
+    With `weights` ("int8" or "int8-weight-only"), the structure `load(weights=...)`
+    makes (`quant.quantize_params(abstract=True)` with `outliers.abstract_channels`:
+    fused projections, outlier channels, scales), filled the same way: q =
+    round(N(0, `INT8_STEPS`)) clipped to +-127 with every scale `INIT_STD /
+    INT8_STEPS` (the float draw's spread), the outlier channels evenly spaced and
+    their float rows N(0, `INIT_STD`). The values mean nothing: speed only.
+
+    Returns:
+      The parameter pytree, its leaves on the default device.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsample.models import families, outliers, quant
+
+    fam = families.module_for(cfg)
+    shapes = jax.eval_shape(lambda: fam.unstack_layers(fam.init_params(cfg, jax.random.key(0))))
+    if weights is not None:
+        mode = {"int8": "w8a8", "int8-weight-only": "weight_only"}[weights]
+        shapes = quant.quantize_params(shapes, compute=cfg.dtype, abstract=True, mode=mode,
+                                       outliers=outliers.abstract_channels(shapes))
+    is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
+    leaves, tree = jax.tree_util.tree_flatten(shapes, is_leaf=is_q)
+    base = jax.random.key(seed)
+    draw = _drawer()
+    out = []
+    for i, a in enumerate(leaves):
+        key = jax.random.fold_in(base, i)
+        if not is_q(a):
+            out.append(draw(key, tuple(a.shape), str(a.dtype), "normal" if a.ndim > 1 else "ones"))
+            continue
+        kept = None
+        if a.outliers is not None:
+            idx, keep, w = a.outliers
+            kept = draw(key, (idx.shape[0], keep.shape[0], w.shape[1]), "float32", "outliers")
+        out.append(quant.QuantizedWeight(
+            draw(key, tuple(a.q.shape), "int8", "int8"),
+            jnp.full(a.scale.shape, INIT_STD / INT8_STEPS, jnp.float32), kept, rows=a.rows,
+            transposed=a.transposed, compute=a.compute, mode=a.mode))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+@functools.lru_cache(maxsize=None)
+def _drawer():
+    """`random_params`' jitted draw of one leaf, `draw(key, shape, dtype, kind)` (its
+    programs cached by shape, dtype and kind; jax imported on first use)."""
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def draw(key, shape, dtype, kind):
+        if kind == "ones":
+            return jnp.ones(shape, dtype)
+        if kind == "normal":
+            return jax.random.normal(key, shape, jnp.dtype(dtype)) * jnp.asarray(INIT_STD, dtype)
+        if kind == "int8":
+            z = jnp.round(jax.random.normal(key, shape, jnp.float32) * INT8_STEPS)
+            return jnp.clip(z, -127, 127).astype(jnp.int8)
+        k, n_in, n_out = shape  # the outlier channels (idx, keep, w) of a QuantizedWeight
+        idx = (jnp.arange(k) * (n_in // k)).astype(jnp.int32)
+        keep = jnp.ones((n_in,), jnp.float32).at[idx].set(0.0)
+        return idx, keep, jax.random.normal(key, (k, n_out), jnp.float32) * INIT_STD
+
+    return draw
+
+
 def load_jax_model(model, dtype, weights=None):
     """Returns (LanguageModel with a no-eos tokenizer, load seconds).
 
@@ -293,9 +376,7 @@ def load_jax_model(model, dtype, weights=None):
         if weights not in (None, "int8", "int8-weight-only"):
             raise ValueError(f"unknown weights {weights!r}")
         cfg = llama.LlamaConfig(**LLAMA_1B, dtype=dtype)
-        params = jax.jit(lambda k: llama.unstack_layers(llama.init_params(cfg, k, 0.02)))(
-            jax.random.key(0))
-        jax.block_until_ready(params)
+        params = jax.block_until_ready(random_params(cfg))
         if weights in ("int8", "int8-weight-only"):
             import jax.numpy as jnp
 
@@ -340,28 +421,56 @@ class Ran:
     wall_s: float
 
 
-def spawn(target, spec, timeout, env=None):
+def spawn(target, spec, timeout, env=None, on_row=None):
     """Runs `target` ("package.module:function") on `spec` in a fresh process.
 
     The child is `python -m benchmarks.common --worker TARGET JSON` at the
     repository root, with `env` (default: this environment) plus
     XLA_PYTHON_CLIENT_PREALLOCATE=false (jax shares the device with a peer)
-    and TF_CPP_MIN_LOG_LEVEL=2 unless set. Returns a `Ran`.
+    and TF_CPP_MIN_LOG_LEVEL=2 unless set. `on_row(row)` is called for each row
+    as the child prints it (a row finished before a crash or the timeout is never
+    lost); the child is killed at `timeout` seconds. Returns a `Ran`.
     """
+    import queue
+
     env = dict(os.environ if env is None else env)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     cmd = [sys.executable, "-m", "benchmarks.common", "--worker", target, json.dumps(spec)]
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-        stdout, stderr, rc = p.stdout, p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        stderr, rc = f"timeout after {timeout:.0f} s", "timeout"
-    rows = [json.loads(line[len(RESULT):]) for line in stdout.splitlines()
-            if line.startswith(RESULT)]
-    return Ran(rows, rc, stderr, stdout, time.perf_counter() - t0)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, cwd=ROOT)
+    lines: queue.Queue = queue.Queue()
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda: [lines.put(x) for x in p.stdout] + [lines.put(None)],
+                                daemon=True),
+               threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)]
+    for t in readers:
+        t.start()
+    out, rows, rc = [], [], None
+    while True:
+        try:
+            line = lines.get(timeout=max(timeout - (time.perf_counter() - t0), 0.0))
+        except queue.Empty:
+            p.kill()
+            rc = "timeout"
+            break
+        if line is None:
+            break
+        out.append(line)
+        if line.startswith(RESULT):
+            rows.append(json.loads(line[len(RESULT):]))
+            if on_row is not None:
+                on_row(rows[-1])
+    p.wait()
+    for t in readers:
+        t.join(timeout=5)
+    stderr = "".join(err)
+    if rc == "timeout":
+        stderr += f"\ntimeout after {timeout:.0f} s"
+    else:
+        rc = p.returncode
+    return Ran(rows, rc, stderr, "".join(out), time.perf_counter() - t0)
 
 
 def run_worker(target, spec):

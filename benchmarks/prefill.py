@@ -11,7 +11,7 @@ What it measures (letters as in models/llama.py: P prompt tokens, L layers):
   benchmarks/common.py), so its peak resident set size is its own (polled
   every 5 ms during the timed calls, `common.PeakRSS`; on an accelerator
   `peak_bytes_in_use`). The
-  kernel is forced through `models.flash.BLOCKWISE_MIN_LEN` (dense: never
+  kernel is forced through `models.flash.BLOCKWISE_FROM` (dense: never
   blockwise) before anything is traced.
 * The program is the engine's prefill (`jaxsample.engine.prefill.prefill`,
   one right-padded prompt, last-position logits and the L-layer KV cache),
@@ -85,9 +85,9 @@ def worker(spec):
     from jaxsample.models import flash
 
     if spec["kernel"] == "dense":
-        flash.BLOCKWISE_MIN_LEN = flash.GPU_BLOCKWISE_MIN_LEN = 2**31
+        flash.BLOCKWISE_FROM = tuple((b, 2**31) for b, _ in flash.BLOCKWISE_FROM)
     elif spec["kernel"] == "blockwise":
-        flash.BLOCKWISE_MIN_LEN = flash.GPU_BLOCKWISE_MIN_LEN = 1
+        flash.BLOCKWISE_FROM = tuple((b, 1) for b, _ in flash.BLOCKWISE_FROM)
         flash.BLOCK = spec["block"] or flash.BLOCK
     elif spec["kernel"] == "noattn":  # the identity on q: everything but the attention
         from jaxsample.models import gemma3, llama

@@ -61,27 +61,63 @@ def _unfused_w8a8():
         cpu_kernels.w8a8_dot = new
 
 
+@contextlib.contextmanager
+def _while_loop_chunk():
+    """A chunk as one `lax.while_loop` of single steps whose predicate (the traced
+    t_stop, every slot done) is read every step (before `loop.decode_chunk`'s blocks
+    of `loop.STEPS_PER_CHECK` steps with a static trip count). Replaced wherever the
+    engine imported `decode_chunk` by name."""
+    import sys
+
+    import jax
+
+    from jaxsample.engine import loop
+    from jaxsample.engine.step import all_done, branch_keys, make_step
+
+    new = loop.decode_chunk
+
+    def old(st, params, prefix, state, knobs, bridge_params=None, context=None):
+        keys = branch_keys(knobs, state.prompt_index, state.branch_ids)
+        step = make_step(st, params, prefix, knobs, keys, bridge_params, context)
+        return jax.lax.while_loop(
+            lambda s: (s.t < knobs.t_stop) & ~all_done(st, s.done), step, state)
+
+    mods = [m for name, m in list(sys.modules.items())
+            if name.startswith("jaxsample.engine") and getattr(m, "decode_chunk", None) is new]
+    for m in mods:
+        m.decode_chunk = old
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.decode_chunk = new
+
+
 PATCHES = {
     "now": contextlib.nullcontext,
+    "while_loop_chunk": _while_loop_chunk,
     "old_prefix_attention": _old_prefix_attention,
     "prefix_kv_float32": prefix_kv_float32,  # with --weights int8
     "unfused_w8a8": _unfused_w8a8,  # with --weights int8
 }
 
 
-def _decode(s, N, T):
-    """One fresh round of N branches over the session's prefix: seconds per forward step."""
+def _decode(s, N, T, chunk=None):
+    """One fresh round of N branches over the session's prefix, in device calls of
+    `chunk` steps (default T): seconds per forward step (the host's work between
+    chunks is not in them)."""
     import numpy as np
 
     d0, k0 = s.timings["decode"], s.decode_steps
     rnd = s.round([0], np.arange(N, dtype=np.int32)[None])
-    while rnd.run(T):
+    while rnd.run(chunk or T):
         pass
     assert (rnd.lengths == T).all()
     return (s.timings["decode"] - d0) / max(s.decode_steps - k0 - 1, 1)
 
 
-def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=None, out=None):
+def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=None, out=None,
+        chunk=None):
     """{(variant, N): [step seconds per call]}, the variants interleaved call by call; `out`
     (a dict) is filled as the calls come, so a run cut short keeps what it measured."""
     import dataclasses
@@ -110,13 +146,13 @@ def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=N
             session.PROGRAMS = programs[v]
             with PATCHES[v]():
                 sessions[v] = s = session.Session(lm, [ids], sp)
-                _decode(s, N, T)
+                _decode(s, N, T, chunk)
         for _ in range(reps):
             for v in variants:
                 session.PROGRAMS = programs[v]
                 s = sessions[v]
                 c0 = s.timings["compile"]
-                out.setdefault((v, N), []).append(_decode(s, N, T))
+                out.setdefault((v, N), []).append(_decode(s, N, T, chunk))
                 assert s.timings["compile"] == c0, "a variant recompiled"
     return out
 
@@ -128,6 +164,8 @@ def main(argv=None):
     ap.add_argument("--branches", default="1,16")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="decode steps per device call (default: all T in one)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -142,7 +180,8 @@ def main(argv=None):
     res = {}
     try:
         run(variants, a.prompt_length, [int(x) for x in a.branches.split(",")],
-            a.new_tokens, a.reps, a.temperature, a.top_k, a.top_p, a.weights, out=res)
+            a.new_tokens, a.reps, a.temperature, a.top_k, a.top_p, a.weights, out=res,
+            chunk=a.chunk)
     finally:  # what was measured is printed and written, even after Ctrl-C or an error
         _report(a, variants, res)
 
@@ -156,7 +195,7 @@ def _report(a, variants, res):
         with open(a.out, "a") as fh:
             for (v, N), xs in res.items():
                 fh.write(json.dumps(dict(variant=v, weights=a.weights, N=N, P=a.prompt_length,
-                                         T=a.new_tokens,
+                                         T=a.new_tokens, chunk=a.chunk,
                                          step_s=xs, median_step_s=statistics.median(xs))) + "\n")
 
 

@@ -48,31 +48,43 @@ import numpy as np
 # (a [K, G*256, 256] float32 score block is 2.4 MB), 512 within 10-30 %, one block
 # of S (the dense kernel's shape) 3-4x slower; see benchmarks/notes/notes_prefill.md.
 BLOCK = 256
-# `causal_attend` uses the blockwise kernel from this many positions on. Below
-# it the dense square is small (at most 38 MB per layer at H = 9) and the time
-# saved per call (SmolLM2 on the loaded 2-core CPU: about 0.9 s at P = 512 from
-# one-layer timings, 1.6 s measured at 1024) is small against the blockwise
-# program's extra compile time (about 6 s for 30 unrolled layers, once per
-# prompt bucket and process; the persistent compilation cache keeps it).
-# Read at trace time.
-BLOCKWISE_MIN_LEN = 1024
-# The same threshold where the default backend is a GPU. Measured on one H200
-# (jax 0.11.2, the random 1B Llama in bfloat16, H = 32, one prompt,
-# benchmarks/gpu_run.sh's prefill part): dense 0.05 s against blockwise 0.14 s
-# at P = 4096, 0.58 s against 1.80 s at P = 16384, where dense's device peak was
-# 5.1 GB. Above 16384 nothing was measured, so the blockwise kernel keeps the
-# memory bounded there. Read at trace time.
-GPU_BLOCKWISE_MIN_LEN = 16385
+BLOCKWISE_FROM = (
+    # CPU: measured with SmolLM2 on the loaded 2-core CPU, blockwise saves about
+    # 0.9 s per call at P = 512 (one-layer timings) and 1.6 s at 1024, small against
+    # its program's extra compile time (about 6 s for 30 unrolled layers, once per
+    # prompt bucket and process; the persistent compilation cache keeps it).
+    ("cpu", 1024),
+    # GPU: measured on one H200 (jax 0.11.2, the random 1B Llama in bfloat16, H = 32,
+    # one prompt, benchmarks/gpu_run.sh's prefill part): dense 0.05 s against
+    # blockwise 0.14 s at P = 4096, 0.58 s against 1.80 s at P = 16384, where dense's
+    # device peak was 5.1 GB. Above 16384 nothing was measured, so the blockwise
+    # kernel keeps the memory bounded there. gpu_run.sh measures both kernels at
+    # 1K / 4K / 16K for the 1B and 8B shapes and prints the entry they imply.
+    ("gpu", 16385),
+    # TPU: not measured. Dense up to 4096 positions, where its float32 scores
+    # ([H, S, S], 2 GiB at H = 32) fit any TPU's memory beside a 1B model; the same
+    # script on a TPU (its header) measures it.
+    ("tpu", 4096),
+)
+"""Per backend, the prompt length (positions) from which `causal_attend` takes the
+blockwise kernel: the one table of the dense / blockwise choice (`use_blockwise`).
+A backend it does not name takes the "cpu" entry. Read at trace time (part of the
+exported programs' keys, `engine.exported.TRACE_KNOBS`)."""
 
 
-def use_blockwise(S: int) -> bool:
+def blockwise_from(backend: str | None = None) -> int:
+    """`BLOCKWISE_FROM`'s entry for `backend` (default: JAX's default backend when
+    called, i.e. when the program is traced: a program placed on a mesh of another
+    backend's devices, a CPU mesh on a GPU host, chooses by the default backend, as
+    the exported programs' keys do)."""
+    table = dict(BLOCKWISE_FROM)
+    return table.get(backend or jax.default_backend(), table["cpu"])
+
+
+def use_blockwise(S: int, backend: str | None = None) -> bool:
     """The one place that chooses the causal kernel for a call of S positions:
-    blockwise from `BLOCKWISE_MIN_LEN` on, or `GPU_BLOCKWISE_MIN_LEN` on a GPU
-    (`jax.default_backend()` when the program is traced: a program placed on a mesh
-    of another backend's devices, a CPU mesh on a GPU host, chooses by the default
-    backend, as the exported programs' keys do)."""
-    floor = GPU_BLOCKWISE_MIN_LEN if jax.default_backend() == "gpu" else BLOCKWISE_MIN_LEN
-    return S >= floor
+    blockwise from `blockwise_from(backend)` positions on, dense below."""
+    return S >= blockwise_from(backend)
 
 
 def blockwise_attention(q, k, v, *, window=None, scale: float | None = None,

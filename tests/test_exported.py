@@ -292,7 +292,7 @@ def test_the_key_changes_with_what_changes_the_program(monkeypatch):
     assert exported.entry_key(("toy",), args, (0,)) != base
     assert exported.entry_key(("toy",), (args[0], args[1].astype(jnp.bfloat16)), ()) != base
     assert exported.entry_key(("toy",), (args[0], args[1][:32]), ()) != base
-    monkeypatch.setattr(flash, "BLOCKWISE_MIN_LEN", 7)  # read while tracing: in the key
+    monkeypatch.setattr(flash, "BLOCKWISE_FROM", (("cpu", 7),))  # read while tracing: in the key
     assert exported.entry_key(("toy",), args, ()) != base
     monkeypatch.setattr(exported, "_DIGEST", ["another source"])  # a code change
     assert exported.entry_key(("toy",), args, ()) != base

@@ -242,26 +242,41 @@ FAMILIES = {"llama": (llama, lambda: TINY), "gemma3": (gemma3, _gemma_cfg)}
 def _with_kernel(use_blockwise: bool, fn, *args):
     """Run fn(*args) (jitted, traced afresh) with causal_attend's auto choice forced
     to one kernel (blocks of 16 positions)."""
-    old = flash.BLOCKWISE_MIN_LEN, flash.GPU_BLOCKWISE_MIN_LEN, flash.BLOCK
+    old = flash.BLOCKWISE_FROM, flash.BLOCK
     floor = 1 if use_blockwise else 10**9
-    flash.BLOCKWISE_MIN_LEN, flash.GPU_BLOCKWISE_MIN_LEN, flash.BLOCK = floor, floor, 16
+    flash.BLOCKWISE_FROM, flash.BLOCK = tuple((b, floor) for b, _ in old[0]), 16
     try:
         return jax.tree_util.tree_map(np.asarray, jax.jit(lambda *a: fn(*a))(*args))
     finally:
-        flash.BLOCKWISE_MIN_LEN, flash.GPU_BLOCKWISE_MIN_LEN, flash.BLOCK = old
+        flash.BLOCKWISE_FROM, flash.BLOCK = old
 
 
 def test_kernel_choice_by_backend(monkeypatch):
-    """Blockwise from BLOCKWISE_MIN_LEN on, or from GPU_BLOCKWISE_MIN_LEN where
-    the default backend is a GPU (the dense kernel measured 3x faster there)."""
-    cpu, gpu = flash.BLOCKWISE_MIN_LEN, flash.GPU_BLOCKWISE_MIN_LEN
-    assert cpu < gpu
+    """Blockwise from the default backend's `BLOCKWISE_FROM` entry on (the dense
+    kernel measured 3x faster on a GPU); a backend without one takes the CPU's."""
+    table = dict(flash.BLOCKWISE_FROM)
+    cpu, gpu, tpu = table["cpu"], table["gpu"], table["tpu"]
+    assert cpu < tpu < gpu
     assert not flash.use_blockwise(cpu - 1) and flash.use_blockwise(cpu)
+    for backend, floor in (("gpu", gpu), ("tpu", tpu), ("cpu", cpu), ("metal", cpu)):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert flash.blockwise_from() == floor == flash.blockwise_from(backend)
+        assert not flash.use_blockwise(floor - 1) and flash.use_blockwise(floor)
+    assert flash.use_blockwise(cpu, "cpu") and not flash.use_blockwise(cpu, "gpu")
+    # The engine's prefill takes the choice when it is traced.
+    monkeypatch.setattr(flash, "BLOCKWISE_FROM", (("cpu", 10**9), ("gpu", 1)))
+    calls = []
+    monkeypatch.setattr(flash, "blockwise_attention",
+                        lambda *a, **k: calls.append(1) or a[0].astype(jnp.float32))
+    q = jnp.ones((8, 4, 8))
+    kv = jnp.ones((8, 2, 8))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert not flash.use_blockwise(cpu) and not flash.use_blockwise(gpu - 1)
-    assert flash.use_blockwise(gpu)
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert flash.use_blockwise(cpu)
+    common.causal_attend()(q, kv, kv)
+    assert calls  # blockwise from 1 position on the GPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    calls.clear()
+    common.causal_attend()(q, kv, kv)
+    assert not calls
 
 
 def _close(a, b):

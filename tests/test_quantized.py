@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -421,6 +422,53 @@ def test_the_compiled_w8a8_step_reads_the_float16_prefix(qlm):
         calls = {t: text.count(f'custom_call_target="{t}"') for t in cpu_kernels.TARGETS
                  if "attention" in t}
         assert calls[target] == qlm.config.n_layers and sum(calls.values()) == calls[target]
+
+
+@pytest.mark.parametrize("mode", quant.MODES)
+def test_off_the_cpu_the_int8_step_is_xla_products_of_int8_weights(mode, monkeypatch):
+    """Where the default backend is a GPU (or a TPU) the kernels are off
+    (`cpu_kernels.active()`) and the bfloat16 decode step is XLA's own: no custom
+    call, every quantised matrix read as an int8 parameter (half a bfloat16
+    weight's bytes), the products `dot`s of it (weight-only: the int8 weight
+    widened to the activations' dtype inside the product's operand; W8A8: an int8 x
+    int8 -> int32 dot), the prefix KV in the model's dtype."""
+    from jaxsample.engine import step_cost
+    from jaxsample.models.tiny import TINY
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not cpu_kernels.active()
+    cfg = TINY.replace(dtype="bfloat16")
+    text = step_cost.compile_decode_step(cfg, 16, 2, 8, weights="int8", mode=mode,
+                                         chunk=True).as_text()
+    assert "custom_call_target=\"jaxsample_" not in text
+    entry = text[text.index("ENTRY"):]
+    int8_params = re.findall(r"= s8\[([\d,]+)\]\{[^}]*\} parameter\(", entry)
+    params = jax.eval_shape(lambda: llama.unstack_layers(llama.init_params(cfg, jax.random.key(0))))
+    abstract = quant.quantize_params(params, compute="bfloat16", abstract=True, mode=mode,
+                                     outliers=outliers.abstract_channels(params))
+    qs = [a.q.shape for a in jax.tree_util.tree_leaves(abstract, is_leaf=is_q) if is_q(a)]
+    assert sorted(tuple(map(int, p.split(","))) for p in int8_params) == sorted(qs)
+    assert state.prefix_kv_dtype(cfg, abstract) is None
+    int32_dots = re.findall(r"= s32\[[\d,]*\]\{[^}]*\} dot\(", text)
+    assert bool(int32_dots) == (mode == "w8a8")
+    assert re.search(r"= (bf16|f32)\[[\d,]*\]\{[^}]*\} dot\(", text)
+
+
+def test_off_the_cpu_weight_only_decode_is_the_dequantised_model(qlm, monkeypatch):
+    """The same XLA path run: the weight-only int8 model's cached decode scores its
+    tokens as the float32 model on the dequantised weights does (its full forward),
+    to float32 rounding."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    wo = dataclasses.replace(qlm, params=quant.with_mode(qlm.params, "weight_only"))
+    engine.PROGRAMS.clear()  # the in-memory programs are keyed by shapes, not the kernels
+    try:
+        out = engine.generate(wo, PROMPTS, SamplingParams(n=4, temperature=1.0,
+                                                          max_new_tokens=12, seed=7))
+    finally:
+        engine.PROGRAMS.clear()
+    errs = _decode_against_forward(dataclasses.replace(qlm, params=dequantised(qlm.params)),
+                                   out)
+    assert errs.size > 30 and errs.max() <= 1e-4, errs.max()
 
 
 def test_the_bill_counts_the_weights_as_stored(tiny_lm, qlm, sampled):

@@ -81,8 +81,10 @@ def _naive_tiled(lm, ids, params):
     return out
 
 
-def run_cell(lm, engine, P, N, T, args, plat):
-    """One measured jaxsample/naive request (after warm-up). Returns a result dict."""
+def run_cell(lm, engine, P, N, T, args, plat, generate_kw=None):
+    """One measured jaxsample/naive request (after warm-up). Returns a result dict.
+    `generate_kw`: more keyword arguments of `generate` (e.g. `attention=`); an
+    option this engine does not have raises its TypeError."""
     import jax
 
     from jaxsample import cost
@@ -97,7 +99,8 @@ def run_cell(lm, engine, P, N, T, args, plat):
     def call():
         if tile:
             return _naive_tiled(lm, ids, params)
-        g = (naive_generate if engine == "naive" else generate)(lm, [ids], params)
+        g = (naive_generate(lm, [ids], params) if engine == "naive"
+             else generate(lm, [ids], params, **(generate_kw or {})))
         return dict(timings=dict(g.timings), steps=g.bill.decode_steps, lengths=g.lengths,
                     kv_prefix=g.bill.kv_bytes_shared_prefix, kv_tails=g.bill.kv_bytes_tails)
 

@@ -15,8 +15,9 @@ Data flow of one request, one file per stage:
                 read once per step for all branches; prefix / tail / current
                 token merged by log-sum-exp (XLA's ops, or the Pallas kernels
                 of `jaxsample.kernels`: `generate(attention=...)`)
-    loop.py     a chunk: the step in one lax.while_loop up to a traced t_stop
-                (so every chunk size runs one program); fresh states;
+    loop.py     a chunk: blocks of k guarded steps (an inner loop with a
+                static trip count) until a traced t_stop (so every chunk
+                size runs one program); fresh states;
                 compaction (gather the live slots into smaller buckets); the
                 pool's refill, insert and slot moves (between rows of a prompt);
                 PROGRAMS, the compiled programs by static key and shapes

@@ -67,11 +67,11 @@ SUFFIX = ".jaxexport"
 
 TRACE_KNOBS = ("jaxsample.models.flash", "jaxsample.models.moe", "jaxsample.models.common",
                "jaxsample.models.cpu_kernels",
-               "jaxsample.engine.prefill",
+               "jaxsample.engine.prefill", "jaxsample.engine.loop",
                "jaxsample.engine.state", "jaxsample.engine.sampling.select",
                "jaxsample.engine.sampling.logprobs", "jaxsample.bridge")
 """Modules whose public constants (upper-case ints, floats, strings, tuples) are
-read while a program is traced (`flash.BLOCKWISE_MIN_LEN`, `select.TOP_CANDIDATES`,
+read while a program is traced (`flash.BLOCKWISE_FROM`, `select.TOP_CANDIDATES`,
 ...): their current values are part of every key, so a process that changed
 one (a benchmark) never reads another's program."""
 
@@ -308,11 +308,15 @@ def _flat_donate(args, donate) -> tuple[int, ...]:
 _UNWRITABLE: set = set()  # directories an entry could not be written to (said once)
 
 
-def build(directory: pathlib.Path, key, fn, args, donate=()) -> tuple[FlatProgram, bool]:
+def build(directory: pathlib.Path, key, fn, args, donate=(),
+          compiler_options: dict | None = None) -> tuple[FlatProgram, bool]:
     """(program, whether its entry was read) for `fn(*args)`: the entry read
-    and compiled, or `fn` exported, written, then compiled from the export.
-    Raises Unsupported (nothing written) when the key is not stable or the
-    program cannot be exported; the caller then builds it the plain way."""
+    and compiled, or `fn` exported, written, then compiled from the export,
+    with `compiler_options` (XLA's, as the plain path compiles it: they change
+    the executable, not the exported program, and JAX's compilation cache keys
+    them). Raises Unsupported (nothing written) when the key is not stable or
+    the program cannot be exported; the caller then builds it the plain way."""
+    options = compiler_options or None
     text = entry_key(key, args, donate)
     path = entry_path(directory, str(key[0]) if isinstance(key, tuple) and key else "program",
                       text)
@@ -323,7 +327,7 @@ def build(directory: pathlib.Path, key, fn, args, donate=()) -> tuple[FlatProgra
         exp, out_tree = read_entry(path, text)
         jax.monitoring.record_event_duration_secs(READ_EVENT, time.perf_counter() - t0)
         prog = FlatProgram(jax.jit(exp.call, donate_argnums=flat_donate).lower(*leaves)
-                           .compile(), out_tree)
+                           .compile(options), out_tree)
         return prog, True
     except disk_cache.CacheAbsent:
         pass
@@ -359,6 +363,6 @@ def build(directory: pathlib.Path, key, fn, args, donate=()) -> tuple[FlatProgra
         log.warning("jaxsample: warning: exported programs not written to %s (cannot write "
                     "there); traced again by the next process", directory)
     jax.monitoring.record_event_duration_secs(WRITE_EVENT, time.perf_counter() - t0)
-    prog = FlatProgram(jax.jit(exp.call, donate_argnums=flat_donate).lower(*leaves).compile(),
-                       trees[-1])
+    prog = FlatProgram(jax.jit(exp.call, donate_argnums=flat_donate).lower(*leaves)
+                       .compile(options), trees[-1])
     return prog, False

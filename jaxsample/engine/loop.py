@@ -1,10 +1,20 @@
 """The resumable decode loop: chunks of steps, fresh states, compaction, compiled programs.
 
-A chunk runs the step (`step.make_step`) inside one `lax.while_loop` until
-token `knobs.t_stop`, the budget, or every slot is done, then returns the
-state to the host (JetStream's engine API at the granularity of k steps).
-`t_stop` is traced, so every chunk size runs the same compiled program and a
-chunked run is token-identical to a single call (`t_stop = max_new_tokens`).
+A chunk advances the state to token `knobs.t_stop`, the budget, or until every
+slot is done, then returns it to the host (JetStream's engine API at the
+granularity of k steps). Its shape is two loops:
+
+    while t < t_stop and some slot is live:        # checked every k steps
+        repeat k = STEPS_PER_CHECK times:         # a static trip count
+            step if t < t_stop and some slot is live, else nothing
+
+so the loop XLA runs step by step has a trip count it knows (the optimised
+HLO's `known_trip_count`): a GPU runs the k steps without reading a predicate
+back to the host after each, and can record them as one command buffer (a
+CUDA graph, `GPU_COMPILER_OPTIONS`). `t_stop` is traced, so every chunk size
+runs the same compiled program, and a step past `t_stop` leaves the state
+as it is: a chunked run is token-identical to a single call (`t_stop =
+max_new_tokens`) whatever the chunk size and k.
 Compaction gathers the live slots (and rows) into smaller buckets; keys stay
 tied to the global branch index carried in the state, so it never changes a
 branch's draws.
@@ -27,11 +37,43 @@ from jaxsample.engine.state import (ROW_FIELDS, SLOT_FIELDS, DecodeState, Knobs,
                                     PrefixCache, Static)
 from jaxsample.engine.step import all_done, branch_keys, make_step
 
+STEPS_PER_CHECK = 8
+"""Steps between two reads of a chunk's "t_stop reached or every slot done" (the
+inner loop's static trip count). 8 is the engine's chunk between stop-string
+checks and the pool's refills (`api.STOP_CHUNK`), so those chunks are one block
+and no step of theirs is a skipped one; a chunk of another size skips at most
+k - 1 guarded steps at its end, and a chunk whose slots all finish mid-block
+skips the rest of the block (a predicate and nothing else, on the CPU about a
+microsecond each). On a GPU without command buffers the host reads the
+outer predicate once per k steps instead of once per step; larger k adds
+skipped steps and nothing else. Read when a chunk is traced (the exported
+programs' keys carry it, `exported.TRACE_KNOBS`)."""
+
+GPU_COMPILER_OPTIONS = {
+    "xla_gpu_enable_command_buffer":
+        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
+}
+"""XLA options of every engine program compiled for a GPU (`compiler_options`),
+per program: nothing global is set. XLA's default command buffer kinds (the
+first six: CUDA graphs of fusions, cuBLAS, cuDNN and custom calls) plus WHILE
+and CONDITIONAL, which let a graph hold the chunk's loops and the step's
+`lax.cond`s with their predicates evaluated on the device (CUDA conditional
+nodes, CUDA 12.3 on): outside a graph XLA copies every loop predicate and
+`cond` predicate to the host and waits for it. benchmarks/gpu_run.sh measures
+the step with and without them; `{}` leaves XLA's defaults (XLA itself drops
+kinds the driver cannot run)."""
+
+
+def compiler_options(platform: str) -> dict:
+    """The XLA compile options of an engine program for `platform` ("cpu", "gpu",
+    "tpu"): `GPU_COMPILER_OPTIONS` on a GPU, none elsewhere."""
+    return dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
+
 
 def decode_chunk(st: Static, params, prefix: PrefixCache, state: DecodeState, knobs: Knobs,
                  bridge_params=None, context=None) -> DecodeState:
     """Advance every live slot until the clock `state.t` reaches `knobs.t_stop`, or
-    every slot is done.
+    every slot is done (blocks of `STEPS_PER_CHECK` guarded steps, module docstring).
 
     Each slot decodes at its own token index (`state.lengths`), so slots that
     were refilled between chunks (`refill`) run beside slots that started
@@ -48,10 +90,18 @@ def decode_chunk(st: Static, params, prefix: PrefixCache, state: DecodeState, kn
     keys = branch_keys(knobs, state.prompt_index, state.branch_ids)
     step = make_step(st, params, prefix, knobs, keys, bridge_params, context)
 
-    def cond(s: DecodeState):
+    def running(s: DecodeState):
         return (s.t < knobs.t_stop) & ~all_done(st, s.done)
 
-    return jax.lax.while_loop(cond, step, state)
+    def guarded(_, s: DecodeState):
+        # The state passes through the skipped branch untouched: XLA updates it in
+        # place either way (no copy of the tails, checked in the optimised HLO).
+        return jax.lax.cond(running(s), step, lambda x: x, s)
+
+    def block(s: DecodeState):
+        return jax.lax.fori_loop(0, STEPS_PER_CHECK, guarded, s)
+
+    return jax.lax.while_loop(running, block, state)
 
 
 def init_state(st: Static, last_logits: jax.Array, prompt_index: jax.Array,
@@ -248,6 +298,15 @@ def insert_rows(prefix: PrefixCache, last: jax.Array, prompt_index: jax.Array,
             pm)
 
 
+def _platform(args) -> str:
+    """The platform of the first argument placed on a device, else the default backend's."""
+    for a in jax.tree_util.tree_leaves(args):
+        devices = getattr(getattr(a, "sharding", None), "device_set", None)
+        if devices:
+            return next(iter(devices)).platform
+    return jax.default_backend()
+
+
 _PERSISTENT_HITS = threading.local()  # per thread: programs JAX's persistent cache served
 _LISTENING = []
 
@@ -296,7 +355,9 @@ class Programs:
         self.last_exported = False
 
     def get(self, key, fn, args, donate=(), out_shardings=None):
-        """Returns (compiled, seconds spent compiling now)."""
+        """Returns (compiled, seconds spent compiling now). Compiled with
+        `compiler_options` for the platform of the arguments' devices (the
+        default backend for arguments without one)."""
         full_key = (key, tuple((a.shape, a.dtype, getattr(a, "sharding", None))
                                for a in jax.tree_util.tree_leaves(args)),
                     jax.tree_util.tree_structure(args))
@@ -307,15 +368,17 @@ class Programs:
         hits = _persistent_hits()
         directory = disk_cache.exported_dir() if out_shardings is None else None
         compiled, read = None, False
+        options = compiler_options(_platform(args))
         if (directory is not None and full_key not in self._unsupported
                 and exported.available()):
             try:
-                compiled, read = exported.build(directory, key, fn, args, donate)
+                compiled, read = exported.build(directory, key, fn, args, donate, options)
             except exported.Unsupported:
                 self._unsupported.add(full_key)
         if compiled is None:
             kwargs = {} if out_shardings is None else {"out_shardings": out_shardings}
-            compiled = jax.jit(fn, donate_argnums=donate, **kwargs).lower(*args).compile()
+            compiled = jax.jit(fn, donate_argnums=donate, **kwargs).lower(*args).compile(
+                options or None)
         self._cache[full_key] = compiled
         self.compilations += 1
         self.last_from_cache = _persistent_hits() > hits

@@ -13,7 +13,7 @@ shared bytes near the naive ones, without any accelerator or timing.
 
 What is compiled: the loop body alone (`engine.step.make_step`, one sampled
 token and one forward pass of every slot), jitted with the state donated,
-exactly as it runs inside `loop.decode_chunk`'s `lax.while_loop`. The body is
+exactly as it runs inside `loop.decode_chunk`'s loops. The body is
 compiled on its own rather than the chunk because XLA's `HloCostAnalysis`
 counts a `while` instruction as one pass of its body and condition whatever
 the trip count (jaxlib 0.10.2 on CPU: a `fori_loop` of 10 or of a traced n
@@ -44,6 +44,7 @@ Letters as in `models/llama.py`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -52,7 +53,8 @@ import numpy as np
 
 from jaxsample import cost
 
-__all__ = ["StepCost", "decode_step_cost", "ideal_step_bytes", "compile_decode_step"]
+__all__ = ["StepCost", "decode_step_cost", "ideal_step_bytes", "compile_decode_step",
+           "HloLoop", "ProgramControl", "program_control"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,7 +131,8 @@ def _abstract(tree):
 def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
                         naive: bool = False, vocab_limit: int | None = None,
                         signals: bool = False, top_logprobs: int = 0,
-                        weights: str | None = None, mode: str | None = None):
+                        weights: str | None = None, mode: str | None = None,
+                        chunk: bool = False, attention: str = "xla"):
     """The compiled decode step (`jax.stages.Compiled`) for abstract inputs.
 
     Args:
@@ -145,9 +148,14 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
         k > 0 the ranks are recorded too, as `SamplingParams(logprobs=k)`).
       weights: None, or "int8" for `load(..., weights="int8")`'s parameters
         (`models.quant`), run in `mode` (default `quant.DEFAULT_MODE`).
+      chunk: compile the whole chunk, `loop.decode_chunk` (the step inside its
+        loops), with the engine's `loop.compiler_options` for the default
+        backend, instead of the loop body alone.
+      attention: the engine option (`kernels.resolve_attention`: "auto" is what
+        a request gets by default on the default backend).
     Returns:
       `jax.stages.Compiled` of `step(params, prefix, state, knobs) -> state`
-      (state donated), the loop body of `loop.decode_chunk`.
+      (state donated), the loop body of `loop.decode_chunk` (or the chunk).
     Raises:
       ValueError: P < 1, N < 1 or T < 1.
     """
@@ -164,8 +172,11 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
     V = config.vocab_size
     vocab_limit = V if vocab_limit is None else vocab_limit
     R, slots = (n, 1) if naive else (1, n)
+    from jaxsample import kernels
+
     st = Static(cfg=config, n=slots, t_cap=new_tokens, vocab_limit=vocab_limit, pad_id=0,
-                top_logprobs=top_logprobs, token_ranks=top_logprobs > 0, signals=signals)
+                top_logprobs=top_logprobs, token_ranks=top_logprobs > 0, signals=signals,
+                attention=kernels.resolve_attention(attention, config))
     params = jax.eval_shape(
         lambda: fam.unstack_layers(fam.init_params(config, jax.random.key(0))))
     if weights is not None:
@@ -197,8 +208,14 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
         keys = branch_keys(kn, s.prompt_index, s.branch_ids)
         return make_step(st, p, pf, kn, keys)(s)
 
+    options = None
+    if chunk:
+        from jaxsample.engine import loop
+
+        step = lambda p, pf, s, kn: loop.decode_chunk(st, p, pf, s, kn)  # noqa: E731
+        options = loop.compiler_options(jax.default_backend()) or None
     return jax.jit(step, donate_argnums=(2,)).lower(
-        _abstract(params), prefix, _abstract(state), knobs).compile()
+        _abstract(params), prefix, _abstract(state), knobs).compile(options)
 
 
 def _cost_dict(compiled) -> dict:
@@ -234,3 +251,121 @@ def decode_step_cost(config, prompt_tokens: int, n: int, new_tokens: int, *,
                     flops=float(ca["flops"]), ideal_bytes=ideal["total"],
                     weight_bytes=ideal["weights"], prefix_bytes=ideal["prefix"],
                     tail_bytes=ideal["tails"], logits_bytes=ideal["logits"])
+
+
+# ---------------------------------------------------------------------------
+# The loops and conditionals of an optimised HLO module (what runs step by step)
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_CALLEES = re.compile(r"\b(?:condition|body|calls|to_apply|true_computation|false_computation)"
+                      r"=%([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_MATMUL = re.compile(r" (?:dot|convolution)\(|custom_call_target=\"[^\"]*(?:gemm|matmul|_dot)")
+
+
+@dataclasses.dataclass(frozen=True)
+class HloLoop:
+    """One `while` of an optimised HLO module.
+
+    Attributes:
+      name: the instruction's name.
+      trip_count: XLA's `known_trip_count` (the backend config of the optimised
+        HLO), or None: then every pass reads its predicate (on a GPU, outside a
+        command buffer, a copy to the host and a wait).
+      matmuls: matrix products (dots, convolutions, GEMM custom calls) its body
+        runs in each pass, not counting those of loops nested in it.
+      captured: it lies inside a GPU command buffer (a `command_buffer`
+        computation of XLA's command buffer scheduling), so a CUDA graph runs it.
+    """
+
+    name: str
+    trip_count: int | None
+    matmuls: int
+    captured: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramControl:
+    """The control flow XLA kept in a compiled program (`program_control`).
+
+    loops: every `while`; conditionals: the number of `conditional`s, and
+    conditionals_captured: how many of them lie inside a command buffer
+    (the others read their predicate on the host on a GPU).
+    """
+
+    loops: tuple[HloLoop, ...]
+    conditionals: int
+    conditionals_captured: int
+
+    def step_loops(self) -> tuple[HloLoop, ...]:
+        """The loops whose own body runs matrix products: the model's forward pass."""
+        return tuple(loop for loop in self.loops if loop.matmuls)
+
+
+def program_control(text: str) -> ProgramControl:
+    """Reads the loops and conditionals of an optimised HLO module's text
+    (`compiled.as_text()`): which loops have a trip count XLA knows, which of them
+    run the model's matrix products, and what lies inside GPU command buffers.
+
+    Raises:
+      ValueError: the text holds no HLO computation.
+    """
+    comps: dict[str, list[str]] = {}
+    name = None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            name = m.group(1)
+            comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None and " = " in line:
+            comps[name].append(line)
+    if not comps:
+        raise ValueError("program_control: no HLO computation in the text")
+
+    def callees(line: str) -> list[str]:
+        out = _CALLEES.findall(line)
+        for group in _BRANCHES.findall(line):
+            out += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+        return [c for c in out if c in comps]
+
+    def matmuls(comp: str, seen: set) -> int:  # products reached without entering a loop
+        if comp in seen:
+            return 0
+        seen.add(comp)
+        n = 0
+        for line in comps[comp]:
+            if " while(" in line:
+                continue
+            n += bool(_MATMUL.search(line)) + sum(matmuls(c, seen) for c in callees(line))
+        return n
+
+    captured: set[str] = set()
+
+    def capture(comp: str):
+        if comp not in captured:
+            captured.add(comp)
+            for line in comps[comp]:
+                for c in callees(line):
+                    capture(c)
+
+    for comp in comps:
+        if comp.startswith("command_buffer"):
+            capture(comp)
+    loops, conds, conds_in = [], 0, 0
+    for comp, lines in comps.items():
+        for line in lines:
+            if " while(" in line:
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                body = re.search(r"\bbody=%([\w.\-]+)", line)
+                loops.append(HloLoop(
+                    name=line.split("=", 1)[0].split()[-1].lstrip("%"),
+                    trip_count=int(trip.group(1)) if trip else None,
+                    matmuls=matmuls(body.group(1), set()) if body and body.group(1) in comps
+                    else 0,
+                    captured=comp in captured))
+            elif " conditional(" in line:
+                conds += 1
+                conds_in += comp in captured
+    return ProgramControl(tuple(loops), conds, conds_in)
