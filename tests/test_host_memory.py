@@ -32,8 +32,8 @@ import gc, json, sys
 N, T, K = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 from jaxsample import SamplingParams, loading
 from jaxsample.engine import budget
-from jaxsample.engine.requests import Request, run_requests
-from jaxsample.engine.state import bucket
+from jaxsample.engine.requests import Request, run_pool
+from jaxsample.engine.buckets import bucket
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -43,12 +43,12 @@ def status(key):
 lm = loading.load(sys.argv[1], cache=False)
 sp = SamplingParams(n=N, max_tokens=T, temperature=0.8, ignore_eos=True, logprobs=K)
 req = [Request(id="h", prompt="ab", params=sp)]
-list(run_requests(lm, req))
+list(run_pool(lm, req))
 gc.collect()
 base = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
-res = list(run_requests(lm, req))
+res = list(run_pool(lm, req))
 growth = status("VmHWM") - base
 p_cap = bucket(len(lm.tokenizer.encode("ab")))
 rows, slots = budget.plan_params(lm.config, sp, B=1, p_cap=p_cap, budget=budget.default_kv_budget())
@@ -91,9 +91,9 @@ def test_a_request_too_large_for_host_memory_is_refused_before_compute():
     n = _too_large_n(4)
     assert n < 2**31 - 1
     lib = (f"from jaxsample import loading, SamplingParams\n"
-           f"from jaxsample.engine.requests import Request, run_requests\n"
+           f"from jaxsample.engine.requests import Request, run_pool\n"
            f"lm = loading.load({TINY_GGUF!r}, cache=False)\n"
-           f"run_requests(lm, [Request(id='h', prompt='ab', params=SamplingParams(n={n}, "
+           f"run_pool(lm, [Request(id='h', prompt='ab', params=SamplingParams(n={n}, "
            f"max_tokens=4))])\n")
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", lib], capture_output=True, text=True, timeout=120,
@@ -128,12 +128,12 @@ def test_step_bytes_bound_the_decode_programs_temporaries(tiny_lm):
     difference between two slot counts), is at most `step_bytes`."""
     from jaxsample import SamplingParams
     from jaxsample.engine import loop
-    from jaxsample.engine.requests import Request, run_requests
+    from jaxsample.engine.requests import Request, run_pool
 
     temps = {}
     for n in (64, 256):
         loop.PROGRAMS.clear()
-        list(run_requests(tiny_lm, [Request(id="h", prompt="ab", params=SamplingParams(
+        list(run_pool(tiny_lm, [Request(id="h", prompt="ab", params=SamplingParams(
             n=n, max_tokens=4, temperature=0.8, ignore_eos=True))]))
         (decode,) = [c for k, c in loop.PROGRAMS._cache.items() if k[0][0] == "decode"]
         compiled = getattr(decode, "compiled", decode)  # (an exported program's executable)
