@@ -58,7 +58,7 @@ def main(argv=None):
         t0, moved = self.t, self.moved
         more = run(self, steps)
         trace.append({"kind": "chunk", "t0": t0, "t1": self.t, "shape": list(self.col_of.shape),
-                      "live_after": int(self._live_slots().sum()),
+                      "live_after": int(self.sched.live_slots().sum()),
                       "waiting": int(self.waiting_branches), "moved": self.moved - moved})
         return more
 

@@ -89,7 +89,7 @@ def batch_kv_bytes(lm, prompts, params, rows) -> int:
     rows x n branch slots (`engine.budget`'s row and slot sizes, at the
     buckets the engine picks for the whole workload)."""
     from jaxsample.engine import budget, inputs
-    from jaxsample.engine.state import bucket
+    from jaxsample.engine.buckets import bucket
 
     ids, _ = inputs.encode_prompts(lm, prompts, chat=True)
     cfg = lm.config
@@ -101,7 +101,7 @@ def batch_kv_bytes(lm, prompts, params, rows) -> int:
 def pool_plan(lm, prompts, params, kv_bytes) -> tuple[int, int]:
     """The (rows, slots) `generate(max_kv_bytes=kv_bytes)` picks for the workload."""
     from jaxsample.engine import budget, inputs
-    from jaxsample.engine.state import bucket
+    from jaxsample.engine.buckets import bucket
 
     ids, _ = inputs.encode_prompts(lm, prompts, chat=True)
     return budget.plan(lm.config, B=len(prompts), n=params.n,

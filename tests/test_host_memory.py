@@ -33,7 +33,7 @@ N, T, K = int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 from jaxsample import SamplingParams, loading
 from jaxsample.engine import budget
 from jaxsample.engine.requests import Request, run_pool
-from jaxsample.engine.state import bucket
+from jaxsample.engine.buckets import bucket
 
 def status(key):
     for line in open("/proc/self/status"):

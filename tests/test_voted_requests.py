@@ -142,7 +142,7 @@ def test_a_pool_the_budget_cannot_hold_is_refused_before_anything_runs(tiny_lm):
     `jaxsample.run_requests`, a later stretch of plain requests (after an adaptive
     one) that cannot run is refused before the first stretch computes, naming it."""
     from jaxsample.engine import budget, inputs
-    from jaxsample.engine.state import bucket
+    from jaxsample.engine.buckets import bucket
 
     long = PARAMS.replace(max_new_tokens=200)
     reqs = [Request(id="a", prompt="fine", params=PARAMS),

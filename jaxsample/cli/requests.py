@@ -308,7 +308,7 @@ def check_kv_budget(model_cfg, tokenizer, requests: list[Request], chat: bool,
       InputError: naming --kv-budget, when one call cannot hold one pool row and slot.
     """
     from jaxsample.engine import budget
-    from jaxsample.engine.state import bucket
+    from jaxsample.engine.buckets import bucket
 
     for group in group_requests(requests):
         sp = group[0].sampling

@@ -29,14 +29,15 @@ Data flow of one request, one file per stage:
                 (prefix) and one slot (tail + decode buffers) hold, and the
                 requests that can never run, refused before any compute
     session.py  a Session: the prompts validated, encoded and prefilled once
-    round.py    a Round: one decode state [R, N, ...] over a session's rows,
-                run in chunks; host-side done marks, compaction, outputs
-                copied to host arrays at (prompt, branch); with fewer rows x
-                slots than prompts x branches, a pool that refills slots and
-                rows between chunks (continuous batching)
-    pool.py     the pool's scheduling between chunks (`PoolSchedule`, a mixin
-                of Round): slot refill, row refill with lazy prefill, moves of
-                a prompt's last branches into fewer of its rows
+    scheduler.py  the pool's scheduler, host data only: which branch runs in
+                which slot; between chunks the refills, row inserts and moves
+                (a `Boundary`), and when the live branches compact (a
+                `Compaction`)
+    round.py    a Round, the pool's runner: one decode state [R, N, ...] over a
+                session's rows, run in chunks; it applies the scheduler's plans
+                (refill, insert with lazy prefill, moves, compaction) and copies
+                each chunk's outputs to host arrays at (prompt, branch)
+    buckets.py  shape buckets (prefix, tail, slots), plain Python
     stops.py    stop strings seen on the way (incremental detokenisation),
                 cut exactly at the end
     api.py      generate() -> Generation (tokens/logprobs [B, N, T], texts, bill),
@@ -68,7 +69,8 @@ from jaxsample.engine.round import Round
 from jaxsample.engine.session import Session, serving_params
 from jaxsample.engine.stream import StreamEvent, TextDelta, stream
 from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, ContextCache, DecodeState, Knobs,
-                                    PrefixCache, Static, bucket, slot_bucket)
+                                    PrefixCache, Static)
+from jaxsample.engine.buckets import bucket, slot_bucket
 from jaxsample.engine.step import branch_step
 
 # What users call. The other names imported above (prefill, decode_chunk,

@@ -66,7 +66,7 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         (a stop string is then seen at most 7 tokens late, and decoding of that
         branch stops there) or progress is shown (the bar moves once per chunk).
       compact: gather live branches (and rows) into power-of-two buckets when
-        those hold at most 3/4 of the slots (`round.COMPACT_FRACTION`), so
+        those hold at most 3/4 of the slots (`scheduler.COMPACT_FRACTION`), so
         later steps cost what the live branches need; each new bucket compiles
         once. None (default): on for a pool (`max_rows` / `max_slots` /
         `max_kv_bytes` smaller than the request: its last branches then run

@@ -296,7 +296,7 @@ def plan_params(cfg, params, *, B: int, p_cap: int, budget: int, context_bytes: 
     bucket and the buffers' flags read from it, as `Session` sizes its pool.
     The up-front check of requests whose pools start later (`run_requests`,
     the command line's `--kv-budget`). Raises InputError as `plan`."""
-    from jaxsample.engine.state import bucket
+    from jaxsample.engine.buckets import bucket
 
     return plan(cfg, B=B, n=params.n, p_cap=p_cap, t_cap=bucket(params.max_new_tokens),
                 budget=budget, context_bytes=context_bytes, nd=nd, nb=nb, lockstep=lockstep,

@@ -1,6 +1,9 @@
 """`Round`: one decode state over some of a `Session`'s prefilled rows, run in
-chunks, and the decode pool (slots and rows refilled between chunks: the
-scheduling is `pool.PoolSchedule`, a mixin of `Round`).
+chunks: the pool's runner. Its scheduler (`scheduler.Scheduler`, host data
+only) decides between chunks which slots refill, which rows take which
+prompts, which branches move and when the state compacts; the round applies
+those plans to the device state (`loop`: refill, insert_rows, move_slots,
+compact) and runs the chunks.
 
 The outputs are copied to host arrays indexed by (prompt row, branch) as each
 chunk ends, so refills and compaction never lose or move them.
@@ -15,17 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.engine.loop import compact, decode_chunk, empty_outputs, init_state, new_columns
-from jaxsample.engine.pool import PoolSchedule
+from jaxsample.engine.buckets import bucket, slot_bucket
+from jaxsample.engine.loop import (compact, decode_chunk, empty_outputs, init_state, insert_rows,
+                                   move_slots, new_columns, refill)
 from jaxsample.engine.placement import kv_bytes, to_host
 from jaxsample.engine.prefill import take_rows
-from jaxsample.engine.state import Static, bucket, slot_bucket
+from jaxsample.engine.scheduler import Scheduler
+from jaxsample.engine.state import Static
 from jaxsample.sharding import BRANCH_AXIS
 
-COMPACT_FRACTION = 0.75  # compact when the live slots fit in buckets this much smaller
-
-
-class Round(PoolSchedule):
+class Round:
     """One decode state: rows x slots, decoded in chunks (see the module docstring).
 
     The device state holds `R_dev` rows x `N_dev` slots; by default every
@@ -78,39 +80,18 @@ class Round(PoolSchedule):
         self.lengths = np.zeros((R, N), np.int32)
         self.prev = self.lengths.copy()  # lengths before the last chunk
         self.stopped = np.zeros((R, N), bool)
-        self.done = branch_ids < 0
         self.t = 0  # the clock: steps this round has run
-        self.moved = 0  # branches moved between rows of their prompt (`_migrate`)
-        self.lockstep = bool(lockstep)
         # Device slots: a bucket of rows (a multiple of the data axis) x slots
-        # (a multiple of the branch axis); slot (i, j) holds round row
-        # row_of[i], column col_of[i, j] (-1: empty).
+        # (a multiple of the branch axis); the scheduler maps slot (i, j) to round
+        # row row_of[i], column col_of[i, j] (-1: empty).
         N_dev = -(-min(N, max_slots or N) // s.nb) * s.nb
         # Rows: at most enough for every branch at once (a prompt's branches may
-        # run in several rows, `_next_prompt`), at most max_rows.
+        # run in several rows), at most max_rows.
         R_all = R if lockstep else R * -(-N // N_dev)
         R_dev = -(-min(R_all, max_rows or R) // s.nd) * s.nd
         self.pooled = R_dev < R or N_dev < N  # fewer device rows x slots than rows x branches
-        valid = branch_ids >= 0
-        if self.lockstep and int(valid.sum(axis=1).max(initial=0)) > N_dev:
-            raise ValueError(f"lockstep (Bridge) rows need every branch of a prompt at once: "
-                             f"{int(valid.sum(axis=1).max())} branches > {N_dev} slots")
-        placed = min(R, R_dev)
-        self.row_of = np.array(list(range(placed)) + [0] * (R_dev - placed), np.int64)
-        self.row_placed = np.arange(R_dev) < placed
-        self.col_of = np.full((R_dev, N_dev), -1, np.int64)
-        self.waiting: dict[int, list[int]] = {}  # round row -> its branch columns not yet run
-        for i in range(placed):
-            cols = np.nonzero(valid[i])[0]
-            if N_dev >= N:  # every column in its own slot (the layout of a plain round)
-                self.col_of[i, :N] = np.where(valid[i], np.arange(N), -1)
-            else:
-                self.col_of[i, :min(cols.size, N_dev)] = cols[:N_dev]
-                self.waiting[i] = [int(c) for c in cols[N_dev:]]
-        self.queue = list(range(placed, R))  # round rows not yet in the pool
-        # Per round row: only branch columns < admit[r] may take a slot (the host
-        # raises it: DeepConf's warm-up must finish before later branches start).
-        self.admit = np.full(R, N, np.int64)
+        self.sched = Scheduler(branch_ids, R_dev, N_dev, lockstep)
+        placed = int(self.sched.row_placed.sum())
         prefix_rows = np.array([rows[i] for i in self.row_of[:placed]], np.int32)
         # Padding rows: the session's own padding rows when the round takes every
         # prompt (no gather), else repeats of the first row.
@@ -118,14 +99,42 @@ class Round(PoolSchedule):
                 else np.full(R_dev - placed, prefix_rows[0]))
         prefix_rows = np.concatenate([prefix_rows, fill]).astype(np.int32)
         self.live_rows_alloc = R_dev
-        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
-        ids = np.where(self.col_of >= 0, branch_ids[rr, np.maximum(self.col_of, 0)],
-                       0).astype(np.int32)
         pidx = np.array([s.key_of_row(int(r)) for r in prefix_rows], np.int32)
-        live = self.col_of >= 0
-        live[~self.row_placed] = False
+        live = self.sched.col_of >= 0
+        live[~self.sched.row_placed] = False
         self.rows = rows
-        self._start(prefix_rows, pidx, ids, live)
+        self._start(prefix_rows, pidx, self.sched.slot_ids(), live)
+
+    # -- the scheduler's map, read through the round ------------------------------
+
+    @property
+    def row_of(self):
+        return self.sched.row_of
+
+    @property
+    def col_of(self):
+        return self.sched.col_of
+
+    @property
+    def row_placed(self):
+        return self.sched.row_placed
+
+    @property
+    def done(self):
+        return self.sched.done
+
+    @property
+    def admit(self):
+        return self.sched.admit
+
+    @property
+    def waiting_branches(self) -> int:
+        return self.sched.waiting_branches
+
+    @property
+    def moved(self) -> int:
+        """Branches moved between rows of their prompt so far."""
+        return self.sched.moved
 
     # -- device programs ------------------------------------------------------
 
@@ -179,15 +188,15 @@ class Round(PoolSchedule):
                                     ids.shape[0])
 
     def run(self, steps: int) -> bool:
-        """Refill the pool (`_schedule`), decode up to `steps` more steps, and copy
-        the new tokens to the host arrays.
+        """Apply the scheduler's boundary plan (refills, inserts, moves), decode up
+        to `steps` more steps, and copy the new tokens to the host arrays.
 
         Returns:
           True while some branch is live or waiting.
         """
         s = self.s
-        self._schedule()
-        if self.waiting_branches and not self._live_slots().any():
+        self._apply(self.sched.boundary())
+        if self.waiting_branches and not self.sched.live_slots().any():
             raise RuntimeError("the pool has waiting branches but no live slot: a row's "
                                "admit limit was never raised")
         t0 = self.t
@@ -213,14 +222,6 @@ class Round(PoolSchedule):
         self._collect(max(int(steps), 1))
         s.timings["host"] += time.perf_counter() - t_host
         return bool((~self.done).any())
-
-    def _live_slots(self) -> np.ndarray:
-        """`[R_dev, N_dev]` bool: slots holding a branch the host has not seen finish."""
-        real = self.col_of >= 0
-        rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
-        live = np.zeros(self.col_of.shape, bool)
-        live[real] = ~self.done[rr[real], self.col_of[real]]
-        return live
 
     def _collect(self, width: int):
         """Copy each slot's new tokens (its columns from the host's length to the
@@ -256,7 +257,7 @@ class Round(PoolSchedule):
                     host[dst] = to_host(col)[real][si, wi]
         self.lengths[ri, ci] = l1
         self.stopped[ri, ci] = stopped[real]
-        self.done[ri, ci] = done[real] | self.done[ri, ci]
+        self.sched.done[ri, ci] = done[real] | self.sched.done[ri, ci]
 
     @property
     def tokens(self):
@@ -307,7 +308,7 @@ class Round(PoolSchedule):
         mask = np.asarray(mask, bool) & ~self.done
         if not mask.any():
             return
-        self.done |= mask
+        self.sched.done |= mask
         real = self.col_of >= 0
         dev = np.zeros(self.col_of.shape, bool)
         rr = np.broadcast_to(self.row_of[:, None], self.col_of.shape)
@@ -317,72 +318,130 @@ class Round(PoolSchedule):
             self.state = self.state._replace(done=self.s.put(done, "slots"))
 
     def compact(self) -> bool:
-        """Gather the live branches into a smaller state when one fits in at most
-        `COMPACT_FRACTION` of the slots (only once nothing waits for a slot: a
-        pool refills instead).
-
-        Live branches are grouped by prompt, not by row: a prompt running in
-        several rows (each with a copy of its prefix) is packed into as few
-        rows as its branches need. Rows x slots are powers of two (times the
-        mesh axes: `slot_bucket`), so the compiled shapes stay few; of the
-        shapes that hold every live branch, the one with the fewest slots
-        (then the fewest rows) is taken. Rows may become wider than before
-        (a prompt's stragglers from four 2-slot rows in one 8-slot row).
+        """Gather the live branches into a smaller state when the scheduler finds
+        one (`Scheduler.compaction`: once nothing waits, the smallest power-of-two
+        shape holding every live branch, grouped by prompt, at most
+        `scheduler.COMPACT_FRACTION` of the slots).
 
         Returns:
           True if the state was compacted.
         """
         s = self.s
-        if self.waiting_branches:
+        plan = self.sched.compaction(s.nb, s.nd)
+        if plan is None:
             return False
-        live = self._live_slots()
-        if not live.any():
-            return False
-        by_prompt: dict[int, list[tuple[int, int]]] = {}  # round row -> live (pool row, slot)
-        for i, j in zip(*np.nonzero(live)):
-            by_prompt.setdefault(int(self.row_of[i]), []).append((int(i), int(j)))
-        R_dev, N_dev = self.col_of.shape
-        widest = slot_bucket(max(len(v) for v in by_prompt.values()), s.nb)
-        best = None
-        n = s.nb
-        while n <= widest:
-            r = slot_bucket(sum(-(-len(v) // n) for v in by_prompt.values()), s.nd)
-            if best is None or (r * n, r) < (best[0] * best[1], best[0]):
-                best = (r, n)
-            n *= 2
-        R_new, N_new = best
-        if R_new * N_new > COMPACT_FRACTION * R_dev * N_dev:
-            return False
-        src_rows = np.zeros((R_new,), np.int32)
-        slot_rows = np.zeros((R_new, N_new), np.int32)
-        slots = np.zeros((R_new, N_new), np.int32)
-        new_live = np.zeros((R_new, N_new), bool)
-        col_of = np.full((R_new, N_new), -1, np.int64)
-        row_of = np.zeros((R_new,), np.int64)
-        i = 0
-        for r, members in by_prompt.items():
-            for k in range(0, len(members), N_new):
-                part = members[k:k + N_new]
-                src_rows[i], row_of[i] = part[0][0], r
-                for j, (a, b) in enumerate(part):
-                    slot_rows[i, j], slots[i, j] = a, b
-                    col_of[i, j] = self.col_of[a, b]
-                    new_live[i, j] = True
-                slot_rows[i, len(part):], slots[i, len(part):] = part[0]  # fillers: done
-                i += 1
-        placed = i
-        src_rows[placed:] = src_rows[0]  # padding rows: copies of the first, all slots done
-        slot_rows[placed:], slots[placed:] = slot_rows[0, 0], slots[0, 0]
-        row_of[placed:] = row_of[0]
         t0, c0 = time.perf_counter(), s.timings["compile"]
-        args = (self.prefix, self.state, jnp.asarray(src_rows), jnp.asarray(slot_rows),
-                jnp.asarray(slots), jnp.asarray(new_live))
+        args = (self.prefix, self.state, jnp.asarray(plan.src_rows), jnp.asarray(plan.slot_rows),
+                jnp.asarray(plan.slots), jnp.asarray(plan.live))
         out_specs = None if s.m is None else (s.m.prefix_spec, s.state_spec)
         self.prefix, self.state = jax.block_until_ready(s.gather("compact", compact, args,
                                                                  out_specs))
         s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
-        self.row_of = row_of
-        self.row_placed = np.arange(R_new) < placed
         self.last = None  # no refill after a compaction (nothing waits)
-        self.col_of = col_of
         return True
+
+    # -- applying the scheduler's plans ---------------------------------------------
+
+    def _apply(self, plan) -> None:
+        """A `scheduler.Boundary` on the device: the moves, then the inserts, then
+        the refill."""
+        if plan.moves:
+            self._move(plan.moves)
+        if plan.inserts:
+            self._insert(plan.inserts)
+        if plan.reset.any():
+            self._refill(plan.reset, plan.new_ids, plan.live)
+
+    def _move(self, moves):
+        """`loop.move_slots` for (src row, src slot, dst row, dst slot) `moves`."""
+        s = self.s
+        M = slot_bucket(len(moves))
+        m = np.array(moves + moves[:1] * (M - len(moves)), np.int32).T
+        args = (self.state,) + tuple(jnp.asarray(a) for a in m)
+        t0, c0 = time.perf_counter(), s.timings["compile"]
+        if s.m is None:
+            self.state = s.program(("move_slots",), move_slots, args, donate=(0,))(*args)
+        else:
+            self.state = s.gather("move_slots", move_slots, args, s.state_spec)
+        jax.block_until_ready(self.state)
+        s.timings["decode"] += time.perf_counter() - t0 - (s.timings["compile"] - c0)
+
+    def _insert(self, inserted):
+        """Copy the prefixes of `inserted` ((pool row, round row) pairs) into the pool.
+
+        Eager sessions copy from the session's prefill. Lazy ones prefill each
+        prompt not already in a pool row (one `prefill_rows` call per length
+        bucket, at that bucket, its rows a power-of-two count), then copy a
+        prompt already in the pool from its row (a prompt running in several
+        rows is prefilled once).
+        """
+        s = self.s
+        t0, c0, p0 = time.perf_counter(), s.timings["compile"], s.timings["prefill"]
+        if not s.lazy:
+            self._insert_from(s.prefix, s.last, [(i, self.rows[r]) for i, r in inserted])
+        else:
+            dest = {i for i, _ in inserted}
+            held = {}  # round row -> a pool row (not being replaced) holding its prefix
+            for i in np.nonzero(self.row_placed)[0]:
+                if int(i) not in dest:
+                    held.setdefault(int(self.row_of[i]), int(i))
+            fresh, copies = [], []
+            for i, r in inserted:
+                if r in held:
+                    copies.append((i, held[r]))
+                else:
+                    held[r] = i
+                    fresh.append((i, r))
+            by_bucket = {}  # one prefill per length bucket of the prompts taken now
+            for i, r in fresh:
+                n_tok = len(s.ids[s.row_prompt[self.rows[r]]])
+                by_bucket.setdefault(bucket(n_tok), []).append((i, r))
+            for group in by_bucket.values():
+                M = slot_bucket(len(group), s.nd)
+                src_rows = [self.rows[r] for _, r in group]
+                src_rows += src_rows[:1] * (M - len(src_rows))
+                prefix, last = s.prefill_rows(src_rows, own_bucket=True)
+                self._insert_from(prefix, last, [(i, j) for j, (i, _) in enumerate(group)],
+                                  [self.rows[r] for _, r in group])
+            if copies:
+                self._insert_from(self.prefix, self.last, copies,
+                                  [self.rows[int(self.row_of[j])] for _, j in copies])
+        dt = time.perf_counter() - t0
+        s.timings["decode"] += dt - (s.timings["compile"] - c0) - (s.timings["prefill"] - p0)
+
+    def _insert_from(self, prefix, last, pairs, session_rows=None):
+        """`loop.insert_rows`: pool row i <- row j of (prefix, last) for (i, j) in
+        `pairs`; `session_rows` (default: the j) are the session rows they hold
+        (their prompt indices and masks)."""
+        s = self.s
+        R_dev = self.col_of.shape[0]
+        M = slot_bucket(len(pairs))
+        dest = np.full((M,), R_dev, np.int32)  # R_dev: dropped (padding)
+        src = np.zeros((M,), np.int32)
+        rows = np.zeros((M,), np.int32)
+        session_rows = [j for _, j in pairs] if session_rows is None else session_rows
+        for k, ((i, j), r) in enumerate(zip(pairs, session_rows)):
+            dest[k], src[k], rows[k] = i, j, r
+        pidx = np.array([s.key_of_row(int(r)) for r in rows], np.int32)
+        mask = self._mask(rows)
+        args = (self.prefix, self.last, self.state.prompt_index, self.state.prompt_mask,
+                prefix, last, jnp.asarray(src), jnp.asarray(dest), jnp.asarray(pidx),
+                jnp.asarray(mask))
+        out_specs = (None if s.m is None
+                     else (s.m.prefix_spec, s.m.Ps(s.m.d), s.m.Ps(s.m.d), s.m.Ps(s.m.d)))
+        self.prefix, self.last, pi, pm = jax.block_until_ready(
+            s.gather("insert_rows", insert_rows, args, out_specs))
+        self.state = self.state._replace(prompt_index=pi, prompt_mask=pm)
+
+    def _refill(self, reset, new_ids, live):
+        s = self.s
+        fn = refill
+        args = (self.state, self.last, s.put(reset, "slots"), s.put(new_ids, "slots"),
+                s.put(live, "slots"))
+        if s.m is not None:
+            m = s.m
+            sl = m.Ps(m.d, BRANCH_AXIS)
+            fn = m.shard_map(fn, (s.state_spec, m.Ps(m.d), sl, sl, sl), s.state_spec)
+        prog = s.program(("refill", self._static(self.col_of.shape[1]), s.mesh), fn, args,
+                         donate=(0,))
+        self.state = prog(*args)

@@ -26,9 +26,10 @@ from jaxsample.engine.placement import (to_host, kv_bytes, MeshLayout, params_on
                                         serving_params)
 from jaxsample.engine.prefill import prefill
 from jaxsample.engine.round import Round
+from jaxsample.engine.buckets import bucket
 from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PrefixCache,
                                     PromptLogprobs, Static,
-                                    bucket, prefix_kv_dtype)
+                                    prefix_kv_dtype)
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling_params import SamplingParams

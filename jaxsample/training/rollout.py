@@ -34,7 +34,8 @@ import numpy as np
 
 from jaxsample.engine.api import generate, run_generate
 from jaxsample.engine.sampling import pad_stop_ids
-from jaxsample.engine.state import MAX_STOP_IDS, bucket
+from jaxsample.engine.buckets import bucket
+from jaxsample.engine.state import MAX_STOP_IDS
 from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.llm import LLM
@@ -83,7 +84,7 @@ class Rollout:
 def pad_prompts(prompt_tokens: Sequence[Sequence[int]], cap: int = 0):
     """Right-pad prompts to a bucketed common length: (`[B, P]` int32, lengths `[B]` int32).
 
-    P is `engine.state.bucket` of the longest (at least `cap`), so batches of
+    P is `engine.buckets.bucket` of the longest (at least `cap`), so batches of
     similar prompts share one compiled training step.
     """
     P = max(cap, bucket(max(len(t) for t in prompt_tokens)))
