@@ -40,7 +40,8 @@ FAMILIES = ["tiny_llama", "tiny_llama3_untied", "tiny_qwen2", "tiny_qwen3", "tin
 F32_BOUND = 2e-5
 # bfloat16 activations: the prefill and decode round hidden states and the KV cache at other
 # points than one forward; 4 bfloat16 roundings (2**-8 each) of logits up to 8 (measured
-# <= 0.07 on the dense tiny families: benchmarks/RESULTS.md).
+# <= 0.07 on the dense tiny families: docs/benchmarks.md, "token_logprobs against the
+# sampler").
 BF16_BOUND = 4 * 2.0**-8 * 8
 
 
