@@ -128,6 +128,7 @@ def test_logits_exist_one_chunk_at_a_time():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_gradient_matches_finite_differences_in_float64():
     """A subprocess with 64-bit floats, where the families' float32 (norms, RoPE,
     attention, logits) are float64 too: jax.grad of token_logprobs, and of the LoRA
@@ -223,6 +224,7 @@ def test_agrees_with_the_sampler_in_bfloat16(name):
 
 
 @pytest.mark.slow
+@pytest.mark.multidevice
 def test_agrees_with_the_sampler_on_a_mesh(tiny_lm):
     from jaxsample.sharding import make_mesh
 
