@@ -253,7 +253,7 @@ def test_donation_survives_and_a_new_signature_is_a_new_entry(exported_dir):
     prog, _ = programs.get(("toy",), f, args, donate=(0,))
     assert programs.last_exported
     state, x = args
-    out = prog(state, x)
+    prog(state, x)
     assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(state))  # donated
     assert not x.is_deleted()
     assert "input_output_alias" in prog.compiled.as_text()
