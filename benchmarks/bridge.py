@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import pathlib
-import sys
 import time
 
 import jax  # noqa: E402
@@ -37,7 +36,6 @@ import numpy as np  # noqa: E402
 from jaxsample.bridge_training.tasks import make_problems  # noqa: E402
 from jaxsample import bridge as bridge_lib, engine  # noqa: E402
 from jaxsample.reduce import answers  # noqa: E402
-from jaxsample.bridge_training import common as bridge_train  # noqa: E402
 from jaxsample.bridge_training import grpo as bridge_grpo  # noqa: E402
 from jaxsample import SamplingParams  # noqa: E402
 

@@ -346,7 +346,6 @@ def main(argv=None):
 
 def table(report) -> str:
     """Markdown tables of a report: metrics per condition and width, paired differences."""
-    widths = report["args"]["widths"]
     keys = [k[:-3] for k in next(iter(report["eval"].values())) if k.endswith("_se")]
     lines = ["| N | condition | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for k, e in report["eval"].items():

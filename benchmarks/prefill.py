@@ -137,9 +137,8 @@ def layer_check(spec):
     """One attention layer at the model's H, K, D and S = P (random q, k, v):
     both kernels against a float64 numpy oracle, errors relative to max |v|."""
     import jax
-    import jax.numpy as jnp
 
-    from jaxsample.models import common, flash
+    from jaxsample.models import common
 
     H, K, D, S = spec["H"], spec["K"], spec["D"], spec["P"]
     r = np.random.default_rng(2)

@@ -65,7 +65,7 @@ def _variants():
     from jaxsample.loading import load
     from jaxsample.models import quant
 
-    from benchmarks.common import NoEosTokenizer, int8_without_outliers, prefix_kv_float32
+    from benchmarks.common import NoEosTokenizer, int8_without_outliers
 
     f32 = load(None, dtype="float32")
     q8 = load(None, weights="int8")
@@ -140,7 +140,7 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
     from jaxsample.loading import load
     from jaxsample.models import quant
 
-    from benchmarks.common import NoEosTokenizer, int8_without_outliers
+    from benchmarks.common import NoEosTokenizer, int8_without_outliers, prefix_kv_float32
 
     out = {}
     for name in models:

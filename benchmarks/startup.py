@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     print(f"\nsecond/first load+compile: exported {med['second'] / med['first']:.1%}, "
           f"plain {med['second-plain'] / med['first-plain']:.1%}")
     first = [c for c in calls if c["kind"] == "first"][0]
-    print(f"cache written by the first call: " + ", ".join(
+    print("cache written by the first call: " + ", ".join(
         f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(first["cache_bytes"].items())))
     print(f"same branch texts in every call: {same}")
     return 0

@@ -102,8 +102,8 @@ class BridgeConfig:
         `RMSNorm(h - mean of h over the live branches at that position)`, and
         adds the per-token path `W_V RMSNorm(h)`: `y = W_O (W_V RMSNorm(h) +
         Attn(centred))`. The attention then compares what the branches did
-        differently, not their shared prompt/position state (which made the
-        uncentred attention exactly uniform, benchmarks/notes/notes_bridge.md).
+        differently, not their shared prompt/position state (on which the
+        uncentred attention is uniform: docs/benchmarks.md, "Bridge").
         A branch alone (N = 1, prefill, all others finished) has deviation 0,
         RMSNorm(0) = 0 (`norm_eps` > 0), so the block is the per-token path,
         i.e. `cross_branch=False` with the same params (`self_only`).

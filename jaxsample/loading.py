@@ -75,9 +75,10 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         rounding). On an x86-64 CPU with AVX2 both products run as
         `models.cpu_kernels`' custom calls, compiled on first use. Both keep each projection's 16
         largest input channels float, found by running the float model over a short built-in
-        calibration text (`models.outliers`, about 3 s on two CPU cores),
+        calibration text (`models.outliers`, a few seconds on CPU),
         which stay float: without them W8A8's last-position logit error
-        against float32 is 2.4x larger. Norms, biases and MoE experts stay
+        against float32 is more than twice as large (docs/benchmarks.md,
+        "Int8 weights"). Norms, biases and MoE experts stay
         in `dtype`, which is also the activations' dtype. The weight cache
         keeps the int8 weights and their channels beside the float32 ones
         (`weight_cache.int8_entry`, 150 MB for SmolLM2), so only the first

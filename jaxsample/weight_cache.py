@@ -361,8 +361,8 @@ def load_weights(entry: pathlib.Path, key: WeightKey, tokenizer=None, *, verify:
     on CPU `jnp.asarray` can then alias them too). The entry is only ever
     replaced by renaming, never written in place, so the mapping stays valid.
     With `verify` (the default), every tensor's CRC-32 is checked against the
-    one stored when the entry was written (about 0.3 s per GB: see the README's
-    "What the cache holds").
+    one stored when the entry was written (what that costs:
+    docs/how-to/caches.md).
 
     Raises:
       CacheAbsent: no entry.

@@ -18,8 +18,9 @@ writes), and the decode step's attention over the shared prefix:
   runs: x float32 quantised per row, `int8_dot`'s loop, the rescale and the
   float channels kept apart, the steps of `quant.w8a8_expression` (bit for bit
   without kept channels). One custom call instead of 6-8 XLA ops per product:
-  the programs are smaller, so a warm start fetches them in about half the
-  time (RESULTS.md, "W8A8's product in one call").
+  the programs are smaller, so a warm start fetches and compiles them faster
+  (docs/benchmarks.md, "Int8 weights"; benchmarks/step_ablation.py's
+  `unfused_w8a8` variant).
 * `f32_int8_dot(x, q)`: float32 x int8 -> float32 `[M, N]`, weight-only int8's
   product, summed in an order fixed by K alone (a row's result does not depend
   on M or on the other rows: batch-invariant).
@@ -29,15 +30,16 @@ writes), and the decode step's attention over the shared prefix:
   core of `common.partial_attention`: scores, softmax and the product with V in
   one pass per (head, 8 queries, 256 keys), merged by log-sum-exp (split-K,
   as flash-decoding). The int8 decode step's prefix attention
-  (`engine.prefix_attention`): XLA CPU runs its two batched dots at about a
-  third of its large-GEMM rate (0.9 ms a layer at N = 16, P = 1024, against
-  0.5). The float32 model keeps XLA's (its tokens stay bit-identical).
+  (`engine.prefix_attention`): XLA CPU runs its two batched dots far below
+  its large-GEMM rate (docs/ARCHITECTURE.md, "Attention over a shared
+  prefix"). The float32 model keeps XLA's (its tokens stay bit-identical).
 
-Why (benchmarks/RESULTS.md, "CPU kernels"): XLA CPU (jaxlib 0.10.2) runs a
-small-M int8 x int8 dot through its int8 GEMM at a fixed 0.1-0.3 ms per
-product on an AVX2 CPU, lowers a one-row one to a loop over an int32 copy of
-the weight, and gives a float x int8 dot a float32 copy of the weight each
-call. The kernels read each weight row once for all M rows, on the intra-op
+Why (docs/benchmarks.md, "Against llama.cpp on CPU" and "Int8 weights";
+benchmarks/quantized.py): XLA CPU (jaxlib 0.10.2) runs a small-M int8 x int8
+dot through its int8 GEMM at a fixed cost per product that dominates at
+decode sizes on an AVX2 CPU, lowers a one-row one to a loop over an int32
+copy of the weight, and gives a float x int8 dot a float32 copy of the weight
+each call. The kernels read each weight row once for all M rows, on the intra-op
 thread pool.
 
 Built on first use in a process that runs an int8 model: `$CXX` (default
@@ -92,13 +94,11 @@ TARGETS = ("jaxsample_int8_dot", "jaxsample_f32_int8_dot", "jaxsample_segment_at
 MAX_ROWS = 64
 """On AVX2, int8 x int8 products of more rows (a prefill) stay `dot_general`: XLA
 CPU's int8 GEMM is as fast there, and reads the int8 weight as it is. On AVX-512 VNNI
-the kernel takes every M: its 4 x 4 register tile ran SmolLM2's prefill shapes at
-1.1-2.8x XLA's int8 GEMM from M = 257 to 8192 on a Zen 4 (RESULTS.md, "The VNNI
-product's 4 x 4 register tile"). The float32 x int8
-product keeps the kernel at any M, though XLA's float GEMM is faster from about 64
-rows (576 x 1536 at 1024 rows: 13 ms against 26): XLA's path first writes a float32
-copy of each weight, which took the SmolLM2 prefill's peak from 113 to 528 MB for
-0.2 s of 3 (RESULTS.md, "CPU kernels")."""
+the kernel takes every M: its 4 x 4 register tile measures faster than XLA's int8
+GEMM on SmolLM2's prefill shapes from M = 257 to 8192. The float32 x int8 product
+keeps the kernel at any M, though XLA's float GEMM is faster from about 64 rows:
+XLA's path first writes a float32 copy of each weight, which multiplies the
+prefill's peak memory to save a small part of its time."""
 
 log = logging.getLogger("jaxsample.cpu_kernels")
 

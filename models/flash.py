@@ -43,23 +43,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Query / key block size (positions). Measured on the 2-core AVX2 CPU with the
-# SmolLM2-135M shapes (H=9, K=3, D=64): 128-256 fastest from S = 512 to 4096
-# (a [K, G*256, 256] float32 score block is 2.4 MB), 512 within 10-30 %, one block
-# of S (the dense kernel's shape) 3-4x slower; see benchmarks/notes/notes_prefill.md.
+# Query / key block size (positions). On CPU with the SmolLM2-135M shapes (H=9,
+# K=3, D=64), 128-256 run fastest from S = 512 to 4096 (a [K, G*256, 256] float32
+# score block is 2.4 MB); larger blocks are slower, one block of S (the dense
+# kernel's shape) several times slower (benchmarks/prefill.py --block).
 BLOCK = 256
 BLOCKWISE_FROM = (
-    # CPU: measured with SmolLM2 on the loaded 2-core CPU, blockwise saves about
-    # 0.9 s per call at P = 512 (one-layer timings) and 1.6 s at 1024, small against
-    # its program's extra compile time (about 6 s for 30 unrolled layers, once per
-    # prompt bucket and process; the persistent compilation cache keeps it).
+    # CPU: with SmolLM2, what blockwise saves per call below 1024 positions is small
+    # against its program's extra compile time (30 unrolled layers, once per prompt
+    # bucket and process; the persistent compilation cache keeps it): docs/benchmarks.md,
+    # "Prefill: dense against blockwise attention".
     ("cpu", 1024),
-    # GPU: measured on one H200 (jax 0.11.2, the random 1B Llama in bfloat16, H = 32,
-    # one prompt, benchmarks/gpu_run.sh's prefill part): dense 0.05 s against
-    # blockwise 0.14 s at P = 4096, 0.58 s against 1.80 s at P = 16384, where dense's
-    # device peak was 5.1 GB. Above 16384 nothing was measured, so the blockwise
-    # kernel keeps the memory bounded there. gpu_run.sh measures both kernels at
-    # 1K / 4K / 16K for the 1B and 8B shapes and prints the entry they imply.
+    # GPU: measured on one GPU (the random 1B Llama in bfloat16, H = 32, one prompt,
+    # benchmarks/gpu_run.sh's prefill part; docs/benchmarks.md, "GPU: one H200")
+    # dense is faster than blockwise at P = 4096 and 16384, within the device's
+    # memory. Above 16384 nothing is measured, so the blockwise kernel keeps the
+    # memory bounded there. gpu_run.sh measures both kernels at 1K / 4K / 16K for
+    # the 1B and 8B shapes and prints the entry they imply.
     ("gpu", 16385),
     # TPU: not measured. Dense up to 4096 positions, where its float32 scores
     # ([H, S, S], 2 GiB at H = 32) fit any TPU's memory beside a 1B model; the same

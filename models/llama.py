@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample.models import common, moe, quant
-# Shared building blocks, re-exported under their historical names.
+# The shared building blocks this module uses, and those every family module
+# exposes (`models.families`: stack_layers, unstack_layers, partial_attention, ...).
 from jaxsample.models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
                            merge_attention, partial_attention, rms_norm, stack_layers,
                            unstack_layers)
@@ -475,8 +476,8 @@ def run_layers(cfg: LlamaConfig, params: Params, x, positions, attend_for_layer,
     as a dict of arrays stacked over L (run with one `lax.scan`; compact
     programs, the loaders' layout) or as a list of L per-layer dicts (run as
     an unrolled Python loop; the serving layout: on CPU a scan slices every
-    weight out of the stacked array with a copy per step, which made a
-    SmolLM2 decode step 3x slower).
+    weight out of the stacked array with a copy per step, several times
+    slower per decode step).
 
     Args:
       x: `[S, E]`; positions: `[S]`.

@@ -35,10 +35,10 @@ Expert compute (`expert_mix`): four implementations of the same sum
 * "dense": every token through all X experts (one-hot gate weights, zeros
   off the top k): X/k times the FLOPs, every expert read, no gather or sort.
 
-The measured choice is in benchmarks/moe_paths.py and benchmarks/RESULTS.md
-("Mixture of experts"): "loop" was the fastest at T = 1, 16 and 64 on CPU.
+The choice is measured by benchmarks/moe_paths.py (docs/benchmarks.md,
+"Mixture of experts"): "loop" is the fastest at T = 1, 16 and 64 on CPU.
 A grouped kernel running each expert on its own tokens only ("sorted" on an
-accelerator whose `ragged_dot` is native) was not measured.
+accelerator whose `ragged_dot` is native) is not measured.
 
 Batching (`moe_ffn`): the decode step is written per branch and vmapped over
 the N branches and the R rows (`engine/step.py`); the plain vmap of a
@@ -72,8 +72,8 @@ IMPLS = ("auto", "gather", "sorted", "dense", "loop")
 def choose_impl(tokens: int, n_experts: int, k: int) -> str:
     """The expert-compute implementation for a call of `tokens` tokens (static).
 
-    "loop" at every token count: on XLA CPU it was the fastest of the four at
-    T = 1, 16 and 64 (benchmarks/moe_paths.py, benchmarks/RESULTS.md "Mixture
+    "loop" at every token count: on XLA CPU it is the fastest of the four at
+    T = 1, 16 and 64 (benchmarks/moe_paths.py; docs/benchmarks.md, "Mixture
     of experts"): it reads each touched expert's weights once, contiguously,
     and skips the others; `lax.ragged_dot` ("sorted") is lowered on CPU to
     more work than the dense einsum, and "gather" copies T*k expert matrices.

@@ -14,10 +14,10 @@ float (`quant.QuantizedWeight.outliers`: a `[K, out]` float32 slice of the
 weight and an `x[..., idx]` product beside the int8 dot), the rest
 quantised as before with those channels masked out of the row scale.
 
-Per projection that is `K x out x 4` more bytes (K = 16: 2.8% over the
-int8 weight at E = 576) and a gather and a thin dot per step; the decode
-step's time and the accuracy are in benchmarks/RESULTS.md ("Outlier
-channels").
+Per projection that is `K x out x 4` more bytes (K = 16: 11% over the
+int8 weight at in = E = 576) and a gather and a thin dot per step; the
+accuracy it buys is in docs/benchmarks.md ("Int8 weights"), measured by
+benchmarks/quantized.py and benchmarks/int8_outliers.py.
 
     maxima = channel_maxima(cfg, params, tokens)     # the float model, list layout
     idx = outlier_channels(maxima, k=16)

@@ -11,7 +11,8 @@ unchanged, and the families' `h @ lp["wo"]` reaches `__rmatmul__`. Projections
 of one input (q/k/v, gate/up) are stored as one matrix when their outlier
 channels agree (`common.project` reads them). `matmul` and `take_rows` replace
 `einsum` / `take` at the head and the embedding; for plain arrays they are
-exactly the old expressions, so float32 and bfloat16 programs are unchanged.
+exactly those `jnp.einsum` / `jnp.take` calls, so float32 and bfloat16
+programs hold nothing of int8.
 
 Two modes (`MODES`, static, per model): "weight_only", `(x @ float(q)) * scale`;
 "w8a8" (`DEFAULT_MODE`, the faster on XLA CPU), x quantised per row on the fly
@@ -20,12 +21,14 @@ On x86-64 with AVX2 both run as `models.cpu_kernels`' custom calls for a weight
 stored `[out, in]` (W8A8's whole product one call, bit for bit XLA's steps
 without outlier channels; weight-only's sums in a batch-independent order);
 elsewhere as `lax.dot_general`. W8A8's per-row rounding is its accuracy price
-(RESULTS.md): `with_mode(params, "weight_only")` trades speed back for it.
+(docs/benchmarks.md, "Int8 weights"): `with_mode(params, "weight_only")` trades
+speed back for it.
 
 Outlier channels (`QuantizedWeight.outliers`, calibrated by `models.outliers`,
 on by default in `load(weights="int8")`): a projection's few input channels that
 dwarf the rest, kept as a float32 `[K, out]` slice, multiplied apart and masked
-out of the int8 product and its activation scale (RESULTS.md, "Outlier channels").
+out of the int8 product and its activation scale (docs/benchmarks.md, "Int8
+weights").
 
 Reference: Jacob et al. 2018, "Quantization and Training of Neural Networks
 for Efficient Integer-Arithmetic-Only Inference" (symmetric per-channel
@@ -212,8 +215,8 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
 
 def _outlier_part(x, idx, w_out):
     """The float32 product of x's outlier channels, `x[..., idx] @ w_out` (a thin dot:
-    unrolled into K multiply-adds fused with the int8 product's epilogue it ran 8-12%
-    faster per SmolLM2 decode step, but compiled 40% slower; RESULTS.md)."""
+    K multiply-adds unrolled into the int8 product's epilogue measure a little faster
+    per decode step but compile much slower)."""
     xo = jnp.take(x, idx, axis=-1).astype(jnp.float32)
     return jnp.einsum("...k,ko->...o", xo, w_out.astype(jnp.float32))
 
@@ -230,9 +233,9 @@ def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool
     outlier channels, their float32 sum's rounding apart with them). Else XLA's
     expression (`w8a8_expression`), a single row padded with a zero row: XLA CPU
     (jaxlib 0.10.2) lowers a one-row int8 dot to a matrix-vector loop over an
-    int32 copy of the whole weight (0.42 ms for 576 x 1536, 150 ms for SmolLM2's
-    head), and two rows to its int8 GEMM (0.09 ms, 2.5 ms: faster than the
-    float32 dot).
+    int32 copy of the whole weight (such copies are what benchmarks/quantized.py's
+    hlo part counts), and two rows to its int8 GEMM, which runs several times
+    faster (and faster than the float32 dot).
     """
     xf = x.astype(jnp.float32)
     if transposed and cpu_kernels.uses_int8_kernel(*x.shape):
@@ -351,8 +354,7 @@ def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MOD
     keeps its float path), and any other tensor. In the list layout a
     projection is stored as the embedding is, `q [out, in]` with one scale
     per row, and stands for its transpose (`rows=transposed=True`): XLA
-    CPU's int8 dot streams that layout 4-6% faster per SmolLM2 decode step
-    (benchmarks/RESULTS.md, "Int8 weights").
+    CPU's int8 dot streams that layout faster (measured per decode step).
 
     With `abstract=True`, `params` holds `jax.ShapeDtypeStruct`s and so does
     the result (for lowering a program without weights).
@@ -394,7 +396,7 @@ def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MOD
         if not listed:
             return qz(a, name)
         # Stored as the embedding is, [out, in] with a scale per row, and used
-        # transposed: XLA CPU's int8 dot reads that layout faster (RESULTS.md).
+        # transposed: XLA CPU's int8 dot reads that layout faster.
         t = jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if abstract else np.asarray(a).T
         w = qz(t, name, rows=True)
         return w._replace(transposed=True) if abstract else \

@@ -173,6 +173,7 @@ def test_any_width_with_the_same_params(tiny_lm, cfg, bridge, coupled, n):
             coupled.tokens, engine.generate(tiny_lm, PROMPTS, sp(4), bridge=uncentred).tokens)
 
 
+@pytest.mark.multidevice
 @BOTH
 def test_sharded_equals_unsharded(tiny_lm, cfg, bridge, coupled):
     mesh = jax.make_mesh((1, 4), ("data", "branch"))

@@ -77,6 +77,7 @@ def test_zero_init_is_exactly_the_base_model(tiny_lm, cfg):
     np.testing.assert_array_equal(back.tokens, base.tokens)
 
 
+@pytest.mark.multidevice
 def test_mlp_is_per_token_width_agnostic_and_shardable(tiny_lm):
     m = nonzero(tiny_lm, MLP)
     g4 = engine.generate(tiny_lm, PROMPTS, sp(4), bridge=m)

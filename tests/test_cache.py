@@ -347,6 +347,7 @@ _POISONED_RUN = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_cli_warns_once_about_a_poisoned_entry_and_runs(gguf, tmp_path):
     """The command line after a poisoned entry: one stderr line naming the cache entry,
     then a normal run (not "the weights hold NaN"), and the entry is rewritten."""
@@ -380,6 +381,7 @@ _WRITER = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_concurrent_writers_leave_one_good_entry(gguf):
     path, base = gguf
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -449,6 +451,8 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_aot_programs_hit_the_persistent_cache(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     env.pop(cache.ENV_OFF, None)
@@ -535,6 +539,8 @@ _CORRUPT_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_corrupt_compilation_cache_entry_is_rewritten(tmp_path):
     """JAX skips writing a key whose file exists, so an entry it cannot read was
     compiled again in every process; now the fresh executable replaces it."""
@@ -578,6 +584,8 @@ def test_a_cache_dir_naming_an_unknown_home_is_a_config_error(monkeypatch):
 # Where everything is written (issue 19.11)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_suite_uses_a_temporary_cache():
     """tests/conftest.py points every cache at a session directory before jaxsample is
     imported; subprocesses inherit it; the user's ~/.cache is never the cache."""

@@ -193,6 +193,7 @@ def test_bounds_scale_with_the_messages(meta):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_hostile_template_in_a_gguf_is_one_line_exit_2_within_seconds(tmp_path):
     """The real command line on a GGUF whose template loops for ever: one line naming
     the file, exit 2, no traceback, in seconds, before any weight is read."""

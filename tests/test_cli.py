@@ -384,6 +384,7 @@ def test_run_unknown_model(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.multidevice
 def test_run_on_a_branch_mesh(tmp_path, run_json):
     jax = pytest.importorskip("jax")
     if len(jax.devices()) < 2:
@@ -664,6 +665,8 @@ def test_plot_without_matplotlib_names_the_extra(capsys, monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_python_dash_m_jaxsample_cli_runs_the_command_line():
     """`python -m jaxsample.cli` is the command line too (it printed nothing and exited 0)."""
     import subprocess

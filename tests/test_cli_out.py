@@ -290,6 +290,8 @@ def _same_results_up_to_ties(lm, got, ref, temperature):
     return assert_same_tokens_up_to_ties(lm, view(ref), view(got), max_ties=2)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_sigint_keeps_finished_lines_and_resume_completes_the_run(tmp_path):
     # 120 requests, each with its own seed (it draws from (seed, branch) wherever it
     # stands), in one pool: they complete one after another, so the first line appears
@@ -373,6 +375,7 @@ def test_kv_budget_sizes():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_distributed_parts_merged_equal_a_single_process_run(tmp_path):
     """Two CLI processes under jax.distributed (--distributed on loopback) each write
     their part; `jaxsample merge` joins them; the lines equal a one-process run's."""
@@ -420,6 +423,7 @@ def test_distributed_parts_merged_equal_a_single_process_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_missing_peer_is_said_not_waited_for_silently(tmp_path):
     """--num-processes 2 with one process started: it says what it waits for, and JAX
     ends it after --join-timeout (jax 0.10 aborts; no part file is written)."""
@@ -569,6 +573,8 @@ def test_resume_accepts_a_byte_order_mark_and_a_trailing_blank_line(capsys, monk
     assert out.read_bytes() == text
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_second_run_on_a_held_out_file_is_refused_with_the_holders_pid(
         capsys, monkeypatch, tmp_path, three_done, resume):
@@ -590,6 +596,7 @@ def test_a_second_run_on_a_held_out_file_is_refused_with_the_holders_pid(
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_two_runs_on_one_out_file_one_writes_the_other_is_refused(tmp_path):
     """Two real `jaxsample run` processes on one --out at once (the file empty, then
     with --resume on a seeded file): one writes every line, the other exits 2 in one

@@ -258,6 +258,8 @@ def _closed_early(argv, tmp_path):
     return p.wait(timeout=300), err
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("json_flag", [["--json"], []], ids=["json", "table"])
 def test_a_broken_pipe_exits_quietly(tmp_path, json_flag):
     code, err = _closed_early(["price", "--model", "tiny", "--n", "1,4"] + json_flag, tmp_path)
@@ -265,6 +267,7 @@ def test_a_broken_pipe_exits_quietly(tmp_path, json_flag):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("json_flag", [["--json"], []], ids=["json", "table"])
 def test_a_broken_pipe_during_run_exits_quietly(tmp_path, json_flag):
     code, err = _closed_early(TINY_RUN[:1] + ["--prompt", "hi"] + TINY_RUN[1:-1] + json_flag,

@@ -157,6 +157,8 @@ def _laughs(levels: int, wrap: str = "model") -> str:
     return f"{wrap}: [" + ", ".join(anchors) + "]\n"
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_billion_laughs_is_refused_quickly_with_a_short_message(tmp_path):
     import subprocess
     import sys

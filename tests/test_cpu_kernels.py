@@ -33,6 +33,8 @@ CAN_BUILD = (platform.system() == "Linux" and platform.machine() == "x86_64"
              and "avx2" in open("/proc/cpuinfo").read() and "fma" in open("/proc/cpuinfo").read())
 needs_kernels = pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 Linux, AVX2+FMA, c++")
 
+pytestmark = pytest.mark.kernels
+
 
 @needs_kernels
 def test_the_kernels_build_here():
@@ -250,6 +252,7 @@ def test_float_product_within_float32_summation_and_batch_invariant(mkn, seed):
         np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w))[0], got[i].astype(np.float32))
 
 
+@pytest.mark.multidevice
 @needs_kernels
 def test_under_vmap_and_a_mesh():
     """A vmapped call (the engine's branch axis; one weight, or a weight per element)
@@ -274,6 +277,7 @@ def test_under_vmap_and_a_mesh():
         np.testing.assert_array_equal(np.asarray(got), want.reshape(6, 40))
 
 
+@pytest.mark.multidevice
 @needs_kernels
 def test_gradients_inside_shard_map():
     """The float kernels' gradients under a 2-device `shard_map` (its varying-axes check
@@ -526,6 +530,8 @@ PROBE = ("import logging; logging.basicConfig(format='%(message)s')\n"
          "print('on' if k.enabled() else 'off', k._STATE.get('status'))\n")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @needs_kernels
 def test_built_once_then_loaded_and_a_corrupt_library_rebuilt(tmp_path):
     env = dict(JAXSAMPLE_CACHE_DIR=str(tmp_path))
@@ -541,6 +547,8 @@ def test_built_once_then_loaded_and_a_corrupt_library_rebuilt(tmp_path):
     assert so.stat().st_size > 1000 and so.stat().st_mtime_ns != stamp
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_bad_cxx_or_a_mesh_at_the_first_call_never_raises(tmp_path):
     """A `$CXX` a shell cannot split: one warning line, XLA's product. The first
     product inside `jax.set_mesh` over 2 devices: the kernels build and work."""
@@ -561,6 +569,8 @@ def test_a_bad_cxx_or_a_mesh_at_the_first_call_never_raises(tmp_path):
     assert r.stdout.split()[0] == "on" and "[[4, 4, 4]]" in r.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_without_a_compiler_the_products_stay_xla(tmp_path):
     """No compiler: one warning line, and the int8 product still right (dot_general)."""
     code = PROBE + ("import numpy as np\n"
@@ -576,6 +586,8 @@ def test_without_a_compiler_the_products_stay_xla(tmp_path):
     assert off.stdout.startswith("off") and "CPU kernels off" not in off.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @needs_kernels
 def test_the_environment_caps_the_int8_product_at_avx2(tmp_path):
     """`JAXSAMPLE_CPU_KERNELS=avx2`: the kernels on, the int8 product on AVX2 (whatever

@@ -33,6 +33,8 @@ from jaxsample.kernels.decode_attention import kernel, reference, segment_attent
 from jaxsample.models import common
 from ties import assert_same_tokens_up_to_ties
 
+pytestmark = pytest.mark.kernels
+
 DATA = pathlib.Path(__file__).parent / "data"
 BF16_U = 2.0 ** -8  # bfloat16's unit roundoff (8 significant bits)
 
@@ -222,6 +224,7 @@ def test_the_prefix_is_one_query_block_per_row():
     assert tail[1] == tail[2] == (R * N, K, T, D)
 
 
+@pytest.mark.multidevice
 def test_segment_attention_on_a_mesh():
     """shard_map over a (1, 4) ("data", "branch") mesh, 2 branches per device, the
     prefix replicated: the unsharded XLA path's results."""
@@ -299,6 +302,7 @@ def test_generate_with_pallas_attention_tiny_llama(tiny_lm):
 
 
 @pytest.mark.slow
+@pytest.mark.multidevice
 def test_generate_with_pallas_attention_tiny_gemma3_on_a_mesh():
     """Local layers of window 8 (the prefix's last 7 positions, a ring of 7 tail
     slots) on prompts and tails longer than the window, branches on a (1, 4) mesh."""

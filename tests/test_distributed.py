@@ -39,6 +39,7 @@ def _as_generation(d: dict):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_two_process_run_equals_single_process():
     single = subprocess.run([sys.executable, str(SCRIPT), "--single"], capture_output=True,
                             text=True, timeout=300)

@@ -277,6 +277,7 @@ def test_bucket():
         assert x <= engine.bucket(x) < 2 * max(x, 16)
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(1, 4), (2, 4), (1, 8), (2, 2)])
 def test_sharded_equals_unsharded(tiny_lm, shape):
     """Same seed, same tokens on a ("data", "branch") mesh of CPU devices."""
@@ -343,6 +344,7 @@ def _needs_devices(k):
         pytest.skip("needs --xla_force_host_platform_device_count (tests/conftest.py)")
 
 
+@pytest.mark.multidevice
 def test_padding_rows_of_a_data_axis_start_done_and_are_not_billed(tiny_lm):
     """3 prompts on a data axis of 2: the 4th (padding) row must not keep decoding."""
     _needs_devices(4)
@@ -361,6 +363,7 @@ def test_padding_rows_of_a_data_axis_start_done_and_are_not_billed(tiny_lm):
     assert got.bill.decoded_tokens_total == ref.bill.decoded_tokens_total
 
 
+@pytest.mark.multidevice
 def test_mesh_bill_reports_per_device_and_total(tiny_lm):
     """The prefix is replicated on every device of the branch axis: the bill says so."""
     _needs_devices(4)

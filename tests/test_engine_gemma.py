@@ -112,6 +112,7 @@ def test_local_layers_store_only_their_window(glm):
     assert g.bill.kv_bytes_shared_prefix < full
 
 
+@pytest.mark.multidevice
 def test_shared_equals_naive_chunked_and_sharded(glm1):
     glm = glm1
     params = SamplingParams(n=4, max_new_tokens=16, seed=5, top_p=0.9)

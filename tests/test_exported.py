@@ -95,6 +95,7 @@ def test_exported_programs_give_the_same_tokens_and_skip_tracing(tiny_lm, export
     _same(plain, read)
 
 
+@pytest.mark.kernels
 def test_int8_programs_calling_the_cpu_kernels_round_trip(tiny_lm, exported_dir, monkeypatch):
     """An int8 (W8A8) model's programs hold the kernels' custom calls: exported past
     jax.export's check of custom-call targets, read back, the same tokens as the plain
@@ -252,7 +253,7 @@ def test_donation_survives_and_a_new_signature_is_a_new_entry(exported_dir):
     prog, _ = programs.get(("toy",), f, args, donate=(0,))
     assert programs.last_exported
     state, x = args
-    out = prog(state, x)
+    prog(state, x)
     assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(state))  # donated
     assert not x.is_deleted()
     assert "input_output_alias" in prog.compiled.as_text()
@@ -314,6 +315,7 @@ def test_off_with_the_caches_off_or_its_own_switch(exported_dir, monkeypatch):
     assert not exported_dir.exists()
 
 
+@pytest.mark.multidevice
 def test_on_a_mesh_the_same_tokens_with_and_without(tiny_lm, exported_dir, monkeypatch):
     if jax.device_count() < 2:
         pytest.skip("needs --xla_force_host_platform_device_count (tests/conftest.py)")

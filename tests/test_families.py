@@ -273,6 +273,7 @@ def test_cached_decode_equals_full_forward(name):
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 12, 8, 250, 31], [7, 7, 200]]
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("name", FAMILIES)
 def test_shared_equals_naive_and_sharded(name):
     lm = _model(name, "hf")

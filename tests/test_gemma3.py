@@ -513,6 +513,7 @@ def gemma_lm():
     return load(registry.GEMMA3_270M)
 
 
+@pytest.mark.gemma
 @needs_gemma
 @pytest.mark.parametrize("name", list(REF["prompts"]))
 def test_gemma_ids_match_transformers(gemma_tok, name):
@@ -521,6 +522,7 @@ def test_gemma_ids_match_transformers(gemma_tok, name):
     assert gemma_tok.decode(p["ids"], skip_special_tokens=False) == p["decoded"]
 
 
+@pytest.mark.gemma
 @needs_gemma
 def test_gemma_long_prompts_are_long(gemma_tok):
     """The long reference prompts, as this tokenizer encodes them, reach past twice
@@ -537,6 +539,7 @@ def test_gemma_long_prompts_are_long(gemma_tok):
         assert len(ids) > floor, (name, len(ids), window)
 
 
+@pytest.mark.gemma
 @needs_gemma
 @pytest.mark.parametrize("name", [n for n in REF["prompts"] if n in REF["chats"]])
 def test_gemma_chat_template_matches_transformers(gemma_tok, name):
@@ -548,6 +551,7 @@ def test_gemma_chat_template_matches_transformers(gemma_tok, name):
                                              ).endswith("model\n")
 
 
+@pytest.mark.gemma
 @needs_gemma
 @pytest.mark.parametrize("name", [n for n in REF["prompts"]
                                   if n not in REF["chats"] and n != "specials"])
@@ -556,6 +560,7 @@ def test_gemma_raw_round_trip(gemma_tok, name):
     assert gemma_tok.decode(gemma_tok.encode(text)) == text
 
 
+@pytest.mark.gemma
 @needs_gemma
 def test_gemma_special_tokens(gemma_tok):
     t = gemma_tok
@@ -568,6 +573,7 @@ def test_gemma_special_tokens(gemma_tok):
     assert t.decode([2, 105], skip_special_tokens=False) == "<bos><start_of_turn>"
 
 
+@pytest.mark.gemma
 @needs_gemma
 @pytest.mark.slow
 def test_gemma_config(gemma_lm):
@@ -622,6 +628,7 @@ def gemma_logits(gemma_lm):
     return out
 
 
+@pytest.mark.gemma
 @needs_gemma
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, p in REF["prompts"].items() if "logits" in p])
@@ -648,6 +655,7 @@ def _full_attention_last(cfg, params, tokens):
     return gemma3.logits(cfg, params, x[-1])
 
 
+@pytest.mark.gemma
 @needs_gemma
 @pytest.mark.slow
 def test_gemma_long_prompt_needs_the_window(gemma_lm, gemma_logits):
@@ -666,6 +674,7 @@ def test_gemma_long_prompt_needs_the_window(gemma_lm, gemma_logits):
     assert windowed_err < LOGIT_ATOL < 100 * LOGIT_ATOL < full_err
 
 
+@pytest.mark.gemma
 @needs_gemma
 @pytest.mark.slow
 def test_gemma_greedy_matches_transformers(gemma_lm):
@@ -693,6 +702,7 @@ def test_gemma_greedy_matches_transformers(gemma_lm):
             f"{n}: {gemma_lm.tokenizer.decode(got)!r} != {ref['text']!r}")
 
 
+@pytest.mark.gemma
 @needs_gemma
 @pytest.mark.slow
 def test_gemma_forward_agrees_with_the_oracle(gemma_lm):
@@ -703,6 +713,7 @@ def test_gemma_forward_agrees_with_the_oracle(gemma_lm):
     np.testing.assert_allclose(row[ref["top_ids"]], ref["top_values"], atol=LOGIT_ATOL, rtol=0)
 
 
+@pytest.mark.gemma
 @needs_gemma
 @pytest.mark.slow
 def test_gemma_engine_greedy_and_long_prompt_logprobs(gemma_lm):
@@ -769,8 +780,10 @@ print(json.dumps({"code": code, "seconds": time.perf_counter() - t}), file=sys.s
 """
 
 
+@pytest.mark.gemma
 @needs_gemma
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_gemma_from_the_command_line_on_an_empty_cache(tmp_path):
     """`run` / `price --model gemma3-270m` in a fresh process with an empty cache: the
     GGUF is assembled under the cache directory (never $HOME/.cache), the config comes

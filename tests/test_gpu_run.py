@@ -25,6 +25,8 @@ from jaxsample.engine import loop
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_worker_past_its_timeout_is_killed():
     sys.path.insert(0, str(ROOT))
     from benchmarks import common
@@ -54,6 +56,7 @@ def test_a_failing_engine_option_makes_the_later_parts_use_xlas_defaults():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_smoke_run_measures_every_planned_cell(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one CPU device, as the run sees a machine

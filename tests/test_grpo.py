@@ -290,6 +290,7 @@ def test_train_argument_errors(tiny_lm):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_benchmark_runs_at_tiny_sizes(tmp_path):
     """`python -m benchmarks.grpo --tiny`: two steps, both evaluations, the rollout
     comparison, the JSON and the reward curve."""

@@ -62,6 +62,7 @@ print(json.dumps({"growth": growth, "counted": state + budget.result_bytes(1, N,
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 @pytest.mark.parametrize("n, T, logprobs", [(8192, 4, None), (2048, 32, 5)])
 def test_a_requests_peak_memory_is_bounded_by_what_the_guard_counts(n, T, logprobs):
@@ -84,6 +85,7 @@ def _too_large_n(T: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_request_too_large_for_host_memory_is_refused_before_compute():
     """Just past the guard (with T = 4 about 1.5 KB a branch: a few million branches on
     a few GiB of RAM): the library and the command line refuse it at once, in one line

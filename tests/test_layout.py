@@ -8,7 +8,9 @@ Nothing is imported or run: each test parses the source files. What holds:
   definition of the order (annotation-only imports aside);
 * no module reaches another module's private (`_x`) names, by
   `from m import _x` or by `m._x` on an imported module;
-* no test imports `benchmarks`, no benchmark imports the tests.
+* no test imports `benchmarks`, no benchmark imports the tests;
+* every test that starts another process is marked `subprocess` and `slow`
+  (CONTRIBUTING's markers), found through its helpers and fixtures.
 """
 
 from __future__ import annotations
@@ -208,3 +210,123 @@ def test_the_checks_see_what_they_check():
     assert len(MODULES) > 50 and sum(map(len, GRAPH.values())) > 100
     assert "jaxsample.engine.api" in GRAPH["jaxsample.reduce.adaptive"]
     assert _stage("jaxsample.cli.app") > _stage("jaxsample.engine.api") > _stage("jaxsample.models.llama")
+
+
+# ---------------------------------------------------------------------------
+# Test markers: a test that starts another process is marked `subprocess` and `slow`
+
+
+def _mark_names(node: ast.AST) -> set[str]:
+    """The X of every `pytest.mark.X` under node (a decorator, a `pytestmark` value,
+    a `pytest.param(..., marks=...)`)."""
+    return {n.attr for n in ast.walk(node)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "mark" and getattr(n.value.value, "id", None) == "pytest"}
+
+
+def _starts_a_process(fn: ast.AST) -> bool:
+    """`subprocess.` anywhere in fn, or a `.spawn(...)` call (benchmarks/common.py's
+    worker processes)."""
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "subprocess":
+            return True
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "spawn":
+            return True
+    return False
+
+
+def _spawning_tests(sources: dict[str, str]) -> dict[str, dict[str, set[str]]]:
+    """Module stem -> {test function that starts a process: the marks it carries (its
+    decorators' and the module's `pytestmark`)}, for the given {stem: source}.
+
+    A function starts a process when its own body does, or when it names (a call, a
+    reference, a parameter naming a fixture) a function that does: one defined at the
+    top of its module, imported from another module of `sources` (`from helpers
+    import x`), or a fixture of `conftest`."""
+    trees = {m: ast.parse(src) for m, src in sources.items()}
+    defs: dict[tuple[str, str], ast.AST] = {}
+    names: dict[str, dict[str, tuple[str, str]]] = {}
+    for m, tree in trees.items():
+        scope = {}
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defs[(m, node.name)] = node
+                scope[node.name] = (m, node.name)
+        for node in ast.walk(tree):  # imports from other test modules, local ones too
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in trees:
+                for a in node.names:
+                    scope.setdefault(a.asname or a.name, (node.module, a.name))
+        names[m] = scope
+    fixtures = names.get("conftest", {})
+
+    def refs(key: tuple[str, str]) -> set[tuple[str, str]]:
+        fn, scope = defs[key], names[key[0]]
+        used = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+        used |= {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+        return {scope.get(u, fixtures.get(u)) for u in used} & defs.keys()
+
+    spawning = {k for k, fn in defs.items() if _starts_a_process(fn)}
+    graph = {k: refs(k) for k in defs}
+    while True:
+        more = {k for k in defs if k not in spawning and graph[k] & spawning}
+        if not more:
+            break
+        spawning |= more
+    out = {}
+    for m, tree in trees.items():
+        module_marks = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark"
+                                                    for t in node.targets):
+                module_marks |= _mark_names(node.value)
+        found = {fn.name: module_marks | set().union(*map(_mark_names, fn.decorator_list))
+                 for (mod, name), fn in defs.items()
+                 if mod == m and name.startswith("test") and (mod, name) in spawning}
+        if found:
+            out[m] = found
+    return out
+
+
+TEST_SOURCES = {p.stem: p.read_text(encoding="utf-8") for p in sorted((ROOT / "tests").glob("*.py"))}
+
+
+def test_a_test_that_starts_a_process_is_marked_subprocess_and_slow():
+    bad = [f"tests/{m}.py::{name} lacks {sorted({'subprocess', 'slow'} - marks)}"
+           for m, found in sorted(_spawning_tests(TEST_SOURCES).items())
+           for name, marks in sorted(found.items()) if not {"subprocess", "slow"} <= marks]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_marker_check_sees_what_it_checks():
+    """A process started directly, through a module's helper, a fixture or an imported
+    helper is found, and a missing mark is seen; the suite's own spawners are found."""
+    sources = {
+        "helpers": "import subprocess\n\ndef held():\n    subprocess.Popen(['x'])\n",
+        "conftest": "import pytest\n\n@pytest.fixture\ndef worker():\n    return 1\n",
+        "test_a": "import subprocess\nimport pytest\nfrom helpers import held\n\n"
+                  "def _run():\n    subprocess.run(['true'])\n\n"
+                  "@pytest.fixture\ndef proc():\n    return _run()\n\n"
+                  "def test_direct():\n    subprocess.run(['true'])\n\n"
+                  "def test_helper():\n    _run()\n\n"
+                  "def test_fixture(proc):\n    pass\n\n"
+                  "def test_imported():\n    with held():\n        pass\n\n"
+                  "@pytest.mark.slow\n@pytest.mark.subprocess\ndef test_marked():\n    _run()\n\n"
+                  "@pytest.mark.subprocess\ndef test_half_marked():\n    _run()\n\n"
+                  "def test_plain(worker):\n    pass\n",
+        "test_b": "import pytest\nimport subprocess\n\n"
+                  "pytestmark = [pytest.mark.slow, pytest.mark.subprocess]\n\n"
+                  "def test_module_marked():\n    subprocess.run(['true'])\n",
+    }
+    found = _spawning_tests(sources)
+    assert set(found["test_a"]) == {"test_direct", "test_helper", "test_fixture",
+                                    "test_imported", "test_marked", "test_half_marked"}
+    assert found["test_a"]["test_marked"] == {"slow", "subprocess"}
+    assert found["test_a"]["test_half_marked"] == {"subprocess"}
+    assert found["test_a"]["test_direct"] == set()
+    assert found["test_b"] == {"test_module_marked": {"slow", "subprocess"}}
+    real = _spawning_tests(TEST_SOURCES)
+    assert sum(map(len, real.values())) >= 30
+    assert "test_a_second_writer_is_refused_with_the_holders_pid" in real["test_results_file"]
+    assert "test_a_worker_past_its_timeout_is_killed" in real["test_gpu_run"]
+    assert set(real["test_packaging"]) == {"test_the_wheel_holds_the_named_configs_and_kernel_sources",
+                                           "test_a_named_config_resolves_from_the_installed_wheel"}

@@ -116,6 +116,7 @@ def test_mixed_requests_run_in_one_pool_and_equal_each_alone(tiny_lm, llm):
 
 
 @pytest.mark.slow
+@pytest.mark.multidevice
 def test_mixed_requests_on_a_2x2_mesh_equal_each_alone(tiny_lm):
     from jax.sharding import Mesh
 
@@ -231,6 +232,7 @@ def test_processed_logprobs_are_the_sampling_distributions(tiny_lm, llm):
         SamplingParams(logprobs_mode="processed")
 
 
+@pytest.mark.multidevice
 def test_vllm_keywords_are_honoured_or_answered(tiny_lm, tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="trust_remote_code=True ignored"):
         LLM(tiny_lm, trust_remote_code=True, compilation_cache=False)

@@ -483,6 +483,8 @@ def test_hf_non_finite_weights_and_bad_embedding_shape(tmp_path):
         load(d)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_model_families_install_under_the_library_namespace(tmp_path):
     """`jaxsample.models` is ours; a top-level `models` never resolves to our folder."""
     import subprocess

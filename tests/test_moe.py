@@ -186,6 +186,7 @@ def test_reverse_mode_through_the_batched_ffn():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("shape,token_axis", [((1, 4), None), ((2, 2), "data")])
 def test_expert_parallel_equals_unsharded(shape, token_axis):
     mesh = jax.make_mesh(shape, ("data", "expert"))
@@ -303,6 +304,7 @@ def test_shared_equals_naive(mixtral, sampled):
     assert_same_tokens_up_to_ties(mixtral, naive, sampled)
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
 def test_sharded_equals_unsharded(mixtral, sampled, shape):
     mesh = jax.make_mesh(shape, ("data", "branch"))

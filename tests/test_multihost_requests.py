@@ -214,6 +214,8 @@ def test_merge_refuses_bad_parts_in_one_line_and_leaves_out_alone(tmp_path, caps
     assert sorted(p.name for p in tmp_path.iterdir() if "merging" in p.name) == []
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("held", ["part", "out"])
 def test_merge_refuses_while_a_run_writes_a_part_or_the_output(tmp_path, capsys, held):
     """A part still being written (its process holds the lock) would merge incomplete;
@@ -246,6 +248,7 @@ def test_merge_refuses_the_output_as_a_part(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_two_process_parts_merged_equal_a_single_process_run(tiny_lm, tmp_path):
     out = tmp_path / "out.jsonl"
     port = str(_free_port())

@@ -17,7 +17,6 @@ import dataclasses
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -319,6 +318,7 @@ def test_rounds_and_naive_with_penalties(tiny_lm):
     assert_same_tokens_up_to_ties(tiny_lm, ref, naive_generate(tiny_lm, PROMPTS, params))
 
 
+@pytest.mark.multidevice
 def test_penalties_on_a_mesh(tiny_lm):
     if jax.device_count() < 4:
         pytest.skip("needs --xla_force_host_platform_device_count (tests/conftest.py)")

@@ -128,6 +128,7 @@ def test_pool_with_sliding_windows():
     assert_same_tokens_up_to_ties(glm, ref, got)
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
 def test_pool_on_a_mesh(tiny_lm, shape):
     if jax.device_count() < 4:
@@ -227,7 +228,8 @@ def test_compaction_packs_a_prompt_from_several_rows_into_one(tiny_lm):
     assert got.bill.branch_steps == 3 * 4 * 2 + (T - 3) * 4
 
 
-@pytest.mark.parametrize("extra,shape", [({}, None), ({}, (2, 2)),
+@pytest.mark.parametrize("extra,shape", [({}, None),
+                                         pytest.param({}, (2, 2), marks=pytest.mark.multidevice),
                                          ({"logprobs": 2, "presence_penalty": 0.7,
                                            "repetition_penalty": 1.3}, None)])
 def test_a_prompts_last_branches_are_packed_to_free_rows(tiny_lm, extra, shape):

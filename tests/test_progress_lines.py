@@ -68,6 +68,7 @@ generate(lm, ["hi"], SamplingParams(n=2, max_new_tokens=5, seed=0),
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_compile_lines_say_compiled_only_when_xla_compiled(tmp_path):
     """Two fresh processes over one persistent compilation cache and one directory of
     exported programs: the first traces and compiles prefill and decode, the second

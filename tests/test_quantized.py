@@ -111,6 +111,7 @@ def test_matmul_error_bounded_by_the_scale(mode, rows):
     np.testing.assert_array_equal(np.asarray(jnp.asarray(x, jnp.float32) @ qw), y.astype(np.float32))
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("kept", [None, [3, 50]])
 def test_w8a8_rows_are_independent_of_the_batch_and_the_mesh(kept):
     """W8A8 quantises each activation row by its own scale, so a row's product must not
@@ -348,6 +349,7 @@ def test_cached_decode_near_own_forward_w8a8(qlm, monkeypatch):
     assert errs.max() <= 0.25, errs.max()
 
 
+@pytest.mark.kernels
 def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm, monkeypatch):
     """Where the CPU kernel reads it, a W8A8 model's prefix KV is stored in float16
     (`state.prefix_kv_dtype`): exactly the float32 prefill's K and V rounded to
@@ -407,6 +409,7 @@ def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm, monkeypatch)
     assert np.all(np.isfinite(got))
 
 
+@pytest.mark.kernels
 def test_the_compiled_w8a8_step_reads_the_float16_prefix(qlm):
     """`step_cost.compile_decode_step` compiles the step the engine runs: for W8A8 its
     prefix is float16 and read by the float16 attention target (what `benchmarks/
@@ -493,6 +496,7 @@ def test_the_bill_counts_the_weights_as_stored(tiny_lm, qlm, sampled):
         - b.decode_steps * params * 4
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("mode,atol", [("weight_only", 1e-5), ("w8a8", 0.05)])
 def test_mesh_equals_unsharded(qlm, mode, atol):
     """Same seed, same tokens on a (2, 2) mesh (q and scale replicated like float weights).

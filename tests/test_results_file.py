@@ -136,6 +136,8 @@ def test_a_line_the_check_refuses_names_the_line_and_leaves_the_file(tmp_path):
     assert path.read_bytes() == text
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
     """A real second process holds the file: opening it (with or without resume, by
     another path to it) is refused at once naming the holder's pid, and the file is left

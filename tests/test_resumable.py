@@ -39,6 +39,7 @@ def test_chunked_equals_one_call(tiny_lm, temperature, chunk):
     assert chunked.bill.branch_steps == one.bill.branch_steps
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
 def test_chunked_equals_one_call_on_a_mesh(tiny_lm, shape):
     if jax.device_count() < 4:

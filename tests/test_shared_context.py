@@ -128,6 +128,7 @@ def test_bridge(tiny_lm):
     assert_close_generations(tiny_lm, ref, got)
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
 def test_sharded_equals_unsharded(tiny_lm, shape):
     if jax.device_count() < shape[0] * shape[1]:

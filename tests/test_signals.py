@@ -193,6 +193,7 @@ def test_chunked_and_compacted_equal_one_call(tiny_lm):
     assert (one.lengths < 24).any()  # some branches stopped: compaction had work to do
 
 
+@pytest.mark.multidevice
 def test_sharded_equals_unsharded(tiny_lm):
     """On a (data 2, branch 2) mesh, with compaction: the signals travel with their branch."""
     params = SamplingParams(n=4, max_new_tokens=16, seed=6, temperature=0.9, signals=True,

@@ -40,7 +40,8 @@ FAMILIES = ["tiny_llama", "tiny_llama3_untied", "tiny_qwen2", "tiny_qwen3", "tin
 F32_BOUND = 2e-5
 # bfloat16 activations: the prefill and decode round hidden states and the KV cache at other
 # points than one forward; 4 bfloat16 roundings (2**-8 each) of logits up to 8 (measured
-# <= 0.07 on the dense tiny families: benchmarks/RESULTS.md).
+# <= 0.07 on the dense tiny families: docs/benchmarks.md, "token_logprobs against the
+# sampler").
 BF16_BOUND = 4 * 2.0**-8 * 8
 
 
@@ -127,6 +128,7 @@ def test_logits_exist_one_chunk_at_a_time():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_gradient_matches_finite_differences_in_float64():
     """A subprocess with 64-bit floats, where the families' float32 (norms, RoPE,
     attention, logits) are float64 too: jax.grad of token_logprobs, and of the LoRA
@@ -222,6 +224,7 @@ def test_agrees_with_the_sampler_in_bfloat16(name):
 
 
 @pytest.mark.slow
+@pytest.mark.multidevice
 def test_agrees_with_the_sampler_on_a_mesh(tiny_lm):
     from jaxsample.sharding import make_mesh
 

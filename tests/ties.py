@@ -25,8 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.engine import sampling
-
 
 def branch_key(seed: int, prompt_index: int, branch_index: int, t: int):
     """The engine's key for token t of one branch (README, "keys")."""

@@ -85,7 +85,6 @@ def run_cell(lm, engine, P, N, T, args, plat, generate_kw=None):
     """One measured jaxsample/naive request (after warm-up). Returns a result dict.
     `generate_kw`: more keyword arguments of `generate` (e.g. `attention=`); an
     option this engine does not have raises its TypeError."""
-    import jax
 
     from jaxsample import cost
     from jaxsample.engine import generate

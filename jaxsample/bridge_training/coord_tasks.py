@@ -1,10 +1,11 @@
 """A coordination task for Bridge: pick two different items, differently from the other branches.
 
-Used by benchmarks/bridge_coord.py. Each problem lists K single-token items of one
-category (colours, fruits, animals, digits, ...) in a random order and asks for
-two different ones; an answer is the *unordered* pair. A branch scores 1 when
-its pair is valid (two different listed items) and no other branch of the group
-gave the same pair (`jaxsample.bridge_training.grpo.distinct_rewards`).
+Used by `benchmarks/bridge_recipe.py --task coord`. Each problem lists K
+single-token items of one category (colours, fruits, animals, digits, ...) in a
+random order and asks for two different ones; an answer is the *unordered*
+pair. A branch scores 1 when its pair is valid (two different listed items) and
+no other branch of the group gave the same pair
+(`jaxsample.bridge_training.grpo.distinct_rewards`).
 
 Why an unordered pair (the mechanism, `docs/ARCHITECTURE.md`, Bridge): a Bridge
 block attends across branches at the same position. At the first answer token
@@ -45,9 +46,9 @@ CATEGORIES = {
 K_RANGE = (4, 5)  # items listed per problem
 
 # Four worked examples (raw completion format, not chat), one per category; the
-# answer line "x and y" ends at the newline, a stop token in benchmarks/bridge_coord.py.
-# (A comma-separated two-shot format gave the base model 3-4% valid answers:
-# it kept listing items; this one 47-50 % at temperature 0.7.)
+# answer line "x and y" ends at the newline, a stop token in benchmarks/bridge_recipe.py.
+# (With a comma-separated format the base model keeps listing items and rarely
+# gives a valid answer; this one gives many more valid answers at temperature 0.7.)
 FEW_SHOT = ("Q: Name two different colours from: pink, grey, gold, red, white.\nA: gold and white\n"
             "Q: Name two different animals from: owl, cow, bee, fox.\nA: fox and cow\n"
             "Q: Name two different digits from: 4, 8, 1, 7.\nA: 1 and 7\n"

@@ -235,7 +235,7 @@ def _run(args) -> int:
         return run_to_file(lm, cfg, args, requests, shared, results, progress,
                            t_start=t_start, t_load=t_load, run_batch=run_batch,
                            all_requests=all_requests)
-    single = not is_jsonl(args)  # one prompt: one JSON object / one table, as ever
+    single = not is_jsonl(args)  # one prompt: one JSON object / one table
     console = None if args.json else stdout_console()
     try:
         # Each call's requests are printed as soon as that call ends, so a later

@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+import jaxsample.configs as _named_configs
 from jaxsample.errors import ConfigError, short_repr
 from jaxsample.sampling_params import FOREIGN_KEYWORDS
 
@@ -64,7 +65,7 @@ SIGNAL_SCORES = SCORES[2:]  # need SamplingParams(signals=True)
 DEFAULT_SAMPLING = dict(n=16, temperature=0.8, top_k=0, top_p=0.95, min_p=0.0,
                         max_new_tokens=128, seed=0)
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = Path(_named_configs.__file__).resolve().parent  # configs/, installed as jaxsample.configs
 
 
 def _sampling_params_cls():
@@ -388,7 +389,8 @@ class StrictSafeLoader(yaml.SafeLoader):
 
 
 def resolve_path(name_or_path: str | os.PathLike) -> Path:
-    """A config path, or a bare name looked up in the repository's `configs/`.
+    """A config path, or a bare name looked up in the named configs (`configs/`,
+    installed as `jaxsample.configs`).
 
     `"vote"` and `"vote.yaml"` find `configs/vote.yaml` when no such file
     exists in the working directory.

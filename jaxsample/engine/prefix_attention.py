@@ -6,8 +6,8 @@ prefix part of the attention becomes a dot whose rows are ordered (N, K, G)
 while the dot's batch is K: on XLA CPU the compiled step then transposes
 every layer's prefix keys (`[K, P, D]` -> `[K, D, P]`, a copy of the whole
 prefix K per step) and copies the probabilities `[N, K, G, P]` back to
-kv-head-major order before the product with V, 1.7x the prefix's own bytes
-in layout copies per step (measured with `jaxsample.engine.step_cost`).
+kv-head-major order before the product with V: layout copies of more bytes
+per step than the prefix itself (counted by `jaxsample.engine.step_cost`).
 
 `prefix_attention` is the one-branch `common.partial_attention` with a
 custom batching rule (`jax.custom_batching.custom_vmap`): when the queries
@@ -23,8 +23,9 @@ concatenated rows: the same dot products, softmax and normalisation per
 
 With `kernel=True` (the int8 decode step) that concatenated block goes to
 `models.cpu_kernels.segment_attention` on CPU: scores, softmax and the
-product with V in one pass over the prefix, split over the intra-op pool
-(benchmarks/RESULTS.md, "Prefix attention kernel").
+product with V in one pass over the prefix, split over the intra-op pool,
+faster on XLA CPU than its two batched dots and softmax (docs/ARCHITECTURE.md,
+"Attention over a shared prefix").
 
 Hydragen (Juravsky et al. 2024, arXiv 2402.05099) batches the shared
 prefix's attention across sequences in the same way.

@@ -292,8 +292,9 @@ class Round:
 
     def new_tokens(self, t0=None):
         """(row, column, new tokens excluding a final stop token) of every branch
-        that decoded something in the last chunk (`t0`, the old global start
-        token, is ignored: slots of a pool run at their own positions)."""
+        that decoded something in the last chunk (`t0`, the chunk's global start
+        step that the callers pass, is ignored: slots of a pool run at their own
+        positions)."""
         out = []
         for r, c in zip(*np.nonzero(self.lengths > self.prev)):
             L = int(self.lengths[r, c])

@@ -55,11 +55,11 @@ def prefix_kv_dtype(cfg, params):
     it (as llama.cpp's default F16 KV cache), the kernel widening each element exactly
     as it reads it; the tails stay float32. The rounding to float16 (relative 2^-11;
     beyond +-65504 saturated, `prefill.stored_prefix`) moves W8A8's results about as
-    much as any last-bit change does (W8A8 amplifies those: RESULTS.md, "A float16
-    prefix for W8A8"), so it is tied to
-    W8A8, the speed mode: weight-only int8 (`"int8-weight-only"`), which reproduces to
-    float32 rounding across meshes and batches, and float32 models keep their dtype.
-    `PREFIX_KV_FLOAT16 = False` turns it off.
+    much as any last-bit change does (W8A8 amplifies those: docs/benchmarks.md,
+    "Int8 weights"), so it is tied to W8A8, the speed mode: weight-only int8
+    (`"int8-weight-only"`), which reproduces to float32 rounding across meshes and
+    batches, and float32 models keep their dtype. `PREFIX_KV_FLOAT16 = False` turns
+    it off.
     """
     windows = getattr(cfg, "layer_windows", ())
     if (PREFIX_KV_FLOAT16 and jnp.dtype(cfg.jnp_dtype) == jnp.float32

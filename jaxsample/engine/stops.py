@@ -68,7 +68,7 @@ def tokens_covering(tokenizer, toks: list[int], stops, floor: int = 0,
     """Fewest leading tokens whose text holds a stop string (ending after character
     `floor`), counting only text the full decode keeps (`stable_prefix`): a
     U+FFFD that a prefix shows for a character cut in half is no stop string
-    (issue 19: `stop=["\\ufffd"]` cut such a character in half).
+    (so `stop=["\\ufffd"]` never cuts a multi-byte character in half).
 
     Bisection (O(log T) decodes): the stable text only grows with the prefix.
     `text` is `decode(toks)` (computed if None).

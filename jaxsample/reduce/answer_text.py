@@ -105,7 +105,7 @@ def last_boxed(text: str) -> str | None:
     """Content of the last complete `\\boxed{...}` / `\\fbox{...}`; nested braces allowed.
 
     O(len(text)): the braces are matched once for the whole text (not once
-    per `\\boxed{`, which was quadratic in unclosed repeats)."""
+    per `\\boxed{`, which would be quadratic in unclosed repeats)."""
     boxes = list(_BOX_RE.finditer(text))
     if not boxes:
         return None

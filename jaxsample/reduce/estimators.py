@@ -358,7 +358,7 @@ def maj_at_k(
       exactly `majority_vote` on the subset (`Counter.most_common`), and
       with k = n it reproduces the full-pool vote. Cost grows like
       r * k^2 * (answers with >= m samples) * k for r correct samples:
-      about 1 s at n = 500, k = 64 and 5 s at n = 2000, k = 64 (CPU).
+      seconds on CPU at k = 64 for n in the hundreds to thousands.
     * "random": a uniformly random tied answer wins. For exchangeable samples
       (i.i.d. draws from the model) this equals the first-occurrence rule in
       *generation* order, so it is the order-free estimator of the sampler's

@@ -52,7 +52,7 @@ def _row_scaled_weights(w: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.A
 
     Done on the bits (integer ops only), so it is exact and immune to
     flush-to-zero: XLA on CPU treats float32 subnormals as 0 in float
-    arithmetic (frexp, ldexp, max, compare), which used to zero tiny weights.
+    arithmetic (frexp, ldexp, max, compare), which would zero tiny weights.
     A kept weight is `M * 2**E` with M < 2**24 an integer; its scaled value
     keeps M's bits with a new exponent. Weights below 2**-126 of the row's
     largest (which cannot change a float32 sum that holds the largest) become

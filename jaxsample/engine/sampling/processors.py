@@ -18,8 +18,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """int32 index of the first maximum of x [V].
 
     Two plain reductions (max, then min index) instead of `jnp.argmax`'s
-    variadic reduce: XLA CPU vectorises them, ~2x faster when fused with the
-    Gumbel noise. An all-NaN row gives 0.
+    variadic reduce: XLA CPU vectorises them, and they measure faster than
+    `jnp.argmax` when fused with the Gumbel noise. An all-NaN row gives 0.
     """
     v = x.shape[0]
     idx = jnp.min(jnp.where(x == jnp.max(x), jnp.arange(v, dtype=jnp.int32), v))

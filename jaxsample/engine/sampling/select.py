@@ -21,16 +21,17 @@ over all rows of the `vmap` (a `jax.custom_batching.custom_vmap` rule
 gathers the vmapped rows into one batch): under the engine's
 `vmap(vmap(choose_token))` a step whose rows all fit never runs the later
 stages, and a row's result never depends on the other rows (it comes from
-the first stage it fits). Measured at N = 16 on 2 shared cores
-(benchmarks/notes/notes_topp.md): at V = 262,144 top-k 50 + top-p 0.95 + min-p
-0.05 take ~54 ms against ~334 ms for the bisection alone, top-p 0.95 (nuclei
-up to ~960 tokens) ~74 ms against ~212 ms; a step with a row that needs the bisection costs ~1.6x the
-bisection alone (both stages and the full draw run too). `candidates=0` selects the bisection and the full draw alone
-(the reference path). Min-p is a single O(V) comparison. Top-k and top-p
-sit behind a `lax.cond` on the scalar parameters (also skipped when
-temperature == 0), so inactive filters cost nothing. Under `vmap` a
-`cond` whose predicate is batched becomes a `select` that runs both sides,
-so the engine should keep temperature, top_k, top_p and min_p *unbatched*
+the first stage it fits). At a large V the pre-selection is faster than the
+bisection over V whenever the kept sets fit in the candidates; a step with a
+row that needs the bisection costs more than the bisection alone (both stages
+and the full draw run too): docs/benchmarks.md, "The sampler at V = 262,144,
+and Gemma 3 parity" (benchmarks/sampler_cost.py). `candidates=0` selects the
+bisection and the full draw alone (the reference path). Min-p is a single
+O(V) comparison. Top-k and top-p sit behind a `lax.cond` on the scalar
+parameters (also skipped when temperature == 0), so inactive filters cost
+nothing. Under `vmap` a `cond` whose predicate is batched becomes a
+`select` that runs both sides, so the engine should keep temperature,
+top_k, top_p and min_p *unbatched*
 (`vmap(..., in_axes=(0, 0, None, None, None, None))`): they come from one
 `SamplingParams` and are shared by all branches. Per-branch values still give
 correct results, only without the skipping.
@@ -122,7 +123,8 @@ def _top_p_mask(z: jax.Array, kz: jax.Array, keep_k: jax.Array,
 # K0 tokens it is found on the K0 best candidates of `lax.top_k` (one cumsum
 # over K0 instead of 32 passes over V), and the Gumbel noise is needed only at
 # those K0 indices. Rows whose prefix does not fit fall back to the bisection.
-# K0 of each stage; 16 x 262144 top_k costs ~12 ms at 256, ~22 ms at 1024 (benchmarks/notes/notes_topp.md).
+# K0 of each stage: `lax.top_k` costs more the larger K0, so the first stage is the
+# smaller one (benchmarks/sampler_cost.py --candidates).
 TOP_CANDIDATES = (256, 1024)
 
 
