@@ -68,14 +68,14 @@ from jaxsample.engine.prefill import prefill
 from jaxsample.engine.round import Round
 from jaxsample.engine.session import Session, serving_params
 from jaxsample.engine.stream import StreamEvent, TextDelta, stream
-from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, ContextCache, DecodeState, Knobs,
-                                    PrefixCache, Static)
+from jaxsample.engine.state import (MAX_STOP_IDS, ContextCache, DecodeState, Knobs, PrefixCache,
+                                    Static)
 from jaxsample.engine.buckets import bucket, slot_bucket
 from jaxsample.engine.step import branch_step
 
 # What users call. The other names imported above (prefill, decode_chunk,
 # init_state, compact, branch_step, serving_params, PROGRAMS, bucket,
-# slot_bucket, MAX_STOP_IDS, MAX_LOGPROBS, STOP_CHUNK) stay importable for the
+# slot_bucket, MAX_STOP_IDS, STOP_CHUNK) stay importable for the
 # library's own modules, benchmarks and tests, but are not the public API.
 __all__ = ["generate", "stream", "StreamEvent", "TextDelta", "finish", "Session", "Round",
            "PrefixCache", "ContextCache", "DecodeState", "Knobs", "Static", "Request",

@@ -34,7 +34,6 @@ prefix's attention across sequences in the same way.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import custom_batching
 
 from jaxsample.models import common

@@ -27,12 +27,12 @@ from jaxsample.engine.placement import (to_host, kv_bytes, MeshLayout, params_on
 from jaxsample.engine.prefill import prefill
 from jaxsample.engine.round import Round
 from jaxsample.engine.buckets import bucket
-from jaxsample.engine.state import (MAX_LOGPROBS, MAX_STOP_IDS, Knobs, PrefixCache,
+from jaxsample.engine.state import (MAX_STOP_IDS, Knobs, PrefixCache,
                                     PromptLogprobs, Static,
                                     prefix_kv_dtype)
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
-from jaxsample.sampling_params import SamplingParams
+from jaxsample.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxsample.sharding import BRANCH_AXIS, LOCAL_BRANCH_AXIS
 
 # ---------------------------------------------------------------------------

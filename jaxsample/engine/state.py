@@ -18,7 +18,6 @@ from jaxsample.models import cpu_kernels, quant
 from jaxsample.sharding import BRANCH_AXIS
 
 MAX_STOP_IDS = 16  # stop ids are a fixed-size traced array (padded with -1)
-from jaxsample.sampling_params import MAX_LOGPROBS  # noqa: E402  (SamplingParams.logprobs <= 20)
 
 
 class PrefixCache(NamedTuple):
