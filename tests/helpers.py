@@ -1,6 +1,6 @@
-"""Helpers shared by several test modules (issue 20, part 5): the Bridge builders,
-stop-id padding, the in-process command-line runner and the offline replay of
-adaptive self-consistency on a fixed pool.
+"""Helpers shared by several test modules: the Bridge builders, stop-id padding, the
+in-process command-line runner, the offline replay of adaptive self-consistency on
+a fixed pool, and Ctrl-C as Python's default for tests that send it.
 
 Imported as `helpers` (tests/ is on sys.path, as for `ties` and `conftest`).
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -152,3 +153,28 @@ def next_token_logprobs(lm, tokens, temperature=1.0):
     lp = z - np.log(np.exp(z).sum(-1, keepdims=True))
     picked = np.take_along_axis(lp, np.asarray(tokens)[:, 1:, None], -1)[..., 0]
     return np.concatenate([np.zeros((len(tokens), 1)), picked], axis=1)
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C (tests/test_cli_out.py, tests/test_results_file.py)
+#
+# A shell starts a background job (`pytest ... &`) with SIGINT ignored, and children
+# inherit an ignored signal: Python then installs no KeyboardInterrupt handler and a
+# test's SIGINT does nothing. Tests that send SIGINT set Python's default first.
+
+
+def sigint_default_in_child():
+    """`preexec_fn` for a child process that is sent SIGINT: the OS default, so the
+    child's Python installs its KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def sigint_raises_keyboard_interrupt():
+    """This process's SIGINT handler set to Python's default (KeyboardInterrupt) for
+    the block, the previous one restored after."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -14,7 +14,7 @@ import pytest
 
 from jaxsample import cli
 from helpers import main_captured as _main
-from helpers import results_file_held
+from helpers import results_file_held, sigint_default_in_child
 
 TINY_GGUF = os.path.join(os.path.dirname(__file__), "data", "tiny_llama.gguf")
 FLAGS = ["--model", TINY_GGUF, "--n", "2", "--max-new-tokens", "6", "--temperature", "0.8"]
@@ -312,7 +312,7 @@ def test_sigint_keeps_finished_lines_and_resume_completes_the_run(tmp_path):
 
     out = tmp_path / "out.jsonl"
     p = subprocess.Popen(argv + ["--out", str(out)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default_in_child)
     try:
         deadline = time.monotonic() + 600
         while not (out.exists() and b"\n" in out.read_bytes()):

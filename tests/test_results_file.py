@@ -14,7 +14,7 @@ import pytest
 from jaxsample.errors import InputError
 from jaxsample.cli.console import dumps
 from jaxsample.cli.results_file import ResultsFile
-from helpers import results_file_held
+from helpers import results_file_held, sigint_raises_keyboard_interrupt
 
 
 def _lines(path):
@@ -97,7 +97,7 @@ def test_ctrl_c_during_a_write_lands_after_the_whole_line(tmp_path):
         real(data[len(data) // 2:])
 
     f._write_all = halves
-    with pytest.raises(KeyboardInterrupt):
+    with sigint_raises_keyboard_interrupt(), pytest.raises(KeyboardInterrupt):
         f.write({"id": "b", "text": "x" * 1000})
         time.sleep(1)  # (not reached: the interrupt comes as the write returns)
     assert f.done == {"a", "b"}
