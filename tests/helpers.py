@@ -1,6 +1,7 @@
 """Helpers shared by several test modules (issue 20, part 5): the Bridge builders,
-stop-id padding, the in-process command-line runner and the offline replay of
-adaptive self-consistency on a fixed pool.
+stop-id padding, the in-process command-line runner, the offline replay of
+adaptive self-consistency on a fixed pool and the hand-written cases in
+tests/data/cases/.
 
 Imported as `helpers` (tests/ is on sys.path, as for `ties` and `conftest`).
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,17 @@ from jaxsample import bridge as bridge_lib
 from jaxsample import engine
 from jaxsample.engine import sampling
 from jaxsample import SamplingParams
+
+# ---------------------------------------------------------------------------
+# The hand-written cases (tests/data/cases/, see its README.md)
+
+CASES_DIR = pathlib.Path(__file__).parent / "data" / "cases"
+
+
+def load_cases(name: str) -> dict:
+    """tests/data/cases/<name>.json as a dict (e.g. `load_cases("answers")`)."""
+    return json.loads((CASES_DIR / f"{name}.json").read_text(encoding="utf-8"))
+
 
 # ---------------------------------------------------------------------------
 # The Bridge (tests/test_bridge*.py)
