@@ -1,6 +1,7 @@
 """Helpers shared by several test modules: the Bridge builders, stop-id padding, the
 in-process command-line runner, the offline replay of adaptive self-consistency on
-a fixed pool, and Ctrl-C as Python's default for tests that send it.
+a fixed pool, the hand-written cases in tests/data/cases/, and Ctrl-C as Python's
+default for tests that send it.
 
 Imported as `helpers` (tests/ is on sys.path, as for `ties` and `conftest`).
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import pathlib
 import signal
 
 import jax
@@ -19,6 +22,17 @@ from jaxsample import bridge as bridge_lib
 from jaxsample import engine
 from jaxsample.engine import sampling
 from jaxsample import SamplingParams
+
+# ---------------------------------------------------------------------------
+# The hand-written cases (tests/data/cases/, see its README.md)
+
+CASES_DIR = pathlib.Path(__file__).parent / "data" / "cases"
+
+
+def load_cases(name: str) -> dict:
+    """tests/data/cases/<name>.json as a dict (e.g. `load_cases("answers")`)."""
+    return json.loads((CASES_DIR / f"{name}.json").read_text(encoding="utf-8"))
+
 
 # ---------------------------------------------------------------------------
 # The Bridge (tests/test_bridge*.py)

@@ -2,37 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import load_cases
 from jaxsample.reduce import answer_text, answers
 
-CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
-
-# A copy of shared/cases/answers.json ("extract" and "equal"), so the cases
-# run when shared/ is absent.
-EXTRACT_CASES = [
-    ("so we get $\\boxed{\\frac{1}{2}}$.", "1/2"),
-    ("the answer is \\boxed{2}. wait, actually \\boxed{3}", "3"),
-    ("Put the final answer in \\boxed . So the answer is $\\boxed{42}$.", "42"),
-    ("Total: \\boxed{8,000}", "8000"),
-    ("The answer is 72, in total, so the farmer earns that much.", "72"),
-    ("So the total cost is $29.00.", "29"),
-    ("Natalia sold 48/2 = 24 clips in May.\n#### -3", "-3"),
-    ("I am not sure.", None),
-]
-EQUAL_CASES = [("1,000", "1000"), ("-3.0", "-3"), ("+7", "7"), ("\\dfrac{3}{4}", "3/4")]
-
-
-def _shared_cases() -> dict:
-    path = CASES_DIR / "answers.json"
-    if not path.exists():
-        pytest.skip(f"shared cases not found at {path} (the literal copies above still run)")
-    return json.loads(path.read_text())
+# The hand-written cases, tests/data/cases/answers.json ("extract" and "equal").
+_CASES = load_cases("answers")
+EXTRACT_CASES = [(case["text"], case["answer"]) for case in _CASES["extract"]]
+EQUAL_CASES = [tuple(pair) for pair in _CASES["equal"]]
 
 
 @pytest.mark.parametrize("text,expected", EXTRACT_CASES)
@@ -43,14 +23,6 @@ def test_extract_handed_cases(text, expected):
 @pytest.mark.parametrize("a,b", EQUAL_CASES)
 def test_equal_handed_cases(a, b):
     assert answers.normalize(a) == answers.normalize(b)
-
-
-def test_shared_cases_file():
-    cases = _shared_cases()
-    for case in cases["extract"]:
-        assert answers.extract(case["text"]) == case["answer"], case
-    for a, b in cases["equal"]:
-        assert answers.normalize(a) == answers.normalize(b), (a, b)
 
 
 @pytest.mark.parametrize(

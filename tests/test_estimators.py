@@ -3,29 +3,21 @@
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections import Counter
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import load_cases
 from jaxsample.reduce import estimators
 from jaxsample import reduce as reducers
 
-CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
-
-# A copy of shared/cases/answers.json "pass_at_k", so it runs when shared/ is absent.
-PASS_AT_K_CASES = [
-    {"n": 200, "c": 1, "k": 1, "value": 0.005},
-    {"n": 10, "c": 0, "k": 5, "value": 0.0},
-    {"n": 10, "c": 8, "k": 5, "value": 1.0},
-    {"n": 2, "c": 0, "k": 5, "error": "ValueError"},
-]
+# The hand-written cases, tests/data/cases/answers.json "pass_at_k".
+PASS_AT_K_CASES = load_cases("answers")["pass_at_k"]
 
 
 def _check_pass_case(case):
@@ -39,14 +31,6 @@ def _check_pass_case(case):
 @pytest.mark.parametrize("case", PASS_AT_K_CASES)
 def test_pass_at_k_handed_cases(case):
     _check_pass_case(case)
-
-
-def test_pass_at_k_shared_cases_file():
-    path = CASES_DIR / "answers.json"
-    if not path.exists():
-        pytest.skip(f"shared cases not found at {path} (the literal copies above still run)")
-    for case in json.loads(path.read_text())["pass_at_k"]:
-        _check_pass_case(case)
 
 
 @settings(max_examples=200, deadline=None)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,17 +11,12 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from helpers import load_cases
 from jaxsample import reduce as reducers
 from jaxsample.generation import Generation
 
-CASES_DIR = Path(__file__).parents[2] / "shared" / "cases"
-
-# A copy of shared/cases/answers.json "votes", so they run when shared/ is absent.
-VOTE_CASES = [
-    {"answers": ["18", "[none]", "[none]"], "valid": [True, False, False], "winner": "18", "share": 1.0},
-    {"answers": ["5", "7", "7", "5"], "valid": [True] * 4, "winner": "5", "share": 0.5},
-    {"answers": ["5", "7", "7"], "valid": [True] * 3, "weights": [0.9, 0.2, 0.3], "winner": "5"},
-]
+# The hand-written cases, tests/data/cases/answers.json "votes".
+VOTE_CASES = load_cases("answers")["votes"]
 
 
 # ----------------------------------------------------------------------------
@@ -166,14 +159,6 @@ def _check_vote_case(case):
 @pytest.mark.parametrize("case", VOTE_CASES)
 def test_vote_handed_cases(case):
     _check_vote_case(case)
-
-
-def test_vote_shared_cases_file():
-    path = CASES_DIR / "answers.json"
-    if not path.exists():
-        pytest.skip(f"shared cases not found at {path} (the literal copies above still run)")
-    for case in json.loads(path.read_text())["votes"]:
-        _check_vote_case(case)
 
 
 def test_vote_fields():

@@ -1,16 +1,14 @@
 """Tests of jaxsample.engine.sampling: SamplingParams, keep_mask, choose_token, is_stop.
 
-The handed cases live in shared/cases/sampling.json; a literal copy below
-keeps them running without shared/. Property tests compare `keep_mask` with
-a float64 numpy reference of the documented semantics (HF order, exact-k
-top-k with lower index first on ties, minimal top-p prefix, inclusive min-p).
+The handed cases live in tests/data/cases/sampling.json. Property tests
+compare `keep_mask` with a float64 numpy reference of the documented
+semantics (HF order, exact-k top-k with lower index first on ties, minimal
+top-p prefix, inclusive min-p).
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import hypothesis.strategies as st
 import jax
@@ -19,30 +17,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
+from helpers import load_cases
 from jaxsample.errors import ConfigError, JaxsampleError, NumericalError
 from jaxsample import SamplingParams
 from jaxsample.engine.sampling import check_logprobs, choose_token, is_stop, keep_mask, pad_stop_ids
 
-CASES_JSON = Path(__file__).parents[2] / "shared" / "cases" / "sampling.json"
-
-# Literal copy of shared/cases/sampling.json ("cases" and "stops").
-CASES = [
-    {"name": "top_p keeps the token that crosses p", "probs": [0.50, 0.35, 0.10, 0.05], "top_p": 0.9, "keep": [0, 1, 2]},
-    {"name": "top_p exact boundary keeps exactly the set reaching p", "probs": [0.3, 0.1, 0.1, 0.5], "top_p": 0.8, "keep": [0, 3]},
-    {"name": "tiny top_p keeps the argmax, never an empty set", "probs": [0.2, 0.5, 0.3], "top_p": 1e-6, "keep": [1]},
-    {"name": "top_k larger than the vocabulary is no filter", "logits": [1.0, 2.0, 3.0, 4.0], "top_k": 10, "keep": [0, 1, 2, 3]},
-    {"name": "top_k 0 means off", "logits": [1.0, 2.0, 3.0, 4.0], "top_k": 0, "keep": [0, 1, 2, 3]},
-    {"name": "greedy picks the first index on ties", "logits": [2.0, 2.0, 1.0], "temperature": 0.0, "token": 0},
-    {"name": "temperature 0 is argmax, no division by zero", "logits": [1.0, 3.0], "temperature": 0.0, "token": 1},
-    {"name": "min_p threshold is min_p times the top probability", "probs": [0.0625, 0.5, 0.25, 0.125, 0.0625], "min_p": 0.25, "keep": [1, 2, 3]},
-    {"name": "temperature is applied before top_p", "logits": [3.0, 2.0, 1.0], "temperature": 0.5, "top_p": 0.8, "keep": [0]},
-    {"name": "reported logprob is the raw model distribution", "logits": [1.0, 0.0, -1.0, -2.0], "temperature": 0.5, "top_p": 0.9, "sampled": 0, "logprob": -0.4402},
-]
-STOPS = [
-    {"name": "the stop token is kept, what follows is padding", "stop_token_ids": [2], "sampled": [5, 2, 7, 7], "tokens": [5, 2, "pad", "pad"], "length": 2, "finish_reason": "stop"},
-    {"name": "any of several stop ids ends the branch", "stop_token_ids": [1, 106], "sampled": [5, 106, 7], "tokens": [5, 106, "pad"], "length": 2, "finish_reason": "stop"},
-    {"name": "no stop within the budget", "stop_token_ids": [2], "max_new_tokens": 3, "sampled": [5, 6, 7], "tokens": [5, 6, 7], "length": 3, "finish_reason": "length"},
-]
+# The hand-written cases, tests/data/cases/sampling.json ("cases" and "stops").
+_CASES = load_cases("sampling")
+CASES = _CASES["cases"]
+STOPS = _CASES["stops"]
 
 LOGPROB_TOL = 1e-4
 
@@ -99,24 +82,6 @@ def _check_case(case):
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_handed_cases_literal(case):
     _check_case(case)
-
-
-def _shared():
-    if not CASES_JSON.exists():
-        pytest.skip(f"{CASES_JSON} not found (shared/ is not checked out next to the repo)")
-    return json.loads(CASES_JSON.read_text())
-
-
-def test_handed_cases_shared_json():
-    data = _shared()
-    for case in data["cases"]:
-        _check_case(case)
-
-
-def test_literal_copy_matches_shared_json():
-    data = _shared()
-    assert data["cases"] == CASES
-    assert data["stops"] == STOPS
 
 
 def _length_by_is_stop(stop_token_ids, sampled, max_new_tokens):
