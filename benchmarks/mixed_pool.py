@@ -127,6 +127,20 @@ def main(argv=None) -> int:
         return 0
     from benchmarks.common import environment, md_table
 
+    def write(rows) -> bool:
+        """The JSON with the modes measured so far (rewritten after each mode, so a
+        later failure or Ctrl-C keeps the finished ones); True if both gave the same
+        texts."""
+        same = (len(rows) == 2 and all("texts" in r for r in rows)
+                and rows[0]["texts"] == rows[1]["texts"])
+        result = {"env": env_info, "requests": args.requests, "model": args.model,
+                  "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows],
+                  "same_texts": same}
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return same
+
+    env_info = environment()
     rows = []
     for mode in ("mixed", "groups"):
         env = {**os.environ, "JAXSAMPLE_NO_CACHE": "1"}
@@ -135,15 +149,9 @@ def main(argv=None) -> int:
                              capture_output=True, text=True, env=env, check=False)
         if out.returncode:
             rows.append({"mode": mode, "error": out.stderr.strip().splitlines()[-1:]})
-            continue
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    same = (len(rows) == 2 and all("texts" in r for r in rows)
-            and rows[0]["texts"] == rows[1]["texts"])
-    result = {"env": environment(), "requests": args.requests, "model": args.model,
-              "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows],
-              "same_texts": same}
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        else:
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        same = write(rows)
     table = []
     for r in rows:
         if "error" in r:

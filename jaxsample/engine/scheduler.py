@@ -204,7 +204,8 @@ class Scheduler:
                 break
             w = self.waiting[r]
             first = [c for c in w if c < self.admit[r]][:N_dev]
-            self.waiting[r] = [c for c in w if c not in set(first)]
+            taken = set(first)
+            self.waiting[r] = [c for c in w if c not in taken]
             self.row_of[i], self.row_placed[i] = r, True
             self.col_of[i] = -1
             m = len(first)
