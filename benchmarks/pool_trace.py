@@ -92,7 +92,7 @@ def main(argv=None):
            "env": env, "kv_budget_bytes": kv, "wall_s": wall, "timings": g.timings,
            "end_to_end_s": wall - g.timings["compile"],
            "decoded_tokens": int(b.decoded_tokens_total), "branch_steps": int(b.branch_steps),
-           "slot_utilisation": b.decoded_tokens_total / b.branch_steps,
+           "slot_utilisation": b.slot_utilisation,
            "moved": sum(e["moved"] for e in chunks),
            # Upper estimates: slots that ended inside a chunk count as idle for all of it.
            "idle_slot_steps_while_waiting": int(idle_wait),

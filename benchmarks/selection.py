@@ -218,8 +218,9 @@ def deepconf_online(lm, args) -> dict:
     def one(src):
         r = adaptive_self_consistency(lm, prompts, params, confidence_source=src, **kw)
         acc = float(np.mean([w == t.answer for w, t in zip(r.winner, tasks)]))
-        return (float(r.generation.timings["decode"]), int(r.bill.decoded_tokens),
-                int(r.bill.branches_drawn), acc)
+        bill = r.generation.bill
+        return (float(r.generation.timings["decode"]), int(bill.decoded_tokens_total),
+                int(bill.adaptive.branches_drawn), acc)
 
     for src in sources:  # compile and warm up
         one(src)

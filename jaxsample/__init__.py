@@ -44,7 +44,6 @@ _EXPORTS = {
     "RequestVote": "jaxsample.reduce.requests",
     "adaptive_self_consistency": "jaxsample.reduce.adaptive",
     "AdaptiveResult": "jaxsample.reduce.adaptive",
-    "AdaptiveBill": "jaxsample.reduce.adaptive",
     # training on the engine's log-probabilities
     "token_logprobs": "jaxsample.training.logprobs",
     # reducers and estimators
@@ -80,7 +79,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see of the lazy names
     from jaxsample.loading import load
     from jaxsample.progress import Progress
     from jaxsample.reduce import SelfConsistency, Vote, best_of_n, majority_vote, self_consistency
-    from jaxsample.reduce.adaptive import AdaptiveBill, AdaptiveResult, adaptive_self_consistency
+    from jaxsample.reduce.adaptive import AdaptiveResult, adaptive_self_consistency
     from jaxsample.reduce.estimators import best_of_k, maj_at_k, pass_at_k
     from jaxsample.reduce.requests import RequestVote, run_requests
     from jaxsample.sampling_params import SamplingParams

@@ -183,13 +183,20 @@ def test_adaptive_equals_offline_rule_on_a_fixed_pool_tiny(tiny_lm, rule, confid
             L = int(g.lengths[b, n])
             np.testing.assert_array_equal(g.tokens[b, n, :L], pool.tokens[b, n, :L])
         assert all(r == "not_drawn" for r in g.finish_reason[b][res.n_used[b]:])
-    bill = res.bill
+    bill = g.bill
     assert bill.prompt_tokens_prefilled == sum(len(p) for p in pool.prompt_tokens)  # once
-    assert bill.branches_drawn == int(res.n_used.sum())
-    assert bill.decoded_tokens == int(sum(g.bill.decoded_tokens_total for _ in [0]))
+    assert bill.adaptive.branches_drawn == int(res.n_used.sum())
+    assert bill.adaptive.max_n == 16 and bill.pool is None
+    # What was decoded is the drawn branches' tokens (branches not drawn decoded none).
+    assert bill.decoded_tokens_total == sum(
+        sum(row[:n]) for row, n in zip(bill.decoded_tokens_per_branch, res.n_used))
+    assert all(not any(row[n:]) for row, n in zip(bill.decoded_tokens_per_branch, res.n_used))
+    assert bill.adaptive.token_saving == pytest.approx(
+        1 - bill.decoded_tokens_total / bill.adaptive.fixed_decoded_tokens)
+    assert "at a fixed n=16" in bill.summary()
     if rule == "none" and confidence is None:
-        assert bill.decoded_tokens == pool.bill.decoded_tokens_total
-        assert bill.token_saving == 0.0
+        assert bill.decoded_tokens_total == pool.bill.decoded_tokens_total
+        assert bill.adaptive.token_saving == 0.0
     if confidence:
         assert np.all(np.isfinite(res.thresholds))
         assert any("terminated" in row for row in g.finish_reason) == bool(res.terminated.sum())
@@ -221,7 +228,8 @@ def test_adaptive_equals_offline_rule_on_smollm2(lm):
         res = jaxsample.adaptive_self_consistency(lm, prompts, params, chat=True,
                                                   extract=number, **kw)
         total += _assert_online_equals_offline(res, pool, number, **kw)
-        assert res.bill.prompt_tokens_prefilled == sum(len(p) for p in pool.prompt_tokens)
+        assert res.generation.bill.prompt_tokens_prefilled == sum(
+            len(p) for p in pool.prompt_tokens)
     assert total <= 1  # float ties between the two programs' roundings, at most one
 
 

@@ -413,10 +413,11 @@ def test_run_adaptive_json_and_table(run_json):
     d = json.loads(out)
     r = d["result"]
     assert r["adaptive"] == "beta" and r["n_used"] in (4, 8) and len(d["branches"]) == r["n_used"]
-    saving = r["saving"]
+    assert "saving" not in r  # the bill's adaptive part holds it
+    saving = d["bill"]["adaptive"]
     assert saving["branches_drawn"] == r["n_used"] and saving["max_n"] == 8
-    assert saving["decoded_tokens"] == sum(b["tokens"] for b in d["branches"])
-    assert 0.0 <= saving["token_saving"] < 1.0
+    assert d["bill"]["decoded_tokens_total"] == sum(b["tokens"] for b in d["branches"])
+    assert 0.0 <= saving["token_saving"] < 1.0 and d["bill"]["pool"] is None
     code, out, err = _main_captured(short + ["--adaptive", "esc", "--max-n", "8", "--window",
                                              "4"])
     assert code == 0, err

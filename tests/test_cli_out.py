@@ -517,7 +517,8 @@ FORGERIES = (["stub", "partial"]
                 "branches.0.mean_logprob:\"x\"", "branches.0.finish_reason:null",
                 "branches.1.answer:[1]", "branches.0.text:drop", "branches.0.token_ids:extra",
                 "result.share:\"1\"", "result.branch:5", "result.answer:drop",
-                "bill.decoded_tokens_total:drop", "bill.n:\"2\"", "timings.total:null",
+                "bill.decoded_tokens_total:drop", "bill.n:\"2\"", "bill.adaptive:1",
+                "bill.pool:{\"requests\": \"x\"}", "timings.total:null",
                 "usage.kept_tokens:1", "usage.prompt_tokens:-1", "batch.requests:[]",
                 "result.share:1.5", "result.support:-1", "branches.0.finish_reason:\"done\"",
                 "timings.load:-1", "usage.decoded_tokens:0",
@@ -687,3 +688,53 @@ def test_every_kind_of_line_the_writer_writes_is_kept_by_resume(capsys, tmp_path
     assert cli.main(argv + ["--resume"]) == 0
     assert "all 3 requests are in" in capsys.readouterr().err
     assert out.read_bytes() == text
+
+
+def _without_bill_parts(line: bytes, saving=None) -> bytes:
+    """`line` as a writer without the bill's optional parts wrote it: no "adaptive",
+    "pool" nor "slot_utilisation" in the bill; an adaptive result with `saving`."""
+    rec = json.loads(line)
+    for key in ("adaptive", "pool", "slot_utilisation"):
+        del rec["bill"][key]
+    if saving is not None:
+        rec["result"]["saving"] = saving
+    return (json.dumps(rec) + "\n").encode()
+
+
+def test_resume_keeps_lines_whose_bill_has_no_parts(capsys, monkeypatch, tmp_path, three_done):
+    """Lines whose bill lacks the optional parts are finished results: --resume keeps
+    them all and runs nothing (no weights read)."""
+    _no_load(monkeypatch)
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    lines = [_without_bill_parts(x) for x in three_done]
+    out.write_bytes(b"".join(lines))
+    code = cli.main(["run", "--prompt-file", str(reqs), "--out", str(out), "--resume"] + FLAGS)
+    assert code == 0 and "all 3 requests are in" in capsys.readouterr().err
+    assert out.read_bytes() == b"".join(lines)
+
+
+def test_resume_keeps_adaptive_lines_with_a_saving_result(capsys, monkeypatch, tmp_path):
+    """An adaptive line whose result holds "saving" (the comparison with the fixed run,
+    numbers) and whose bill has no parts is kept; a "saving" that is not numbers is
+    refused naming the line."""
+    reqs = _write_requests(tmp_path / "in.jsonl", THREE)
+    out = tmp_path / "out.jsonl"
+    argv = ["run", "--prompt-file", str(reqs), "--out", str(out)] + FLAGS + [
+        "--adaptive", "esc", "--max-n", "4", "--window", "2"]
+    assert cli.main(argv + ["-q"]) == 0, capsys.readouterr().err
+    saving = {"num_prompts": 1, "max_n": 4, "rounds": 1, "prompt_tokens_prefilled": 2,
+              "branches_drawn": 2, "decoded_tokens": 12, "branch_steps": 12,
+              "decode_flops": 1000, "fixed_decoded_tokens": 24, "fixed_decode_flops": 2000,
+              "token_saving": 0.5, "flop_saving": 0.5}
+    lines = [_without_bill_parts(x, saving) for x in out.read_bytes().splitlines(keepends=True)]
+    out.write_bytes(b"".join(lines))
+    _no_load(monkeypatch)
+    capsys.readouterr()
+    assert cli.main(argv + ["--resume"]) == 0
+    assert "all 3 requests are in" in capsys.readouterr().err
+    assert out.read_bytes() == b"".join(lines)
+    lines[1] = _forged(lines[1], 'result.saving:{"x": "y"}')
+    out.write_bytes(b"".join(lines))
+    assert cli.main(argv + ["--resume"]) == 2
+    assert "line 2" in capsys.readouterr().err

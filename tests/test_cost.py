@@ -1,5 +1,6 @@
 """Tests of the analytic cost model and the bill (jaxsample/cost.py)."""
 
+import dataclasses
 import json
 import math
 
@@ -176,6 +177,45 @@ def test_bill_by_hand():
     assert json.loads(json.dumps(d)) == d
     s = b.summary()
     assert "never saves" in s and len(s.splitlines()) >= 3
+
+
+def test_bill_decode_reads_count_each_steps_tail_tokens():
+    """At step s each branch reads min(s + 1, its length) tail tokens: the bill's count
+    equals that sum taken step by step, at any number of steps."""
+    lengths = np.random.default_rng(0).integers(0, 9, (2, 4))
+    for steps in (0, 1, 5, 8, 12):
+        b = cost.make_bill(TINY, prompt_lengths=[5, 2], branch_lengths=lengths, n=4,
+                           prefix_cache_bytes=0, tail_cache_bytes=0, decode_steps=steps)
+        tails = sum(int(np.minimum(s + 1, lengths).sum()) for s in range(steps))
+        assert b.decode_bytes_read_shared == steps * (5088 + 7 * 64) + tails * 64
+
+
+def test_bill_parts_are_optional_and_json_ready():
+    """The one Bill type: its parts are None until a run sets them; to_dict writes each
+    as a nested object or None (strict JSON), summary adds a line per part."""
+    b = _bill()  # 16 tokens decoded over 3 steps x 2 prompts x 4 branches = 24 branch-steps
+    assert b.adaptive is None and b.pool is None
+    d = b.to_dict()
+    assert d["adaptive"] is None and d["pool"] is None
+    assert d["slot_utilisation"] == b.slot_utilisation == 16 / 24
+    assert _bill(steps=0).slot_utilisation == 0.0
+    a = dataclasses.replace(b, adaptive=cost.AdaptiveSaving(
+        max_n=8, rounds=2, branches_drawn=8, fixed_decoded_tokens=32,
+        fixed_decode_flops=2 * b.decode_flops_shared, token_saving=0.5, flop_saving=0.5))
+    p = dataclasses.replace(b, pool=cost.PoolRun(requests=2, seconds=4.0, batch_branch_steps=48))
+    for x in (a, p):
+        d = x.to_dict()
+        assert json.loads(json.dumps(d, allow_nan=False)) == d
+        assert x.summary().startswith(b.summary() + "\n")
+    assert a.to_dict()["adaptive"]["max_n"] == 8 and a.to_dict()["pool"] is None
+    assert p.to_dict()["pool"] == {"requests": 2, "seconds": 4.0, "batch_branch_steps": 48,
+                                   "requests_per_second": 0.5}
+    assert a.summary().endswith("at a fixed n=8: saved 50% of the decoded tokens and 50% of "
+                                "the decode FLOPs")
+    assert p.summary().endswith("pool: 2 requests in 4.0 s (0.50 requests/s); slot "
+                                "utilisation 67% of 24 branch-steps; batch by batch 48 "
+                                "branch-steps (33%)")
+    assert cost.PoolRun(requests=0, seconds=0.0, batch_branch_steps=0).requests_per_second == 0.0
 
 
 def test_bill_prices_a_float16_prefix_by_hand():

@@ -10,6 +10,8 @@ float ties (tests/ties.py).
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -397,20 +399,31 @@ def test_run_requests_yields_each_request_tagged_with_its_id(tiny_lm, refs):
     seen = {}
     run = run_pool(tiny_lm, reqs, max_kv_bytes=None, chunk_size=2, seed=_params().seed)
     for res in run:
+        assert run.bill is None  # the run's bill once the last result is out
         assert res.output.request_id == res.id == f"q{res.index}"
         seen[res.id] = res
     assert sorted(seen) == ["q0", "q1", "q2"]
     # The run's bill: what each request's own bill says it decoded, summed; the
     # slots x steps of one pool of 3 x 5 (everything fits the default budget).
     bill = run.bill
-    assert bill.requests == 3
-    assert bill.decoded_tokens == sum(r.generation.bill.decoded_tokens_total
-                                      for r in seen.values())
+    assert bill.pool.requests == 3 and bill.num_prompts == 3 and bill.adaptive is None
+    assert bill.decoded_tokens_total == sum(r.generation.bill.decoded_tokens_total
+                                            for r in seen.values())
+    assert bill.decoded_tokens_per_branch == [r.generation.bill.decoded_tokens_per_branch[0]
+                                              for r in sorted(seen.values(),
+                                                              key=lambda r: r.index)]
+    assert bill.kept_tokens_total == sum(int(r.generation.lengths.sum()) for r in seen.values())
     # (each request's bill counts the pool's steps up to its completion; the last, all)
-    assert bill.branch_steps == max(r.generation.bill.decode_steps for r in seen.values()) * 15
+    assert bill.decode_steps == max(r.generation.bill.decode_steps for r in seen.values())
+    assert bill.branch_steps == bill.decode_steps * 15
     assert 0 < bill.slot_utilisation <= 1
-    assert bill.prefill_tokens == sum(len(r.output.prompt_token_ids) for r in seen.values())
-    assert bill.requests_per_second > 0
+    assert bill.slot_utilisation == bill.decoded_tokens_total / bill.branch_steps
+    assert bill.prompt_tokens_prefilled == sum(len(r.output.prompt_token_ids)
+                                               for r in seen.values())
+    assert bill.pool.requests_per_second > 0 and bill.pool.batch_branch_steps > 0
+    assert "pool: 3 requests" in bill.summary()
+    d = bill.to_dict()
+    assert json.loads(json.dumps(d, allow_nan=False)) == d and d["pool"]["requests"] == 3
     for b, ref in enumerate(refs):
         got = seen[f"q{b}"].generation
         assert_same_tokens_up_to_ties(tiny_lm, ref, got, prompt_index_offset=b)

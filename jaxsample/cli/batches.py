@@ -95,8 +95,7 @@ def adaptive_result(adaptive, b: int, args):
     result = {"answer": adaptive.winner[b], "share": finite(adaptive.share[b]),
               "support": finite(adaptive.support[b]),  # the winner's (weighted) votes
               "branch": first, "n_used": int(adaptive.n_used[b]),
-              "terminated": int(adaptive.terminated[b]), "adaptive": args.adaptive,
-              "saving": adaptive.bill.to_dict()}
+              "terminated": int(adaptive.terminated[b]), "adaptive": args.adaptive}
     return result, list(adaptive.answers[b])
 
 

@@ -212,7 +212,7 @@ def branch_table(title: str, branches: list[dict], chosen: int | None, width: in
 
 def print_run(console, lm, out, single: bool, *, bill: bool = True, batch_requests=None):
     cfg, gen, result, timings = out["cfg"], out["gen"], out["result"], out["timings"]
-    adaptive, r = out["adaptive"], out["request"]
+    r = out["request"]
     branches = _branches(out)
     p = cfg.sampling
     head = "" if single else f"request {r.index}" + (f" ({r.id})" if r.id is not None else "") + ": "
@@ -246,9 +246,7 @@ def print_run(console, lm, out, single: bool, *, bill: bool = True, batch_reques
         f" (requests {batch_requests[0]}-{batch_requests[-1]}, one call)"
         if len(batch_requests) > 1 else f" (request {batch_requests[0]})")
     console.print(f"[bold]bill[/bold]{which}")
-    console.print(gen.bill.summary(), markup=False)
-    if adaptive is not None:
-        console.print(adaptive.bill.summary(), markup=False)
+    console.print(gen.bill.summary(), markup=False)  # an adaptive run's: its adaptive line too
     tokens = gen.bill.decoded_tokens_total
     rate = tokens / timings["decode"] if timings["decode"] > 0 else float("nan")
     console.print(f"timings: load {timings['load']:.2f} s, compile (first call) "

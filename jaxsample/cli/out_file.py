@@ -255,19 +255,20 @@ def _stream(lm, cfg, args, run, progress, batch_of, write, t_start, t_load, app_
 
 
 def _bill_line(path, counter, bills) -> str:
-    """The run's bill (`engine.RunBill`s summed): requests, decoded tokens, branch-steps,
-    slot utilisation, prefill tokens, requests/s and the batch-by-batch estimate."""
+    """The run's bill (the `run_pool` runs' `Bill`s summed): requests, decoded tokens,
+    branch-steps, slot utilisation, prefill tokens, requests/s and the batch-by-batch
+    estimate (`Bill.pool`)."""
     ran = counter.done - counter.done0
     s = time.perf_counter() - counter.t0
     head = f"wrote {ran} requests to {path} in {s:.1f} s"
     if not bills:
         return head
-    dec = sum(b.decoded_tokens for b in bills)
+    dec = sum(b.decoded_tokens_total for b in bills)
     steps = sum(b.branch_steps for b in bills)
-    batch = sum(b.batch_branch_steps for b in bills)
+    batch = sum(b.pool.batch_branch_steps for b in bills)
     util = f"{dec / steps:.0%}" if steps else "n/a"
     batch_util = f"{dec / batch:.0%}" if batch else "n/a"
     return (f"{head}: {dec:,} tokens decoded over {steps:,} branch-steps (slot utilisation "
             f"{util}; batch by batch {batch:,} branch-steps, {batch_util}), "
-            f"{sum(b.prefill_tokens for b in bills):,} prefill tokens, {ran / max(s, 1e-9):.2f} "
-            "requests/s")
+            f"{sum(b.prompt_tokens_prefilled for b in bills):,} prefill tokens, "
+            f"{ran / max(s, 1e-9):.2f} requests/s")

@@ -13,7 +13,9 @@ now. A stub (`{"id": "m3"}`) or an edited line is therefore never kept as done:
 The schema follows the writer: top-level fields `TOP_FIELDS` (plus "messages"
 for a chat request), a branch's `BRANCH_FIELDS` (plus `LOGPROB_FIELDS` with
 logprobs), the result's fields per reducer (`RESULT_FIELDS`), usage, batch,
-timings, and the bill's `Bill` fields.
+timings, and the bill's `Bill` fields; its optional parts (`cost.bill.PARTS`) and
+an adaptive result's "saving" (`RESULT_OPTIONAL`) may be absent, so files
+written without them resume.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ RESULT_FIELDS = {
     "vote": ("answer", "share", "support", "branch"),
     "best": ("answer", "share", "branch"),  # "score" too once a branch is chosen
     "none": ("answer", "share", "branch"),
-    "adaptive": ("answer", "share", "support", "branch", "n_used", "terminated", "adaptive",
-                 "saving"),
+    "adaptive": ("answer", "share", "support", "branch", "n_used", "terminated", "adaptive"),
 }
+# Result fields a kept line may hold that the writer does not write: an adaptive
+# result's comparison with the fixed run, which the bill's "adaptive" part holds.
+RESULT_OPTIONAL = {"adaptive": ("saving",)}
 FINISH_REASONS = ("stop", "length", "terminated")  # "terminated": an adaptive rule's
 TIMINGS = ("load", "compile", "prefill", "decode", "total")
 USAGE = ("prompt_tokens", "decoded_tokens", "kept_tokens")
@@ -121,9 +125,10 @@ def _branch(b, where: str, T: int, k: int | None) -> None:
                 item(x, f"{where}.{name}[{t}][{j}]")
 
 
-def _numbers(d, where: str, required) -> None:
+def _numbers(d, where: str, required, parts=()) -> None:
     """A bill: a dict with every `required` field, each value a number, null or a
-    (nested) list of numbers (per-branch counts)."""
+    (nested) list of numbers (per-branch counts); each of `parts` present is null or
+    such a dict itself."""
     if not isinstance(d, dict):
         raise _Bad(f"{where} must be an object, got {short_repr(d, 60)}")
     missing = [k for k in required if k not in d]
@@ -134,13 +139,16 @@ def _numbers(d, where: str, required) -> None:
         return v is None or _is_number(v) or (isinstance(v, list) and all(map(ok, v)))
 
     for key, v in d.items():
-        if not ok(v):
+        if key in parts:
+            if v is not None:
+                _numbers(v, f"{where}.{key}", ())
+        elif not ok(v):
             raise _Bad(f"{where}.{key} must be a number, got {short_repr(v, 60)}")
 
 
 def _schema(obj: dict, adaptive: bool, max_n: int | None) -> None:
     """The line's structure and types, with its own params for n, T and K."""
-    from jaxsample.cost.bill import Bill
+    from jaxsample.cost.bill import PARTS, Bill
 
     _fields(obj, "", TOP_FIELDS, ("messages",) if obj.get("prompt") is None else ())
     _int(obj["index"], "index")
@@ -172,7 +180,7 @@ def _schema(obj: dict, adaptive: bool, max_n: int | None) -> None:
         _branch(b, f"branches[{i}]", T, k)
     result = obj["result"]
     optional = ("score",) if kind == "best" and isinstance(result, dict) and \
-        result.get("branch") is not None else ()
+        result.get("branch") is not None else RESULT_OPTIONAL.get(kind, ())
     _fields(result, "result", RESULT_FIELDS[kind], optional)
     _str(result["answer"], "result.answer", null=True)
     _number(result["share"], "result.share", lo=0, hi=1)
@@ -188,8 +196,10 @@ def _schema(obj: dict, adaptive: bool, max_n: int | None) -> None:
                        f"{short_repr(result['n_used'], 60)}")
         _int(result["terminated"], "result.terminated")
         _str(result["adaptive"], "result.adaptive")
-        _numbers(result["saving"], "result.saving", ())
-    _numbers(obj["bill"], "bill", [f.name for f in dataclasses.fields(Bill)])
+        if "saving" in result:
+            _numbers(result["saving"], "result.saving", ())
+    _numbers(obj["bill"], "bill", [f.name for f in dataclasses.fields(Bill) if f.name not in PARTS],
+             PARTS)
     _fields(obj["timings"], "timings", TIMINGS)
     for name in TIMINGS:
         _number(obj["timings"][name], f"timings.{name}", null=False, lo=0)

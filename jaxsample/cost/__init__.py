@@ -2,12 +2,14 @@
 
     model.py       the analytic FLOP/byte model (`estimate`, `table`) from a
                    config and (P prompt tokens, T new tokens, N branches)
-    bill.py        the `Bill` of one request (`make_bill`): measured counts
-                   beside the estimate
+    bill.py        the one `Bill` type (`make_bill`): measured counts beside
+                   the estimate, with optional parts (`AdaptiveSaving`,
+                   `PoolRun`) for the runs they apply to
     formatting.py  `format_bytes`, `format_flops`
 """
 
-from jaxsample.cost.bill import Bill, make_bill, measure_experts_touched
+from jaxsample.cost.bill import (AdaptiveSaving, Bill, PoolRun, make_bill,
+                                 measure_experts_touched)
 from jaxsample.cost.formatting import format_bytes, format_flops
 from jaxsample.cost.model import (DTYPE_BYTES, MAX_COUNT, CostEstimate, attention_flops_per_pair,
                                   decode_flops, estimate, expected_experts_touched, expert_bytes,
@@ -16,7 +18,8 @@ from jaxsample.cost.model import (DTYPE_BYTES, MAX_COUNT, CostEstimate, attentio
                                   prefill_flops, step_weight_bytes, suffix_prefill_flops, table,
                                   weight_bytes)
 
-__all__ = ["estimate", "table", "CostEstimate", "Bill", "make_bill", "measure_experts_touched",
+__all__ = ["estimate", "table", "CostEstimate", "Bill", "AdaptiveSaving", "PoolRun",
+           "make_bill", "measure_experts_touched",
            "format_bytes", "format_flops", "param_count", "linear_params_per_layer",
            "expected_experts_touched", "expert_bytes", "step_weight_bytes",
            "linear_flops_per_token", "logits_flops_per_token", "attention_flops_per_pair",

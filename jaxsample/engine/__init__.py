@@ -45,7 +45,7 @@ Data flow of one request, one file per stage:
     stream.py   stream(): the same loop, yielding text deltas per (prompt,
                 branch) after each chunk, then the Generation
     requests.py run_pool: many requests in one pool, each result out as soon as it
-                completes, with the bill of the run (RunBill)
+                completes, with the run's Bill (its `pool` part)
     shard_requests.py  one process's contiguous share of the requests under
                 jax.distributed, its global positions (keys) kept
     sampling/   token choice: logits processors, top-k / top-p / min-p, the draw
@@ -62,7 +62,7 @@ of benchmarks and the oracle of tests.
 """
 
 from jaxsample.engine.api import STOP_CHUNK, finish, generate
-from jaxsample.engine.requests import Request, RequestResult, RunBill, run_pool
+from jaxsample.engine.requests import Request, RequestResult, RequestRun, run_pool
 from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
 from jaxsample.engine.prefill import prefill
 from jaxsample.engine.round import Round
@@ -79,4 +79,4 @@ from jaxsample.engine.step import branch_step
 # library's own modules, benchmarks and tests, but are not the public API.
 __all__ = ["generate", "stream", "StreamEvent", "TextDelta", "finish", "Session", "Round",
            "PrefixCache", "ContextCache", "DecodeState", "Knobs", "Static", "Request",
-           "RequestResult", "RunBill", "run_pool"]
+           "RequestResult", "RequestRun", "run_pool"]

@@ -317,6 +317,33 @@ def final_text(session: Session, b: int, tokens, length, stopped):
                             p.include_stop_str_in_output)
 
 
+def session_bill(s: Session, tail_bytes, decoded, kept) -> cost.Bill:
+    """The `Bill` of what a session computed (`cost.make_bill` with its figures): its
+    prompts, decode steps, branch-steps and KV bytes (context, prefix, the tails).
+
+    Args:
+      s: the session.
+      tail_bytes: each round's `tail_bytes`, (bytes held, per device, allocated);
+        the largest of each counts.
+      decoded: `[B, W]` ints, tokens the device decoded per branch (W: the most
+        branches of any prompt; 0 for a branch the prompt has not).
+      kept: `[B, W]` ints, tokens each branch keeps after stop strings.
+    """
+    prefix_bytes, prefix_dev, prefix_all = s.prefix_bytes
+    ctx_bytes, ctx_dev, ctx_all = s.context_bytes
+    return cost.make_bill(s.cfg, prompt_lengths=[len(x) for x in s.ids], branch_lengths=decoded,
+                          n=np.shape(decoded)[1], prefix_cache_bytes=prefix_bytes,
+                          tail_cache_bytes=max(t[0] for t in tail_bytes),
+                          decode_steps=s.decode_steps, kept_lengths=kept,
+                          prefix_copies=s.N if s.naive else 1, branch_steps=s.branch_steps,
+                          context_length=len(s.context_ids), context_cache_bytes=ctx_bytes,
+                          weights_bytes=_stored_bytes(s.lm.params),
+                          prefix_dtype_bytes=_prefix_dtype_bytes(s),
+                          devices=1 if s.mesh is None else s.mesh.size,
+                          kv_bytes_per_device=prefix_dev + max(t[1] for t in tail_bytes) + ctx_dev,
+                          kv_bytes_allocated=prefix_all + max(t[2] for t in tail_bytes) + ctx_all)
+
+
 def finish(session: Session, rounds: list[Round], reasons_override=None) -> Generation:
     """Host-side assembly of one Generation from a session's rounds.
 
@@ -385,22 +412,7 @@ def finish(session: Session, rounds: list[Round], reasons_override=None) -> Gene
                 reasons[b][n] = "stop"
             row.append(text)
         texts.append(row)
-    prefix_bytes, prefix_dev, prefix_all = s.prefix_bytes
-    tails = [r.tail_bytes for r in rounds]
-    tail_bytes = max(t[0] for t in tails)
-    placement = dict(devices=1 if s.mesh is None else s.mesh.size,
-                     kv_bytes_per_device=prefix_dev + max(t[1] for t in tails),
-                     kv_bytes_allocated=prefix_all + max(t[2] for t in tails))
-    ctx_bytes, ctx_dev, ctx_all = s.context_bytes
-    placement["kv_bytes_per_device"] += ctx_dev
-    placement["kv_bytes_allocated"] += ctx_all
-    bill = cost.make_bill(s.cfg, prompt_lengths=[len(x) for x in s.ids], branch_lengths=decoded,
-                          n=width, prefix_cache_bytes=prefix_bytes, tail_cache_bytes=tail_bytes,
-                          decode_steps=s.decode_steps, kept_lengths=lens,
-                          prefix_copies=s.N if s.naive else 1, branch_steps=s.branch_steps,
-                          context_length=len(s.context_ids), context_cache_bytes=ctx_bytes,
-                          weights_bytes=_stored_bytes(s.lm.params),
-                          prefix_dtype_bytes=_prefix_dtype_bytes(s), **placement)
+    bill = session_bill(s, [r.tail_bytes for r in rounds], decoded, lens)
     s.timings["total"] = time.perf_counter() - s.t_start
     plp = s.prompt_logprobs
     return Generation(tokens=tok, logprobs=lp, lengths=lens, finish_reason=reasons,

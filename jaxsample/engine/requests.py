@@ -1,6 +1,7 @@
 """Many requests in, each result out as soon as it completes: `run_pool` (the
-plain requests of `jaxsample.run_requests`, the one public entry) over one decode pool (`engine.round.Round`) whatever their settings, with the
-bill of the run.
+plain requests of `jaxsample.run_requests`, the one public entry) over one decode
+pool (`engine.round.Round`) whatever their settings, with the `Bill` of the run
+(its `pool` part: requests, seconds, the batch-by-batch baseline).
 
 Every request carries its own SamplingParams into the one pool: n and
 max_tokens per prompt row, the sampling values per row (`state.Knobs`,
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from jaxsample import progress as progress_lib
+from jaxsample.cost import Bill, PoolRun
 from jaxsample.engine import api, budget, inputs
 from jaxsample.engine.session import Session
 from jaxsample.errors import InputError
@@ -146,38 +148,6 @@ def encode_requests(lm, reqs) -> tuple[list[list[int]], list]:
     return ids, texts
 
 
-@dataclasses.dataclass
-class RunBill:
-    """What a `run_requests` run computed (updated as each group of requests ends).
-
-    Attributes:
-      requests: requests completed.
-      decoded_tokens: tokens the device decoded (every branch, stop tokens
-        included, text cut by stop strings afterwards not subtracted).
-      branch_steps: slots x decode steps computed (what the pool paid for).
-      prefill_tokens: tokens prefilled (a common context once, each prompt once).
-      seconds: wall time of the run so far.
-      batch_branch_steps: slots x steps the same requests would have cost batch
-        by batch at the pool's shape (`batch_branch_steps`): the baseline.
-    """
-
-    requests: int = 0
-    decoded_tokens: int = 0
-    branch_steps: int = 0
-    prefill_tokens: int = 0
-    seconds: float = 0.0
-    batch_branch_steps: int = 0
-
-    @property
-    def slot_utilisation(self) -> float:
-        """decoded_tokens / branch_steps (1.0: no slot ever idle)."""
-        return self.decoded_tokens / self.branch_steps if self.branch_steps else 0.0
-
-    @property
-    def requests_per_second(self) -> float:
-        return self.requests / self.seconds if self.seconds else 0.0
-
-
 def batch_branch_steps(lengths, rows: int, slots: int) -> int:
     """Slots x steps of the batch-by-batch loop at the pool's shape.
 
@@ -201,10 +171,19 @@ def batch_branch_steps(lengths, rows: int, slots: int) -> int:
 
 
 class RequestRun:
-    """The iterator `run_requests` returns; `bill` is the `RunBill` so far."""
+    """The iterator `run_pool` returns: `RequestResult`s in completion order.
 
-    def __init__(self, it, bill: RunBill):
-        self._it, self.bill = it, bill
+    Attributes:
+      bill: None until the last result is out; then the run's `cost.Bill`: the
+        whole pool's counts (its prompts, decode steps, branch-steps, KV
+        bytes, each branch's decoded and kept tokens, padded with zeros to the
+        most branches of any request) with its `pool` part (`cost.PoolRun`:
+        requests, seconds, the batch-by-batch baseline).
+    """
+
+    def __init__(self, session, reqs, **kwargs):
+        self.bill: Bill | None = None
+        self._it = _run(self, session, reqs, **kwargs)
 
     def __iter__(self):
         return self
@@ -245,7 +224,7 @@ def run_pool(lm, requests, *, max_kv_bytes: int | None = None, chunk_size: int |
         None draws a random one.
     Returns:
       A `RequestRun`: iterate it for `RequestResult`s in completion order;
-      its `bill` (a `RunBill`) grows as requests complete.
+      its `bill` is the run's `Bill` (with its `pool` part) once the last is out.
     Raises:
       InputError: a malformed request (naming its position and id), a prompt
         the tokenizer refuses, or a pool the KV budget cannot hold, here,
@@ -287,32 +266,33 @@ def pool_results(session, reqs, *, chunk_size=None, index_offset: int = 0, max_r
             inputs.check_int(name, v, 1, 2**31 - 1)
     if chunk_size is not None:
         inputs.check_int("chunk_size", chunk_size, 1, 2**31 - 1)
-    bill = RunBill()
-    return RequestRun(_run(session, reqs, bill, chunk_size, index_offset, max_rows, max_slots),
-                      bill)
+    return RequestRun(session, reqs, chunk_size=chunk_size, index_offset=index_offset,
+                      max_rows=max_rows, max_slots=max_slots)
 
 
-def _run(session, reqs, bill, chunk_size, index_offset, max_rows, max_slots):
+def _run(run: RequestRun, session, reqs, *, chunk_size, index_offset, max_rows, max_slots):
+    """Yield each request's result as its branches are done; at the end set `run.bill`."""
     t0 = time.perf_counter()
     rnd, chunk = api.open_round(session, max_rows=max_rows, max_slots=max_slots,
                                 chunk_size=chunk_size)
     shape = rnd.col_of.shape
     sent = np.zeros(len(reqs), bool)
+    decoded = np.zeros((len(reqs), session.N), np.int64)  # per request, as its bill says
+    kept = np.zeros_like(decoded)
     for _, more in api.chunks(session, rnd, chunk, None, session.observer):
         settled = ~sent & rnd.done.all(axis=1)
         for j in np.nonzero(settled)[0]:
             sent[j] = True
             gen = finish_one(session, rnd, int(j))
+            n = len(gen.bill.decoded_tokens_per_branch[0])
+            decoded[j, :n], kept[j, :n] = gen.bill.decoded_tokens_per_branch[0], gen.lengths[0]
             out = dataclasses.replace(gen.outputs()[0], request_id=reqs[j].id)
-            bill.requests += 1
-            bill.decoded_tokens += int(rnd.lengths[j].sum())
-            bill.seconds = time.perf_counter() - t0
             yield RequestResult(id=reqs[j].id, output=out, generation=gen,
                                 index=index_offset + int(j))
-    bill.branch_steps = int(session.branch_steps)
-    bill.prefill_tokens = sum(len(x) for x in session.ids)
-    bill.batch_branch_steps = batch_branch_steps(rnd.lengths, *shape)
-    bill.seconds = time.perf_counter() - t0
+    pool = PoolRun(requests=int(sent.sum()), seconds=time.perf_counter() - t0,
+                   batch_branch_steps=batch_branch_steps(rnd.lengths, *shape))
+    bill = api.session_bill(session, [rnd.tail_bytes], decoded, kept)
+    run.bill = dataclasses.replace(bill, pool=pool)
 
 
 def finish_one(session, rnd, row: int):

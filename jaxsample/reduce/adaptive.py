@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -28,62 +28,6 @@ from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling_params import MAX_LOGPROBS, SamplingParams, refuse_foreign_keywords
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AdaptiveBill:
-    """What an adaptive run cost, against the same request at a fixed `max_n`.
-
-    Measured:
-      num_prompts: B; max_n: the fixed budget per prompt.
-      rounds: windows drawn (the longest prompt's count).
-      prompt_tokens_prefilled: each prompt prefilled once across all rounds.
-      branches_drawn: branches decoded in all (sum of n_used).
-      decoded_tokens: tokens the device decoded over all drawn branches.
-      branch_steps: slots x steps actually computed (after compaction, with
-        padding and finished slots): what the decode paid for.
-      decode_flops: analytic decode FLOPs of the decoded tokens (`cost`).
-    Estimated for the fixed run (`generate(n=max_n)` would decode every
-    branch to its end; branches not drawn, and the rest of terminated ones,
-    are estimated at the mean length of the prompt's complete branches):
-      fixed_decoded_tokens, fixed_decode_flops.
-    """
-
-    num_prompts: int
-    max_n: int
-    rounds: int
-    prompt_tokens_prefilled: int
-    branches_drawn: int
-    decoded_tokens: int
-    branch_steps: int
-    decode_flops: int
-    fixed_decoded_tokens: int
-    fixed_decode_flops: int
-
-    @property
-    def token_saving(self) -> float:
-        """1 - decoded / fixed decoded tokens (0 when nothing was saved)."""
-        return 1.0 - self.decoded_tokens / max(self.fixed_decoded_tokens, 1)
-
-    @property
-    def flop_saving(self) -> float:
-        """1 - decode FLOPs / fixed decode FLOPs."""
-        return 1.0 - self.decode_flops / max(self.fixed_decode_flops, 1)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["token_saving"], d["flop_saving"] = self.token_saving, self.flop_saving
-        return d
-
-    def summary(self) -> str:
-        return (f"adaptive: {self.branches_drawn} of {self.num_prompts * self.max_n} branches "
-                f"drawn in {self.rounds} round{'s' if self.rounds != 1 else ''} over one prefill "
-                f"({self.prompt_tokens_prefilled} prompt tokens); decoded "
-                f"{self.decoded_tokens} tokens ({self.branch_steps} branch-steps, "
-                f"{cost.format_flops(self.decode_flops)}) against about "
-                f"{self.fixed_decoded_tokens} ({cost.format_flops(self.fixed_decode_flops)}) "
-                f"at a fixed n={self.max_n}: saved {100 * self.token_saving:.0f}% of the decoded "
-                f"tokens and {100 * self.flop_saving:.0f}% of the decode FLOPs")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -107,8 +51,9 @@ class AdaptiveResult:
       thresholds: `[B]` float64 DeepConf thresholds (nan without `confidence`).
       generation: the `Generation` of the branches drawn, `[B, max(n_used), T]`
         (finish_reason "not_drawn" past a prompt's n_used, "terminated" for
-        terminated branches).
-      bill: the `AdaptiveBill`.
+        terminated branches); its `bill` has the `adaptive` part
+        (`cost.AdaptiveSaving`: what was decoded against the same request at
+        a fixed max_n).
     """
 
     winner: list
@@ -121,7 +66,6 @@ class AdaptiveResult:
     confidence: list
     thresholds: np.ndarray
     generation: Generation
-    bill: AdaptiveBill
 
 
 def extractor(extract) -> Callable[[str], str | None]:
@@ -260,129 +204,186 @@ def adaptive_self_consistency(lm: LanguageModel, prompts, params: SamplingParams
     session = Session(lm, prompts, params.replace(n=window, signals=params.signals or on_signals),
                       chat=chat, mesh=mesh, prompt_index_offset=prompt_index_offset,
                       top_logprobs=k, observer=observer)
+    pool = _Pool(session, _Rule(max_n=max_n, window=window, rule=rule, threshold=threshold,
+                                confidence=confidence, warmup=warmup, group_size=group_size,
+                                on_signals=on_signals), get_answer)
+    pool.run(chunk_size, compact, observer)
+    pool.drop_undrawn()
+    gen = finish(session, [pool.rnd], pool.reasons)
+    gen = dataclasses.replace(gen, params=params.replace(n=max_n, seed=session.params.seed))
+    return pool.result(gen)
 
-    def token_conf(rnd, i, c, L):  # DeepConf's C_t of branch (i, c)'s first L tokens
-        if on_signals:
-            return rules.token_confidence_from_signals(rnd.signals[i, c, :L, 1])
-        return rules.token_confidence(rnd.top_logprobs[i, c, :L])
 
-    sp = session.params
-    B = session.B
-    answers = [[] for _ in range(B)]
-    lowest = [[] for _ in range(B)]
-    term = [[] for _ in range(B)]
-    thresholds = np.full(B, np.nan)
-    # One pool over every prompt's max_n branches, `window` slots per row: a
-    # prompt's next branch takes a slot as soon as one of its slots frees (no
-    # rounds). The rule reads the answers in global branch order at the
-    # checkpoints replay uses (n = window, 2 window, ...: `rules.replay`),
-    # each as soon as that many leading branches are done; a prompt that stops
-    # gives up its running and waiting branches beyond n (drawn ahead,
-    # reported "not_drawn"; their slot-steps stay in the bill's branch_steps).
-    ids = np.broadcast_to(np.arange(max_n, dtype=np.int32), (B, max_n))
-    rnd = session.round(range(B), ids, max_slots=window)
-    if confidence:  # later branches start once the warm-up has set the threshold
-        rnd.admit[:] = warmup
-    checkpoint = np.full(B, min(window, max_n), np.int64)
-    n_used = np.zeros(B, np.int64)
-    settled = np.zeros(B, bool)
-    reasons = {}
-    watch = (stops_lib.StopWatch(text_tokenizer(session), sp.stop, sp.min_tokens)
-             if sp.stop else None)
-    checks = 0
+class _Rule(NamedTuple):
+    """`adaptive_self_consistency`'s checked rule options (see there)."""
 
-    def record(b, n):  # answer, termination and confidence of branch (b, n), once done
-        text, _, _ = final_text(session, b, rnd.tokens[b, n], rnd.lengths[b, n],
+    max_n: int
+    window: int
+    rule: str
+    threshold: float
+    confidence: str | None
+    warmup: int
+    group_size: int
+    on_signals: bool  # DeepConf's token confidence from the step's signals
+
+
+class _Pool:
+    """The host side of an adaptive run: one pool over every prompt's max_n branches.
+
+    `window` slots per row: a prompt's next branch takes a slot as soon as one
+    of its slots frees (no rounds). The rule reads the answers in global
+    branch order at the checkpoints replay uses (n = window, 2 window, ...:
+    `rules.replay`), each as soon as that many leading branches are done; a
+    prompt that stops gives up its running and waiting branches beyond n
+    (drawn ahead, reported "not_drawn"; their slot-steps stay in the bill's
+    branch_steps).
+    """
+
+    def __init__(self, session: Session, o: _Rule, get_answer):
+        self.session, self.o, self.get_answer = session, o, get_answer
+        B = session.B
+        self.answers = [[] for _ in range(B)]
+        self.lowest = [[] for _ in range(B)]
+        self.term = [[] for _ in range(B)]
+        self.thresholds = np.full(B, np.nan)
+        ids = np.broadcast_to(np.arange(o.max_n, dtype=np.int32), (B, o.max_n))
+        self.rnd = session.round(range(B), ids, max_slots=o.window)
+        if o.confidence:  # later branches start once the warm-up has set the threshold
+            self.rnd.admit[:] = o.warmup
+        self.checkpoint = np.full(B, min(o.window, o.max_n), np.int64)
+        self.n_used = np.zeros(B, np.int64)
+        self.settled = np.zeros(B, bool)
+        self.reasons = {}
+        sp = session.params
+        self.watch = (stops_lib.StopWatch(text_tokenizer(session), sp.stop, sp.min_tokens)
+                      if sp.stop else None)
+        self.checks = 0
+
+    def token_conf(self, i, c, L):
+        """DeepConf's C_t of branch (i, c)'s first L tokens."""
+        if self.o.on_signals:
+            return rules.token_confidence_from_signals(self.rnd.signals[i, c, :L, 1])
+        return rules.token_confidence(self.rnd.top_logprobs[i, c, :L])
+
+    def record(self, b, n):
+        """The answer, termination and confidence of branch (b, n), once done."""
+        rnd = self.rnd
+        text, _, _ = final_text(self.session, b, rnd.tokens[b, n], rnd.lengths[b, n],
                                 rnd.stopped[b, n])
-        answers[b].append(get_answer(text))
-        term[b].append(reasons.get((b, n)) == "terminated")
-        if confidence:
-            lowest[b].append(rules.lowest_group_confidence(
-                token_conf(rnd, b, n, int(rnd.lengths[b, n])), group_size))
+        self.answers[b].append(self.get_answer(text))
+        self.term[b].append(self.reasons.get((b, n)) == "terminated")
+        if self.o.confidence:
+            self.lowest[b].append(rules.lowest_group_confidence(
+                self.token_conf(b, n, int(rnd.lengths[b, n])), self.o.group_size))
 
-    while True:
-        more = rnd.run(chunk_size)
+    def run(self, chunk_size: int, compact: bool, observer) -> None:
+        """Decode chunk by chunk until every prompt is settled or nothing runs."""
+        rnd = self.rnd
+        while True:
+            more = rnd.run(chunk_size)
+            self.end_branches()
+            for b in np.nonzero(~self.settled)[0]:
+                self.settle(b)
+            if observer is not None:
+                drawn = int((rnd.lengths > 0).sum())
+                observer.adaptive_update(self.checks, drawn, int(self.settled.sum()),
+                                         self.session.B, final=bool(self.settled.all()))
+            if self.settled.all() or not more:
+                break
+            if compact:
+                rnd.compact()
+
+    def end_branches(self) -> None:
+        """End the branches whose new tokens hold a stop string, and (DeepConf, past the
+        warm-up) those whose group confidence fell below the prompt's threshold."""
+        o, rnd = self.o, self.rnd
         end = np.zeros(rnd.done.shape, bool)
         for b, n, new in rnd.new_tokens():
-            if watch is not None and watch.feed((b, n), new):
+            if self.watch is not None and self.watch.feed((b, n), new):
                 end[b, n] = True
-            if confidence and n >= warmup and not np.isnan(thresholds[b]):
-                conf = token_conf(rnd, b, n, int(rnd.lengths[b, n]))
-                if rules.first_low_group(conf, group_size, thresholds[b]) is not None:
+            if o.confidence and n >= o.warmup and not np.isnan(self.thresholds[b]):
+                conf = self.token_conf(b, n, int(rnd.lengths[b, n]))
+                if rules.first_low_group(conf, o.group_size, self.thresholds[b]) is not None:
                     end[b, n] = True
-                    reasons[(b, n)] = "terminated"
+                    self.reasons[(b, n)] = "terminated"
         rnd.finish_slots(end)
-        for b in np.nonzero(~settled)[0]:
-            while not settled[b] and rnd.done[b, :checkpoint[b]].all():
-                n = int(checkpoint[b])
-                for c in range(len(answers[b]), n):
-                    record(b, c)
-                checks = max(checks, n // window + (n % window > 0))
-                if confidence and n == warmup:
-                    thresholds[b] = rules.threshold_from_warmup(lowest[b][:warmup],
-                                                                   confidence)
-                    rnd.admit[b] = max_n
-                votes = [x if not t else None for x, t in zip(answers[b], term[b])]
-                if n >= max_n or (n >= warmup and rules.should_stop(rule, votes, window,
-                                                                      threshold)):
-                    settled[b], n_used[b] = True, n
-                    rest = np.zeros(rnd.done.shape, bool)
-                    rest[b, n:] = True
-                    rnd.finish_slots(rest)  # drawn ahead: never counted
-                else:
-                    checkpoint[b] = min(n + window, max_n)
-        if observer is not None:
-            drawn = int((rnd.lengths > 0).sum())
-            observer.adaptive_update(checks, drawn, int(settled.sum()), B,
-                                     final=bool(settled.all()))
-        if settled.all() or not more:
-            break
-        if compact:
-            rnd.compact()
-    rounds = [rnd]
-    for b in range(B):  # branches beyond n_used: not drawn, as the offline rule has it
-        for n in range(int(n_used[b]), max_n):
-            reasons[(b, n)] = "not_drawn"
-            rnd.clear_branch(b, n)
-            rnd.lengths[b, n], rnd.stopped[b, n] = 0, False
-        del answers[b][int(n_used[b]):], term[b][int(n_used[b]):], lowest[b][int(n_used[b]):]
 
-    gen = finish(session, rounds, reasons)
-    gen = dataclasses.replace(gen, params=params.replace(n=max_n, seed=sp.seed))
-    n_used = np.array([len(a) for a in answers], np.int32)
-    winners, supports, shares, counted = [], [], [], []
-    for b in range(B):
-        votes = [a if not t else None for a, t in zip(answers[b], term[b])]
-        w = [x if v is not None else 0.0 for x, v in zip(lowest[b], votes)] if confidence else None
-        winner, support, share = rules.tally(votes, w)
-        winners.append(winner)
-        supports.append(support)
-        shares.append(share)
-        counted.append([v is not None for v in votes])
-    bill = _bill(session, gen, n_used, term, max_n, checks)
-    return AdaptiveResult(winner=winners, share=np.array(shares, np.float32),
-                          support=np.array(supports, np.float32), answers=answers,
-                          counted=counted, n_used=n_used,
-                          terminated=np.array([sum(t) for t in term], np.int32),
-                          confidence=lowest, thresholds=thresholds, generation=gen, bill=bill)
+    def settle(self, b) -> None:
+        """Apply the rule at each of prompt b's checkpoints whose branches are all done:
+        set DeepConf's threshold after the warm-up; stop the prompt, or move its
+        checkpoint a window on."""
+        o, rnd = self.o, self.rnd
+        while not self.settled[b] and rnd.done[b, :self.checkpoint[b]].all():
+            n = int(self.checkpoint[b])
+            for c in range(len(self.answers[b]), n):
+                self.record(b, c)
+            self.checks = max(self.checks, n // o.window + (n % o.window > 0))
+            if o.confidence and n == o.warmup:
+                self.thresholds[b] = rules.threshold_from_warmup(self.lowest[b][:o.warmup],
+                                                                 o.confidence)
+                rnd.admit[b] = o.max_n
+            votes = [x if not t else None for x, t in zip(self.answers[b], self.term[b])]
+            if n >= o.max_n or (n >= o.warmup and rules.should_stop(o.rule, votes, o.window,
+                                                                      o.threshold)):
+                self.settled[b], self.n_used[b] = True, n
+                rest = np.zeros(rnd.done.shape, bool)
+                rest[b, n:] = True
+                rnd.finish_slots(rest)  # drawn ahead: never counted
+            else:
+                self.checkpoint[b] = min(n + o.window, o.max_n)
+
+    def drop_undrawn(self) -> None:
+        """Branches beyond n_used: not drawn, as the offline rule has it."""
+        rnd = self.rnd
+        for b in range(self.session.B):
+            used = int(self.n_used[b])
+            for n in range(used, self.o.max_n):
+                self.reasons[(b, n)] = "not_drawn"
+                rnd.clear_branch(b, n)
+                rnd.lengths[b, n], rnd.stopped[b, n] = 0, False
+            del self.answers[b][used:], self.term[b][used:], self.lowest[b][used:]
+
+    def result(self, gen: Generation) -> AdaptiveResult:
+        """The vote of each prompt's counted branches, and `gen` with the adaptive bill."""
+        n_used = np.array([len(a) for a in self.answers], np.int32)
+        winners, supports, shares, counted = [], [], [], []
+        for b in range(self.session.B):
+            votes = [a if not t else None for a, t in zip(self.answers[b], self.term[b])]
+            w = ([x if v is not None else 0.0 for x, v in zip(self.lowest[b], votes)]
+                 if self.o.confidence else None)
+            winner, support, share = rules.tally(votes, w)
+            winners.append(winner)
+            supports.append(support)
+            shares.append(share)
+            counted.append([v is not None for v in votes])
+        saving = _saving(self.session, gen, n_used, self.term, self.o.max_n, self.checks)
+        gen = dataclasses.replace(gen, bill=dataclasses.replace(gen.bill, adaptive=saving))
+        return AdaptiveResult(winner=winners, share=np.array(shares, np.float32),
+                              support=np.array(supports, np.float32), answers=self.answers,
+                              counted=counted, n_used=n_used,
+                              terminated=np.array([sum(t) for t in self.term], np.int32),
+                              confidence=self.lowest, thresholds=self.thresholds,
+                              generation=gen)
 
 
-def _bill(session: Session, gen: Generation, n_used, term, max_n: int, rounds: int):
+def _saving(session: Session, gen: Generation, n_used, term, max_n: int,
+            rounds: int) -> cost.AdaptiveSaving:
+    """The run against the same request at a fixed max_n: each prompt's branches not
+    drawn, and the rest of its terminated ones, at the mean length of its complete
+    branches."""
     cfg = session.cfg
     decoded = gen.bill.decoded_tokens_per_branch  # device lengths, [B][width]
-    flops = fixed_tokens = fixed_flops = tokens = 0
+    fixed_tokens = fixed_flops = 0
     for b in range(session.B):
         P = len(session.ids[b])
         lens = [int(x) for x in decoded[b][:n_used[b]]]
         full = [L for L, t in zip(lens, term[b]) if not t]
         mean = float(np.mean(full)) if full else float(np.mean(lens)) if lens else 0.0
-        tokens += sum(lens)
-        flops += sum(int(cost.decode_flops(cfg, P, L)) for L in lens)
         est = full + [int(math.ceil(mean))] * (max_n - len(full))
         fixed_tokens += sum(est)
         fixed_flops += sum(int(cost.decode_flops(cfg, P, L)) for L in est)
-    return AdaptiveBill(num_prompts=session.B, max_n=max_n, rounds=rounds,
-                        prompt_tokens_prefilled=sum(len(x) for x in session.ids),
-                        branches_drawn=int(n_used.sum()), decoded_tokens=tokens,
-                        branch_steps=session.branch_steps, decode_flops=flops,
-                        fixed_decoded_tokens=fixed_tokens, fixed_decode_flops=fixed_flops)
+    return cost.AdaptiveSaving(
+        max_n=max_n, rounds=rounds, branches_drawn=int(n_used.sum()),
+        fixed_decoded_tokens=fixed_tokens, fixed_decode_flops=fixed_flops,
+        token_saving=1.0 - gen.bill.decoded_tokens_total / max(fixed_tokens, 1),
+        flop_saving=1.0 - gen.bill.decode_flops_shared / max(fixed_flops, 1))
