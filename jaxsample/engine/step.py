@@ -152,6 +152,54 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
     Returns:
       `step(state) -> state`, advancing every slot by one token.
     """
+    choose_tokens = _token_chooser(st, knobs)
+    advance = _forward(st, params, prefix, bridge_params, context)
+
+    def step(s: DecodeState) -> DecodeState:
+        # Per-slot positions: a live slot's next token index is its length (tokens
+        # generated so far), so slots started at different chunks (the pool's
+        # refills) each run at their own index; `s.t` is only the chunk's clock.
+        pos = s.lengths  # [R, N]
+        step_keys = _vv(lambda k, t: jax.random.fold_in(k, t))(keys, pos)
+        tok, lp = choose_tokens(s, pos, step_keys)
+        live = ~s.done
+        tok = jnp.where(live, tok, st.pad_id)
+        lp = jnp.where(live, lp, 0.0)
+        hit_stop = live & jax.vmap(jax.vmap(sampling.is_stop, (0, None)), (0, 0))(
+            tok, knobs.stop_ids)
+        lengths = s.lengths + live.astype(jnp.int32)
+        done = s.done | hit_stop | (pos + 1 >= knobs.max_new_tokens[:, None])
+        R, N = tok.shape
+        ri, ni = jnp.arange(R)[:, None], jnp.arange(N)[None, :]
+        out = _record(st, s, tok, lp, live, pos, ri, ni)
+        counts = s.counts
+        if st.penalties:  # one scatter of R x N ones (zeros for done slots)
+            counts = counts.at[ri, ni, tok].add(live.astype(jnp.int32), mode="drop")
+        logits, tail_k, tail_v = advance(s, tok, pos, done, ri, ni)
+        return s._replace(t=s.t + 1, logits=logits, out=out, lengths=lengths, done=done,
+                          stopped=s.stopped | hit_stop, tail_k=tail_k, tail_v=tail_v,
+                          counts=counts)
+
+    return step
+
+
+def _vv(f):
+    """`f` vmapped over rows and slots: `[R, N, ...]` arguments."""
+    return jax.vmap(jax.vmap(f))
+
+
+def _per_row(f, n_slot: int, n_row: int):
+    """`f` vmapped over rows (every argument batched), then over a row's slots: its
+    first `n_slot` arguments per slot, the next `n_row` per row (shared by its slots)."""
+    return jax.vmap(jax.vmap(f, (0,) * n_slot + (None,) * n_row), (0,) * (n_slot + n_row))
+
+
+def _token_chooser(st: Static, knobs: Knobs):
+    """`choose_tokens(s, pos, step_keys) -> (tok, lp)`, `[R, N]` each: every slot's
+    token drawn from its logits (through the logits processors with
+    `st.processors`) and the logprob recorded (the processed one on rows that
+    ask for it, `st.processed_logprobs`). Pad and 0.0 for done slots are the
+    caller's."""
     cfg = st.cfg
     # Per-row settings; the sampler's conds test whether any row needs a path,
     # so a step whose rows all decode greedily (or none filters) skips it.
@@ -184,6 +232,59 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
         proc_rows = (knobs.logit_bias, stop_mask, knobs.min_tokens, knobs.repetition_penalty,
                      knobs.frequency_penalty, knobs.presence_penalty)
 
+    choose_rows = _per_row(choose, 2, 4)
+    choose_processed = jax.vmap(jax.vmap(choose, (0, 0, None, None, None, None, 0)), (0,) * 7)
+
+    def choose_tokens(s: DecodeState, pos, step_keys):
+        if not st.processors:
+            out = choose_rows(s.logits, step_keys, *row_knobs)
+        else:
+            if st.penalties:
+                # counts per slot; the prompt mask per row, unbatched over the slots.
+                proc = jax.vmap(jax.vmap(process, (0, 0) + (None,) * 6 + (0, None)),
+                                (0,) * 10)(s.logits, pos, *proc_rows, s.counts, s.prompt_mask)
+            else:
+                proc = _per_row(process, 2, 6)(s.logits, pos, *proc_rows)
+            out = choose_processed(s.logits, step_keys, *row_knobs, proc)
+        tok, lp = out[0], out[1]
+        if st.processed_logprobs:  # logprobs_mode per row
+            lp = jnp.where(knobs.processed_logprobs[:, None], out[2], lp)
+        return tok, lp
+
+    return choose_tokens
+
+
+def _record(st: Static, s: DecodeState, tok, lp, live, pos, ri, ni) -> Outputs:
+    """`s.out` with this step's per-token outputs written: each live slot's own column
+    `pos` (a scatter); done slots write nothing (index T: dropped), so a finished
+    branch's buffers stay as it left them. Top logprobs, ranks and signals are
+    those of the raw logits; a field off keeps its buffer as is."""
+    col = jnp.where(live, pos, s.out.tokens.shape[2])
+
+    # This step's per-token outputs, [R, N, ...] (a field off: its buffer as is).
+    top = (_vv(lambda x: sampling.top_logprobs(x, st.top_logprobs, st.vocab_limit))(s.logits)
+           if st.top_logprobs else (None, None))
+    new = Outputs(
+        tokens=tok, logprobs=lp, top_logprobs=top[0], top_ids=top[1],
+        token_ranks=(_vv(lambda x, k: sampling.token_rank(x, k, st.vocab_limit))(s.logits, tok)
+                     if st.token_ranks else None),
+        # on the raw logits, like the logprobs: [R, N, 3]
+        signals=(_vv(lambda x: sampling.token_signals(x, st.vocab_limit))(s.logits)
+                 if st.signals else None))
+
+    def put(buf, val):  # buf [R, N, T, ...] <- val [R, N, ...] at column col[r, n]
+        return buf if val is None else buf.at[ri, ni, col].set(val, mode="drop")
+
+    return Outputs(*(None if b is None else put(b, v) for b, v in zip(s.out, new)))
+
+
+def _forward(st: Static, params, prefix: PrefixCache, bridge_params, context):
+    """`advance(s, tok, pos, done, ri, ni) -> (logits, tail_k, tail_v)`: every slot's
+    forward pass on its new token (`branch_step`, vmapped over a row's slots with
+    the prefix unbatched, then over rows), skipped when every slot is done, and
+    its K/V written into the tails."""
+    cfg = st.cfg
+
     # Row-level vmap: prefix per row (in_axes 0); branch-level vmap: prefix unbatched.
     def one_branch(tok, pos, t, pk, pv, plen, tk, tv, alive):
         return branch_step(cfg, params, tok, pos, t, pk, pv, plen, tk, tv,
@@ -193,65 +294,8 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
     step_branches = jax.vmap(one_branch, in_axes=(0, 0, 0, None, None, None, 0, 0, 0),
                              axis_name=st.branch_axis)
     step_rows = jax.vmap(step_branches, in_axes=(0, 0, 0, 0, 0, 0, 0, 0, 0))
-    vv = lambda f: jax.vmap(jax.vmap(f))
-    # Over rows (every argument batched), then over a row's slots (the per-row
-    # settings unbatched, so the slots of a row share them).
-    per_row = lambda f, n_slot, n_row: jax.vmap(
-        jax.vmap(f, (0,) * n_slot + (None,) * n_row), (0,) * (n_slot + n_row))
-    choose_rows = per_row(choose, 2, 4)
-    choose_processed = jax.vmap(jax.vmap(choose, (0, 0, None, None, None, None, 0)), (0,) * 7)
 
-    def step(s: DecodeState) -> DecodeState:
-        # Per-slot positions: a live slot's next token index is its length (tokens
-        # generated so far), so slots started at different chunks (the pool's
-        # refills) each run at their own index; `s.t` is only the chunk's clock.
-        pos = s.lengths  # [R, N]
-        step_keys = vv(lambda k, t: jax.random.fold_in(k, t))(keys, pos)
-        if not st.processors:
-            out = choose_rows(s.logits, step_keys, *row_knobs)
-        else:
-            if st.penalties:
-                # counts per slot; the prompt mask per row, unbatched over the slots.
-                proc = jax.vmap(jax.vmap(process, (0, 0) + (None,) * 6 + (0, None)),
-                                (0,) * 10)(s.logits, pos, *proc_rows, s.counts, s.prompt_mask)
-            else:
-                proc = per_row(process, 2, 6)(s.logits, pos, *proc_rows)
-            out = choose_processed(s.logits, step_keys, *row_knobs, proc)
-        tok, lp = out[0], out[1]
-        if st.processed_logprobs:  # logprobs_mode per row
-            lp = jnp.where(knobs.processed_logprobs[:, None], out[2], lp)
-        live = ~s.done
-        tok = jnp.where(live, tok, st.pad_id)
-        lp = jnp.where(live, lp, 0.0)
-        hit_stop = live & jax.vmap(jax.vmap(sampling.is_stop, (0, None)), (0, 0))(
-            tok, knobs.stop_ids)
-        lengths = s.lengths + live.astype(jnp.int32)
-        done = s.done | hit_stop | (pos + 1 >= knobs.max_new_tokens[:, None])
-        R, N = tok.shape
-        ri, ni = jnp.arange(R)[:, None], jnp.arange(N)[None, :]
-        # Each live slot writes its own column (a scatter); done slots write nothing
-        # (index T: dropped), so a finished branch's buffers stay as it left them.
-        col = jnp.where(live, pos, s.out.tokens.shape[2])
-
-        # This step's per-token outputs, [R, N, ...] (a field off: its buffer as is).
-        top = (vv(lambda x: sampling.top_logprobs(x, st.top_logprobs, st.vocab_limit))(s.logits)
-               if st.top_logprobs else (None, None))
-        new = Outputs(
-            tokens=tok, logprobs=lp, top_logprobs=top[0], top_ids=top[1],
-            token_ranks=(vv(lambda x, k: sampling.token_rank(x, k, st.vocab_limit))(s.logits, tok)
-                         if st.token_ranks else None),
-            # on the raw logits, like the logprobs: [R, N, 3]
-            signals=(vv(lambda x: sampling.token_signals(x, st.vocab_limit))(s.logits)
-                     if st.signals else None))
-
-        def put(buf, val):  # buf [R, N, T, ...] <- val [R, N, ...] at column col[r, n]
-            return buf if val is None else buf.at[ri, ni, col].set(val, mode="drop")
-
-        out = Outputs(*(None if b is None else put(b, v) for b, v in zip(s.out, new)))
-        counts = s.counts
-        if st.penalties:  # one scatter of R x N ones (zeros for done slots)
-            counts = counts.at[ri, ni, tok].add(live.astype(jnp.int32), mode="drop")
-
+    def advance(s: DecodeState, tok, pos, done, ri, ni):
         def forward(_):
             positions = prefix.lengths[:, None] + pos  # [R, N]
             if context is not None:
@@ -275,8 +319,6 @@ def make_step(st: Static, params, prefix: PrefixCache, knobs: Knobs, keys: jax.A
                        for c, a in zip(s.tail_k, k))
         tail_v = tuple(c.at[ri, ni, :, pos % c.shape[3]].set(a)
                        for c, a in zip(s.tail_v, v))
-        return s._replace(t=s.t + 1, logits=logits, out=out, lengths=lengths, done=done,
-                          stopped=s.stopped | hit_stop, tail_k=tail_k, tail_v=tail_v,
-                          counts=counts)
+        return logits, tail_k, tail_v
 
-    return step
+    return advance
