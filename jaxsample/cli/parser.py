@@ -126,10 +126,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
+    _add_run_parser(sub)
+    _add_price_parser(sub)
+    _add_cache_parser(sub)
+    _add_merge_parser(sub)
+    return parser
+
+
+def _add_run_parser(sub) -> None:
+    """`jaxsample run`: sample N branches of one prompt (or a .jsonl file of requests),
+    reduce them, print or write the results."""
     run = sub.add_parser("run", help="sample N branches of one prompt, reduce, print the bill",
                          description="Sample N branches of one prompt sharing its KV cache, "
                                      "reduce them and print the branches, result and bill. "
                                      "Flags given explicitly override --config.")
+    _add_input_args(run)
+    _add_sampling_args(run)
+    _add_reduce_args(run)
+    _add_output_args(run)
+    _add_placement_args(run)
+
+
+def _add_input_args(run) -> None:
+    """`run`'s input: the prompt or prompt file, a shared prefix, the model and its
+    dtype and weights."""
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", metavar="F", type=_non_empty,
@@ -161,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--weights", choices=config_lib.WEIGHTS[1:],
                      help="int8: int8 weights and activations (W8A8); int8-weight-only: int8 "
                           "weights in a float product (reproducible across meshes)")
+
+
+def _add_sampling_args(run) -> None:
+    """`run`'s sampling settings (None when not given, so the --config file's value
+    stands) and the chat template."""
     # Sampling: None means "not given" so the config file's value stands.
     d = config_lib.DEFAULT_SAMPLING
     run.add_argument("--n", type=_int, help=f"branches N (default {d['n']})")
@@ -182,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a stop string (repeatable)")
     run.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="render the prompt with the model's chat template (default: on)")
+
+
+def _add_reduce_args(run) -> None:
+    """`run`'s reduction: vote, best-of-N (by a score) or none, the answer extraction,
+    and adaptive self-consistency with its options."""
     run.add_argument("--reduce", choices=config_lib.REDUCER_KINDS,
                      help="vote (self-consistency), best (best-of-N by mean logprob) or none "
                           "(default: vote)")
@@ -206,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threshold", type=float, default=0.95,
                      help="--adaptive beta/dirichlet/deepconf: the posterior probability that "
                           "stops (default 0.95)")
+
+
+def _add_output_args(run) -> None:
+    """`run`'s output: --json, the caches, progress, and the results file (--out, --resume)."""
     run.add_argument("--json", action="store_true",
                      help="print one JSON object (one JSON line per request of a .jsonl file)")
     run.add_argument("--no-cache", action="store_true",
@@ -223,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true",
                      help="with --out: keep FILE's lines and run only the requests whose id is "
                           "not in it (a torn last line is cut and redone)")
+
+
+def _add_placement_args(run) -> None:
+    """Where `run` computes: several hosts (jax.distributed) and the decode pool's KV budget."""
     run.add_argument("--distributed", action="store_true",
                      help="several hosts (jax.distributed): with --out, each process runs its "
                           "contiguous share of the .jsonl requests and writes "
@@ -242,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the decode pool's KV budget, e.g. 2GiB (generate(max_kv_bytes=...); "
                           "default: a fraction of the device's memory); not with --adaptive")
 
+
+def _add_price_parser(sub) -> None:
+    """`jaxsample price`: the analytic cost table, shared prefix against N retries."""
     price = sub.add_parser("price", help="the analytic cost table: shared prefix vs N retries",
                            description="Price N branches over one shared prompt against N "
                                        "separate retries, from the model's config alone.")
@@ -268,9 +309,6 @@ def build_parser() -> argparse.ArgumentParser:
                             "an extension; .pdf, .svg, ... by their extension); needs "
                             "matplotlib: pip install 'jaxsample[plot]'")
     price.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_cache_parser(sub)
-    _add_merge_parser(sub)
-    return parser
 
 
 def _add_merge_parser(sub) -> None:
