@@ -57,53 +57,45 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
         layers after every block (arXiv 2510.01143). A zero-initialised Bridge
         gives exactly the tokens of `bridge=None`.
       prompt_index_offset: the global index of the first prompt, for the keys
-        (`fold_in(key(seed), prompt_index)`): when a data set is split into
-        several calls with one seed, pass each call's start so that prompts of
-        different calls draw independent streams (and a prompt's samples do not
-        depend on how the data set was batched).
+        (`fold_in(key(seed), prompt_index)`): a data set split into calls with
+        one seed passes each call's start, so prompts of different calls draw
+        independent streams, whatever the batching.
       chunk_size: decode steps per device call, in [1, 2**31 - 1]; default: the
         whole budget in one call, or `STOP_CHUNK` (8) when `params.stop` is set
         (a stop string is then seen at most 7 tokens late, and decoding of that
         branch stops there) or progress is shown (the bar moves once per chunk).
       compact: gather live branches (and rows) into power-of-two buckets when
-        those hold at most 3/4 of the slots (`scheduler.COMPACT_FRACTION`), so
-        later steps cost what the live branches need; each new bucket compiles
-        once. None (default): on for a pool (`max_rows` / `max_slots` /
-        `max_kv_bytes` smaller than the request: its last branches then run
-        in a smaller state once nothing waits), off otherwise.
-      progress: True to report compiling and decoding on stderr (a rich bar on
-        a terminal, a plain line every 5 s otherwise: steps done, live
-        branches, tokens/s, time left; see `jaxsample.progress`), or a
-        `jaxsample.progress.Progress` to choose the stream and the pace.
-      shared_prefix: optional context common to all B prompts (a few-shot
-        block, a document, a system prompt): a string or token ids; with
-        `chat=True` the conversations' common first turns (a list of
-        messages, or a string: one system turn). Three levels of sharing
-        (Hydragen, arXiv 2402.05099; `engine/context.py`): the C context
-        tokens are prefilled and stored once (KV L x `[K, C, D]`, no prompt
-        and no branch axis), each prompt's own tokens once (positions from C
-        on), each branch's tail per branch. The tokens equal those of
-        `generate` on `context ids + prompt ids` without it (a string prompt
-        is tokenised alone, without a BOS: the BOS, if any, starts the
-        context); `Generation.prompt_tokens` and the prompt logprobs cover
-        both.
+        those hold at most 3/4 of the slots (`scheduler.COMPACT_FRACTION`): later
+        steps cost what the live branches need, each new bucket compiles once.
+        None (default): on when max_rows, max_slots or max_kv_bytes make a pool.
+      progress: True to report compiling and decoding on stderr (a bar on a
+        terminal, else a line every 5 s: steps, live branches, tokens/s, time
+        left; `jaxsample.progress`), or a `Progress` to choose stream and pace.
+      shared_prefix: a context common to all B prompts (a few-shot block, a
+        document, a system prompt): a string or token ids; with `chat=True` the
+        conversations' common first turns (messages, or a string: one system
+        turn). Three levels of sharing (Hydragen, arXiv 2402.05099;
+        `engine/context.py`): the C context tokens prefilled and stored once
+        (KV L x `[K, C, D]`, no prompt or branch axis), each prompt's own tokens
+        once (positions from C on), each branch's tail per branch. The tokens
+        equal `generate`'s on `context ids + prompt ids` without it (a string
+        prompt is tokenised without a BOS: the BOS, if any, starts the
+        context); `Generation.prompt_tokens` and prompt logprobs cover both.
       max_rows, max_slots: the decode pool's rows (prompts held at once) and
-        slots per row (branches decoded at once), ints >= 1; default every
-        prompt and branch at once. Fewer make the decode a pool
-        (`engine.round.Round`, continuous batching: vLLM's scheduler,
-        JetStream's prefill / insert / generate with the prefix shared by a
-        row's slots): at every chunk boundary each finished slot takes its
-        prompt's next branch and a settled row the next prompt. The tokens
-        are those of the full call, branch by branch (keys by prompt and
-        branch index; up to float ties, `tests/ties.py`). Default chunk then
-        `STOP_CHUNK`. With a Bridge, rows are refilled only (a prompt's
-        branches run in lockstep): max_slots must hold n.
-      max_kv_bytes: byte budget (int >= 1) of the prefix caches and the
-        decode pool (KV and decode buffers, per device; `engine.budget`);
-        default `engine.budget.DEFAULT_KV_FRACTION` of the device's memory
-        (host RAM on CPU). When the whole request does not fit, the pool
-        (rows x slots, unless max_rows / max_slots are given) is the largest
-        the budget holds.
+        slots per row (branches decoded at once), ints >= 1; default all at
+        once. Fewer make the decode a pool (`engine.round.Round`, continuous
+        batching: vLLM's scheduler, JetStream's prefill / insert / generate, a
+        row's slots sharing its prefix): at each chunk boundary a finished slot
+        takes its prompt's next branch, a settled row the next prompt. The
+        tokens are the full call's, branch by branch (keys by prompt and branch
+        index; up to float ties, `tests/ties.py`); default chunk `STOP_CHUNK`.
+        With a Bridge only rows are refilled (a prompt's branches run in
+        lockstep): max_slots must hold n.
+      max_kv_bytes: byte budget (int >= 1) of the prefix caches and the decode
+        pool (KV and decode buffers, per device; `engine.budget`); default
+        `budget.DEFAULT_KV_FRACTION` of the device's memory (host RAM on CPU).
+        A request that does not fit runs in the largest pool (rows x slots,
+        unless max_rows / max_slots are given) the budget holds.
       attention: the decode step's attention: "auto" (default: the Pallas
         kernels of `jaxsample.kernels` on GPU and TPU, XLA on CPU), "xla" or
         "pallas" (on CPU in Pallas's interpreter: slow, for tests). The same
@@ -115,19 +107,17 @@ def generate(lm: LanguageModel, prompts, params: SamplingParams | None = None, *
       top_logprobs / top_token_ids `[B, N, T, k]` and token_ranks `[B, N, T]`,
       with `params.prompt_logprobs = k` the prompt tokens' logprobs, ranks and
       top k, with `params.signals` the per-token entropy, self-certainty and
-      top-2 margin `[B, N, T]`. `Generation.outputs()` gives vLLM-style
-      `RequestOutput`s.
+      top-2 margin `[B, N, T]`; vLLM's `RequestOutput`s: `Generation.outputs()`.
 
     Raises:
-      InputError: empty prompt, a malformed chat prompt, prompt + max_new_tokens
-        beyond the context (shared_prefix included), an empty or malformed
-        shared_prefix, bad token ids, `logit_bias` ids outside the
-        vocabulary, a bad chunk_size or progress, or a mesh that does not fit
-        the request; bad max_rows / max_slots / max_kv_bytes, a budget that
-        cannot hold the prompts' prefixes plus one branch's tail, or results
-        (n x max_new_tokens tokens and logprobs) too large for host memory,
-        each in one line with the numbers; an unknown attention.
-        Raised before any compute.
+      InputError: before any compute, in one line with the numbers: an empty
+        prompt, a malformed chat prompt, prompt + max_new_tokens beyond the
+        context (shared_prefix included), an empty or malformed shared_prefix,
+        bad token ids, `logit_bias` ids outside the vocabulary, a bad
+        chunk_size, progress or attention, a mesh that does not fit the
+        request, bad max_rows / max_slots / max_kv_bytes, a budget that cannot
+        hold the prompts' prefixes plus one branch's tail, or results (n x
+        max_new_tokens tokens and logprobs) too large for host memory.
       NumericalError: a sampled token's logits were all NaN or -inf (no distribution;
         see `sampling.check_logprobs`). Raised after decoding, before returning.
     """
