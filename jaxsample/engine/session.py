@@ -102,6 +102,39 @@ class Session:
         attention = kernels.resolve_attention(attention, lm.config)
         self.observer = observer
         self.lm, self.cfg = lm, lm.config
+        self._encode(prompts, chat, naive, shared_prefix, encoded)
+        pp = self._settle_params(params, seed, request_seeds, prompt_index_offset)
+        self._check_lengths(max_model_len)
+        stop_ids, all_stop_ids = self._stop_ids(pp)
+        mesh, data_axis = self._check_layout(mesh, bridge, naive)
+        k = max((p.logprobs or 0) for p in pp) if top_logprobs is None else top_logprobs
+        k = inputs.check_int("top_logprobs", k or 0, 0, MAX_LOGPROBS)
+        self.k_of = [min(p.logprobs or 0, k) for p in pp]
+        self._place(mesh, data_axis, bridge, naive)
+        self.timings = {"compile": 0.0, "prefill": 0.0, "decode": 0.0, "host": 0.0}
+        if self.context_ids:
+            self.timings["prefill_context"] = 0.0  # part of "prefill"
+        self.st = self._static(pp, k, data_axis, attention)
+        self.prompt_k = max(-1 if p.prompt_logprobs is None else p.prompt_logprobs for p in pp)
+        assert self.T <= self.st.t_cap  # tail writes in range: dynamic_update_slice would clamp
+        self.prompt_knobs = self._knobs(pp, stop_ids, all_stop_ids)
+        # Rows: one per prompt (shared) or one per (prompt, branch) copy (naive).
+        B, N = self.B, self.N
+        self.row_prompt = [r for r in range(B) for _ in range(N)] if naive else list(range(B))
+        self.decode_steps = 0
+        self.branch_steps = 0
+        # The prefix bucket of every prompt (the budget's row; rows prefilled lazily
+        # at a shorter bucket are padded to it in the pool).
+        self.p_cap = bucket(max(len(x) for x in self.ids))
+        self._plan(max_kv_bytes)
+        self.lazy = not naive and (bool(lazy_prefill) or self.pool_shape != (B, N))
+        self._prefill()
+
+    def _encode(self, prompts, chat, naive: bool, shared_prefix, encoded) -> None:
+        """The prompts as token ids: `ids` (each prompt's own, after the context),
+        `texts`, `context_ids` (the shared prefix's, or none) and `prompt_ids` (all
+        the tokens the model sees before the first new one)."""
+        lm = self.lm
         if encoded is not None:
             self.context_ids: list[int] = []
             self.ids, self.texts = [list(x) for x in encoded[0]], list(encoded[1])
@@ -118,9 +151,12 @@ class Session:
                                  "shared_prefix=None and put the context in every prompt")
             self.context_ids, self.ids, self.texts = inputs.encode_shared(
                 lm, shared_prefix, prompts, chat)
-        # self.ids: each prompt's own tokens (after the context, if any); prompt_ids: all
-        # the tokens the model saw before the first new one.
         self.prompt_ids = [self.context_ids + x for x in self.ids]
+
+    def _settle_params(self, params, seed, request_seeds: bool,
+                       prompt_index_offset) -> list[SamplingParams]:
+        """Each prompt's SamplingParams, the engine's seed and each prompt's key (seed,
+        key index), n and max_new_tokens; B, N (the most n), T (the most tokens)."""
         B = len(self.ids)
         pp = _per_prompt(params, B)
         if not request_seeds:  # one batch: the params' one seed is the batch's
@@ -151,8 +187,12 @@ class Session:
                                    for b, p in enumerate(pp)], np.int32)
         self.n_of = [p.n for p in pp]
         self.T_of = [p.max_new_tokens for p in pp]
-        N, T = max(self.n_of), max(self.T_of)
-        self.B, self.N, self.T = B, N, T
+        self.B, self.N, self.T = B, max(self.n_of), max(self.T_of)
+        return pp
+
+    def _check_lengths(self, max_model_len) -> None:
+        """Each prompt (context included) + its max_new_tokens within the model's context
+        (or `max_model_len`, when smaller)."""
         C = len(self.context_ids)
         limit, what = self.cfg.max_seq_len, "the model's context"
         if max_model_len is not None and max_model_len < limit:
@@ -164,8 +204,14 @@ class Session:
                     f"{head}prompt {i} has {C + len(toks)} tokens; with max_new_tokens="
                     f"{self.T_of[i]} that is {C + len(toks) + self.T_of[i]} > {what} of "
                     f"{limit} tokens")
-        # Stop ids: the model's end ids (unless ignore_eos) and stop_token_ids; min_tokens
-        # masks all of them, end ids included even with ignore_eos (vLLM's all_stop_token_ids).
+
+    def _stop_ids(self, pp) -> tuple[list[list[int]], list[list[int]]]:
+        """(stop ids, the ids min_tokens masks) per prompt, checked with the logit bias.
+
+        Stop ids: the model's end ids (unless ignore_eos) and stop_token_ids; min_tokens
+        masks all of them, end ids included even with ignore_eos (vLLM's
+        all_stop_token_ids)."""
+        lm = self.lm
         eos = set(lm.tokenizer.eos_token_ids)
         stop_ids, all_stop_ids = [], []
         for i, p in enumerate(pp):
@@ -180,7 +226,13 @@ class Session:
             if bad_bias:
                 raise InputError(f"SamplingParams.logit_bias has token ids outside the "
                                  f"vocabulary [0, {lm.vocab_limit}): {bad_bias[:5]}")
-        mesh, data_axis, self.nb, self.nd = inputs.resolve_mesh(mesh, N)
+        return stop_ids, all_stop_ids
+
+    def _check_layout(self, mesh, bridge, naive: bool):
+        """(the mesh resolved, its data axis or None), `nb` and `nd` (its branch and data
+        sizes), with the checks of n against the branch axis, the naive baseline's
+        limits and a Bridge's one SamplingParams."""
+        mesh, data_axis, self.nb, self.nd = inputs.resolve_mesh(mesh, self.N)
         for i, n in enumerate(self.n_of):
             if n % self.nb:
                 raise InputError(f"prompt {i}: params.n ({n}) must be a multiple of the mesh's "
@@ -194,9 +246,11 @@ class Session:
         if bridge is not None and self.params is None:
             raise InputError("a Bridge runs one SamplingParams for every prompt (its branches "
                              "attend to each other in lockstep)")
-        k = max((p.logprobs or 0) for p in pp) if top_logprobs is None else top_logprobs
-        k = inputs.check_int("top_logprobs", k or 0, 0, MAX_LOGPROBS)
-        self.k_of = [min(p.logprobs or 0, k) for p in pp]
+        return mesh, data_axis
+
+    def _place(self, mesh, data_axis, bridge, naive: bool) -> None:
+        """The model's (and the Bridge's) parameters placed for serving, on the mesh if any."""
+        lm = self.lm
         self.mesh, self.naive = mesh, naive
         self.m = None if mesh is None else MeshLayout(mesh, data_axis)
         self.bridge_cfg = None if bridge is None else bridge.config
@@ -204,35 +258,37 @@ class Session:
         self.model_params = serving_params(lm) if mesh is None else params_on_mesh(lm, mesh)
         self.bridge_dev = (self.bridge_params if mesh is None or bridge is None
                            else place(self.bridge_params, self.m.rep))
-        self.timings = {"compile": 0.0, "prefill": 0.0, "decode": 0.0, "host": 0.0}
-        if C:
-            self.timings["prefill_context"] = 0.0  # part of "prefill"
-        processors = any(p.logits_processors for p in pp)
-        self.st = Static(cfg=self.cfg, n=1, t_cap=bucket(T), vocab_limit=lm.vocab_limit,
-                         pad_id=int(lm.tokenizer.pad_token_id), top_logprobs=k,
-                         axes=((BRANCH_AXIS,) + ((data_axis,) if data_axis else ())) if mesh else (),
-                         branch_axis=LOCAL_BRANCH_AXIS if mesh else BRANCH_AXIS,
-                         branch_axes=(LOCAL_BRANCH_AXIS, BRANCH_AXIS) if mesh else (BRANCH_AXIS,),
-                         bridge=self.bridge_cfg, processors=processors,
-                         penalties=any(p.penalties for p in pp),
-                         token_ranks=any(p.logprobs is not None for p in pp),
-                         signals=any(p.signals for p in pp),
-                         processed_logprobs=any(p.logprobs_mode == "processed_logprobs"
-                                                for p in pp),
-                         attention=attention)
-        self.prompt_k = max(-1 if p.prompt_logprobs is None else p.prompt_logprobs for p in pp)
-        assert T <= self.st.t_cap  # tail writes stay in range: dynamic_update_slice would clamp
-        V = self.cfg.vocab_size if processors else 0
+
+    def _static(self, pp, k: int, data_axis, attention: str) -> Static:
+        """The step's static settings: what changes its code (the union of the prompts'
+        features: processors, penalties, top-k logprobs, ranks, signals), the mesh axes."""
+        lm, mesh = self.lm, self.mesh
+        return Static(cfg=self.cfg, n=1, t_cap=bucket(self.T), vocab_limit=lm.vocab_limit,
+                      pad_id=int(lm.tokenizer.pad_token_id), top_logprobs=k,
+                      axes=((BRANCH_AXIS,) + ((data_axis,) if data_axis else ())) if mesh else (),
+                      branch_axis=LOCAL_BRANCH_AXIS if mesh else BRANCH_AXIS,
+                      branch_axes=(LOCAL_BRANCH_AXIS, BRANCH_AXIS) if mesh else (BRANCH_AXIS,),
+                      bridge=self.bridge_cfg, processors=any(p.logits_processors for p in pp),
+                      penalties=any(p.penalties for p in pp),
+                      token_ranks=any(p.logprobs is not None for p in pp),
+                      signals=any(p.signals for p in pp),
+                      processed_logprobs=any(p.logprobs_mode == "processed_logprobs"
+                                             for p in pp),
+                      attention=attention)
+
+    def _knobs(self, pp, stop_ids, all_stop_ids) -> Knobs:
+        """Each prompt's traced settings as host arrays with a leading prompt axis [B]; a
+        chunk's knobs take the rows' prompts (`knob_args`)."""
+        vocab_limit = self.lm.vocab_limit
+        V = self.cfg.vocab_size if self.st.processors else 0
         pad_ids = lambda ids: np.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), np.int32)
-        # Each prompt's settings as host arrays with a leading prompt axis [B]; a chunk's
-        # knobs take the rows' prompts (`knob_args`).
-        self.prompt_knobs = Knobs(
+        return Knobs(
             temperature=np.array([p.temperature for p in pp], np.float32),
-            top_k=np.array([min(p.top_k, lm.vocab_limit) for p in pp], np.int32),
+            top_k=np.array([min(p.top_k, vocab_limit) for p in pp], np.int32),
             top_p=np.array([p.top_p for p in pp], np.float32),
             min_p=np.array([p.min_p for p in pp], np.float32),
             seed=self.seeds, max_new_tokens=np.array(self.T_of, np.int32),
-            stop_ids=np.stack([pad_ids(x) for x in stop_ids]), t_stop=np.int32(T),
+            stop_ids=np.stack([pad_ids(x) for x in stop_ids]), t_stop=np.int32(self.T),
             logit_bias=np.stack([p.bias_vector(V) for p in pp]),
             min_tokens=np.array([p.min_tokens for p in pp], np.int32),
             min_stop_ids=np.stack([pad_ids(x) for x in all_stop_ids]),
@@ -240,16 +296,6 @@ class Session:
             frequency_penalty=np.array([p.frequency_penalty for p in pp], np.float32),
             presence_penalty=np.array([p.presence_penalty for p in pp], np.float32),
             processed_logprobs=np.array([p.logprobs_mode == "processed_logprobs" for p in pp]))
-        # Rows: one per prompt (shared) or one per (prompt, branch) copy (naive).
-        self.row_prompt = [r for r in range(B) for _ in range(N)] if naive else list(range(B))
-        self.decode_steps = 0
-        self.branch_steps = 0
-        # The prefix bucket of every prompt (the budget's row; rows prefilled lazily
-        # at a shorter bucket are padded to it in the pool).
-        self.p_cap = bucket(max(len(x) for x in self.ids))
-        self._plan(max_kv_bytes)
-        self.lazy = not naive and (bool(lazy_prefill) or self.pool_shape != (B, N))
-        self._prefill()
 
     def params_of(self, b: int) -> SamplingParams:
         """Prompt b's SamplingParams, its seed filled in when it had none (the engine's)."""
