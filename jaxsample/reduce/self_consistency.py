@@ -73,6 +73,32 @@ def self_consistency(
         not B lists of the same number N >= 1 of strings (a row that is a
         `str` included), or arrays whose shape is not `[B, N]`.
     """
+    rows = _rows(generation)
+    n = len(rows[0])
+    extract_fn = _extractor(extract)
+    if valid is not None:
+        valid_np = np.asarray(valid)
+        if valid_np.shape != (len(rows), n) or valid_np.dtype != np.bool_:
+            raise ValueError(f"valid must be a bool array of shape {(len(rows), n)}; got {valid_np.dtype} {valid_np.shape}")
+    else:
+        valid_np = np.ones((len(rows), n), dtype=bool)
+    answers, ids, vocab = _answer_ids(rows, extract_fn, valid_np)
+    weights = _weights(weights, generation)
+    vote = jax.device_get(majority_vote(ids, ids >= 0, weights))
+    winner = [vocab[b][int(w)] if w >= 0 else None for b, w in enumerate(vote.winner)]
+    return SelfConsistency(
+        answers=answers,
+        answer_ids=ids,
+        winner=winner,
+        share=np.asarray(vote.share),
+        support=np.asarray(vote.support),
+        first_branch=np.asarray(vote.first_branch),
+        vote=Vote(*(np.asarray(x) for x in vote)),
+    )
+
+
+def _rows(generation) -> list[list]:
+    """B lists of N texts from a Generation or from the lists; ValueError otherwise."""
     texts = generation.texts if hasattr(generation, "texts") else generation
     if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
         raise ValueError("generation must be a Generation or B lists of N strings")
@@ -87,25 +113,26 @@ def self_consistency(
     n = len(rows[0])
     if n == 0 or any(len(r) != n for r in rows):
         raise ValueError(f"texts must be B lists of the same number N >= 1 of strings; got lengths {[len(r) for r in rows]}")
+    return rows
+
+
+def _extractor(extract) -> Callable[[str], str | None]:
+    """`text -> answer or None` of an `answers.extract` kind or a callable (guarded)."""
     if isinstance(extract, str):
         if extract not in answers_lib.KINDS:
             raise ValueError(f"extract must be one of {answers_lib.KINDS} or a callable; got {extract!r}")
         kind = extract
-        extract_fn = lambda t: answers_lib.extract(t, kind)  # noqa: E731
-    elif callable(extract):
-        extract_fn = answers_lib.guarded(extract)
-    else:
-        raise ValueError(f"extract must be a kind string or a callable; got {type(extract).__name__}")
+        return lambda t: answers_lib.extract(t, kind)
+    if callable(extract):
+        return answers_lib.guarded(extract)
+    raise ValueError(f"extract must be a kind string or a callable; got {type(extract).__name__}")
 
-    if valid is not None:
-        valid_np = np.asarray(valid)
-        if valid_np.shape != (len(rows), n) or valid_np.dtype != np.bool_:
-            raise ValueError(f"valid must be a bool array of shape {(len(rows), n)}; got {valid_np.dtype} {valid_np.shape}")
-    else:
-        valid_np = np.ones((len(rows), n), dtype=bool)
 
+def _answer_ids(rows, extract_fn, valid_np):
+    """(each branch's normalised answer or None, `[B, N]` int32 answer ids (-1: none),
+    each row's answers in first-seen order: id i is vocab[b][i])."""
     answers: list[list[str | None]] = []
-    ids = np.full((len(rows), n), -1, dtype=np.int32)
+    ids = np.full((len(rows), len(rows[0])), -1, dtype=np.int32)
     vocab: list[list[str]] = []
     for b, row in enumerate(rows):
         seen: dict[str, int] = {}
@@ -119,7 +146,12 @@ def self_consistency(
             row_answers.append(ans)
         answers.append(row_answers)
         vocab.append(list(seen))
+    return answers, ids, vocab
 
+
+def _weights(weights, generation):
+    """The vote's weights: None, a `[B, N]` array as given, or for "mean_logprob"
+    exp(the branches' mean logprob) in float64."""
     if isinstance(weights, str):
         if weights != "mean_logprob":
             raise ValueError(f"weights must be None, 'mean_logprob' or a [B, N] array; got {weights!r}")
@@ -128,15 +160,4 @@ def self_consistency(
         # float64, not `weights_from_mean_logprob`'s float32: exp(-110) is 0 in
         # float32 but ranks in float64 (majority_vote scales each row exactly).
         weights = np.exp(np.asarray(generation.mean_logprob(), dtype=np.float64))
-
-    vote = jax.device_get(majority_vote(ids, ids >= 0, weights))
-    winner = [vocab[b][int(w)] if w >= 0 else None for b, w in enumerate(vote.winner)]
-    return SelfConsistency(
-        answers=answers,
-        answer_ids=ids,
-        winner=winner,
-        share=np.asarray(vote.share),
-        support=np.asarray(vote.support),
-        first_branch=np.asarray(vote.first_branch),
-        vote=Vote(*(np.asarray(x) for x in vote)),
-    )
+    return weights
