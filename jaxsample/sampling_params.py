@@ -9,6 +9,7 @@ numpy: constructing a `SamplingParams` never touches JAX.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import Any, Sequence
@@ -223,25 +224,11 @@ class SamplingParams:
     logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self):
-        def fail(name: str, allowed: str, value: Any):
-            raise ConfigError(
-                f"SamplingParams.{name} must be {allowed}, got {short_repr(value)}")
-
-        def set_(name: str, value: Any):
-            object.__setattr__(self, name, value)
-
-        def check_int(name: str, lo: int, allowed: str):
-            v = getattr(self, name)
-            if not is_int(v) or not lo <= int(v) <= _INT32_MAX:
-                fail(name, allowed, v)
-            set_(name, int(v))
-
-        def check_float(name: str, ok, allowed: str):
-            v = getattr(self, name)
-            if not _is_real(v) or not math.isfinite(float(v)) or not ok(float(v)):
-                fail(name, allowed, v)
-            set_(name, float(v))
-
+        """Check every field (the class's Raises) and store its normal form."""
+        fail = _fail
+        set_ = functools.partial(_set, self)
+        check_int = functools.partial(_check_int, self)
+        check_float = functools.partial(_check_float, self)
         check_int("n", 1, "an int in [1, 2**31 - 1]")
         check_float("temperature", lambda t: t >= 0.0,
                     "a finite float >= 0 (0 is greedy)")
@@ -255,21 +242,7 @@ class SamplingParams:
         check_float("min_p", lambda p: 0.0 <= p <= 1.0,
                     "a float in [0, 1] (0 is off)")
 
-        # max_new_tokens (Hugging Face) and max_tokens (vLLM): one budget.
-        given = {}
-        for name in ("max_new_tokens", "max_tokens"):
-            if getattr(self, name) is not None:
-                check_int(name, 1, "None or an int in [1, 2**31 - 1]")
-                given[name] = getattr(self, name)
-        if len(set(given.values())) > 1:
-            raise ConfigError(
-                "SamplingParams.max_tokens (vLLM's name) and SamplingParams.max_new_tokens "
-                "(Hugging Face's) are the same budget: give one, got max_tokens="
-                f"{given['max_tokens']!r} and max_new_tokens={given['max_new_tokens']!r} "
-                "(SamplingParams.replace with one of them changes both)")
-        budget = next(iter(given.values()), DEFAULT_MAX_NEW_TOKENS)
-        set_("max_new_tokens", budget)
-        set_("max_tokens", budget)
+        _check_budget(self)
 
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
@@ -373,6 +346,51 @@ class SamplingParams:
 
 
 SamplingParams.__init__ = refuse_foreign_keywords("SamplingParams")(SamplingParams.__init__)
+
+
+def _fail(name: str, allowed: str, value: Any):
+    """Raise the ConfigError of a SamplingParams field: its name, what it allows, the value."""
+    raise ConfigError(f"SamplingParams.{name} must be {allowed}, got {short_repr(value)}")
+
+
+def _set(p: SamplingParams, name: str, value: Any) -> None:
+    """Store a field's normal form on the frozen dataclass."""
+    object.__setattr__(p, name, value)
+
+
+def _check_int(p: SamplingParams, name: str, lo: int, allowed: str) -> None:
+    """Field `name` an int in [lo, 2**31 - 1], stored as a Python int."""
+    v = getattr(p, name)
+    if not is_int(v) or not lo <= int(v) <= _INT32_MAX:
+        _fail(name, allowed, v)
+    _set(p, name, int(v))
+
+
+def _check_float(p: SamplingParams, name: str, ok, allowed: str) -> None:
+    """Field `name` a finite real with `ok(value)`, stored as a Python float."""
+    v = getattr(p, name)
+    if not _is_real(v) or not math.isfinite(float(v)) or not ok(float(v)):
+        _fail(name, allowed, v)
+    _set(p, name, float(v))
+
+
+def _check_budget(p: SamplingParams) -> None:
+    """max_new_tokens (Hugging Face) and max_tokens (vLLM): one budget, both set to it
+    (`DEFAULT_MAX_NEW_TOKENS` when neither is given); two different values refused."""
+    given = {}
+    for name in ("max_new_tokens", "max_tokens"):
+        if getattr(p, name) is not None:
+            _check_int(p, name, 1, "None or an int in [1, 2**31 - 1]")
+            given[name] = getattr(p, name)
+    if len(set(given.values())) > 1:
+        raise ConfigError(
+            "SamplingParams.max_tokens (vLLM's name) and SamplingParams.max_new_tokens "
+            "(Hugging Face's) are the same budget: give one, got max_tokens="
+            f"{given['max_tokens']!r} and max_new_tokens={given['max_new_tokens']!r} "
+            "(SamplingParams.replace with one of them changes both)")
+    budget = next(iter(given.values()), DEFAULT_MAX_NEW_TOKENS)
+    _set(p, "max_new_tokens", budget)
+    _set(p, "max_tokens", budget)
 
 
 def _logit_bias(value: Any, fail) -> tuple[tuple[int, float], ...]:
