@@ -395,59 +395,12 @@ def train(policy: Policy, problems: Sequence[Any], config: GRPOConfig, *,
         raise InputError(f"train: {len(problems)} problems, fewer than prompts_per_step "
                          f"({config.prompts_per_step})")
     optimizer = optimizer or make_optimizer(config.learning_rate)
-    state = TrainState(jnp.zeros((), jnp.int32), policy.params, optimizer.init(policy.params))
-    meta = policy.meta() if ckpt_dir else None
-    if ckpt_dir and checkpoints.latest_step(ckpt_dir) is not None:
-        checkpoints.check_meta(ckpt_dir, checkpoints.read_meta(ckpt_dir), meta)
-        state, _ = checkpoints.restore(ckpt_dir, state)
-        if log:
-            log(f"resumed from {ckpt_dir} at step {int(state.step)}")
-    settings = dict(clip_eps=config.clip_eps, kl_coef=config.kl_coef,
-                    importance_ratio=config.importance_ratio)
-    T = config.temperature
+    state, meta = _start(policy, optimizer, ckpt_dir, log)
     history = []
     key = jax.random.key(config.seed)
     while int(state.step) < config.steps:
-        s = int(state.step)
-        t0 = time.perf_counter()
-        idx = np.asarray(jax.random.choice(jax.random.fold_in(key, s), len(problems),
-                                           (config.prompts_per_step,), replace=False))
-        chosen = [problems[i] for i in idx]
-        got = policy.sample(state.params, [_prompt_of(p) for p in chosen], config.group_size,
-                            config.sampling_params(s), config.chat)
-        jax.block_until_ready(got.batch)
-        t1 = time.perf_counter()
-        generate_s = min(got.generation.timings.get("total", t1 - t0), t1 - t0)
-        rewards = score(chosen, got.texts, reward, group_reward)
-        adv = (rewards if s < config.sft_steps else
-               group_advantages(rewards, scale=config.scale_rewards, eps=config.adv_eps))
-        batch = got.batch._replace(advantages=jnp.asarray(adv))
-        signal = int(np.sum(np.any(adv != 0, axis=1)))
-        skipped = config.skip_no_signal and signal == 0
-        if not skipped:
-            lp_fn = _logprobs_fn(policy, T)
-            if config.importance_ratio and batch.behaviour is None:
-                batch = batch._replace(behaviour=lp_fn(state.params, policy.frozen, batch))
-            if config.kl_coef:
-                batch = batch._replace(reference=lp_fn(policy.params, policy.frozen, batch))
-            jax.block_until_ready(batch)
-        t2 = time.perf_counter()
-        m = {"loss": 0.0, "grad_norm": 0.0, "tokens": int(np.asarray(batch.lengths).sum())}
-        if skipped:
-            state = state._replace(step=state.step + 1)
-        else:
-            params, opt_state = state.params, state.opt_state
-            for _ in range(config.updates_per_batch):
-                inner, m = update(policy, optimizer, TrainState(state.step, params, opt_state),
-                                  batch, temperature=T, **settings)
-                params, opt_state = inner.params, inner.opt_state
-            state = TrainState(state.step + 1, params, opt_state)
-            m = {k: (int(v) if k == "tokens" else float(v)) for k, v in m.items()}
-        t3 = time.perf_counter()
-        rec = {"step": s + 1, **m, "reward": float(rewards.mean()), "seconds": t3 - t0,
-               "rollout_s": generate_s, "logprobs_s": (t1 - t0 - generate_s) + (t2 - t1),
-               "update_s": t3 - t2, "phase": "sft" if s < config.sft_steps else "rl",
-               "signal_groups": signal, "skipped": bool(skipped)}
+        state, rec = _train_step(policy, problems, config, optimizer, state, key, reward,
+                                 group_reward)
         history.append(rec)
         if log:
             log(json.dumps(rec))
@@ -459,3 +412,69 @@ def train(policy: Policy, problems: Sequence[Any], config: GRPOConfig, *,
         if stop or (stop_after is not None and done >= stop_after):
             break
     return state.params, state, history
+
+
+def _start(policy: Policy, optimizer, ckpt_dir, log):
+    """(the TrainState to start from: fresh, or the latest of `ckpt_dir`'s checkpoints
+    after checking it is of this base model and adapter; the policy's checkpoint meta)."""
+    state = TrainState(jnp.zeros((), jnp.int32), policy.params, optimizer.init(policy.params))
+    meta = policy.meta() if ckpt_dir else None
+    if ckpt_dir and checkpoints.latest_step(ckpt_dir) is not None:
+        checkpoints.check_meta(ckpt_dir, checkpoints.read_meta(ckpt_dir), meta)
+        state, _ = checkpoints.restore(ckpt_dir, state)
+        if log:
+            log(f"resumed from {ckpt_dir} at step {int(state.step)}")
+    return state, meta
+
+
+def _train_step(policy: Policy, problems, config: GRPOConfig, optimizer, state: TrainState,
+                key, reward, group_reward) -> tuple[TrainState, dict]:
+    """One GRPO step: draw `prompts_per_step` problems, roll out `group_size` branches of
+    each, score them, take the group advantages (the rewards themselves in the SFT
+    phase), the behaviour and reference logprobs the loss needs, and
+    `updates_per_batch` updates (none for a batch without signal with
+    `skip_no_signal`). Returns the next state and the step's record."""
+    s = int(state.step)
+    T = config.temperature
+    t0 = time.perf_counter()
+    idx = np.asarray(jax.random.choice(jax.random.fold_in(key, s), len(problems),
+                                       (config.prompts_per_step,), replace=False))
+    chosen = [problems[i] for i in idx]
+    got = policy.sample(state.params, [_prompt_of(p) for p in chosen], config.group_size,
+                        config.sampling_params(s), config.chat)
+    jax.block_until_ready(got.batch)
+    t1 = time.perf_counter()
+    generate_s = min(got.generation.timings.get("total", t1 - t0), t1 - t0)
+    rewards = score(chosen, got.texts, reward, group_reward)
+    adv = (rewards if s < config.sft_steps else
+           group_advantages(rewards, scale=config.scale_rewards, eps=config.adv_eps))
+    batch = got.batch._replace(advantages=jnp.asarray(adv))
+    signal = int(np.sum(np.any(adv != 0, axis=1)))
+    skipped = config.skip_no_signal and signal == 0
+    if not skipped:
+        lp_fn = _logprobs_fn(policy, T)
+        if config.importance_ratio and batch.behaviour is None:
+            batch = batch._replace(behaviour=lp_fn(state.params, policy.frozen, batch))
+        if config.kl_coef:
+            batch = batch._replace(reference=lp_fn(policy.params, policy.frozen, batch))
+        jax.block_until_ready(batch)
+    t2 = time.perf_counter()
+    m = {"loss": 0.0, "grad_norm": 0.0, "tokens": int(np.asarray(batch.lengths).sum())}
+    if skipped:
+        state = state._replace(step=state.step + 1)
+    else:
+        settings = dict(clip_eps=config.clip_eps, kl_coef=config.kl_coef,
+                        importance_ratio=config.importance_ratio)
+        params, opt_state = state.params, state.opt_state
+        for _ in range(config.updates_per_batch):
+            inner, m = update(policy, optimizer, TrainState(state.step, params, opt_state),
+                              batch, temperature=T, **settings)
+            params, opt_state = inner.params, inner.opt_state
+        state = TrainState(state.step + 1, params, opt_state)
+        m = {k: (int(v) if k == "tokens" else float(v)) for k, v in m.items()}
+    t3 = time.perf_counter()
+    rec = {"step": s + 1, **m, "reward": float(rewards.mean()), "seconds": t3 - t0,
+           "rollout_s": generate_s, "logprobs_s": (t1 - t0 - generate_s) + (t2 - t1),
+           "update_s": t3 - t2, "phase": "sft" if s < config.sft_steps else "rl",
+           "signal_groups": signal, "skipped": bool(skipped)}
+    return state, rec
