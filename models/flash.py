@@ -38,6 +38,7 @@ the second product (float32 accumulation), as in the dense kernel.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -130,27 +131,16 @@ def blockwise_attention(q, k, v, *, window=None, scale: float | None = None,
       ValueError: shapes that do not fit (naming the argument), block sizes
         or q_offset that are not non-negative Python ints.
     """
-    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
-        raise ValueError(f"blockwise_attention: q must be [Sq, H, D] and k, v [K, Sk, D] alike, "
-                         f"got q {q.shape}, k {k.shape}, v {v.shape}")
+    _check_blockwise(q, k, v, block_q, block_k, q_offset)
     Sq, H, D = q.shape
     K, Sk = k.shape[0], k.shape[1]
-    if k.shape[2] != D or H % K:
-        raise ValueError(f"blockwise_attention: k {k.shape} does not fit q {q.shape} "
-                         f"(head dim must match, H a multiple of K)")
-    for name, value in (("block_q", block_q), ("block_k", block_k)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ValueError(f"blockwise_attention: {name} must be a positive int, got {value!r}")
-    if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
-        raise ValueError(f"blockwise_attention: q_offset must be a Python int >= 0, "
-                         f"got {q_offset!r}")
     G = H // K
     bq = min(block_q or BLOCK, Sq)
     bk = min(block_k or BLOCK, Sk)
     nq, nk = -(-Sq // bq), -(-Sk // bk)
     sc = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    cap = getattr(scale, "softcap", None)
+    t = _Tiling(bq=bq, bk=bk, nk=nk, K=K, G=G, Sk=Sk, q_offset=q_offset, window=window,
+                cap=getattr(scale, "softcap", None), padded_keys=nk * bk != Sk)
 
     qs = q * jnp.asarray(sc, q.dtype)
     qs = jnp.pad(qs, ((0, nq * bq - Sq), (0, 0), (0, 0)))
@@ -158,46 +148,10 @@ def blockwise_attention(q, k, v, *, window=None, scale: float | None = None,
     qb = qs.reshape(nq, bq, K, G, D).transpose(0, 2, 3, 1, 4).reshape(nq, K, G * bq, D)
     kp = jnp.pad(k, ((0, 0), (0, nk * bk - Sk), (0, 0)))
     vp = jnp.pad(v, ((0, 0), (0, nk * bk - Sk), (0, 0)))
-    padded_keys = nk * bk != Sk
-
-    def key_block(i, qi, carry, j, masked: bool):
-        acc, m, l = carry  # [K, G*bq, D], [K, G*bq], [K, G*bq] float32
-        kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
-        vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
-        s = jnp.einsum("kqd,kmd->kqm", qi, kj, preferred_element_type=jnp.float32)
-        if cap is not None:
-            s = jnp.tanh(s / cap) * cap
-        if masked:
-            q_pos = q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)  # [bq]
-            k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
-            mask = k_pos[None, :] <= q_pos[:, None]
-            if window is not None:
-                mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
-            if padded_keys:
-                mask = mask & (k_pos < Sk)[None, :]
-            s = jnp.where(mask[None, None], s.reshape(K, G, bq, bk),
-                          -jnp.inf).reshape(K, G * bq, bk)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])  # exactly 0 at masked keys
-        alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen (m = -inf)
-        l = alpha * l + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("kqm,kmd->kqd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
-        return alpha[..., None] * acc + pv, m_new, l
 
     def query_block(_, xs):
         i, qi = xs
-        q_first = q_offset + i * bq  # positions q_first .. q_last
-        q_last = q_first + bq - 1
-        j_hi = q_last // bk + 1  # key blocks >= j_hi lie entirely above the diagonal
-        full_hi = (q_first + 1) // bk  # blocks < full_hi lie entirely below it
-        if window is None:
-            j_lo = full_lo = 0
-        else:
-            j_lo = jnp.maximum((q_first - window + 1) // bk, 0)  # blocks < j_lo: before it
-            full_lo = -((window - q_last - 1) // bk)  # ceil((q_last - window + 1) / bk)
-        if padded_keys:
-            full_hi = jnp.minimum(full_hi, nk - 1)  # the last key block holds padding
+        j_lo, j_hi, full_lo, full_hi = _key_ranges(t, i)
 
         def step(carry, j):
             visible = (j >= j_lo) & (j < j_hi)
@@ -205,8 +159,8 @@ def blockwise_attention(q, k, v, *, window=None, scale: float | None = None,
             branch = jnp.where(visible, jnp.where(inside, 1, 2), 0)
             return jax.lax.switch(branch, [
                 lambda c: c,
-                lambda c: key_block(i, qi, c, j, masked=False),
-                lambda c: key_block(i, qi, c, j, masked=True)], carry), None
+                lambda c: _key_block(t, kp, vp, qi, c, i, j, masked=False),
+                lambda c: _key_block(t, kp, vp, qi, c, i, j, masked=True)], carry), None
 
         init = (jnp.zeros((K, G * bq, D), jnp.float32),
                 jnp.full((K, G * bq), -jnp.inf, jnp.float32),
@@ -223,6 +177,88 @@ def blockwise_attention(q, k, v, *, window=None, scale: float | None = None,
         return out
     lse = lse.reshape(nq, K, G, bq).transpose(0, 3, 1, 2).reshape(nq * bq, H)[:Sq]
     return out, lse
+
+
+def _check_blockwise(q, k, v, block_q, block_k, q_offset) -> None:
+    """`blockwise_attention`'s argument checks (its Raises)."""
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
+        raise ValueError(f"blockwise_attention: q must be [Sq, H, D] and k, v [K, Sk, D] alike, "
+                         f"got q {q.shape}, k {k.shape}, v {v.shape}")
+    H, D = q.shape[1], q.shape[2]
+    K = k.shape[0]
+    if k.shape[2] != D or H % K:
+        raise ValueError(f"blockwise_attention: k {k.shape} does not fit q {q.shape} "
+                         f"(head dim must match, H a multiple of K)")
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"blockwise_attention: {name} must be a positive int, got {value!r}")
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
+        raise ValueError(f"blockwise_attention: q_offset must be a Python int >= 0, "
+                         f"got {q_offset!r}")
+
+
+class _Tiling(NamedTuple):
+    """`blockwise_attention`'s layout: block sizes bq, bk; nk key blocks; K kv heads of
+    G queries each; Sk keys; the query offset, window and soft cap; whether the last
+    key block holds padding."""
+
+    bq: int
+    bk: int
+    nk: int
+    K: int
+    G: int
+    Sk: int
+    q_offset: int
+    window: Any  # None, a Python int or a traced int32
+    cap: float | None
+    padded_keys: bool
+
+
+def _key_ranges(t: _Tiling, i):
+    """(j_lo, j_hi, full_lo, full_hi) of query block i: key blocks in [j_lo, j_hi) are
+    visible to some query of it, those in [full_lo, full_hi) to all of them (no mask)."""
+    q_first = t.q_offset + i * t.bq  # positions q_first .. q_last
+    q_last = q_first + t.bq - 1
+    j_hi = q_last // t.bk + 1  # key blocks >= j_hi lie entirely above the diagonal
+    full_hi = (q_first + 1) // t.bk  # blocks < full_hi lie entirely below it
+    if t.window is None:
+        j_lo = full_lo = 0
+    else:
+        j_lo = jnp.maximum((q_first - t.window + 1) // t.bk, 0)  # blocks < j_lo: before it
+        full_lo = -((t.window - q_last - 1) // t.bk)  # ceil((q_last - window + 1) / bk)
+    if t.padded_keys:
+        full_hi = jnp.minimum(full_hi, t.nk - 1)  # the last key block holds padding
+    return j_lo, j_hi, full_lo, full_hi
+
+
+def _key_block(t: _Tiling, kp, vp, qi, carry, i, j, masked: bool):
+    """The online softmax over key block j of query block i: (acc, m, l) updated; masked
+    elementwise (causality, window, padding) only when `masked`."""
+    K, G, bq, bk = t.K, t.G, t.bq, t.bk
+    acc, m, l = carry  # [K, G*bq, D], [K, G*bq], [K, G*bq] float32
+    kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
+    vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
+    s = jnp.einsum("kqd,kmd->kqm", qi, kj, preferred_element_type=jnp.float32)
+    if t.cap is not None:
+        s = jnp.tanh(s / t.cap) * t.cap
+    if masked:
+        q_pos = t.q_offset + i * bq + jnp.arange(bq, dtype=jnp.int32)  # [bq]
+        k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if t.window is not None:
+            mask = mask & (k_pos[None, :] > q_pos[:, None] - t.window)
+        if t.padded_keys:
+            mask = mask & (k_pos < t.Sk)[None, :]
+        s = jnp.where(mask[None, None], s.reshape(K, G, bq, bk),
+                      -jnp.inf).reshape(K, G * bq, bk)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])  # exactly 0 at masked keys
+    alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen (m = -inf)
+    l = alpha * l + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("kqm,kmd->kqd", p.astype(vp.dtype), vj, preferred_element_type=jnp.float32)
+    return alpha[..., None] * acc + pv, m_new, l
 
 
 def block_pairs(Sq: int, Sk: int, block_q: int, block_k: int, q_offset: int = 0,
