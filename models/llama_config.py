@@ -122,8 +122,6 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
         type, is out of range or is inconsistent with another key or a tensor
         shape; the message names the file and the key.
     """
-    import gguf
-
     arch = meta["general.architecture"]
     r = ConfigReader(meta, source, arch)
     dim, n_vocab = gguf_embedding(tensors, r)
@@ -143,28 +141,11 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
     if window and window < ctx:
         ctx = window  # full attention equals sliding-window attention within the window
 
-    scaling_type = r.string("rope.scaling.type", "none")
-    factor = r.positive("rope.scaling.factor", None, allow_zero=True)  # 0: unset (llama.cpp)
-    if scaling_type == "linear" and factor in (None, 0.0, 1.0):
-        scaling_type = "none"
-    if scaling_type != "none":
-        raise UnsupportedModelError(
-            f"{source}: rope scaling type {scaling_type!r} is not supported (only none and "
-            "Llama-3 rope_freqs)")
+    gguf_check_rope_scaling(r, source)
     # qwen3moe: llama.cpp's graph always renormalises the top-k weights (norm_w = true).
     moe = moe_fields(r, "expert_count", "expert_used_count", norm_topk=True,
                      required=(arch == "qwen3moe"))
-    if arch == "qwen3moe":
-        ffn_dim = r.count("expert_feed_forward_length", None)
-        if ffn_dim is None:  # llama.cpp: n_ff_exp = n_ff / n_expert_used
-            ffn_dim = r.count("feed_forward_length") // moe["n_experts_per_tok"]
-        scale = r.positive("expert_weights_scale", None, allow_zero=True)
-        if scale not in (None, 0.0, 1.0):
-            raise UnsupportedModelError(
-                f"{r.what('expert_weights_scale')} = {scale} (scaled expert "
-                "weights) is not supported (only 0 or 1: unscaled)")
-    else:
-        ffn_dim = r.count("feed_forward_length")
+    ffn_dim = gguf_ffn_dim(r, arch, moe)
     try:
         cfg = llama.LlamaConfig(
             vocab_size=n_vocab, dim=dim, n_layers=r.count("block_count"), n_heads=n_heads,
@@ -179,21 +160,60 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
     except ValueError as e:
         raise ModelLoadError(f"{source}: inconsistent metadata: {e}") from e
     if "rope_freqs.weight" in tensors:
-        t = tensors["rope_freqs.weight"]
-        factors = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
-        if factors.shape != (head_dim // 2,):
-            raise ModelLoadError(f"{source}: rope_freqs.weight has shape {factors.shape}, expected "
-                                 f"({head_dim // 2},)")
-        if not (np.isfinite(factors) & (factors > 0)).all():
-            raise ModelLoadError(f"{source}: rope_freqs.weight must hold finite divisors > 0, got "
-                                 f"{checks.short_repr(factors.tolist())}")
-        try:
-            cfg = cfg.replace(rope_scaling=llama3_from_factors(factors, cfg))
-        except ValueError as e:
-            raise UnsupportedModelError(f"{source}: {e}") from e
+        cfg = gguf_rope_freqs(tensors["rope_freqs.weight"], cfg, source)
     if cfg.qkv_bias and arch != "qwen2":
         raise UnsupportedModelError(f"{source}: q/k/v biases are only supported for qwen2")
     return cfg
+
+
+def gguf_check_rope_scaling(r: ConfigReader, source: str) -> None:
+    """rope.scaling.type none, or linear with factor 1 (or unset); UnsupportedModelError
+    for any other (Llama 3's scaling comes as rope_freqs.weight)."""
+    scaling_type = r.string("rope.scaling.type", "none")
+    factor = r.positive("rope.scaling.factor", None, allow_zero=True)  # 0: unset (llama.cpp)
+    if scaling_type == "linear" and factor in (None, 0.0, 1.0):
+        scaling_type = "none"
+    if scaling_type != "none":
+        raise UnsupportedModelError(
+            f"{source}: rope scaling type {scaling_type!r} is not supported (only none and "
+            "Llama-3 rope_freqs)")
+
+
+def gguf_ffn_dim(r: ConfigReader, arch: str, moe: dict[str, Any]) -> int:
+    """The MLP's (or one expert's) width: feed_forward_length, or for qwen3moe
+    expert_feed_forward_length (default feed_forward_length // expert_used_count,
+    llama.cpp's fallback), whose expert_weights_scale must be 0 or 1."""
+    if arch != "qwen3moe":
+        return r.count("feed_forward_length")
+    ffn_dim = r.count("expert_feed_forward_length", None)
+    if ffn_dim is None:  # llama.cpp: n_ff_exp = n_ff / n_expert_used
+        ffn_dim = r.count("feed_forward_length") // moe["n_experts_per_tok"]
+    scale = r.positive("expert_weights_scale", None, allow_zero=True)
+    if scale not in (None, 0.0, 1.0):
+        raise UnsupportedModelError(
+            f"{r.what('expert_weights_scale')} = {scale} (scaled expert "
+            "weights) is not supported (only 0 or 1: unscaled)")
+    return ffn_dim
+
+
+def gguf_rope_freqs(t, cfg: llama.LlamaConfig, source: str) -> llama.LlamaConfig:
+    """`cfg` with the Llama 3 rope scaling that the rope_freqs.weight tensor `t` (`[D/2]`
+    finite divisors > 0) describes; ModelLoadError for a bad tensor,
+    UnsupportedModelError for factors that are not Llama 3's."""
+    import gguf
+
+    head_dim = cfg.head_dim
+    factors = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+    if factors.shape != (head_dim // 2,):
+        raise ModelLoadError(f"{source}: rope_freqs.weight has shape {factors.shape}, expected "
+                             f"({head_dim // 2},)")
+    if not (np.isfinite(factors) & (factors > 0)).all():
+        raise ModelLoadError(f"{source}: rope_freqs.weight must hold finite divisors > 0, got "
+                             f"{checks.short_repr(factors.tolist())}")
+    try:
+        return cfg.replace(rope_scaling=llama3_from_factors(factors, cfg))
+    except ValueError as e:
+        raise UnsupportedModelError(f"{source}: {e}") from e
 
 
 def hf_rope(r: ConfigReader) -> tuple[float, dict | None, str]:
@@ -332,6 +352,57 @@ def hf_common_checks(r: ConfigReader, arch_name: str, *, bias_ok: bool) -> None:
                                     f"for {arch_name}")
 
 
+def hf_rotary_dim(r: ConfigReader, arch_name: str, head_dim: int, scaling: dict | None,
+                  scaling_key: str) -> int | None:
+    """The rotary dims of a partial rotary embedding (partial_rotary_factor, or
+    transformers 5's in rope_parameters): None for all of the head dim; phi3 only, an
+    even number in [2, head dim]."""
+    partial = r.positive("partial_rotary_factor", None)
+    if partial is None and scaling_key == "rope_parameters" and scaling:  # transformers 5
+        partial = checks.positive_float(scaling.get("partial_rotary_factor", 1.0),
+                                        r.what("rope_parameters") + ".partial_rotary_factor")
+    partial = 1.0 if partial is None else partial
+    if partial == 1.0:
+        return None
+    if HF_CLASSES[arch_name] != "phi3":
+        raise UnsupportedModelError(f"{r.source}: partial_rotary_factor is not supported for "
+                                    f"{arch_name}")
+    rotary_dim = int(head_dim * partial)  # transformers: int(head_dim * factor)
+    if not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
+        raise ModelLoadError(f"{r.what('partial_rotary_factor')} = {partial} gives "
+                             f"{rotary_dim} rotary dims of head dim {head_dim}; it must "
+                             "be an even number in [2, head dim]")
+    return rotary_dim
+
+
+def hf_experts(r: ConfigReader, arch: str) -> tuple[dict[str, Any], str]:
+    """(the mixture of experts' `LlamaConfig` fields, or {} for a dense model; the key
+    of the MLP's or one expert's width)."""
+    if arch == "mixtral":
+        # Mixtral: transformers' MixtralTopKRouter (softmax over X, top k, renormalise).
+        return moe_fields(r, "num_local_experts", "num_experts_per_tok", norm_topk=True,
+                          required=True), "intermediate_size"
+    if arch != "qwen3moe":
+        return {}, "intermediate_size"
+    # Qwen3MoeTopKRouter: softmax over X, top k, renormalised only if norm_topk_prob.
+    # Every layer must be sparse: one stacked layout for all L layers.
+    step = r.count("decoder_sparse_step", 1)
+    dense_layers = r.get("mlp_only_layers", [])
+    if not isinstance(dense_layers, list):
+        raise ModelLoadError(f"{r.what('mlp_only_layers')} must be a list of layer "
+                             f"indices, got {checks.short_repr(dense_layers)}")
+    if step != 1 or dense_layers:
+        raise UnsupportedModelError(
+            f"{r.source}: dense MLP layers between the sparse ones (decoder_sparse_step = "
+            f"{step}, mlp_only_layers = {dense_layers}) are not supported; only "
+            "decoder_sparse_step 1 with mlp_only_layers []")
+    # The Hub's configs say num_experts; transformers 5 saves num_local_experts.
+    count_key = "num_experts" if r.raw("num_experts") is not None else "num_local_experts"
+    moe = moe_fields(r, count_key, "num_experts_per_tok",
+                     norm_topk=bool(r.flag("norm_topk_prob", False)), required=True)
+    return moe, "moe_intermediate_size"  # one expert's width
+
+
 def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
                    arch_name: str = "LlamaForCausalLM") -> llama.LlamaConfig:
     """Build a `LlamaConfig` from a parsed config.json of a Llama, Mistral or Qwen2 model.
@@ -373,21 +444,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
     hf_common_checks(r, arch_name, bias_ok=(arch == "qwen2"))
     dim, n_heads, n_kv, head_dim = hf_attention(r)
     theta, scaling, scaling_key = hf_rope(r)
-    partial = r.positive("partial_rotary_factor", None)
-    if partial is None and scaling_key == "rope_parameters" and scaling:  # transformers 5
-        partial = checks.positive_float(scaling.get("partial_rotary_factor", 1.0),
-                                        r.what("rope_parameters") + ".partial_rotary_factor")
-    partial = 1.0 if partial is None else partial
-    rotary_dim = None
-    if partial != 1.0:
-        if arch != "phi3":
-            raise UnsupportedModelError(f"{source}: partial_rotary_factor is not supported for "
-                                        f"{arch_name}")
-        rotary_dim = int(head_dim * partial)  # transformers: int(head_dim * factor)
-        if not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
-            raise ModelLoadError(f"{r.what('partial_rotary_factor')} = {partial} gives "
-                                 f"{rotary_dim} rotary dims of head dim {head_dim}; it must "
-                                 "be an even number in [2, head dim]")
+    rotary_dim = hf_rotary_dim(r, arch_name, head_dim, scaling, scaling_key)
     kind = rope_kind(r, scaling, scaling_key)
     rope_scaling = long_rope = None
     ctx = r.count("max_position_embeddings", 2048)
@@ -408,28 +465,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
     if window and (arch not in ("qwen2", "qwen3", "qwen3moe") or use_window) and window < ctx:
         ctx = window  # full attention equals sliding-window attention within the window
     tie = r.flag("tie_word_embeddings")
-    # Mixtral: transformers' MixtralTopKRouter (softmax over X, top k, renormalise).
-    moe = (moe_fields(r, "num_local_experts", "num_experts_per_tok", norm_topk=True,
-                      required=True) if arch == "mixtral" else {})
-    ffn_key = "intermediate_size"
-    if arch == "qwen3moe":
-        # Qwen3MoeTopKRouter: softmax over X, top k, renormalised only if norm_topk_prob.
-        # Every layer must be sparse: one stacked layout for all L layers.
-        step = r.count("decoder_sparse_step", 1)
-        dense_layers = r.get("mlp_only_layers", [])
-        if not isinstance(dense_layers, list):
-            raise ModelLoadError(f"{r.what('mlp_only_layers')} must be a list of layer "
-                                 f"indices, got {checks.short_repr(dense_layers)}")
-        if step != 1 or dense_layers:
-            raise UnsupportedModelError(
-                f"{source}: dense MLP layers between the sparse ones (decoder_sparse_step = "
-                f"{step}, mlp_only_layers = {dense_layers}) are not supported; only "
-                "decoder_sparse_step 1 with mlp_only_layers []")
-        # The Hub's configs say num_experts; transformers 5 saves num_local_experts.
-        count_key = "num_experts" if r.raw("num_experts") is not None else "num_local_experts"
-        moe = moe_fields(r, count_key, "num_experts_per_tok",
-                         norm_topk=bool(r.flag("norm_topk_prob", False)), required=True)
-        ffn_key = "moe_intermediate_size"  # one expert's width
+    moe, ffn_key = hf_experts(r, arch)
     try:
         return llama.LlamaConfig(
             vocab_size=r.count("vocab_size"), dim=dim, n_layers=r.count("num_hidden_layers"),
