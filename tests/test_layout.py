@@ -10,7 +10,9 @@ Nothing is imported or run: each test parses the source files. What holds:
   `from m import _x` or by `m._x` on an imported module;
 * no test imports `benchmarks`, no benchmark imports the tests;
 * every test that starts another process is marked `subprocess` and `slow`
-  (CONTRIBUTING's markers), found through its helpers and fixtures.
+  (CONTRIBUTING's markers), found through its helpers and fixtures;
+* no function or method of `jaxsample/` and `models/` is longer than
+  `MAX_FUNCTION_LINES` (100) lines, its docstring included.
 """
 
 from __future__ import annotations
@@ -330,3 +332,50 @@ def test_the_marker_check_sees_what_it_checks():
     assert "test_a_worker_past_its_timeout_is_killed" in real["test_gpu_run"]
     assert set(real["test_packaging"]) == {"test_the_wheel_holds_the_named_configs_and_kernel_sources",
                                            "test_a_named_config_resolves_from_the_installed_wheel"}
+
+
+# ---------------------------------------------------------------------------
+# Function length: a function longer than this is split into named helpers, one
+# concept each (never cut into arbitrary chunks).
+
+MAX_FUNCTION_LINES = 100
+
+
+def _long_functions(sources: dict[str, str], limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """"path:line name (n lines)", in file and line order, of every function and method
+    (nested ones too) in {path: source} whose `def` line to its last line (docstring
+    included, decorators not) spans more than `limit` lines."""
+    out = []
+    for path, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append((path, node.lineno, f"{path}:{node.lineno} {node.name} ({n} lines)"))
+    return [line for _, _, line in sorted(out)]
+
+
+def test_no_function_is_longer_than_100_lines():
+    sources = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8")
+               for top in ("jaxsample", "models") for p in sorted((ROOT / top).rglob("*.py"))}
+    assert len(sources) > 50
+    bad = _long_functions(sources)
+    assert not bad, (f"functions over {MAX_FUNCTION_LINES} lines (split each by concept "
+                     "into named helpers):\n" + "\n".join(bad))
+
+
+def test_the_length_check_sees_what_it_checks():
+    """A function, a method and a nested function one line over the limit are named;
+    one at the limit is not."""
+    body = lambda n: "".join(f"    x{i} = {i}\n" for i in range(n))  # noqa: E731
+    source = (f"def at_limit():\n{body(99)}\n"
+              f"def over():\n{body(100)}\n"
+              f"class C:\n    def method(self):\n{body(100).replace('    ', '        ')}\n"
+              f"def outer():\n    def inner():\n{body(100).replace('    ', '        ')}"
+              f"    return inner\n")
+    found = _long_functions({"m.py": source})
+    lines = source.splitlines()
+    assert found == [f"m.py:{lines.index(head) + 1} {name} ({n} lines)" for head, name, n in (
+        ("def over():", "over", 101), ("    def method(self):", "method", 101),
+        ("def outer():", "outer", 103), ("    def inner():", "inner", 101))]
+
