@@ -120,8 +120,9 @@ def _lm(shapes, dtype, weights=None, seed=0):
     import jax
 
     from jaxsample.lm import LanguageModel
-    from jaxsample.models import cpu_kernels, llama
-    from jaxsample.models.tokenizer import ByteTokenizer
+    from jaxsample.models.cpu_kernels import cpu_kernels
+    from jaxsample.models.families import llama
+    from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
 
     cfg = llama.LlamaConfig(**shapes, dtype=dtype)
     t0 = time.perf_counter()
@@ -402,7 +403,7 @@ def _prefill(lm, P, kernel, repeats=3):
     import numpy as np
 
     from jaxsample.engine.prefill import prefill
-    from jaxsample.models import flash
+    from jaxsample.models.families import flash
 
     table = flash.BLOCKWISE_FROM
     flash.BLOCKWISE_FROM = tuple((b, 1 if kernel == "blockwise" else 2**31) for b, _ in table)

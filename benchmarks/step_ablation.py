@@ -33,7 +33,7 @@ def _old_prefix_attention():
     """The prefix segment as a plain vmap of `partial_attention` (before
     engine/prefix_attention.py)."""
     from jaxsample.engine import step
-    from jaxsample.models import common
+    from jaxsample.models.families import common
 
     new = step.prefix_attention
     step.prefix_attention = lambda q, k, v, m, s: common.partial_attention(q, k, v, m[None], s)
@@ -46,7 +46,8 @@ def _old_prefix_attention():
 @contextlib.contextmanager
 def _unfused_w8a8():
     """W8A8's product as XLA's ops around the int8 custom call (before cpu_w8a8.cc)."""
-    from jaxsample.models import cpu_kernels, quant
+    from jaxsample.models.cpu_kernels import cpu_kernels
+    from jaxsample.models.quantization import quant
 
     new = cpu_kernels.w8a8_dot
 

@@ -110,7 +110,7 @@ class LLM:
         TPU, XLA on CPU), "xla" or "pallas" (`jaxsample.kernels`).
       compilation_cache: turn on JAX's persistent compilation cache and the
         engine's exported programs (`jaxsample.enable_compilation_cache`, in
-        `jaxsample.disk_cache.cache_dir()`) unless a compilation cache is
+        `jaxsample.cache_paths.cache_dir()`) unless a compilation cache is
         already configured, so the next process compiles nothing (default
         True; `JAXSAMPLE_NO_CACHE` also turns it off). This changes JAX's
         process-wide cache setting; importing jaxsample never does.
@@ -269,7 +269,7 @@ class LLM:
         import numpy as np
 
         from jaxsample.engine import placement
-        from jaxsample.models import quant
+        from jaxsample.models.quantization import quant
 
         if quant.is_quantized(self.lm.params):
             raise InputError("update_weights: this engine holds int8 weights (weights='int8'); "

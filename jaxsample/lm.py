@@ -1,8 +1,8 @@
 """`LanguageModel`: a model config, its parameters and its tokenizer, bundled.
 
 The engine depends on a model only through the functions of its family's
-module (`models.families.module_for(config)`: `models.llama` or
-`models.gemma3`; embed, run_layers, logits, ...) and on the tokenizer only
+module (`models.families.families.module_for(config)`: `models.families.llama` or
+`models.families.gemma3`; embed, run_layers, logits, ...) and on the tokenizer only
 through `encode`, `decode`, `apply_chat_template`,
 `eos_token_ids`, `pad_token_id` and `vocab_size`.
 """
@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.models import families
+from jaxsample.models.families import families
 
 
 class Tokenizer(Protocol):
-    """What the engine needs of a tokenizer (see models/tokenizer.py)."""
+    """What the engine needs of a tokenizer (see models/checkpoints/tokenizer.py)."""
 
     vocab_size: int  # number of real token ids; logits rows past it are never sampled
     eos_token_ids: tuple[int, ...]  # end-of-turn and end-of-text ids: default stop ids
@@ -40,8 +40,9 @@ class LanguageModel:
     """A loaded causal language model.
 
     Attributes:
-      config: the model config (`models.llama.LlamaConfig` or
-        `models.gemma3.Gemma3Config`; `models.families.module_for(config)` runs it).
+      config: the model config (`models.families.llama.LlamaConfig` or
+        `models.families.gemma3.Gemma3Config`;
+        `models.families.families.module_for(config)` runs it).
       params: the parameter pytree (see the family's `param_shapes`).
       tokenizer: the checkpoint's own tokenizer.
       name: a short name ("smollm2-135m-instruct" or the file name).

@@ -19,20 +19,24 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from jaxsample import cache_paths, file_hashes
 from jaxsample import disk_cache as cache_lib
 from jaxsample import weight_cache
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import LanguageModel
-from jaxsample.models import cpu_kernels, families, outliers, quant, registry
+from jaxsample.models.checkpoints import registry
+from jaxsample.models.cpu_kernels import cpu_kernels
+from jaxsample.models.families import families
+from jaxsample.models.quantization import outliers, quant
 
 if TYPE_CHECKING:
-    from jaxsample.models import llama
+    from jaxsample.models.families import llama
 
 _DTYPES = ("float32", "bfloat16")
 WEIGHTS = (None, "int8", "int8-weight-only")  # the `weights=` values of `load`
 
 
-# The int8 product of each `weights=` value (`models.quant.MODES`).
+# The int8 product of each `weights=` value (`models.quantization.quant.MODES`).
 INT8_MODES = {"int8": "w8a8", "int8-weight-only": "weight_only"}
 
 # How each loaded model was read: {"weights": "cache" | "checkpoint", "seconds": ...,
@@ -54,7 +58,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
       dtype: "float32" (default) or "bfloat16" for weights and activations.
       cache: the weight cache for GGUF files of at least 16 MiB (smaller ones
         dequantise fast): None or True for the default directory
-        (`jaxsample.disk_cache.cache_dir()`: `$JAXSAMPLE_CACHE_DIR`, else
+        (`jaxsample.cache_paths.cache_dir()`: `$JAXSAMPLE_CACHE_DIR`, else
         `$XDG_CACHE_HOME/jaxsample`; off when `JAXSAMPLE_NO_CACHE` is set),
         False for none, or a directory. The first load writes the dequantised
         float32 weights (4 bytes per parameter: 0.5 GB for SmolLM2-135M) with
@@ -66,18 +70,19 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
       weights: None (default) keeps every weight in `dtype`; "int8" stores
         each projection (attention q/k/v/o, MLP gate/up/down, the output head
         and the embedding) as symmetric per-output-channel int8 with float32
-        scales (`models.quant`: 28% of float32's bytes on SmolLM2 with the
-        outlier channels below), multiplied as
+        scales (`models.quantization.quant`: 28% of float32's bytes on SmolLM2
+        with the outlier channels below), multiplied as
         int8 x int8 dots with the activations quantised per row (W8A8, the
         faster on XLA CPU); "int8-weight-only" stores the same weights in a
         float x int8 product (more accurate, a little slower on CPU, and
         unlike W8A8 it reproduces across batch shapes and meshes to float32
         rounding). On an x86-64 CPU with AVX2 both products run as
-        `models.cpu_kernels`' custom calls, compiled on first use. Both keep each projection's 16
-        largest input channels float, found by running the float model over a short built-in
-        calibration text (`models.outliers`, a few seconds on CPU),
-        which stay float: without them W8A8's last-position logit error
-        against float32 is more than twice as large (docs/benchmarks.md,
+        `models.cpu_kernels.cpu_kernels`' custom calls, compiled on first use.
+        Both keep each projection's 16 largest input channels float, found by
+        running the float model over a short built-in calibration text
+        (`models.quantization.outliers`, a few seconds on CPU), which stay float:
+        without them W8A8's last-position logit error against float32 is more
+        than twice as large (docs/benchmarks.md,
         "Int8 weights"). Norms, biases and MoE experts stay
         in `dtype`, which is also the activations' dtype. The weight cache
         keeps the int8 weights and their channels beside the float32 ones
@@ -106,7 +111,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     if not isinstance(weights, (str, type(None))) or weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
     path, name = _resolve(name_or_path)
-    key = (str(path), cache_lib.stat_id(path.stat()), dtype, name, weights)  # a rewrite: a new key
+    # a rewritten file has a new stat id: a new key
+    key = (str(path), file_hashes.stat_id(path.stat()), dtype, name, weights)
     if key not in _LOADED:  # the weights are the same with or without the cache
         if len(_LOADED) >= 4:
             _LOADED.pop(next(iter(_LOADED)))
@@ -153,15 +159,16 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
         if path.is_dir():
             import json
 
-            from jaxsample.models.hf_loader import config_from_hf
-            from jaxsample.models.tokenizer import CheckpointTokenizer
+            from jaxsample.models.checkpoints.hf_loader import config_from_hf
+            from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
             try:
                 hf = json.loads((path / "config.json").read_text())
             except (OSError, ValueError) as e:
                 raise ModelLoadError(f"{path / 'config.json'}: cannot read: {e}") from e
             if not isinstance(hf, dict):
                 raise ModelLoadError(f"{path / 'config.json'}: the top level must be a JSON object")
-            cfg = config_from_hf(hf, source)  # the loader's dispatch (models/architectures.py)
+            # the loader's dispatch (models/checkpoints/architectures.py)
+            cfg = config_from_hf(hf, source)
             return cfg, CheckpointTokenizer.from_hf_dir(path) if with_tokenizer else None
         if not _is_gguf(path):
             raise ModelLoadError(_not_a_checkpoint(path))
@@ -177,8 +184,8 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
                 return cfg, tok
             except (OSError, cache_lib.CacheMiss):
                 pass  # the load that follows warns about a bad entry and rewrites it
-        from jaxsample.models import gguf_loader
-        from jaxsample.models.tokenizer import CheckpointTokenizer
+        from jaxsample.models.checkpoints import gguf_loader
+        from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
 
         reader, meta = _read_header(path)
         tensors = {t.name: t for t in reader.tensors}
@@ -271,7 +278,7 @@ def _cache_base(cache) -> pathlib.Path | None:
     if cache is False:
         return None
     if cache is None or cache is True:
-        return cache_lib.cache_dir()
+        return cache_paths.cache_dir()
     return pathlib.Path(cache).expanduser()
 
 
@@ -300,9 +307,9 @@ _CACHED_TOKENIZER: dict[tuple, object] = {}
 
 
 def _read_header(path: pathlib.Path):
-    from jaxsample.models import gguf_loader
+    from jaxsample.models.checkpoints import gguf_loader
 
-    key = (str(path), cache_lib.stat_id(path.stat()))
+    key = (str(path), file_hashes.stat_id(path.stat()))
     if key not in _HEADER:
         _HEADER.clear()
         _HEADER[key] = gguf_loader.read_gguf(path)
@@ -311,7 +318,7 @@ def _read_header(path: pathlib.Path):
 
 def _take_header(path: pathlib.Path):
     """The header `read_config` parsed for this file (then forgotten), or None."""
-    return _HEADER.pop((str(path), cache_lib.stat_id(path.stat())), None)
+    return _HEADER.pop((str(path), file_hashes.stat_id(path.stat())), None)
 
 
 def _is_gguf(p: pathlib.Path) -> bool:
@@ -341,7 +348,7 @@ def _cache_key(p: pathlib.Path, base: pathlib.Path | None):
 def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None, key):
     """(cfg, stacked numpy params, tokenizer, info) through the weight cache (`key`:
     `_cache_key`, None for none)."""
-    from jaxsample.models.gguf_loader import load_gguf
+    from jaxsample.models.checkpoints.gguf_loader import load_gguf
 
     info = {"weights": "checkpoint", "cache_entry": None}
     entry = None
@@ -381,13 +388,13 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
         info = {"weights": "checkpoint", "cache_entry": None}
         with _backstop(p):
             if p.is_dir():
-                from jaxsample.models.hf_loader import load_hf_dir
+                from jaxsample.models.checkpoints.hf_loader import load_hf_dir
                 cfg, params, tokenizer = load_hf_dir(p, dtype=dtype)
             elif _is_gguf(p):
                 cfg, params, tokenizer, info = _load_gguf(p, dtype, base, key)
             else:
                 raise ModelLoadError(_not_a_checkpoint(p))
-        # The serving layout: one dict per layer (see models.llama.run_layers).
+        # The serving layout: one dict per layer (see models.families.llama.run_layers).
         params = families.module_for(cfg).unstack_layers(params)
         if weights in INT8_MODES:  # quantised from the float32 weights; leaves to device below
             params = quant.quantize_params(params, outliers=outliers.calibrate(cfg, params,

@@ -75,7 +75,7 @@ def main() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                                num_processes=args.num_processes, process_id=args.process_id)
-    from jaxsample.models.tiny import make_tiny_lm
+    from jaxsample.tiny import make_tiny_lm
 
     # process_share's defaults are jax.process_index() / jax.process_count()
     path = run(make_tiny_lm(), args.out, None, None)

@@ -92,7 +92,7 @@ def compilation_cache_calls(monkeypatch):
 
 
 from jaxsample.lm import LanguageModel  # noqa: E402
-from jaxsample.models.tiny import TINY, byte_tokenizer, make_tiny_lm  # noqa: E402,F401
+from jaxsample.tiny import TINY, byte_tokenizer, make_tiny_lm  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

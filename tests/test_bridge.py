@@ -28,7 +28,7 @@ from jaxsample import bridge as bridge_lib
 from jaxsample import engine
 from jaxsample.bridge_training import common as bridge_train
 from jaxsample.bridge_training import grpo as bridge_grpo
-from jaxsample.models import llama
+from jaxsample.models.families import llama
 from helpers import BRIDGE_PROMPTS as PROMPTS
 from helpers import STOPS, block_fn, layer_params, nonzero, sp, stop_array
 from ties import assert_same_tokens_up_to_ties, rows

@@ -20,7 +20,7 @@ from jaxsample.bridge_training import diagnostics as bridge_diagnostics
 from jaxsample.bridge_training import grpo as bridge_grpo
 from jaxsample.bridge_training import sft as bridge_sft
 from jaxsample.bridge_training import common as bridge_train
-from jaxsample.models import llama
+from jaxsample.models.families import llama
 from jaxsample import SamplingParams
 import helpers
 from helpers import BRIDGE_PROMPTS, STOPS, nonzero

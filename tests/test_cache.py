@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxsample import loading
+from jaxsample import cache_paths, file_hashes, loading
 from jaxsample import disk_cache as cache
 from jaxsample import weight_cache
 
@@ -53,20 +53,20 @@ def _entries(base):
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.delenv(cache.ENV_OFF, raising=False)
-    monkeypatch.delenv(cache.ENV_DIR, raising=False)
+    monkeypatch.delenv(cache_paths.ENV_OFF, raising=False)
+    monkeypatch.delenv(cache_paths.ENV_DIR, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache.cache_dir() == tmp_path / "xdg" / "jaxsample"
+    assert cache_paths.cache_dir() == tmp_path / "xdg" / "jaxsample"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the XDG spec: ignore relative paths
-    assert cache.cache_dir() == pathlib.Path.home() / ".cache" / "jaxsample"
-    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "mine"))
-    assert cache.cache_dir() == tmp_path / "mine"
+    assert cache_paths.cache_dir() == pathlib.Path.home() / ".cache" / "jaxsample"
+    monkeypatch.setenv(cache_paths.ENV_DIR, str(tmp_path / "mine"))
+    assert cache_paths.cache_dir() == tmp_path / "mine"
     for off in ("1", "yes", "true"):
-        monkeypatch.setenv(cache.ENV_OFF, off)
-        assert cache.cache_dir() is None and cache.cache_disabled()
+        monkeypatch.setenv(cache_paths.ENV_OFF, off)
+        assert cache_paths.cache_dir() is None and cache_paths.cache_disabled()
     for on in ("", "0", "no", "off"):
-        monkeypatch.setenv(cache.ENV_OFF, on)
-        assert cache.cache_dir() == tmp_path / "mine"
+        monkeypatch.setenv(cache_paths.ENV_OFF, on)
+        assert cache_paths.cache_dir() == tmp_path / "mine"
 
 
 # ---------------------------------------------------------------------------
@@ -271,24 +271,24 @@ def test_the_full_hash_is_remembered_by_stat(gguf, monkeypatch):
     """The whole-file SHA-256 is computed once per (device, inode, size, mtime, ctime):
     a second process reads it from the index; a rewrite (a new ctime) hashes again."""
     path, base = gguf
-    monkeypatch.setattr(cache, "RACY_NS", 0)
-    monkeypatch.setattr(cache, "_HASHES", {})
+    monkeypatch.setattr(file_hashes, "RACY_NS", 0)
+    monkeypatch.setattr(file_hashes, "_HASHES", {})
     calls = []
-    real = cache.file_sha256
-    monkeypatch.setattr(cache, "file_sha256", lambda p: calls.append(p) or real(p))
+    real = file_hashes.file_sha256
+    monkeypatch.setattr(file_hashes, "file_sha256", lambda p: calls.append(p) or real(p))
     import hashlib
 
     want = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert cache.source_sha256(path, base) == (want, False) and len(calls) == 1
-    assert cache.source_sha256(path, base) == (want, True) and len(calls) == 1
-    cache._HASHES.clear()  # a new process: the index on disk answers
-    assert cache.source_sha256(path, base) == (want, True) and len(calls) == 1
-    index = json.loads((base / "weights" / cache.HASH_INDEX).read_text())
+    assert file_hashes.source_sha256(path, base) == (want, False) and len(calls) == 1
+    assert file_hashes.source_sha256(path, base) == (want, True) and len(calls) == 1
+    file_hashes.forget()  # a new process: the index on disk answers
+    assert file_hashes.source_sha256(path, base) == (want, True) and len(calls) == 1
+    index = json.loads((base / "weights" / file_hashes.HASH_INDEX).read_text())
     assert [v["sha256"] for v in index.values()] == [want]
     _rewrite_in_place(path, 0, path.read_bytes()[:4])  # same bytes, but ctime moves on
-    cache._HASHES.clear()
-    assert cache.source_sha256(path, base) == (want, False) and len(calls) == 2
-    index = json.loads((base / "weights" / cache.HASH_INDEX).read_text())
+    file_hashes.forget()
+    assert file_hashes.source_sha256(path, base) == (want, False) and len(calls) == 2
+    index = json.loads((base / "weights" / file_hashes.HASH_INDEX).read_text())
     assert len(index) == 1  # one hash per path
 
 
@@ -296,11 +296,11 @@ def test_a_file_changed_just_now_is_hashed_again(gguf, monkeypatch):
     """'Racy git': a change within one timestamp tick would keep the stat id, so a
     hash of a file younger than RACY_NS is not remembered."""
     path, base = gguf
-    monkeypatch.setattr(cache, "_HASHES", {})
-    monkeypatch.setattr(cache, "RACY_NS", 3600 * 10**9)
-    assert cache.source_sha256(path, base)[1] is False
-    assert cache.source_sha256(path, base)[1] is False
-    assert not (base / "weights" / cache.HASH_INDEX).exists()
+    monkeypatch.setattr(file_hashes, "_HASHES", {})
+    monkeypatch.setattr(file_hashes, "RACY_NS", 3600 * 10**9)
+    assert file_hashes.source_sha256(path, base)[1] is False
+    assert file_hashes.source_sha256(path, base)[1] is False
+    assert not (base / "weights" / file_hashes.HASH_INDEX).exists()
 
 
 def _poison_entry(entry, nbytes=4096):
@@ -355,7 +355,7 @@ def test_cli_warns_once_about_a_poisoned_entry_and_runs(gguf, tmp_path):
     _load(path, base)
     (entry,) = _entries(base)
     _poison_entry(entry)
-    env = {**os.environ, cache.ENV_DIR: str(base), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, cache_paths.ENV_DIR: str(base), "JAX_PLATFORMS": "cpu"}
 
     def run():
         return subprocess.run([sys.executable, "-c", _POISONED_RUN, str(path)], env=env,
@@ -455,7 +455,7 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.subprocess
 def test_aot_programs_hit_the_persistent_cache(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop(cache.ENV_OFF, None)
+    env.pop(cache_paths.ENV_OFF, None)
 
     def child():
         out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "xla")], env=env,
@@ -476,7 +476,7 @@ def test_aot_programs_hit_the_persistent_cache(tmp_path):
 def test_enable_compilation_cache_off_and_unwritable(monkeypatch, tmp_path, caplog):
     """Off, a path that cannot be created and a directory that cannot be written: one
     warning line each and the cache left off (JAX would warn twice per program)."""
-    monkeypatch.setenv(cache.ENV_OFF, "1")
+    monkeypatch.setenv(cache_paths.ENV_OFF, "1")
     assert cache.enable_compilation_cache() is None  # nothing changed
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -545,7 +545,7 @@ def test_a_corrupt_compilation_cache_entry_is_rewritten(tmp_path):
     """JAX skips writing a key whose file exists, so an entry it cannot read was
     compiled again in every process; now the fresh executable replaces it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop(cache.ENV_OFF, None)
+    env.pop(cache_paths.ENV_OFF, None)
     xla = tmp_path / "xla"
 
     def child():
@@ -572,10 +572,10 @@ def test_a_corrupt_compilation_cache_entry_is_rewritten(tmp_path):
 def test_a_cache_dir_naming_an_unknown_home_is_a_config_error(monkeypatch):
     from jaxsample.errors import ConfigError
 
-    monkeypatch.setenv(cache.ENV_DIR, "~no-such-user-jaxsample/x")
+    monkeypatch.setenv(cache_paths.ENV_DIR, "~no-such-user-jaxsample/x")
     with pytest.raises(ConfigError, match="JAXSAMPLE_CACHE_DIR"):
-        cache.cache_root()
-    monkeypatch.setenv(cache.ENV_DIR, os.environ["XDG_CACHE_HOME"])
+        cache_paths.cache_root()
+    monkeypatch.setenv(cache_paths.ENV_DIR, os.environ["XDG_CACHE_HOME"])
     with pytest.raises(ConfigError, match=r"enable_compilation_cache\(path=...\)"):
         cache.enable_compilation_cache("~no-such-user-jaxsample/xla")
 
@@ -592,13 +592,13 @@ def test_the_suite_uses_a_temporary_cache():
     import conftest
 
     user = pathlib.Path.home() / ".cache"
-    d = cache.cache_dir()
+    d = cache_paths.cache_dir()
     assert d == pathlib.Path(conftest.TEST_CACHE_DIR) / "jaxsample"
     assert d != user / "jaxsample" and user not in d.parents
     assert os.environ["XDG_CACHE_HOME"] == conftest.TEST_CACHE_DIR
-    assert cache.models_dir() == d / "models"
-    out = subprocess.run([sys.executable, "-c", "from jaxsample import disk_cache as cache; "
-                          "print(cache.cache_dir()); print(cache.models_dir())"],
+    assert cache_paths.models_dir() == d / "models"
+    out = subprocess.run([sys.executable, "-c", "from jaxsample import cache_paths; "
+                          "print(cache_paths.cache_dir()); print(cache_paths.models_dir())"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.split() == [str(d), str(d / "models")], out.stderr
 
@@ -609,7 +609,7 @@ def fake_assembled(monkeypatch, tmp_path):
     package's assemble(output_path, overwrite) does; calls are recorded."""
     import types
 
-    from jaxsample.models import registry
+    from jaxsample.models.checkpoints import registry
 
     calls = []
 
@@ -636,17 +636,17 @@ def fake_assembled(monkeypatch, tmp_path):
 
 
 def test_assembled_models_go_under_the_cache_dir(fake_assembled, monkeypatch, tmp_path):
-    from jaxsample.models import registry
+    from jaxsample.models.checkpoints import registry
 
-    monkeypatch.delenv(cache.ENV_DIR, raising=False)
+    monkeypatch.delenv(cache_paths.ENV_DIR, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     want = tmp_path / "xdg" / "jaxsample" / "models" / "fake.gguf"
     assert registry.embedded_path("fake-assembled") == want
     assert want.read_bytes() == TINY_GGUF.read_bytes()
     assert not (tmp_path / "package-default").exists()
     assert [f.name for f in want.parent.iterdir()] == ["fake.gguf"]  # no temporary left
-    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "mine"))
-    monkeypatch.setenv(cache.ENV_OFF, "1")  # caches off: the checkpoint is still written
+    monkeypatch.setenv(cache_paths.ENV_DIR, str(tmp_path / "mine"))
+    monkeypatch.setenv(cache_paths.ENV_OFF, "1")  # caches off: the checkpoint is still written
     mine = tmp_path / "mine" / "models" / "fake.gguf"
     assert registry.embedded_path("fake-assembled") == mine and mine.is_file()
     n = len(fake_assembled)
@@ -658,7 +658,7 @@ def test_assembled_models_go_under_the_cache_dir(fake_assembled, monkeypatch, tm
     assert registry.embedded_path("fake-assembled") == mine
     assert mine.read_bytes() == TINY_GGUF.read_bytes()
     assert sorted(f.name for f in mine.parent.iterdir()) == ["fake.gguf"]
-    monkeypatch.delenv(cache.ENV_OFF)
+    monkeypatch.delenv(cache_paths.ENV_OFF)
     monkeypatch.setattr(loading, "_LOADED", {})
     assert loading.load("fake-assembled").source == str(mine)
 
@@ -700,7 +700,7 @@ def test_clear_leaves_files_it_did_not_write(tmp_path):
     (tmp_path / "xla" / "jit_g-0-cache").write_bytes(b"x")
     (tmp_path / "exported" / "decode-0.jaxexport").write_bytes(b"xy")
     (tmp_path / "models" / "m.gguf").write_bytes(b"xyz")
-    (tmp_path / "weights" / cache.HASH_INDEX).write_bytes(b"{}")
+    (tmp_path / "weights" / file_hashes.HASH_INDEX).write_bytes(b"{}")
     assert cache.clear(base=tmp_path) == 1 + 2 + 3 + 2
     kept = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert kept == ["exported/notes.txt", "models/my-llama/model.safetensors",
@@ -711,7 +711,7 @@ def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
     from jaxsample import cli
 
     path, base = gguf
-    monkeypatch.setenv(cache.ENV_DIR, str(base))
+    monkeypatch.setenv(cache_paths.ENV_DIR, str(base))
     _fill(base, path)
     (entry,) = _entries(base)
     assert cli.main(["cache", "info", "--json"]) == 0
@@ -740,7 +740,7 @@ def test_cache_info_and_clear_from_the_command_line(gguf, monkeypatch, capsys):
     assert cli.main(["cache", "clear", "--weights"]) == 0
     assert "weights" in capsys.readouterr().out
     assert not (base / "weights").exists() and (base / "models" / "m.gguf").is_file()
-    monkeypatch.setenv(cache.ENV_OFF, "1")  # off: info still says what is there
+    monkeypatch.setenv(cache_paths.ENV_OFF, "1")  # off: info still says what is there
     assert cli.main(["cache", "info", "--json"]) == 0
     info = _strict_json(capsys.readouterr().out)
     assert info["disabled"] and info["dir"] == str(base) and info["models_bytes"] == 64
@@ -768,25 +768,25 @@ def test_an_assembled_file_with_a_remembered_hash_is_not_read_again(fake_assembl
     process neither calls assemble() (which hashes the file) nor hashes it itself."""
     import hashlib
 
-    from jaxsample.models import registry
+    from jaxsample.models.checkpoints import registry
 
     monkeypatch.setattr(sys.modules["fake_assembler"], "EXPECTED_SHA256",
                         hashlib.sha256(TINY_GGUF.read_bytes()).hexdigest(), raising=False)
-    monkeypatch.setattr(cache, "RACY_NS", 0)
-    monkeypatch.setattr(cache, "_HASHES", {})
+    monkeypatch.setattr(file_hashes, "RACY_NS", 0)
+    monkeypatch.setattr(file_hashes, "_HASHES", {})
     path = registry.embedded_path("fake-assembled")
     assert len(fake_assembled) == 1
     registry._assembled_path.cache_clear()  # a second process: hashes once, remembers
     assert registry.embedded_path("fake-assembled") == path and len(fake_assembled) == 1
-    monkeypatch.setattr(cache, "file_sha256", lambda p: pytest.fail(f"hashed {p} again"))
+    monkeypatch.setattr(file_hashes, "file_sha256", lambda p: pytest.fail(f"hashed {p} again"))
     for _ in range(2):  # later processes: nothing in memory, the index on disk answers
         registry._assembled_path.cache_clear()
-        cache._HASHES.clear()
+        file_hashes.forget()
         assert registry.embedded_path("fake-assembled") == path
     assert len(fake_assembled) == 1
     path.write_bytes(b"GGUF changed")  # a new ctime: hashed again, found wrong, re-assembled
     registry._assembled_path.cache_clear()
-    monkeypatch.setattr(cache, "file_sha256", lambda p: hashlib.sha256(
+    monkeypatch.setattr(file_hashes, "file_sha256", lambda p: hashlib.sha256(
         pathlib.Path(p).read_bytes()).hexdigest())
     assert registry.embedded_path("fake-assembled") == path
     assert path.read_bytes() == TINY_GGUF.read_bytes() and len(fake_assembled) == 3

@@ -1,5 +1,6 @@
-"""Untrusted checkpoint metadata: chat templates rendered within bounds (models/chat_template.py),
-special token ids checked against the vocabulary, lone surrogates refused by `encode`.
+"""Untrusted checkpoint metadata: chat templates rendered within bounds
+(models/checkpoints/chat_template.py), special token ids checked against the vocabulary, lone
+surrogates refused by `encode`.
 
 A template that loops for ever, recurses, divides by zero or builds a huge value is one
 `ModelLoadError` naming the file, within seconds; a template that does none of that renders
@@ -21,9 +22,9 @@ import jinja2.sandbox
 import pytest
 
 from jaxsample.errors import InputError, ModelLoadError
-from jaxsample.models import chat_template
-from jaxsample.models.gguf_loader import read_gguf
-from jaxsample.models.tokenizer import CheckpointTokenizer
+from jaxsample.models.checkpoints import chat_template
+from jaxsample.models.checkpoints.gguf_loader import read_gguf
+from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
 from test_loaders import rewrite_gguf
 
 TINY_GGUF = pathlib.Path(__file__).parent / "data" / "tiny_llama.gguf"

@@ -215,7 +215,7 @@ def test_any_loader_failure_is_one_line_and_exit_2(capsys, broken_gguf, monkeypa
     """Whatever a loader raises on a bad file reaches the user as one line, exit 2."""
     import builtins
 
-    from jaxsample.models import gguf_loader
+    from jaxsample.models.checkpoints import gguf_loader
 
     def boom(*args, **kwargs):
         raise getattr(builtins, error)("deep inside the loader")
@@ -701,7 +701,7 @@ def test_adaptive_result_support_is_the_winners_votes():
 
 
 # ---------------------------------------------------------------------------
-# One name table for every command (models/registry.py)
+# One name table for every command (models/checkpoints/registry.py)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "SmolLM2", "smollm2-135m-instruct"])

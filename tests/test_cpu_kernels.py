@@ -1,4 +1,4 @@
-"""The int8 decode's CPU kernels (`models.cpu_kernels`) against independent oracles.
+"""The int8 decode's CPU kernels (`models.cpu_kernels.cpu_kernels`) against independent oracles.
 
 Oracles: int64 numpy for the int8 x int8 product (exact, so equality), float64
 numpy for the float32 x int8 product (within float32 summation's bound) and for
@@ -25,7 +25,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxsample.models import cpu_kernels, families, llama, quant
+from jaxsample.models.cpu_kernels import cpu_kernels
+from jaxsample.models.families import families, llama
+from jaxsample.models.quantization import quant
 from test_quantized import int8_lm
 
 CAN_BUILD = (platform.system() == "Linux" and platform.machine() == "x86_64"
@@ -44,14 +46,18 @@ def test_the_kernels_build_here():
 
 
 def test_the_kernel_sources_ship_with_the_package():
-    """Every source the build compiles is package data: an installed (not editable)
-    jaxsample must find them beside models/cpu_kernels.py."""
+    """Every source the build compiles is package data of the package that holds the
+    driver: an installed (not editable) jaxsample must find them beside
+    models/cpu_kernels/cpu_kernels.py."""
     import tomllib
 
     root = pathlib.Path(__file__).parent.parent
     data = tomllib.loads((root / "pyproject.toml").read_text())
-    shipped = set(data["tool"]["setuptools"]["package-data"]["jaxsample.models"])
-    assert {p.name for p in (*cpu_kernels.SOURCES, cpu_kernels.HEADER)} <= shipped
+    shipped = set(data["tool"]["setuptools"]["package-data"][cpu_kernels.__package__])
+    files = (*cpu_kernels.SOURCES, cpu_kernels.HEADER)
+    assert {p.name for p in files} <= shipped
+    assert all(p.is_file() and p.parent == pathlib.Path(cpu_kernels.__file__).parent
+               for p in files)
 
 
 shapes = st.tuples(st.integers(1, 20), st.integers(1, 700), st.integers(1, 150))
@@ -526,7 +532,7 @@ def _fresh(code: str, **env) -> subprocess.CompletedProcess:
 
 
 PROBE = ("import logging; logging.basicConfig(format='%(message)s')\n"
-         "from jaxsample.models import cpu_kernels as k\n"
+         "from jaxsample.models.cpu_kernels import cpu_kernels as k\n"
          "print('on' if k.enabled() else 'off', k._STATE.get('status'))\n")
 
 
@@ -559,7 +565,7 @@ def test_a_bad_cxx_or_a_mesh_at_the_first_call_never_raises(tmp_path):
     if not CAN_BUILD:
         return
     code = ("import jax, numpy as np\n"
-            "from jaxsample.models import cpu_kernels as k\n"
+            "from jaxsample.models.cpu_kernels import cpu_kernels as k\n"
             "with jax.set_mesh(jax.make_mesh((2,), ('d',))):\n"
             "    y = jax.jit(k.int8_dot)(np.ones((1, 4), np.int8), np.ones((3, 4), np.int8))\n"
             "print(k._STATE['status'], np.asarray(y).tolist())\n")

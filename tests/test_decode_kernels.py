@@ -30,7 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxsample import SamplingParams, engine, kernels
 from jaxsample.errors import InputError
 from jaxsample.kernels.decode_attention import kernel, reference, segment_attention
-from jaxsample.models import common
+from jaxsample.models.families import common
 from ties import assert_same_tokens_up_to_ties
 
 pytestmark = pytest.mark.kernels

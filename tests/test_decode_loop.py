@@ -19,7 +19,7 @@ import pytest
 
 from jaxsample import SamplingParams, disk_cache, engine
 from jaxsample.engine import exported, loop, step_cost
-from jaxsample.models.tiny import TINY
+from jaxsample.tiny import TINY
 
 PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?"]
 

@@ -17,7 +17,7 @@ test by raising.
 
 The one substitution on the tiny model: `jaxsample.loading.load`, behind
 `jaxsample.load()` and `LLM("smollm2-135m-instruct")`, returns the tiny model
-(`jaxsample.models.tiny.make_tiny_lm`: random weights, a byte tokenizer with a
+(`jaxsample.tiny.make_tiny_lm`: random weights, a byte tokenizer with a
 chat template) for the embedded model's names; any other name loads as
 usual. A page of such blocks therefore runs every call it shows, with the
 same arguments, without loading SmolLM2; int8 weights need the real model

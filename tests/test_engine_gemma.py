@@ -2,7 +2,7 @@
 
 Tiny random Gemma 3 models (window 8, several local/global patterns, a query
 scale that is not 1/sqrt(D), logit soft-capping) against the family's plain
-causal forward with the sliding mask (`models.gemma3.forward`): prompts and
+causal forward with the sliding mask (`models.families.gemma3.forward`): prompts and
 tails longer than the window, so the window's lower bound crosses from the
 prefix into the tail.
 """
@@ -18,7 +18,7 @@ from jaxsample.engine.naive import naive_generate
 from jaxsample import engine
 from jaxsample.lm import LanguageModel
 from jaxsample import SamplingParams
-from jaxsample.models import gemma3
+from jaxsample.models.families import gemma3
 from ties import assert_same_tokens_up_to_ties
 
 from conftest import byte_tokenizer

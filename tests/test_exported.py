@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import COMPILATION_CACHE_DIR
-from jaxsample import SamplingParams, disk_cache, engine
+from jaxsample import SamplingParams, cache_paths, disk_cache, engine
 from jaxsample.engine import exported
 from jaxsample.engine import round as round_mod
 from jaxsample.engine.loop import Programs
@@ -100,7 +100,7 @@ def test_int8_programs_calling_the_cpu_kernels_round_trip(tiny_lm, exported_dir,
     """An int8 (W8A8) model's programs hold the kernels' custom calls: exported past
     jax.export's check of custom-call targets, read back, the same tokens as the plain
     jit path."""
-    from jaxsample.models import cpu_kernels
+    from jaxsample.models.cpu_kernels import cpu_kernels
     from test_quantized import int8_lm
 
     qlm = int8_lm(tiny_lm)
@@ -285,7 +285,7 @@ def test_result_trees_round_trip():
 
 
 def test_the_key_changes_with_what_changes_the_program(monkeypatch):
-    from jaxsample.models import flash
+    from jaxsample.models.families import flash
 
     _, args = _toy([])
     base = exported.entry_key(("toy",), args, ())
@@ -303,14 +303,14 @@ def test_the_key_changes_with_what_changes_the_program(monkeypatch):
 
 def test_off_with_the_caches_off_or_its_own_switch(exported_dir, monkeypatch):
     assert disk_cache.exported_dir() == exported_dir
-    for var in (disk_cache.ENV_OFF, disk_cache.ENV_NO_EXPORTED):
+    for var in (cache_paths.ENV_OFF, disk_cache.ENV_NO_EXPORTED):
         monkeypatch.setenv(var, "1")
         assert disk_cache.exported_dir() is None
         monkeypatch.delenv(var)
     assert disk_cache.exported_dir() == exported_dir
     calls = []
     f, args = _toy(calls)
-    monkeypatch.setenv(disk_cache.ENV_OFF, "1")
+    monkeypatch.setenv(cache_paths.ENV_OFF, "1")
     Programs().get(("toy",), f, args)
     assert not exported_dir.exists()
 

@@ -1,4 +1,4 @@
-"""The loader core (`models.loader_core`, `models.architectures`) and the families added on it.
+"""The loader core (`checkpoints.loader_core`, `.architectures`) and the families added on it.
 
 Family parity data comes from `scripts/make_family_references.py` (torch and
 transformers are not needed here).
@@ -15,8 +15,8 @@ import pytest
 
 from jaxsample.engine.naive import naive_generate
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models import architectures, loader_core
-from jaxsample.models.loader_core import Tensor, TensorTable
+from jaxsample.models.checkpoints import architectures, loader_core
+from jaxsample.models.checkpoints.loader_core import Tensor, TensorTable
 
 # ---------------------------------------------------------------------------
 # The copy loop on a toy family (fused rows, per-expert tensors, transforms)
@@ -122,7 +122,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxsample import bridge as bridge_lib  # noqa: E402
 from jaxsample import weight_cache as cache_lib  # noqa: E402
 from jaxsample import engine, loading  # noqa: E402
-from jaxsample.models import common, families  # noqa: E402
+from jaxsample.models.families import common, families  # noqa: E402
 from jaxsample import SamplingParams  # noqa: E402
 from ties import assert_same_tokens_up_to_ties  # noqa: E402
 
@@ -172,7 +172,7 @@ def _gguf_as_hf(name):
 
 def _short(lm):
     """The model as transformers runs a call within LongRoPE's original context (short
-    factors: see `models.llama.LongRope`); other families unchanged."""
+    factors: see `models.families.llama.LongRope`); other families unchanged."""
     lr = getattr(lm.config, "long_rope", None)
     if lr is None:
         return lm
@@ -389,14 +389,14 @@ def _hf(name, **changes):
     ("tiny_gemma2", {"layer_types": ["full_attention"]}, ModelLoadError, "layer_types"),
 ])
 def test_new_family_configs_are_validated(name, changes, error, match):
-    from jaxsample.models import hf_loader
+    from jaxsample.models.checkpoints import hf_loader
 
     with pytest.raises(error, match=match):
         hf_loader.config_from_hf(_hf(name, **changes), "d")
 
 
 def test_gemma2_config_defaults_follow_transformers():
-    from jaxsample.models import hf_loader
+    from jaxsample.models.checkpoints import hf_loader
 
     hf = _hf("tiny_gemma2")
     for k in ("attn_logit_softcapping", "final_logit_softcapping", "layer_types",

@@ -1,4 +1,4 @@
-"""Blockwise causal attention (models/flash.py) against the dense kernel and a float64 oracle.
+"""Blockwise causal attention (`families.flash`) against the dense kernel and a float64 oracle.
 
 Tolerances (float32): an attention output is a convex combination of value
 rows, so its rounding error is a few float32 ulps of max|v| per accumulation:
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxsample.engine.prefill import prefill as engine_prefill
-from jaxsample.models import common, flash, gemma3, llama
+from jaxsample.models.families import common, flash, gemma3, llama
 from conftest import TINY
 
 RTOL = 1e-5

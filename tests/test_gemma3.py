@@ -29,8 +29,9 @@ import pytest
 
 from jaxsample import loading
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models import common, families, gemma3, gemma3_loader, gguf_loader, registry
-from jaxsample.models.tokenizer import GEMMA_CHAT_TEMPLATE, CheckpointTokenizer
+from jaxsample.models.checkpoints import gemma3_loader, gguf_loader, registry
+from jaxsample.models.families import common, families, gemma3
+from jaxsample.models.checkpoints.tokenizer import GEMMA_CHAT_TEMPLATE, CheckpointTokenizer
 
 DATA = pathlib.Path(__file__).parent / "data"
 TINY = np.load(DATA / "tiny_gemma3_reference.npz")

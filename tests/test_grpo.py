@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import next_token_logprobs as reference
-from jaxsample.models import common
+from jaxsample.models.families import common
 
 import jaxsample
 from jaxsample import SamplingParams, engine
@@ -81,7 +81,7 @@ def test_lora_config_errors(kwargs, match):
 
 
 def test_lora_refuses_expert_weights():
-    from jaxsample.models import llama
+    from jaxsample.models.families import llama
 
     cfg = llama.LlamaConfig(vocab_size=64, dim=8, n_layers=1, n_heads=2, n_kv_heads=1,
                             head_dim=4, ffn_dim=8, n_experts=4, n_experts_per_tok=2)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxsample import loading, weight_cache
-from jaxsample.models import outliers, quant
+from jaxsample.models.quantization import outliers, quant
 from test_cache import TINY_GGUF, _corruptions, _poison_entry
 
 is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731

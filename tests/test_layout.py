@@ -26,14 +26,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # before it, never a later one. The data flow of a request reads load ->
 # engine -> Generation -> reduce -> cli; the Bill (cost) and the Generation
 # type sit below the engine because the engine builds them, and the Bridge
-# block below it because the decode step calls it. Each entry is a module and
-# its submodules ("jaxsample" itself: the package face only, which imports
-# nothing statically); the longest match decides.
+# block below it because the decode step calls it. The model folders
+# (`models/`, installed as jaxsample.models) sit below everything that loads
+# or runs a model: they import the base stage only (what both they and the
+# caches need, such as the cache directory's paths, is there), and
+# `test_models_import_only_the_base_stage` holds them to it with annotation-only
+# imports counted too. Each entry is a module and its submodules ("jaxsample"
+# itself: the package face only, which imports nothing statically); the longest
+# match decides.
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("jaxsample", "jaxsample.errors", "jaxsample.floats", "jaxsample.sharding",
-              "jaxsample.sampling_params", "jaxsample.progress")),
-    ("load", ("jaxsample.models", "jaxsample.lm", "jaxsample.loading", "jaxsample.cache_files",
-              "jaxsample.xla_cache", "jaxsample.disk_cache", "jaxsample.weight_cache")),
+              "jaxsample.sampling_params", "jaxsample.progress", "jaxsample.cache_paths",
+              "jaxsample.cache_files", "jaxsample.file_hashes")),
+    ("models", ("jaxsample.models",)),
+    ("load", ("jaxsample.lm", "jaxsample.loading", "jaxsample.tiny", "jaxsample.xla_cache",
+              "jaxsample.disk_cache", "jaxsample.weight_cache")),
     ("kernels", ("jaxsample.kernels",)),
     ("cost", ("jaxsample.cost",)),
     ("generation", ("jaxsample.generation",)),
@@ -147,6 +154,25 @@ def test_no_import_from_a_later_stage():
     assert not bad, "\n".join(bad)
 
 
+MODELS = "jaxsample.models"
+
+
+def _outside_models_and_base(dep: str) -> bool:
+    """Whether a module of jaxsample.models may not import `dep`: neither a model
+    folder's module nor one of the base stage."""
+    return not (dep == MODELS or dep.startswith(MODELS + ".")) and _stage(dep) != 0
+
+
+def test_models_import_only_the_base_stage():
+    """Every module of `models/` (jaxsample.models) imports only other model modules
+    and the base stage: nothing of the engine's layers (`jaxsample.lm`, the caches,
+    the engine), not even for annotations. Function-local imports count."""
+    bad = [f"{m}:{line} imports {d} ({STAGES[_stage(d)][0]})"
+           for m in MODULES if m == MODELS or m.startswith(MODELS + ".")
+           for d, _, line in _imports(m, typing=True) if _outside_models_and_base(d)]
+    assert not bad, "\n".join(bad)
+
+
 def test_no_private_name_crosses_a_module():
     bad = []
     for m, p in MODULES.items():
@@ -209,7 +235,17 @@ def test_the_checks_see_what_they_check():
     """The graph is not empty and the checks would see a cycle and a late import."""
     assert len(MODULES) > 50 and sum(map(len, GRAPH.values())) > 100
     assert "jaxsample.engine.api" in GRAPH["jaxsample.reduce.adaptive"]
-    assert _stage("jaxsample.cli.app") > _stage("jaxsample.engine.api") > _stage("jaxsample.models.llama")
+    assert (_stage("jaxsample.cli.app") > _stage("jaxsample.engine.api") > _stage("jaxsample.lm")
+            > _stage("jaxsample.models.families.llama") > _stage("jaxsample.errors"))
+    # the model folders' rule sees their imports, function-local ones included, and
+    # would refuse the engine's layers
+    assert "jaxsample.cache_paths" in GRAPH["jaxsample.models.cpu_kernels.cpu_kernels"]
+    assert {"jaxsample.models.families.common", "jaxsample.models.cpu_kernels.cpu_kernels"} <= set(
+        GRAPH["jaxsample.models.quantization.quant"])
+    assert all(map(_outside_models_and_base, ("jaxsample.lm", "jaxsample.disk_cache",
+                                              "jaxsample.loading", "jaxsample.engine.api")))
+    assert not any(map(_outside_models_and_base, ("jaxsample.errors", "jaxsample.cache_paths",
+                                                  "jaxsample.models.checkpoints.registry")))
 
 
 # ---------------------------------------------------------------------------

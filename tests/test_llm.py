@@ -18,7 +18,7 @@ import pytest
 import jaxsample
 from jaxsample import LLM, SamplingParams, engine
 from jaxsample.errors import InputError, ModelLoadError
-from jaxsample.models.tiny import make_tiny_lm
+from jaxsample.tiny import make_tiny_lm
 from ties import assert_same_tokens_up_to_ties
 
 PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?", "xyz",

@@ -13,7 +13,8 @@ import pytest
 
 from jaxsample.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from jaxsample.loading import load
-from jaxsample.models import gguf_loader, llama, llama_config, registry
+from jaxsample.models.checkpoints import gguf_loader, llama_config, registry
+from jaxsample.models.families import llama
 
 DATA = pathlib.Path(__file__).parent / "data"
 TINY_GGUF = DATA / "tiny_llama.gguf"
@@ -175,13 +176,13 @@ def test_gguf_unknown_architecture(tmp_path):
 def test_unsupported_architecture_lists_what_that_path_supports(tmp_path, monkeypatch):
     """Issue 19.9: every "supported:" list names only what that path loads. `load`,
     `read_config`, `read_model`, the command line and `config_from_metadata` all
-    dispatch through `models/architectures.py`, so they quote one list, and every
+    dispatch through `models/checkpoints/architectures.py`, so they quote one list, and every
     architecture on it is accepted by the dispatch."""
     import ast
 
     from jaxsample import loading
     from jaxsample import cli
-    from jaxsample.models import architectures, gguf_loader
+    from jaxsample.models.checkpoints import architectures, gguf_loader
 
     def supported(text):
         return ast.literal_eval(text[text.index("supported: ") + len("supported: "):].split("]")[0]
@@ -490,11 +491,12 @@ def test_model_families_install_under_the_library_namespace(tmp_path):
     import subprocess
     import sys
 
-    code = ("import importlib.util, pathlib, jaxsample.models as m, jaxsample.models.families as f; "
+    code = ("import importlib.util, pathlib, jaxsample.models as m; "
+            "import jaxsample.models.families.families as f; "
             "spec = importlib.util.find_spec('models'); ours = pathlib.Path(m.__file__).parent; "
             "print(f.module_for.__module__, spec is None or "
             "pathlib.Path(spec.origin).parent != ours)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["jaxsample.models.families", "True"]
+    assert out.stdout.split() == ["jaxsample.models.families.families", "True"]

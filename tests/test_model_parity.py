@@ -1,4 +1,4 @@
-"""Our loaders + `models.llama.forward` against transformers' float32 logits.
+"""Our loaders + `models.families.llama.forward` against transformers' float32 logits.
 
 The reference data comes from `scripts/make_reference.py` (torch and
 transformers are not needed here): the embedded SmolLM2-135M-Instruct Q4_1
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from jaxsample.loading import load
-from jaxsample.models import gguf_loader, llama
+from jaxsample.models.checkpoints import gguf_loader
+from jaxsample.models.families import llama
 
 DATA = pathlib.Path(__file__).parent / "data"
 REF = json.loads((DATA / "smollm2_reference.json").read_text())

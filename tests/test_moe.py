@@ -1,4 +1,4 @@
-"""Sparse mixture of experts (models/moe.py; Mixtral through the Llama family).
+"""Sparse mixture of experts (models/families/moe.py; Mixtral through the Llama family).
 
 Oracles: a numpy float64 routing and expert mix; transformers' logits,
 router logits and greedy tokens on the tiny random checkpoints written by
@@ -23,7 +23,7 @@ from jaxsample.engine.naive import naive_generate
 from jaxsample import cost, engine
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
 from jaxsample.loading import load
-from jaxsample.models import llama, moe
+from jaxsample.models.families import llama, moe
 from jaxsample.sampling_params import SamplingParams
 from ties import assert_same_tokens_up_to_ties
 
@@ -482,7 +482,7 @@ def _qwen3_moe_gguf_meta():
 
 def test_qwen3_moe_gguf_expert_width_falls_back_like_llama_cpp():
     """Without expert_feed_forward_length, llama.cpp takes feed_forward_length / used."""
-    from jaxsample.models import gguf_loader
+    from jaxsample.models.checkpoints import gguf_loader
 
     meta, tensors = _qwen3_moe_gguf_meta()
     assert (meta["qwen3moe.expert_feed_forward_length"], meta["qwen3moe.feed_forward_length"]) \
@@ -501,7 +501,7 @@ def test_qwen3_moe_gguf_expert_width_falls_back_like_llama_cpp():
      "qwen3moe.expert_feed_forward_length"),
 ])
 def test_qwen3_moe_gguf_bad_expert_keys_are_refused(change, error, needle):
-    from jaxsample.models import gguf_loader
+    from jaxsample.models.checkpoints import gguf_loader
 
     meta, tensors = _qwen3_moe_gguf_meta()
     for k, v in change.items():
@@ -515,7 +515,7 @@ def test_qwen3_moe_gguf_bad_expert_keys_are_refused(change, error, needle):
 
 
 def test_qwen3_moe_gguf_unit_expert_scale_is_accepted():
-    from jaxsample.models import gguf_loader
+    from jaxsample.models.checkpoints import gguf_loader
 
     meta, tensors = _qwen3_moe_gguf_meta()
     for scale in (0.0, 1.0):  # llama.cpp scales only for a value other than 0 and 1

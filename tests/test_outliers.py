@@ -1,4 +1,4 @@
-"""Outlier channels kept in float beside the int8 product (`models.outliers`,
+"""Outlier channels kept in float beside the int8 product (`models.quantization.outliers`,
 `QuantizedWeight.outliers`) against independent oracles.
 
 Oracles: float64 numpy on the weights the quantised ones stand for (`q *
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsample.models import llama, outliers, quant
+from jaxsample.models.families import llama
+from jaxsample.models.quantization import outliers, quant
 
 EPS32 = float(np.finfo(np.float32).eps)
 IDX = [3, 17, 40]

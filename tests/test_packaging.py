@@ -43,8 +43,13 @@ def test_the_wheel_holds_the_named_configs_and_kernel_sources(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     configs = {p.name for p in (ROOT / "configs").glob("*.yaml")}
     assert configs and {f"jaxsample/configs/{n}" for n in configs} <= names
-    kernels = {p.name for p in (ROOT / "models").glob("cpu_*.*") if p.suffix in (".cc", ".h")}
-    assert kernels and {f"jaxsample/models/{n}" for n in kernels} <= names
+    kernels = {p.name for p in (ROOT / "models" / "cpu_kernels").glob("cpu_*.*")
+               if p.suffix in (".cc", ".h")}
+    assert len(kernels) >= 4 and {f"jaxsample/models/cpu_kernels/{n}" for n in kernels} <= names
+    # every module of models/ and its subpackages (pyproject's packages list)
+    modules = {"jaxsample/models/" + p.relative_to(ROOT / "models").as_posix()
+               for p in (ROOT / "models").rglob("*.py")}
+    assert len(modules) > 20 and modules <= names, sorted(modules - names)
 
 
 def test_a_named_config_resolves_from_the_installed_wheel(wheel, tmp_path):

@@ -1,4 +1,4 @@
-"""Int8 weights (`models.quant`, `load(..., weights="int8")`) against independent oracles.
+"""Int8 weights (`quantization.quant`, `load(..., weights="int8")`) against independent oracles.
 
 Oracles: float64 numpy on the dequantised weights (`q * scale`) for the
 quantiser and the matmul, with the bounds the arithmetic guarantees; the
@@ -30,7 +30,9 @@ from jaxsample.engine.context import prefill_context, prefill_suffix
 from jaxsample.engine.prefill import prefill as prefill_fn, stored_prefix
 from jaxsample.engine import state
 from jaxsample.engine.step import branch_step
-from jaxsample.models import common, cpu_kernels, llama, outliers, quant
+from jaxsample.models.cpu_kernels import cpu_kernels
+from jaxsample.models.families import common, llama
+from jaxsample.models.quantization import outliers, quant
 from ties import assert_same_tokens_up_to_ties
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -436,7 +438,7 @@ def test_off_the_cpu_the_int8_step_is_xla_products_of_int8_weights(mode, monkeyp
     widened to the activations' dtype inside the product's operand; W8A8: an int8 x
     int8 -> int32 dot), the prefix KV in the model's dtype."""
     from jaxsample.engine import step_cost
-    from jaxsample.models.tiny import TINY
+    from jaxsample.tiny import TINY
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert not cpu_kernels.active()

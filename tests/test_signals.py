@@ -24,7 +24,7 @@ from jaxsample import reduce as reducers
 from jaxsample.engine import sampling
 from jaxsample.errors import ConfigError
 from jaxsample.lm import LanguageModel
-from jaxsample.models import gemma3
+from jaxsample.models.families import gemma3
 from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties, first_difference
 

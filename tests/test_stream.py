@@ -12,7 +12,7 @@ import jaxsample
 from jaxsample import SamplingParams
 from jaxsample.engine import stops
 from jaxsample.progress import PREFIX, Progress
-from jaxsample.models.tokenizer import ByteTokenizer
+from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
 
 PROMPTS = ["hello", "wor", "The answer is"]
 

@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import next_token_logprobs as reference
-from jaxsample.models import common, llama
-from jaxsample.models.tiny import byte_tokenizer
+from jaxsample.models.families import common, llama
 
 import jaxsample
 from jaxsample import SamplingParams, loading
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
+from jaxsample.tiny import byte_tokenizer
 from jaxsample.training import rollout as ro
 from jaxsample.training.logprobs import group_token_logprobs
 
@@ -138,7 +138,7 @@ def test_gradient_matches_finite_differences_in_float64():
         jax.config.update("jax_enable_x64", True)
         jnp.float32 = jnp.float64  # this process only: every float32 the models ask for
         import jaxsample
-        from jaxsample.models.tiny import make_tiny_lm
+        from jaxsample.tiny import make_tiny_lm
         from jaxsample.training import lora
         lm = make_tiny_lm()
         p = jax.tree.map(lambda a: a.astype(jnp.float64), lm.params)

@@ -9,9 +9,9 @@ import re
 import numpy as np
 import pytest
 
-from jaxsample.models import registry
-from jaxsample.models.gguf_loader import read_gguf
-from jaxsample.models.tokenizer import CheckpointTokenizer
+from jaxsample.models.checkpoints import registry
+from jaxsample.models.checkpoints.gguf_loader import read_gguf
+from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
 
 DATA = pathlib.Path(__file__).parent / "data"
 REF = json.loads((DATA / "smollm2_reference.json").read_text())

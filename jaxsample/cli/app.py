@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from jaxsample import cost
+from jaxsample import cache_paths, cost
 from jaxsample import disk_cache as cache_lib
 from jaxsample.cli import config as config_lib
 from jaxsample.cli.console import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, dumps, json_record, print_run, stdout_console
@@ -162,7 +162,7 @@ def _run(args) -> int:
     cfg = resolve_run_config(args)
     requests = read_requests(args, cfg)
     shared = read_shared_prefix(args)
-    use_cache = not args.no_cache and not cache_lib.cache_disabled()
+    use_cache = not args.no_cache and not cache_paths.cache_disabled()
     if shared is not None and args.adaptive:
         raise InputError("--shared-prefix cannot be combined with --adaptive")
     if getattr(args, "out", None) is not None or args.resume:
@@ -333,7 +333,7 @@ def _cache_command(args) -> int:
         print(dumps(info))
         return EXIT_OK
     fb = cost.format_bytes
-    off = f" (off: {cache_lib.ENV_OFF} is set)" if info["disabled"] else ""
+    off = f" (off: {cache_paths.ENV_OFF} is set)" if info["disabled"] else ""
     print(f"cache directory: {info['dir']}{off}" + ("" if info["exists"] else " (empty)"))
     print(f"weights: {len(info['weights'])} entries, {fb(info['weights_bytes'])}")
     for w in info["weights"]:

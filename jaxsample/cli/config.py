@@ -19,7 +19,7 @@ Fields of the sections:
 
     model.name        str or null   a model name or a checkpoint path (null: embedded)
     model.dtype       float32 | bfloat16
-    model.weights     null | int8 | int8-weight-only   (`load(weights=...)`, models/quant.py)
+    model.weights     null | int8 | int8-weight-only   (`load(weights=...)`, models/quantization/)
     sampling.*        the fields of SamplingParams: n, temperature, top_k, top_p,
                       min_p, max_new_tokens (or vLLM's max_tokens), stop_token_ids,
                       stop, seed, logprobs, min_tokens, ignore_eos, presence_penalty,

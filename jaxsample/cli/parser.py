@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from jaxsample import disk_cache as cache_lib
+from jaxsample import cache_paths
 from jaxsample.cli import config as config_lib
-from jaxsample.models import registry
+from jaxsample.models.checkpoints import registry
 
 
 def _version_line() -> str:
@@ -210,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object (one JSON line per request of a .jsonl file)")
     run.add_argument("--no-cache", action="store_true",
                      help="neither read nor write the compilation and weight caches "
-                          f"(also {cache_lib.ENV_OFF}=1; the directory is ${cache_lib.ENV_DIR}, "
-                          "else $XDG_CACHE_HOME/jaxsample)")
+                          f"(also {cache_paths.ENV_OFF}=1; the directory is "
+                          f"${cache_paths.ENV_DIR}, else $XDG_CACHE_HOME/jaxsample)")
     run.add_argument("-q", "--quiet", action="store_true",
                      help="no progress on stderr (loading, compiling, decoding)")
     run.add_argument("--out", metavar="FILE.jsonl", type=_non_empty,

@@ -11,7 +11,7 @@ et al. 2024, arXiv 2402.05099) splits every prompt into
     tails    [R, N, T] each branch's own tokens (the decode state)
 
 and every attention over them is partial softmaxes merged by log-sum-exp
-(`models.common.partial_attention` / `merge_attention`): context + suffix in
+(`models.families.common.partial_attention` / `merge_attention`): context + suffix in
 the suffix prefill; context + suffix + tail + the current token in the decode
 step (`step.branch_step`). The context is passed unbatched (in_axes None) to
 both the row and the branch vmap, so each step reads it once for all B x N
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxsample.engine import sampling
 from jaxsample.engine.prefill import keep_window, prefix_start, prompt_logprobs_of, stored_prefix
 from jaxsample.engine.state import ContextCache, PrefixCache, PromptLogprobs
-from jaxsample.models import common, families
+from jaxsample.models.families import common, families
 
 
 def prefill_context(cfg, params, tokens: jax.Array, length: jax.Array, post_layer=None,

@@ -22,7 +22,7 @@ trace-time module constants (`TRACE_KNOBS`), the jax/jaxlib and jaxsample
 versions, a SHA-256 of the library's source files (`source_digest`: any code
 change invalidates every entry), the platform and the devices, and, for a
 program with int8 arguments, the int8 CPU kernels' fingerprint
-(`models.cpu_kernels`: their custom calls are in the program, registered by
+(`models.cpu_kernels.cpu_kernels`: their custom calls are in the program, registered by
 any process whose key matches; `jax.export`'s check of custom-call targets is
 lifted for those two only).
 
@@ -65,8 +65,8 @@ MAGIC = b"JAXSAMPLE-EXPORTED\n"
 
 SUFFIX = ".jaxexport"
 
-TRACE_KNOBS = ("jaxsample.models.flash", "jaxsample.models.moe", "jaxsample.models.common",
-               "jaxsample.models.cpu_kernels",
+TRACE_KNOBS = ("jaxsample.models.families.flash", "jaxsample.models.families.moe",
+               "jaxsample.models.families.common", "jaxsample.models.cpu_kernels.cpu_kernels",
                "jaxsample.engine.prefill", "jaxsample.engine.loop",
                "jaxsample.engine.state", "jaxsample.engine.sampling.select",
                "jaxsample.engine.sampling.logprobs", "jaxsample.bridge")
@@ -162,10 +162,10 @@ def entry_key(key, args, donate) -> str:
 
 def _kernels(args) -> str:
     """The int8 CPU kernels' fingerprint when an argument is int8 (its program may call
-    them: `models.cpu_kernels`), else "" (a float program never builds them)."""
+    them: `models.cpu_kernels.cpu_kernels`), else "" (a float program never builds them)."""
     if not any(getattr(a, "dtype", None) == jnp.int8 for a in jax.tree_util.tree_leaves(args)):
         return ""
-    from jaxsample.models import cpu_kernels
+    from jaxsample.models.cpu_kernels import cpu_kernels
 
     return cpu_kernels.fingerprint()
 
@@ -348,7 +348,7 @@ def build(directory: pathlib.Path, key, fn, args, donate=(),
 
     t0 = time.perf_counter()
     try:
-        from jaxsample.models import cpu_kernels
+        from jaxsample.models.cpu_kernels import cpu_kernels
 
         checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in cpu_kernels.TARGETS]
         exp = jax.export.export(jax.jit(flat), disabled_checks=checks)(*leaves)

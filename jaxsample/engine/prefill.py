@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxsample.engine import sampling
 from jaxsample.engine.state import PrefixCache, PromptLogprobs, prefix_kv_dtype
-from jaxsample.models import families
+from jaxsample.models.families import families
 
 PROMPT_LOGPROB_BLOCK = 64  # positions whose [block, V] logits exist at once (per row)
 
@@ -34,7 +34,7 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
     this single copy (`post_layer` built with no branch axes).
 
     Args:
-      cfg: the model config (any family: `models.families.module_for`); local
+      cfg: the model config (any family: `models.families.families.module_for`); local
         (sliding-window) layers attend within their window.
       params: the model parameters (either layout, see `llama.run_layers`).
       tokens: `[R, P]` int32, right-padded; lengths: `[R]` int32, each >= 1.

@@ -1,6 +1,6 @@
 """The engine's typed state: the prefix cache, the decode state, the traced knobs.
 
-Letters (see `models/llama.py`): R decode rows (prompts, or prompt copies in
+Letters (see `models/families/llama.py`): R decode rows (prompts, or prompt copies in
 the naive baseline), N branch slots per row, P prefix bucket, T tail bucket,
 C common-context bucket (`generate(shared_prefix=...)`), L layers, K kv
 heads, D head dim, V logits rows, k top logprobs per token.
@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxsample.models import cpu_kernels, quant
+from jaxsample.models.cpu_kernels import cpu_kernels
+from jaxsample.models.quantization import quant
 from jaxsample.sharding import BRANCH_AXIS
 
 MAX_STOP_IDS = 16  # stop ids are a fixed-size traced array (padded with -1)
@@ -229,7 +230,7 @@ class Knobs(NamedTuple):
 class Static:
     """Everything that changes shapes or code, hence the compiled program."""
 
-    cfg: Any  # the model config (models.llama.LlamaConfig)
+    cfg: Any  # the model config (models.families.llama.LlamaConfig)
     n: int  # branch slots per row held by one device
     t_cap: int  # tail buffer length (a bucket >= max_new_tokens)
     vocab_limit: int

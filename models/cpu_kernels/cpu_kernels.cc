@@ -1,6 +1,7 @@
 // The int8 decode's CPU kernels for XLA, as typed FFI custom calls
-// (models/cpu_kernels.py builds this file with cpu_attention.cc into one library,
-// loads and registers it; models/quant.py and models/common.py call them).
+// (models/cpu_kernels/cpu_kernels.py builds this file with cpu_attention.cc into one
+// library, loads and registers it; models/quantization/quant.py and
+// models/families/common.py call them).
 //
 //   jaxsample_int8_dot:   x int8 [M, K], w int8 [N, K] -> int32 [M, N], y = x w^T (exact)
 //   jaxsample_f32_int8_dot: x f32 [M, K], w int8 [N, K] -> f32 [M, N], y = x float(w)^T
@@ -398,7 +399,7 @@ extern "C" int jaxsample_int8_cpu_supported() { return __builtin_cpu_supports("a
 
 // The int8 product's instruction set: level 0 AVX2, 1 AVX-512 VNNI (at most what this
 // CPU has); a level < 0 changes nothing. Returns the level in use (at first the best).
-// For models/cpu_kernels.py's `isa` and `use_isa`: the results are the same bit for bit.
+// For cpu_kernels.py's `isa` and `use_isa`: the results are the same bit for bit.
 extern "C" int jaxsample_set_isa(int level) {
   if (level >= 0) g_isa.store(std::min(level, BestIsa()));
   const int isa = g_isa.load();

@@ -1,4 +1,4 @@
-// What the CPU kernels' sources share (models/cpu_kernels.cc, models/cpu_attention.cc):
+// What the CPU kernels' sources share (cpu_kernels.cc, cpu_w8a8.cc, cpu_attention.cc):
 // the FFI header, horizontal sums and the work split over XLA's intra-op pool.
 #pragma once
 

@@ -13,8 +13,10 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models import checks, llama
-from jaxsample.models.loader_core import ConfigReader, gguf_attention, gguf_embedding, hf_attention
+from jaxsample.models.checkpoints import checks
+from jaxsample.models.checkpoints.loader_core import (ConfigReader, gguf_attention, gguf_embedding,
+                                                      hf_attention)
+from jaxsample.models.families import llama
 
 
 HF_CLASSES = {
@@ -78,7 +80,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], source: str,
     """Build the `LlamaConfig` a llama / mistral / qwen2 / qwen3 / phi3 / qwen3moe GGUF file
     describes, validating every key.
 
-    Rules (`ARCH` is `general.architecture`; `models.checks` has the type rules):
+    Rules (`ARCH` is `general.architecture`; `models.checkpoints.checks` has the type rules):
 
         ARCH.embedding_length, .block_count, .feed_forward_length,
         .attention.head_count, .context_length       required, integers in [1, 2**31 - 1]
@@ -337,7 +339,7 @@ def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32",
     """Build a `LlamaConfig` from a parsed config.json of a Llama, Mistral or Qwen2 model.
 
     Accepts both the `rope_theta` / `rope_scaling` keys and transformers 5's
-    `rope_parameters`. Rules (`models.checks` has the type rules; null is
+    `rope_parameters`. Rules (`models.checkpoints.checks` has the type rules; null is
     the same as absent):
 
         hidden_size, num_attention_heads, num_hidden_layers,

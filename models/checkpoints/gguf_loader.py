@@ -6,9 +6,9 @@ Q8_0, K-quants, ...) and copied by `loader_core.copy_tensors` through the
 family's tensor table (llama.cpp's names) into the stacked parameter pytree
 of the family's `param_shapes`, transposed from GGUF's `[out, in]` rows to
 our `[in, out]`. `general.architecture` picks the family
-(`models.architectures.for_gguf`); the family's loader module holds its
-metadata rules (`models.llama_config.config_from_gguf`,
-`models.gemma3_loader.config_from_gguf_metadata`).
+(`models.checkpoints.architectures.for_gguf`); the family's loader module holds its
+metadata rules (`models.checkpoints.llama_config.config_from_gguf`,
+`models.checkpoints.gemma3_loader.config_from_gguf_metadata`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import os
 from typing import Any
 
 from jaxsample.errors import ModelLoadError
-from jaxsample.models import architectures, loader_core
-from jaxsample.models.loader_core import (dequantize_tensor, permute_rope_rows,  # noqa: F401
-                                          read_gguf, unpermute_rope_rows)
-from jaxsample.models.tokenizer import CheckpointTokenizer
+from jaxsample.models.checkpoints import architectures, loader_core
+from jaxsample.models.checkpoints.loader_core import (  # noqa: F401
+    dequantize_tensor, permute_rope_rows, read_gguf, unpermute_rope_rows)
+from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
 
 
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: str,

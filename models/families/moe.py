@@ -1,6 +1,6 @@
 """Sparse mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE).
 
-Letters as in `models/llama.py`, plus X (experts per layer) and k (experts
+Letters as in `models/families/llama.py`, plus X (experts per layer) and k (experts
 used per token, `n_experts_per_tok`). One layer's parameters:
 
     router [E, X]          the gate (`block_sparse_moe.gate` / `mlp.gate`), x @ W

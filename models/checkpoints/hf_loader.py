@@ -1,9 +1,9 @@
 """Load a Hugging Face model directory (config.json + *.safetensors + tokenizer.json).
 
-config.json's `architectures` picks the family (`models.architectures.for_hf`;
+config.json's `architectures` picks the family (`models.checkpoints.architectures.for_hf`;
 the list is `architectures.supported_hf_classes()`), whose loader module
-holds its config rules and tensor table (`models.llama_loader`,
-`models.gemma3_loader`). Weights are read with the `safetensors` package as
+holds its config rules and tensor table (`models.checkpoints.llama_loader`,
+`models.checkpoints.gemma3_loader`). Weights are read with the `safetensors` package as
 numpy (BF16, which numpy lacks, is widened to float32 from the raw bytes)
 and copied by `loader_core.copy_tensors`, transposed from PyTorch's
 `Linear.weight [out, in]` to our `[in, out]`.
@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError
-from jaxsample.models import architectures, loader_core
-from jaxsample.models.loader_core import json_kind
-from jaxsample.models.tokenizer import CheckpointTokenizer
+from jaxsample.models.checkpoints import architectures, loader_core
+from jaxsample.models.checkpoints.loader_core import json_kind
+from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
 
 
 def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32"):

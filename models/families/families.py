@@ -1,6 +1,6 @@
 """The model families and `module_for(cfg)`: one module object per family, one interface.
 
-Every family module (`models.llama`, `models.gemma3`) exposes the same functions
+Every family module (`models.families.llama`, `models.families.gemma3`) exposes the same functions
 with the same signatures, so the engine can run any of them through the
 module returned here:
 
@@ -14,11 +14,11 @@ module returned here:
     forward_one(cfg, params, tokens [S], valid_len=None) -> (logits [S, V], kv)
     forward(cfg, params, tokens [B, S]) -> logits [B, S, V]
     unstack_layers(params), stack_layers(params)
-    partial_attention, merge_attention, causal_attend (from `models.common`)
+    partial_attention, merge_attention, causal_attend (from `models.families.common`)
 
 and every config carries `family`, `layer_windows` (per-layer sliding window
 or None) and `attention_scale` (the score scale the attention kernel applies
-to q; see `models.common`).
+to q; see `models.families.common`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Union
 
-from jaxsample.models import gemma3, llama
+from jaxsample.models.families import gemma3, llama
 
 ModelConfig = Union[llama.LlamaConfig, gemma3.Gemma3Config]
 
@@ -34,7 +34,7 @@ FAMILIES: dict[str, ModuleType] = {"llama": llama, "gemma3": gemma3}
 
 
 def module_for(cfg) -> ModuleType:
-    """The module that runs `cfg` (`models.llama` or `models.gemma3`).
+    """The module that runs `cfg` (`models.families.llama` or `models.families.gemma3`).
 
     Raises:
       ValueError: the config's `family` is unknown.

@@ -17,14 +17,14 @@ programs hold nothing of int8.
 Two modes (`MODES`, static, per model): "weight_only", `(x @ float(q)) * scale`;
 "w8a8" (`DEFAULT_MODE`, the faster on XLA CPU), x quantised per row on the fly
 (`s_x = max|x| / 127`), an int8 x int8 -> int32 product, then `* s_x * scale`.
-On x86-64 with AVX2 both run as `models.cpu_kernels`' custom calls for a weight
+On x86-64 with AVX2 both run as `models.cpu_kernels.cpu_kernels`' custom calls for a weight
 stored `[out, in]` (W8A8's whole product one call, bit for bit XLA's steps
 without outlier channels; weight-only's sums in a batch-independent order);
 elsewhere as `lax.dot_general`. W8A8's per-row rounding is its accuracy price
 (docs/benchmarks.md, "Int8 weights"): `with_mode(params, "weight_only")` trades
 speed back for it.
 
-Outlier channels (`QuantizedWeight.outliers`, calibrated by `models.outliers`,
+Outlier channels (`QuantizedWeight.outliers`, calibrated by `models.quantization.outliers`,
 on by default in `load(weights="int8")`): a projection's few input channels that
 dwarf the rest, kept as a float32 `[K, out]` slice, multiplied apart and masked
 out of the int8 product and its activation scale (docs/benchmarks.md, "Int8
@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import custom_batching
 
-from jaxsample.models import common, cpu_kernels
+from jaxsample.models.cpu_kernels import cpu_kernels
+from jaxsample.models.families import common
 
 MODES = ("weight_only", "w8a8")
 DEFAULT_MODE = "w8a8"
@@ -142,7 +143,7 @@ def quantize(w, *, rows: bool = False, compute: str = "float32",
         projection `[in, out]`: per output channel).
       compute, mode: as `QuantizedWeight`.
       outliers: None, or int input channels to keep in float (a projection's
-        rows, an embedding's columns; `models.outliers.outlier_channels`):
+        rows, an embedding's columns; `models.quantization.outliers.outlier_channels`):
         their float32 copy goes to `QuantizedWeight.outliers` and they are
         zeroed before the scales are taken.
     Returns:
@@ -192,7 +193,7 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     result has dtype `preferred_element_type`, else x's.
     """
     if not isinstance(w, QuantizedWeight):
-        if hasattr(w, "calibration_product"):  # models.outliers' probe
+        if hasattr(w, "calibration_product"):  # models.quantization.outliers' probe
             return w.calibration_product(x, preferred_element_type)
         return jnp.einsum("...e,ev->...v", x, w, preferred_element_type=preferred_element_type)
     if w.ndim != 2 or w.rows != w.transposed:
@@ -359,7 +360,7 @@ def quantize_params(params, *, compute: str = "float32", mode: str = DEFAULT_MOD
     With `abstract=True`, `params` holds `jax.ShapeDtypeStruct`s and so does
     the result (for lowering a program without weights).
 
-    `outliers` (`models.outliers.outlier_channels`: {(layer, key): idx,
+    `outliers` (`models.quantization.outliers.outlier_channels`: {(layer, key): idx,
     "head": idx}) keeps those input channels of each named projection in
     float (`QuantizedWeight.outliers`); "head" goes to the embedding (the tied
     head's input channels are its columns) or to an untied `lm_head`. Only in

@@ -13,7 +13,7 @@ Llama-3 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor
 of per-frequency divisors, not as parameters; the parameters are recovered
 by matching the divisors against the Llama-3 formula (`llama3_from_factors`).
 
-Mixtral (a sparse MoE FFN, `models.moe`): GGUF arch `llama` with
+Mixtral (a sparse MoE FFN, `models.families.moe`): GGUF arch `llama` with
 `ARCH.expert_count` / `expert_used_count` and `blk.{i}.ffn_gate_inp` (router),
 `ffn_{gate,up,down}_exps` (experts stacked `[X, out, in]`); Hugging Face
 `MixtralForCausalLM` (`block_sparse_moe.gate`, `.experts.{e}.w1/w3/w2`), and
@@ -43,15 +43,16 @@ of hidden / heads); transformers 4's `rope_theta` / `rope_scaling` and 5's
 from __future__ import annotations
 
 
-from jaxsample.models import llama
-from jaxsample.models.llama_config import HF_CLASSES, config_from_gguf, config_from_hf
-from jaxsample.models.loader_core import Architecture, Tensor, TensorTable, unpermute_rope_rows
+from jaxsample.models.checkpoints.llama_config import HF_CLASSES, config_from_gguf, config_from_hf
+from jaxsample.models.checkpoints.loader_core import (Architecture, Tensor, TensorTable,
+                                                      unpermute_rope_rows)
+from jaxsample.models.families import llama
 
 
 GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3moe")
 
 
-# Sparse mixture-of-experts FFN tensors (models.moe), replacing the MLP's.
+# Sparse mixture-of-experts FFN tensors (models.families.moe), replacing the MLP's.
 # llama.cpp stacks the experts ([X, out, in] per layer, `convert_hf_to_gguf.py`
 # LlamaModel for Mixtral); transformers' save_pretrained writes one tensor per
 # expert (Mixtral: w1 gate, w3 up, w2 down).

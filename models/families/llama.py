@@ -36,12 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.models import common, moe, quant
+from jaxsample.models.families import common, moe
 # The shared building blocks this module uses, and those every family module
-# exposes (`models.families`: stack_layers, unstack_layers, partial_attention, ...).
-from jaxsample.models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
-                           merge_attention, partial_attention, rms_norm, stack_layers,
-                           unstack_layers)
+# exposes (`models.families.families`: stack_layers, unstack_layers,
+# partial_attention, ...).
+from jaxsample.models.families.common import (  # noqa: F401
+    AttendFn, Params, apply_rope, causal_attend, merge_attention, partial_attention, rms_norm,
+    stack_layers, unstack_layers)
+from jaxsample.models.quantization import quant
 
 _DTYPES = common.DTYPES
 
@@ -150,7 +152,7 @@ class LlamaConfig:
         all of D); Phi-3's `head_dim * partial_rotary_factor`.
       long_rope: LongRoPE scaling (`LongRope`), or None; not with rope_scaling.
       n_experts: X, experts per layer of a sparse mixture-of-experts FFN
-        (Mixtral, Qwen3-MoE; `models.moe`), or 0 for the dense SwiGLU MLP.
+        (Mixtral, Qwen3-MoE; `models.families.moe`), or 0 for the dense SwiGLU MLP.
         With experts, F (`ffn_dim`) is one expert's hidden width.
       n_experts_per_tok: k, experts each token is routed to (1 <= k <= X);
         0 without experts.
@@ -164,9 +166,9 @@ class LlamaConfig:
       arch: the architecture name the checkpoint declared (informational).
 
     Class attribute `family = "llama"` names the module that runs this config
-    (`models.families.module_for`); the properties `layer_windows` (all None:
+    (`models.families.families.module_for`); the properties `layer_windows` (all None:
     every layer is global) and `attention_scale` (`1/sqrt(D)`) are the
-    engine-facing fields it shares with `models.gemma3.Gemma3Config`.
+    engine-facing fields it shares with `models.families.gemma3.Gemma3Config`.
 
     Raises:
       ValueError: on construction, a field outside the rules above (naming
@@ -307,7 +309,7 @@ def param_shapes(cfg: LlamaConfig) -> Params:
     `bq [L, H*D]`, `bk [L, K*D]`, `bv [L, K*D]` (qkv_bias only),
     `q_norm [L, D]`, `k_norm [L, D]` (qk_norm only),
         `mlp_norm [L, E]`, `w_gate [L, E, F]`, `w_up [L, E, F]`, `w_down [L, F, E]`;
-    with X = `n_experts` > 0 (a sparse MoE FFN, `models.moe`): `router [L, E, X]`,
+    with X = `n_experts` > 0 (a sparse MoE FFN, `models.families.moe`): `router [L, E, X]`,
     `w_gate [L, X, E, F]`, `w_up [L, X, E, F]`, `w_down [L, X, F, E]`.
     """
     L, E, F, V = cfg.n_layers, cfg.dim, cfg.ffn_dim, cfg.vocab_size
@@ -413,7 +415,7 @@ def attn_out_and_mlp(cfg: LlamaConfig, lp: Params, x: jax.Array, o: jax.Array) -
 
 def ffn(cfg: LlamaConfig, lp: Params, h: jax.Array) -> jax.Array:
     """The feed-forward of one layer on normed activations h `[S, E]` -> `[S, E]`:
-    the dense SwiGLU, or with `cfg.n_experts` the sparse MoE (`models.moe.moe_ffn`)."""
+    the dense SwiGLU, or with `cfg.n_experts` the sparse MoE (`models.families.moe.moe_ffn`)."""
     if cfg.n_experts:
         return moe.moe_ffn(lp, h, k=cfg.n_experts_per_tok, norm_topk=cfg.norm_topk)
     g, u = common.project(h, lp, ("w_gate", "w_up"), (cfg.ffn_dim, cfg.ffn_dim))
@@ -439,7 +441,7 @@ def router_choices(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.A
       tokens: `[S]` int32; `cfg.n_experts` must be > 0.
     Returns:
       `[L, S, k]` int32, each position's k experts in descending order of
-      router probability (`models.moe.route`), from the same residual stream
+      router probability (`models.families.moe.route`), from the same residual stream
       as `forward_one`.
     """
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)

@@ -1,6 +1,6 @@
 """Calibrated outlier channels for int8: the input channels of each projection kept in float.
 
-W8A8 (`models.quant`) quantises each activation row with one scale, `max|x| /
+W8A8 (`models.quantization.quant`) quantises each activation row with one scale, `max|x| /
 127`. A few input channels of a transformer's activations are far larger
 than the rest (LLM.int8(), Dettmers et al. 2022, arXiv 2208.07339; "Massive
 activations", Sun et al. 2024, arXiv 2402.17762): on SmolLM2-135M the
@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.models import common, families, quant
+from jaxsample.models.families import common, families
+from jaxsample.models.quantization import quant
 
 N_OUTLIERS = 16  # channels kept in float per projection (the default of `load(weights="int8")`)
 

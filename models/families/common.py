@@ -1,6 +1,6 @@
-"""Building blocks shared by the model families (`models.llama`, `models.gemma3`).
+"""Building blocks shared by the model families (`models.families.llama`, `models.families.gemma3`).
 
-Letters as in `models/llama.py` (B prompts, N branches, P prefix length, T new
+Letters as in `models/families/llama.py` (B prompts, N branches, P prefix length, T new
 tokens, S positions in one call, L layers, H query heads, K kv heads, G = H/K,
 D head dim, E model dim, F MLP hidden dim, V vocabulary rows).
 
@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.models import cpu_kernels, flash
+from jaxsample.models.cpu_kernels import cpu_kernels
+from jaxsample.models.families import flash
 
 Params = dict[str, Any]
 # attend(q [S, H, D], k [S, K, D], v [S, K, D]) -> out [S, H, D]
@@ -70,7 +71,7 @@ class SoftCappedScale(float):
         return hash((float(self), self.softcap))
 
 
-# Projections of one layer that read the same input, which `models.quant.quantize_params`
+# Projections of one layer that read the same input, which `quantization.quant.quantize_params`
 # may store as one matrix under the joined key (outputs concatenated in this order).
 FUSED = {"wq+wk+wv": ("wq", "wk", "wv"), "w_gate+w_up": ("w_gate", "w_up")}
 

@@ -79,6 +79,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsample import cache_paths
+
 ENV = "JAXSAMPLE_CPU_KERNELS"
 """Set to 0 / false / no / off to keep XLA's dot_general (the A/B of the benchmarks), or
 to avx2 to keep the kernels but not their AVX-512 VNNI int8 product (`isa`)."""
@@ -163,9 +165,7 @@ def _build(cxx: list[str], out: pathlib.Path) -> None:
 
 def _library(cxx: list[str], key: str) -> ctypes.CDLL:
     """The built library, from the cache when its checksum holds, else built again."""
-    from jaxsample import disk_cache
-
-    base = disk_cache.cache_dir()
+    base = cache_paths.cache_dir()
     if base is not None:
         so = base / "kernels" / f"cpu_kernels-{key}.so"
         with contextlib.suppress(OSError):

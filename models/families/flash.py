@@ -1,6 +1,6 @@
 """Blockwise (flash-style) causal self-attention in plain JAX: no `[S, S]` square.
 
-Letters as in `models/llama.py` (S positions, H query heads, K kv heads,
+Letters as in `models/families/llama.py` (S positions, H query heads, K kv heads,
 G = H / K query heads per kv head, D head dim).
 
 The sequence is cut into query blocks of `block_q` positions and key blocks of

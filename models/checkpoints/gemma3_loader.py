@@ -1,4 +1,4 @@
-"""Load Gemma 2 and Gemma 3 checkpoints (GGUF and Hugging Face directories) into `models.gemma3` params.
+"""Load Gemma 2 and 3 checkpoints (GGUF, Hugging Face directories) as `families.gemma3` params.
 
 Gemma 2 (`general.architecture = gemma2`, `Gemma2ForCausalLM`) is described
 at the end of this docstring.
@@ -32,7 +32,7 @@ text-only exports) with either transformers 4's `rope_theta`,
 `rope_local_base_freq`, `rope_scaling` and `sliding_window_pattern` or
 transformers 5's `rope_parameters` per layer type and `layer_types`.
 
-Gemma 2 (`models.gemma3.Gemma3Config` with `qk_norm=False`): no QK-norm
+Gemma 2 (`models.families.gemma3.Gemma3Config` with `qk_norm=False`): no QK-norm
 tensors; attention soft-capping `attn_logit_softcapping` (config.json
 default 50, GGUF `gemma2.attn_logit_softcapping`) and final soft-capping
 (default 30); alternating local/global layers, the first local
@@ -51,9 +51,10 @@ from typing import Any
 import numpy as np
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models import gemma3, llama_config
-from jaxsample.models.loader_core import (Architecture, ConfigReader, Tensor, TensorTable,
-                                          gguf_attention, gguf_embedding)
+from jaxsample.models.checkpoints import llama_config
+from jaxsample.models.checkpoints.loader_core import (Architecture, ConfigReader, Tensor,
+                                                      TensorTable, gguf_attention, gguf_embedding)
+from jaxsample.models.families import gemma3
 
 GGUF_ARCH = "gemma3"
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)
@@ -160,7 +161,7 @@ def config_from_gguf_metadata(meta: dict[str, Any], tensors: dict[str, Any], sou
     """Build the `Gemma3Config` a `gemma3` GGUF file describes.
 
     Args:
-      meta: key -> value from `models.loader_core.read_gguf`.
+      meta: key -> value from `models.checkpoints.loader_core.read_gguf`.
       tensors: tensor name -> `gguf.ReaderTensor` (for shapes).
       source: the file, for messages.
     Raises:

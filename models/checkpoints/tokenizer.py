@@ -17,7 +17,7 @@ Two sources:
 Chat templates are rendered with jinja2 the way `transformers` does
 (sandboxed, `trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`),
 as untrusted code within bounds of time, size and recursion
-(`models/chat_template.py`).
+(`models/checkpoints/chat_template.py`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from jaxsample.errors import InputError, ModelLoadError, UnsupportedModelError, lone_surrogate
-from jaxsample.models import chat_template as template_lib
-from jaxsample.models import checks
+from jaxsample.models.checkpoints import chat_template as template_lib
+from jaxsample.models.checkpoints import checks
 
 # llama.cpp token types (gguf.TokenType).
 _CONTROL, _USER_DEFINED = 3, 4
