@@ -60,6 +60,7 @@ def coupled(tiny_lm, bridge):
 # Block level
 
 
+@pytest.mark.slow
 @BOTH
 def test_block_permutation_equivariant(tiny_lm, cfg, bridge):
     f = block_fn(cfg, layer_params(bridge))
@@ -128,6 +129,7 @@ def test_param_count_and_fraction(tiny_lm):
 # Generation
 
 
+@pytest.mark.slow
 @BOTH
 def test_zero_init_is_exactly_the_base_model(tiny_lm, cfg, bridge):
     base = engine.generate(tiny_lm, PROMPTS, sp(4))
@@ -141,6 +143,7 @@ def test_zero_init_is_exactly_the_base_model(tiny_lm, cfg, bridge):
         np.testing.assert_array_equal(again.tokens, base.tokens)
 
 
+@pytest.mark.slow
 def test_nonzero_bridge_couples_branches(tiny_lm, coupled):
     base = engine.generate(tiny_lm, PROMPTS, sp(4))
     assert not np.array_equal(coupled.tokens, base.tokens)
@@ -149,6 +152,7 @@ def test_nonzero_bridge_couples_branches(tiny_lm, coupled):
     assert any(stopped) and not all(stopped)  # masking of finished branches is exercised
 
 
+@pytest.mark.slow
 def test_rows_never_see_other_prompts(tiny_lm, bridge, coupled):
     alone = engine.generate(tiny_lm, PROMPTS[1:], sp(4), bridge=bridge)
     # Global prompt index differs (1 vs 0), so compare with a batch where it is first.
@@ -156,6 +160,7 @@ def test_rows_never_see_other_prompts(tiny_lm, bridge, coupled):
     assert_same_tokens_up_to_ties(tiny_lm, rows(alone, 0, 1), rows(pair, 0, 1))
 
 
+@pytest.mark.slow
 @BOTH
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_any_width_with_the_same_params(tiny_lm, cfg, bridge, coupled, n):
@@ -173,6 +178,7 @@ def test_any_width_with_the_same_params(tiny_lm, cfg, bridge, coupled, n):
             coupled.tokens, engine.generate(tiny_lm, PROMPTS, sp(4), bridge=uncentred).tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 @BOTH
 def test_sharded_equals_unsharded(tiny_lm, cfg, bridge, coupled):
@@ -181,6 +187,7 @@ def test_sharded_equals_unsharded(tiny_lm, cfg, bridge, coupled):
     assert_same_tokens_up_to_ties(tiny_lm, coupled, sharded)
 
 
+@pytest.mark.slow
 def test_prefill_runs_prompt_once_equal_to_full_width_copies(tiny_lm, bridge):
     """The engine's prefill (axes=()) equals a coupled forward over N identical copies."""
     cfg = tiny_lm.config
@@ -210,6 +217,7 @@ def test_prefill_runs_prompt_once_equal_to_full_width_copies(tiny_lm, bridge):
 # Training
 
 
+@pytest.mark.slow
 @BOTH
 def test_teacher_forced_group_forward_equals_decode(tiny_lm, cfg, bridge, coupled):
     g = coupled
@@ -236,6 +244,7 @@ def supervised_batch(lm, g, width=32):
                               jnp.ones(g.lengths.shape, jnp.float32), stop_array(lm))
 
 
+@pytest.mark.slow
 def test_gradients_reach_only_trainable_bridge_params_and_sft_loss_decreases(tiny_lm):
     cfg = bridge_lib.BridgeConfig(dim=8, n_heads=2, layers=(1,))
     b = bridge_lib.init(tiny_lm, cfg)
@@ -259,6 +268,7 @@ def test_gradients_reach_only_trainable_bridge_params_and_sft_loss_decreases(tin
     assert losses[-1] < losses[0] - 0.05, losses
     np.testing.assert_array_equal(params["gate"], b.params["gate"])
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_and_resume(tiny_lm, tmp_path):
     problems = [bridge_train.Problem(p, "0") for p in PROMPTS]
     kw = dict(steps=3, n=4, groups=1, max_new_tokens=12, learning_rate=3e-2, seed=5,
@@ -289,6 +299,7 @@ def test_checkpoint_round_trip_and_resume(tiny_lm, tmp_path):
                              bridge_lib.BridgeConfig(dim=8, n_heads=4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip", [True, False])
 def test_zero_signal_steps_leave_params_and_adam_state_alone(tiny_lm, skip):
     """Step 1 has reward variance, steps 2-3 none: with skip_no_signal the params and
@@ -338,6 +349,7 @@ def test_config_round_trip_and_eps():
         bridge_lib.BridgeConfig(center=True, norm_eps=0.0)
 
 
+@pytest.mark.slow
 @CENTER
 def test_alone_or_identical_is_the_per_token_path_with_finite_gradients(tiny_lm, cfg, bridge):
     """N = 1 and N identical copies: deviation exactly 0, RMSNorm(0) = 0 (eps > 0)."""
@@ -374,6 +386,7 @@ def test_attention_ignores_a_shared_component(tiny_lm, cfg, bridge):
     assert np.max(tv_plain) < 0.01 and np.max(np.abs(np.asarray(sw_plain) - 0.25)) < 0.01
 
 
+@pytest.mark.slow
 @CENTER
 def test_gradients_only_into_bridge_params_and_checkpoint(tiny_lm, cfg, coupled, tmp_path):
     one = dataclasses.replace(cfg, layers=(1,))  # the centred Bridge on layer 1 only
@@ -399,6 +412,7 @@ def test_gradients_only_into_bridge_params_and_checkpoint(tiny_lm, cfg, coupled,
                              dataclasses.replace(one, center=False))
 
 
+@pytest.mark.slow
 @CENTER
 def test_diagnostics_run_on_a_centred_bridge(tiny_lm, cfg, bridge):
     from jaxsample.bridge_training import diagnostics as bridge_diagnostics

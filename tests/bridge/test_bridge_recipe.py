@@ -65,6 +65,7 @@ def test_mlp_param_count_equals_bridge():
         bridge_lib.BridgeConfig(kind="conv")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [ATT, MLP], ids=["bridge", "mlp"])
 def test_zero_init_is_exactly_the_base_model(tiny_lm, cfg):
     base = engine.generate(tiny_lm, PROMPTS, sp(4))
@@ -77,6 +78,7 @@ def test_zero_init_is_exactly_the_base_model(tiny_lm, cfg):
     np.testing.assert_array_equal(back.tokens, base.tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 def test_mlp_is_per_token_width_agnostic_and_shardable(tiny_lm):
     m = nonzero(tiny_lm, MLP)
@@ -101,6 +103,7 @@ def test_mlp_is_per_token_width_agnostic_and_shardable(tiny_lm):
     np.testing.assert_allclose(lp[0, 2:3], alone, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [bridge_lib.BridgeConfig(dim=8, n_heads=2, layers=(1,)),
                                  bridge_lib.BridgeConfig(dim=8, n_heads=2, layers=(1,),
                                                          kind="mlp")], ids=["bridge", "mlp"])
@@ -120,6 +123,7 @@ def test_gradients_only_into_adapter_params(tiny_lm, cfg):
 # The shared-prefix training forward
 
 
+@pytest.mark.slow
 def test_shared_prefix_forward_equals_full_group_forward(tiny_lm):
     b = nonzero(tiny_lm, ATT)
     batch, gen = sampled_batch(tiny_lm, b)
@@ -155,6 +159,7 @@ def test_filter_groups_drops_wrong_and_singletons():
         bridge_sft.filter_groups(keep, 1)
 
 
+@pytest.mark.slow
 def test_sft_collect_keeps_only_correct_groups_and_resumes(tiny_lm, tmp_path):
     problems = [bridge_train.Problem(p, "0") for p in PROMPTS * 2]
     # "Correct" = the sample's first byte is even: a deterministic, varied keep rule.
@@ -192,6 +197,7 @@ def test_sft_collect_keeps_only_correct_groups_and_resumes(tiny_lm, tmp_path):
     np.testing.assert_array_equal(again.batch.completions, data.batch.completions)
 
 
+@pytest.mark.slow
 def test_mlp_control_grpo_checkpoint_round_trip(tiny_lm, tmp_path):
     problems = [bridge_train.Problem(p, "0") for p in PROMPTS]
     kw = dict(steps=2, n=4, groups=1, max_new_tokens=10, learning_rate=3e-2, seed=5,
@@ -247,6 +253,7 @@ def test_coordination_parse_and_problems():
 # Diagnostics
 
 
+@pytest.mark.slow
 def test_diagnostics_norms_and_attention_mass(tiny_lm):
     b = nonzero(tiny_lm, ATT)
     batch, _ = sampled_batch(tiny_lm, b)

@@ -465,6 +465,7 @@ TINY_RUN = ["run", "--model", TINY_GGUF, "--prompt", "hi", "--n", "3", "--max-ne
             "--seed", "0"]
 
 
+@pytest.mark.slow
 def test_progress_goes_to_stderr_and_json_stays_clean(compilation_cache_calls):
     code, out, err = _main_captured(TINY_RUN + ["--json"])
     assert code == 0, err
@@ -485,6 +486,7 @@ def test_progress_goes_to_stderr_and_json_stays_clean(compilation_cache_calls):
 # --prompt-file requests.jsonl
 
 
+@pytest.mark.slow
 def test_jsonl_batch(tmp_path):
     reqs = tmp_path / "requests.jsonl"
     reqs.write_text("\n".join([
@@ -635,6 +637,7 @@ def test_run_output_fits_columns_80(monkeypatch):
 # price --plot: the path it reports is the file it writes
 
 
+@pytest.mark.slow
 def test_plot_writes_exactly_the_path_it_reports(capsys, tmp_path):
     base = ["price", "--model", "tiny", "--n", "1,4", "--json", "--plot"]
     for given, written in (("noext", "noext.png"), ("fig.svg", "fig.svg"),

@@ -75,6 +75,7 @@ def _shorter_one_exists(x: np.float32, k: int) -> bool:
     return _rounds_to_f32(low, x) or _rounds_to_f32(low + scale, x)
 
 
+@pytest.mark.slow
 @settings(max_examples=3000)
 @given(st.integers(0, 2**32 - 1))
 def test_f32_is_the_shortest_decimal_that_round_trips(bits):

@@ -65,6 +65,7 @@ def three_done(tmp_path_factory):
     return (tmp / "out.jsonl").read_bytes().splitlines(keepends=True)
 
 
+@pytest.mark.slow
 def test_out_writes_one_strict_json_line_per_request(tmp_path):
     reqs = _write_requests(tmp_path / "in.jsonl", THREE)
     out = tmp_path / "out.jsonl"
@@ -188,6 +189,7 @@ def test_out_refuses_a_text_prompt_duplicate_ids_and_an_existing_file(capsys, mo
     assert code == 2 and "is a directory" in err, err
 
 
+@pytest.mark.slow
 def test_resume_skips_the_done_ids_and_redoes_a_torn_last_line(tmp_path, three_done):
     reqs = _write_requests(tmp_path / "in.jsonl", THREE)
     out = tmp_path / "out.jsonl"
@@ -221,6 +223,7 @@ def test_resume_with_every_request_done_loads_nothing(capsys, monkeypatch, tmp_p
     assert out.read_bytes() == done
 
 
+@pytest.mark.slow
 def test_out_with_a_shared_prefix_writes_each_call_as_it_ends(tmp_path):
     """--shared-prefix has no place in run_requests: the call-by-call loop writes the lines."""
     reqs = _write_requests(tmp_path / "in.jsonl", THREE[:2])
@@ -459,6 +462,7 @@ def test_a_kv_budget_that_fits_runs(tmp_path, capsys):
     assert len(_strict_lines(out)) == 3
 
 
+@pytest.mark.slow
 def test_without_out_each_call_is_printed_as_it_ends(tmp_path, capsys, monkeypatch):
     """`--json` on a .jsonl file: a call's lines are on stdout before the next call runs,
     so Ctrl-C during call 2 keeps call 1's (exit 130)."""
@@ -670,6 +674,7 @@ def test_a_lone_surrogate_in_a_flag_is_refused(capsys, monkeypatch):
         assert code == 2 and stdout == "" and err.count("\n") == 1 and needle in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [
     ["--logprobs", "2"], ["--logprobs", "0"], ["--reduce", "best"], ["--reduce", "none"],
     ["--select", "self-certainty"], ["--adaptive", "esc", "--max-n", "4", "--window", "2"],

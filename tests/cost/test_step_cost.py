@@ -43,6 +43,7 @@ def test_ideal_parts():
     assert ideal["total"] == sum(ideal[k] for k in ("weights", "prefix", "tails", "logits"))
 
 
+@pytest.mark.slow
 def test_shared_step_reads_the_prefix_once(costs):
     shared, naive = costs
     ideal = shared.ideal_bytes

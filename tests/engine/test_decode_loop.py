@@ -77,6 +77,7 @@ ENTRY %main (a: f32[4]) -> f32[4] {
     assert (pc.conditionals, pc.conditionals_captured) == (1, 0)
 
 
+@pytest.mark.slow
 def test_the_step_loop_has_a_known_trip_count():
     """Every loop that runs the model's matrix products is the chunk's inner loop,
     of `STEPS_PER_CHECK` passes known to XLA (no predicate read back per step)."""
@@ -103,6 +104,7 @@ def _same(a, b, steps=True):
         assert a.bill.branch_steps == b.bill.branch_steps
 
 
+@pytest.mark.slow
 def test_tokens_do_not_depend_on_the_chunk_or_the_steps_between_checks(tiny_lm, monkeypatch):
     params = SamplingParams(n=4, max_new_tokens=21, seed=11, temperature=1.0, top_p=0.9,
                             logprobs=2, stop_token_ids=[101])

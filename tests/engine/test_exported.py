@@ -67,6 +67,7 @@ def _same(a, b):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_exported_programs_give_the_same_tokens_and_skip_tracing(tiny_lm, exported_dir,
                                                                  monkeypatch):
     monkeypatch.setenv(disk_cache.ENV_NO_EXPORTED, "1")
@@ -95,6 +96,7 @@ def test_exported_programs_give_the_same_tokens_and_skip_tracing(tiny_lm, export
     _same(plain, read)
 
 
+@pytest.mark.slow
 @pytest.mark.kernels
 def test_int8_programs_calling_the_cpu_kernels_round_trip(tiny_lm, exported_dir, monkeypatch):
     """An int8 (W8A8) model's programs hold the kernels' custom calls: exported past
@@ -119,6 +121,7 @@ def test_int8_programs_calling_the_cpu_kernels_round_trip(tiny_lm, exported_dir,
     _same(plain, read)
 
 
+@pytest.mark.slow
 def test_the_progress_line_says_loaded_from_cache(tiny_lm, exported_dir):
     _run(tiny_lm)
     _fresh()
@@ -315,6 +318,7 @@ def test_off_with_the_caches_off_or_its_own_switch(exported_dir, monkeypatch):
     assert not exported_dir.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 def test_on_a_mesh_the_same_tokens_with_and_without(tiny_lm, exported_dir, monkeypatch):
     if jax.device_count() < 2:

@@ -59,6 +59,7 @@ def sampled(tiny_lm):
     return engine.generate(tiny_lm, PROMPTS, params)
 
 
+@pytest.mark.slow
 def test_shapes_and_fields(sampled):
     g = sampled
     assert g.tokens.shape == (3, 4, 12) and g.tokens.dtype == np.int32
@@ -105,6 +106,7 @@ def test_tie_oracle_rejects_a_real_difference(tiny_lm, sampled):
         assert_same_tokens_up_to_ties(tiny_lm, sampled, bad)
 
 
+@pytest.mark.slow
 def test_branches_differ_and_identical_prompts_differ(tiny_lm, sampled):
     assert len({tuple(t) for t in sampled.tokens[0]}) > 1
     g = engine.generate(tiny_lm, ["same", "same"], SamplingParams(n=2, max_new_tokens=10, seed=1))
@@ -118,6 +120,7 @@ def test_same_seed_same_output_other_seed_differs(tiny_lm, sampled):
     assert not np.array_equal(other.tokens, sampled.tokens)
 
 
+@pytest.mark.slow
 def test_batch_rows_do_not_depend_on_each_other(tiny_lm, sampled):
     """Row 0 alone equals row 0 in a batch of prompts of different lengths."""
     alone = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=4, max_new_tokens=12, seed=7))
@@ -130,6 +133,7 @@ def test_batch_rows_do_not_depend_on_each_other(tiny_lm, sampled):
     assert np.all(np.isfinite(sampled.logprobs))
 
 
+@pytest.mark.slow
 def test_prompt_index_offset_continues_the_batch(tiny_lm, sampled):
     """Row b of one call equals the same prompt sent alone with prompt_index_offset=b."""
     params = SamplingParams(n=4, max_new_tokens=12, seed=7)
@@ -139,6 +143,7 @@ def test_prompt_index_offset_continues_the_batch(tiny_lm, sampled):
         engine.generate(tiny_lm, PROMPTS, params, prompt_index_offset=-1)
 
 
+@pytest.mark.slow
 def test_greedy_matches_forward_and_copies(tiny_lm):
     one = engine.generate(tiny_lm, PROMPTS, SamplingParams(n=1, temperature=0.0,
                                                            max_new_tokens=10, seed=0))
@@ -164,6 +169,7 @@ _keep_rows = jax.jit(jax.vmap(sampling.keep_mask, in_axes=(0, None, None, None, 
                      static_argnums=5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knobs", [dict(top_k=5), dict(top_p=0.6), dict(min_p=0.2),
                                    dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05)])
 def test_sampled_tokens_stay_in_filter_set(tiny_lm, knobs):
@@ -179,6 +185,7 @@ def test_sampled_tokens_stay_in_filter_set(tiny_lm, knobs):
         assert keep.sum(axis=1).max() < tiny_lm.vocab_limit  # the filter did filter
 
 
+@pytest.mark.slow
 def test_stop_token_ends_branch_and_pads(tiny_lm):
     free = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=4, max_new_tokens=12, seed=5))
     stop = int(free.tokens[0, 0, 3])  # a token that branch 0 samples at t = 3
@@ -199,6 +206,7 @@ def test_stop_token_ends_branch_and_pads(tiny_lm):
     assert g.bill.decoded_tokens_total == int(g.lengths.sum())
 
 
+@pytest.mark.slow
 def test_stop_string_truncates_text(tiny_lm):
     free = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=2, max_new_tokens=12, seed=5))
     text = free.texts[0][0]
@@ -224,6 +232,7 @@ def test_stop_string_truncates_text(tiny_lm):
         assert g.lengths[0, n] <= g.bill.decoded_tokens_per_branch[0][n] <= free.lengths[0, n]
 
 
+@pytest.mark.slow
 def test_knobs_do_not_recompile(tiny_lm):
     base = SamplingParams(n=2, max_new_tokens=9, seed=0)
     engine.generate(tiny_lm, PROMPTS, base)
@@ -234,6 +243,7 @@ def test_knobs_do_not_recompile(tiny_lm):
     assert engine.PROGRAMS.compilations == before
 
 
+@pytest.mark.slow
 def test_max_new_tokens_respected(tiny_lm):
     g = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=3, max_new_tokens=5, seed=2,
                                                              stop_token_ids=[]))
@@ -278,6 +288,7 @@ def test_bucket():
         assert x <= engine.bucket(x) < 2 * max(x, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(1, 4), (2, 4), (1, 8), (2, 2)])
 def test_sharded_equals_unsharded(tiny_lm, shape):
@@ -343,6 +354,7 @@ def _needs_devices(k):
         pytest.skip("needs --xla_force_host_platform_device_count (tests/conftest.py)")
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 def test_padding_rows_of_a_data_axis_start_done_and_are_not_billed(tiny_lm):
     """3 prompts on a data axis of 2: the 4th (padding) row must not keep decoding."""
@@ -362,6 +374,7 @@ def test_padding_rows_of_a_data_axis_start_done_and_are_not_billed(tiny_lm):
     assert got.bill.decoded_tokens_total == ref.bill.decoded_tokens_total
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 def test_mesh_bill_reports_per_device_and_total(tiny_lm):
     """The prefix is replicated on every device of the branch axis: the bill says so."""
@@ -430,12 +443,14 @@ def _outputs(gen):
     return [o for r in gen.outputs() for o in r.outputs]
 
 
+@pytest.mark.slow
 def test_flat_model_writes_ab_then_the_end_id(flat_lm):
     g = engine.generate(flat_lm, ["x"], SamplingParams(n=2, **_ABC))
     assert g.tokens[0, 0, :4].tolist() == [97, 98, 46, 256] and g.texts == [["ab."] * 2]
     assert [(o.finish_reason, o.stop_reason) for o in _outputs(g)] == [("stop", None)] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw,text,finish,reason", [
     (dict(), "ab.", "stop", None),                                   # the model's end id
     (dict(max_new_tokens=2), "ab", "length", None),

@@ -101,6 +101,7 @@ def run_pool(llm, prompts, params):
     return [r.output for r in res], [r.generation for r in res]
 
 
+@pytest.mark.slow
 def test_mixed_requests_run_in_one_pool_and_equal_each_alone(tiny_lm, llm):
     params = mixed_params()
     engine.PROGRAMS.clear()
@@ -127,6 +128,7 @@ def test_mixed_requests_on_a_2x2_mesh_equal_each_alone(tiny_lm):
     check_against_alone(tiny_lm, outs, gens, params, PROMPTS)
 
 
+@pytest.mark.slow
 def test_changing_sampling_values_compiles_nothing(tiny_lm, llm):
     params = mixed_params()
     llm.generate(PROMPTS, params)  # warm (compiled in the test above, or here)
@@ -145,6 +147,7 @@ def test_changing_sampling_values_compiles_nothing(tiny_lm, llm):
     assert len(COMPILES) == before
 
 
+@pytest.mark.slow
 def test_a_request_with_its_own_seed_draws_the_same_wherever_it_stands(tiny_lm, llm):
     own = SamplingParams(n=4, max_tokens=10, seed=123)
     other = SamplingParams(n=4, max_tokens=10)
@@ -160,6 +163,7 @@ def test_a_request_with_its_own_seed_draws_the_same_wherever_it_stands(tiny_lm, 
     assert [c.token_ids for c in first[1].outputs] != [c.token_ids for c in first[2].outputs]
 
 
+@pytest.mark.slow
 def test_update_weights_equals_a_new_engine_without_compiling(tiny_lm):
     # The weights in the layout `jaxsample.load` gives (one dict per layer): the layout
     # the engine serves, so new weights need no conversion at all.
@@ -201,6 +205,7 @@ def test_update_weights_refuses_a_tree_that_does_not_match(tiny_lm):
     assert llm.params is old  # unchanged after every refusal
 
 
+@pytest.mark.slow
 def test_processed_logprobs_are_the_sampling_distributions(tiny_lm, llm):
     """Against a full forward pass: log softmax over the kept top-k of logits / T."""
     T, k = 0.7, 5
@@ -264,12 +269,14 @@ def test_vllm_keywords_are_honoured_or_answered(tiny_lm, tmp_path, monkeypatch):
         LLM("meta-llama/Llama-3.2-1B", compilation_cache=False)
 
 
+@pytest.mark.slow
 def test_default_max_tokens_is_vllms_and_progress_is_quiet_off_a_terminal(llm, capfd):
     out = llm.generate("abc", SamplingParams(temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 16  # vLLM's default max_tokens
     assert capfd.readouterr().err == ""  # stderr is not a terminal here: no progress
 
 
+@pytest.mark.slow
 def test_stream_yields_the_texts_generate_returns(tiny_lm, llm):
     """LLM.stream: each branch's deltas concatenate to the text LLM.generate returns
     for the same requests (the same keys: own seed, or the engine's and the position)."""

@@ -59,6 +59,7 @@ def sp(**kw):
     return SamplingParams(**(base | kw))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     {},  # plain sampling
     {"logprobs": 3, "prompt_logprobs": 2, "top_p": 0.9},
@@ -81,6 +82,7 @@ def test_equals_context_concatenated_to_every_prompt(tiny_lm, kw):
         assert got.outputs()[0].prompt_logprobs[1] is not None
 
 
+@pytest.mark.slow
 def test_one_prompt_token_ids_and_a_long_context(tiny_lm):
     """B = 1; the context given as ids, longer than the prompt's bucket (300 tokens)."""
     ctx = [int(x) for x in np.random.default_rng(0).integers(0, 256, 300)]
@@ -92,6 +94,7 @@ def test_one_prompt_token_ids_and_a_long_context(tiny_lm):
     np.testing.assert_array_equal(text.tokens, got.tokens)
 
 
+@pytest.mark.slow
 def test_stop_strings_and_text(tiny_lm):
     params = sp(n=4, max_new_tokens=16, stop=["e", "a"])
     got = engine.generate(tiny_lm, PROMPTS, params, shared_prefix=CONTEXT)
@@ -101,6 +104,7 @@ def test_stop_strings_and_text(tiny_lm):
     assert got.prompts == PROMPTS  # the prompts' own texts
 
 
+@pytest.mark.slow
 def test_chat_messages_share_their_first_turns(tiny_lm):
     common = [{"role": "system", "content": "Answer briefly."},
               {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
@@ -117,6 +121,7 @@ def test_chat_messages_share_their_first_turns(tiny_lm):
     assert_close_generations(tiny_lm, ref, got)
 
 
+@pytest.mark.slow
 def test_bridge(tiny_lm):
     """A nonzero Bridge: the context and suffix prefills see one copy, as the prefill does."""
     b = bridge_lib.init(tiny_lm, bridge_lib.BridgeConfig(dim=8, n_heads=2), jax.random.key(1))
@@ -128,6 +133,7 @@ def test_bridge(tiny_lm):
     assert_close_generations(tiny_lm, ref, got)
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
 def test_sharded_equals_unsharded(tiny_lm, shape):
@@ -144,6 +150,7 @@ def test_sharded_equals_unsharded(tiny_lm, shape):
     assert got.bill.kv_bytes_allocated >= mesh.size * got.bill.kv_bytes_shared_context
 
 
+@pytest.mark.slow
 def test_chunks_compaction_stream_and_session(tiny_lm):
     params = sp(n=4, max_new_tokens=14, stop_token_ids=STOPS)
     one = engine.generate(tiny_lm, PROMPTS, params, shared_prefix=CONTEXT)
@@ -192,6 +199,7 @@ def glm():
 
 
 # Both contexts fall in the same buckets (16; the concatenations in 48): one set of programs.
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["0123456789ab", "ab"], ids=["C>w", "C<w"])
 def test_sliding_windows_across_the_boundaries(glm, context):
     prompts = ["q", "suffix", "a suffix longer than the window"]
@@ -361,6 +369,7 @@ def test_cli_bad_shared_prefix_is_one_line_and_exit_2(capsys, argv, needle):
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
+@pytest.mark.slow
 def test_cli_checks_the_shared_prefix_against_the_context(tiny_lm):
     """`check_requests` counts context + own tokens as generate splits them."""
     from jaxsample import cli

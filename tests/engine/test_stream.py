@@ -42,6 +42,7 @@ def _assert_exact(per, gen):
             assert deltas[-1].finish_reason == gen.finish_reason[b][n]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop,chunk", [((), 8), ((), 3), (("a",), 1), (("a", "e "), 3),
                                         (("\x80", "ab", "xyz"), 5), (("\ufffd",), 2),
                                         (("  ", "\n"), 8)])
@@ -57,6 +58,7 @@ def test_deltas_concatenate_to_the_final_texts(tiny_lm, stop, chunk):
         assert any(r == "stop" for row in gen.finish_reason for r in row)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 3, 8])
 def test_min_tokens_with_stop_strings_streams_the_final_text(tiny_lm, chunk):
     """A stop string inside the first `min_tokens` tokens does not end the stream
@@ -77,6 +79,7 @@ def test_min_tokens_with_stop_strings_streams_the_final_text(tiny_lm, chunk):
                and len(t) > 1 for b, t in zip(toks, gen.texts[0])), gen.texts
 
 
+@pytest.mark.slow
 def test_stream_with_compaction_and_random_bytes(tiny_lm):
     """Random bytes are mostly invalid UTF-8: the replacement characters of the final
     decode are streamed exactly, whatever the chunk and compaction."""
@@ -87,6 +90,7 @@ def test_stream_with_compaction_and_random_bytes(tiny_lm):
     assert any("\ufffd" in t for row in gen.texts for t in row)
 
 
+@pytest.mark.slow
 def test_early_deltas_before_the_end(tiny_lm):
     """Text arrives while decoding (not all in the final event), and a branch ended by a
     stop string reports its end in the chunk it ended."""
@@ -223,6 +227,7 @@ def test_stream_text_is_exact_on_the_real_tokenizer(lm):
 # progress
 
 
+@pytest.mark.slow
 def test_progress_without_a_terminal_prints_plain_lines(tiny_lm, capsys):
     params = SamplingParams(n=3, max_new_tokens=24, seed=0)
     gen = jaxsample.generate(tiny_lm, ["abc"], params, progress=True)
@@ -237,6 +242,7 @@ def test_progress_without_a_terminal_prints_plain_lines(tiny_lm, capsys):
     np.testing.assert_array_equal(ref.tokens, gen.tokens)
 
 
+@pytest.mark.slow
 def test_progress_lines_for_compiles_and_steps(tiny_lm):
     err = io.StringIO()
     prog = Progress(err, interval=0, slow_after=0)  # every lookup announced, every chunk a line
@@ -250,6 +256,7 @@ def test_progress_lines_for_compiles_and_steps(tiny_lm):
     assert "decoded" in lines[-1]
 
 
+@pytest.mark.slow
 def test_progress_on_a_terminal_draws_without_error(tiny_lm):
     err = io.StringIO()
     prog = Progress(err, terminal=True, interval=0, slow_after=0)
@@ -302,6 +309,7 @@ def flat_lm():
     return make_tiny_lm(scale=0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 3, 8, 24])
 def test_replacement_character_stop_streams_the_final_text(flat_lm, chunk):
     """Greedy with these biases and frequency_penalty=2 writes the bytes

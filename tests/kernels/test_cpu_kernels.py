@@ -36,6 +36,7 @@ needs_kernels = pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64 Linux, AV
 pytestmark = pytest.mark.kernels
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_the_kernels_build_here():
     """On a machine that can build them (CI's) the kernels must be on: a silent
@@ -71,6 +72,7 @@ def isas_here() -> list[str]:
     return list(cpu_kernels.ISAS[:cpu_kernels.ISAS.index(best) + 1])
 
 
+@pytest.mark.slow
 @needs_kernels
 @settings(deadline=None)  # each new shape compiles
 @given(st.one_of(shapes, rows_either_side), st.integers(0, 2**31 - 1))
@@ -104,6 +106,7 @@ def _w8a8_case(rng, M, K, N, J):
     return x, w
 
 
+@pytest.mark.slow
 @needs_kernels
 @settings(deadline=None, max_examples=40)  # each new shape compiles
 @given(st.one_of(shapes, rows_either_side), st.sampled_from([0, 1, 5, 16]),
@@ -141,6 +144,7 @@ def test_w8a8_product_rows_with_nan_or_inf_are_nan_on_both_paths(M, K):
     outputs NaN, in the kernel and in XLA's expression alike; the other rows are
     untouched. (XLA's expression once replaced a NaN scale by 1, and XLA CPU's max
     drops a NaN from rows of this size: finite, wrong outputs.)"""
+    assert cpu_kernels.enabled(), cpu_kernels._STATE  # built and registered (this test alone)
     rng = np.random.default_rng(3)
     x, w = _w8a8_case(rng, M, K, 37, 2)
     idx = int(w.outliers[0][0])
@@ -233,6 +237,7 @@ def test_int8_product_over_blocks_of_rows_on_every_isa():
             assert cpu_kernels.fingerprint().endswith(":" + isa)
 
 
+@pytest.mark.slow
 @needs_kernels
 @settings(deadline=None)
 @given(shapes, st.integers(0, 2**31 - 1))
@@ -484,6 +489,7 @@ def test_segment_attention_passes_nan_on(kv_dtype):
         assert np.all(np.isnan(np.asarray(out)))
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_segment_attention_vmaps_differentiates_and_serves_the_prefix():
     """Vmapped (the engine's row axis) it equals the calls one by one; its jvp is XLA

@@ -68,6 +68,7 @@ KERNEL_CASES = [  # driver, dtype, softcap, blocks (bm, bl): several position bl
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,dtype,softcap,blocks,splits", KERNEL_CASES,
                          ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-{'cap' if c[2] else 'nocap'}"
                               for c in KERNEL_CASES])
@@ -172,6 +173,7 @@ VMAP_CASES = [  # G, dtype, window, soft-cap
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("G,dtype,window,softcap", VMAP_CASES,
                          ids=[f"G{c[0]}-{jnp.dtype(c[1]).name}-w{c[2]}-cap{c[3]}"
                               for c in VMAP_CASES])
@@ -223,6 +225,7 @@ def test_the_prefix_is_one_query_block_per_row():
     assert tail[1] == tail[2] == (R * N, K, T, D)
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 def test_segment_attention_on_a_mesh():
     """shard_map over a (1, 4) ("data", "branch") mesh, 2 branches per device, the

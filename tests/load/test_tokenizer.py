@@ -29,6 +29,7 @@ def smol(smol_meta):
     return CheckpointTokenizer.from_gguf_metadata(smol_meta, "smollm2.gguf")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(REF["prompts"]))
 def test_smollm2_ids_match_reference(smol, name):
     p = REF["prompts"][name]

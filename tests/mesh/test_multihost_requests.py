@@ -110,6 +110,7 @@ def test_bad_process_numbers_are_refused(index, count, match):
         process_share([{"prompt": "a"}], index, count)
 
 
+@pytest.mark.slow
 def test_a_share_draws_what_the_whole_run_draws(tiny_lm):
     """Process 1 of 2 run alone keeps the single run's keys (prompt index = global
     position): its tokens equal the whole list's, up to float ties."""

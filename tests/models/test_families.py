@@ -229,6 +229,7 @@ def test_weight_cache_round_trips_the_config(name):
         assert cache_lib._config_from_json(cache_lib._config_to_json(cfg)) == cfg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_matches_transformers(name):
     """The engine's greedy decode (cached) gives transformers' tokens, up to float ties."""
@@ -253,6 +254,7 @@ def _forward_logprobs(lm, prompt, gen, width):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_cached_decode_equals_full_forward(name):
     """Prompts past the window of 8 and tails of 24: the cached logprobs equal a full forward's."""
@@ -274,6 +276,7 @@ def test_cached_decode_equals_full_forward(name):
 PROMPTS = [[5, 17, 42, 9, 100, 3, 77, 12, 8, 250, 31], [7, 7, 200]]
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 @pytest.mark.parametrize("name", FAMILIES)
 def test_shared_equals_naive_and_sharded(name):
@@ -287,6 +290,7 @@ def test_shared_equals_naive_and_sharded(name):
     assert_same_tokens_up_to_ties(lm, ref, engine.generate(lm, PROMPTS, params, mesh=mesh))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_bridge_and_shared_prefix(name):
     """A zero-init Bridge leaves the tokens as they are; a shared prefix equals the
@@ -335,6 +339,7 @@ def test_attention_softcap_in_both_kernels(impl, window):
     assert np.abs(np.asarray(plain) - want).max() > 1e-2  # the cap matters at these scores
 
 
+@pytest.mark.slow
 def test_gemma2_softcaps_and_window_matter():
     """Controls: without either soft-cap or the window the tiny Gemma 2's logits change."""
     lm, ref = _model("tiny_gemma2", "hf"), _ref("tiny_gemma2")

@@ -159,6 +159,7 @@ def test_block_pairs_halve_the_work():
     assert flash.block_pairs(4096, 4096, 512, 512, window=512).sum() == 15
 
 
+@pytest.mark.slow
 def test_gradients_match_dense():
     """Bridge training differentiates the base model's attention: reverse mode works
     (scan + cond only) and equals the dense kernel's gradient."""
@@ -213,6 +214,7 @@ def test_bad_arguments():
         common.causal_attend(impl="flash")
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(S=st.integers(1, 70), block=st.sampled_from([4, 8, 16, 32]),
        window=st.one_of(st.none(), st.integers(1, 80)), frac=st.floats(0.01, 1.0))
@@ -284,6 +286,7 @@ def _close(a, b):
         np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL * max(1.0, np.abs(y).max()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["stacked", "list"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_forward_both_kernels(family, layout):
@@ -300,6 +303,7 @@ def test_forward_both_kernels(family, layout):
     _close(blk, dense)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_prefill_both_kernels(family):
     """engine.prefill (vmapped over ragged prompts): KV caches (local layers keep their
@@ -319,6 +323,7 @@ def test_engine_prefill_both_kernels(family):
             _close(a[r, :, :upto], b[r, :, :upto])
 
 
+@pytest.mark.slow
 def test_engine_prefill_with_bridge_both_kernels(tiny_lm):
     """The Bridge's prefill hook (`post_layer` after every block, no branch axes) with
     either kernel: a Bridge with a non-zero output projection, so the hook acts."""
@@ -341,6 +346,7 @@ def test_engine_prefill_with_bridge_both_kernels(tiny_lm):
             _close(a[r, :, :n], c[r, :, :n])
 
 
+@pytest.mark.slow
 def test_suffix_over_context_by_merge():
     """The three-level recipe: a suffix attending to a computed context (all of it
     visible) plus itself causally = `partial_attention` over the context merged by

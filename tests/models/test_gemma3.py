@@ -316,6 +316,7 @@ def _plain_causal_logits(cfg, params, tokens):
     return gemma3.logits(cfg, params, x)
 
 
+@pytest.mark.slow
 def test_window_not_shorter_than_the_sequence_is_plain_causal(small_params):
     tokens = jax.random.randint(jax.random.key(2), (24,), 0, SMALL.vocab_size)
     for w in (24, 25, 1000):
@@ -345,6 +346,7 @@ def test_window_mask_is_p_minus_window_to_p():
             np.testing.assert_allclose(got[p, h], (e / e.sum()) @ v[keys, kh], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_stacked_and_list_layouts_agree(small_params):
     tokens = jax.random.randint(jax.random.key(3), (2, 20), 0, SMALL.vocab_size)
     stacked = gemma3.forward(SMALL, small_params, tokens)
@@ -355,6 +357,7 @@ def test_stacked_and_list_layouts_agree(small_params):
     gemma3.check_params(SMALL, gemma3.unstack_layers(small_params))
 
 
+@pytest.mark.slow
 def test_cached_step_with_windowed_prefix_equals_full_forward(small_params):
     """The engine's contract: prefill with run_causal, then one token attending to the cached
     prefix (window-masked on local layers, keys (p - w, p]) and to itself, merged by
@@ -500,6 +503,7 @@ def gemma_lm():
     return load_uncached(registry.GEMMA3_270M)
 
 
+@pytest.mark.slow
 @pytest.mark.gemma
 @needs_gemma
 @pytest.mark.parametrize("name", list(REF["prompts"]))
@@ -509,6 +513,7 @@ def test_gemma_ids_match_transformers(gemma_tok, name):
     assert gemma_tok.decode(p["ids"], skip_special_tokens=False) == p["decoded"]
 
 
+@pytest.mark.slow
 @pytest.mark.gemma
 @needs_gemma
 def test_gemma_long_prompts_are_long(gemma_tok):
@@ -526,6 +531,7 @@ def test_gemma_long_prompts_are_long(gemma_tok):
         assert len(ids) > floor, (name, len(ids), window)
 
 
+@pytest.mark.slow
 @pytest.mark.gemma
 @needs_gemma
 @pytest.mark.parametrize("name", [n for n in REF["prompts"] if n in REF["chats"]])

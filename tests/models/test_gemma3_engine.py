@@ -46,6 +46,7 @@ def _forward_logprobs(lm, prompt, gen):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
 
 
+@pytest.mark.slow
 def test_the_window_matters(glm1):
     glm = glm1
     """Control: the tiny model's windows change its logits (else the tests prove nothing)."""
@@ -55,6 +56,7 @@ def test_the_window_matters(glm1):
     assert np.abs(np.asarray(glm.forward(ids)) - np.asarray(wide.forward(ids)))[0, -1].max() > 1e-2
 
 
+@pytest.mark.slow
 def test_logprobs_equal_the_windowed_forward(glm):
     params = SamplingParams(n=3, max_new_tokens=24, seed=3, stop_token_ids=[])
     g = engine.generate(glm, PROMPTS, params)
@@ -69,6 +71,7 @@ def test_logprobs_equal_the_windowed_forward(glm):
     assert checked >= 9 * 20  # tails well past the window of 8
 
 
+@pytest.mark.slow
 def test_greedy_equals_repeated_forward(glm1):
     glm = glm1
     g = engine.generate(glm, PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=20,
@@ -86,6 +89,7 @@ def test_greedy_equals_repeated_forward(glm1):
             seq.append(best)
 
 
+@pytest.mark.slow
 def test_local_layers_store_only_their_window(glm):
     """Prefix and tails of a local layer hold min(size, w - 1) positions; the bill says so."""
     params = SamplingParams(n=2, max_new_tokens=24, seed=1)
@@ -100,6 +104,7 @@ def test_local_layers_store_only_their_window(glm):
     assert g.bill.kv_bytes_shared_prefix < full
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 def test_shared_equals_naive_chunked_and_sharded(glm1):
     glm = glm1

@@ -141,6 +141,7 @@ def inputs_with_router_margins(lp, T, k, seed, margin=1e-2):
     return jnp.asarray(np.array(rows, np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["loop", "gather", "sorted", "dense", "auto"])
 @pytest.mark.parametrize("T", [1, 5, 16])
 @pytest.mark.parametrize("norm", [True, False])
@@ -157,6 +158,7 @@ def test_bad_impl_is_refused():
         moe.moe_ffn(lp, jnp.zeros((1, 16)), k=2, norm_topk=True, impl="fast")
 
 
+@pytest.mark.slow
 def test_vmaps_fold_into_one_call_over_all_tokens():
     """Under vmap over rows and branches (the decode step's layout) the experts run
     once on all R*N*S tokens (the custom_vmap rule), with the per-token numbers."""
@@ -171,6 +173,7 @@ def test_vmaps_fold_into_one_call_over_all_tokens():
     np.testing.assert_allclose(np.asarray(jax.jit(nested)(h)), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_reverse_mode_through_the_batched_ffn():
     """Bridge training differentiates through the base model: the custom_vjp's backward
     (the dense formula's) equals the gradient of the plain per-token formula."""
@@ -253,6 +256,7 @@ def test_mixtral_logits_match_transformers(mixtral):
     assert_logits_close(ours[-1:], REF["tiny_mixtral/logits"][-1:])
 
 
+@pytest.mark.slow
 def test_mixtral_routing_matches_transformers(mixtral):
     """Our per-layer expert choices equal the top k of transformers' router logits
     (the stored logits have a top-2 / third margin of at least 0.02)."""
@@ -274,6 +278,7 @@ def greedy_matches(got, ref, margins, tol=1e-4):
     return len(ref)
 
 
+@pytest.mark.slow
 def test_mixtral_greedy_matches_transformers(mixtral):
     g = engine.generate(mixtral, [[int(t) for t in REF["prompt"]]],
                         SamplingParams(n=1, temperature=0.0, max_new_tokens=16))
@@ -282,6 +287,7 @@ def test_mixtral_greedy_matches_transformers(mixtral):
     assert greedy_matches(g.tokens[0, 0, :n], ref[:n], REF["tiny_mixtral/margins"]) >= min(n, 8)
 
 
+@pytest.mark.slow
 def test_cached_decode_equals_full_forward(mixtral):
     g = engine.generate(mixtral, prompts(), SamplingParams(n=4, max_new_tokens=12, seed=5))
     for b, p in enumerate(g.prompt_tokens):
@@ -298,11 +304,13 @@ def sampled(mixtral):
     return engine.generate(mixtral, prompts(), SamplingParams(n=4, max_new_tokens=12, seed=2))
 
 
+@pytest.mark.slow
 def test_shared_equals_naive(mixtral, sampled):
     naive = naive_generate(mixtral, prompts(), sampled.params)
     assert_same_tokens_up_to_ties(mixtral, naive, sampled)
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
 def test_sharded_equals_unsharded(mixtral, sampled, shape):
@@ -311,6 +319,7 @@ def test_sharded_equals_unsharded(mixtral, sampled, shape):
     assert_same_tokens_up_to_ties(mixtral, sampled, sharded)
 
 
+@pytest.mark.slow
 def test_shared_prefix_equals_the_context_concatenated(mixtral):
     ctx = [int(t) for t in REF["sequence"][:20]]
     params = SamplingParams(n=3, max_new_tokens=10, seed=4)
@@ -319,6 +328,7 @@ def test_shared_prefix_equals_the_context_concatenated(mixtral):
     assert_same_tokens_up_to_ties(mixtral, ref, got)
 
 
+@pytest.mark.slow
 def test_zero_bridge_is_the_base_model(mixtral, sampled):
     from jaxsample import bridge as bridge_lib
 
@@ -361,6 +371,7 @@ def test_moe_param_count_and_step_bytes(mixtral):
     assert cost.step_weight_bytes(c, 10**6) == pytest.approx(cost.weight_bytes(c), abs=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 16, 64])
 def test_bill_reports_experts_touched(mixtral, n):
     g = engine.generate(mixtral, prompts()[:1], SamplingParams(n=n, max_new_tokens=8, seed=1))
@@ -400,6 +411,7 @@ def test_qwen3_moe_config(qwen3_moe):
             c.head_dim) == ("qwen3moe", 8, 2, False, True, 48, 16)
 
 
+@pytest.mark.slow
 def test_qwen3_moe_matches_transformers(qwen3_moe):
     ours = np.asarray(qwen3_moe.forward(REF["sequence"][None]))[0]
     assert_logits_close(ours, REF["tiny_qwen3_moe/logits"])
@@ -417,6 +429,7 @@ def test_qwen3_moe_matches_transformers(qwen3_moe):
                           REF["tiny_qwen3_moe/margins"]) >= min(n, 5)
 
 
+@pytest.mark.slow
 def test_qwen3_moe_shared_equals_naive(qwen3_moe):
     params = SamplingParams(n=4, max_new_tokens=10, seed=6)
     shared = engine.generate(qwen3_moe, prompts(), params)
@@ -448,6 +461,7 @@ def test_mixtral_gguf_matches_transformers():
 # llama.cpp's qwen3moe graph renormalises the top-k weights whatever norm_topk_prob was
 # (src/models/qwen3moe.cpp: build_moe_ffn(..., norm_w = true)); the oracle is transformers
 # on the same weights with norm_topk_prob=True (scripts/make_moe_references.py).
+@pytest.mark.slow
 def test_qwen3_moe_gguf_matches_transformers(qwen3_moe):
     lm = load(DATA / "tiny_qwen3_moe.gguf")
     c = lm.config

@@ -86,6 +86,7 @@ def test_vmap_folds_rows_and_grad_uses_the_float_rows():
     np.testing.assert_allclose(g, np.broadcast_to(deq64(qw).sum(1), g.shape), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_tied_head_outliers_leave_the_embedding_gather_alone():
     """An embedding [V, E] with outlier columns: the gather and the head `.T` read the
     same matrix (int8 rows with those columns from their float32 copy), the head
@@ -142,6 +143,7 @@ def test_channel_maxima_against_numpy(tiny_lm):
         outliers.channel_maxima(tiny_lm.config, llama.stack_layers(params), tokens)
 
 
+@pytest.mark.slow
 def test_planted_massive_channel_is_found_and_kept(tiny_lm):
     """Layer 0's attention-norm gain made 50x larger on one channel (a massive q/k/v
     input channel, the weights untouched): calibration picks it for layer 0's q/k/v,

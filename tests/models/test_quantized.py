@@ -138,6 +138,7 @@ def test_w8a8_rows_are_independent_of_the_batch_and_the_mesh(kept):
         check(np.asarray(sharded), batch)
 
 
+@pytest.mark.slow
 def test_tied_head_and_gather_use_the_per_row_scales():
     """The embedding [V, E] has one scale per row: the gather reads q and scale rows,
     and `.T` is the head [E, V] with those numbers as its per-output-channel scales."""
@@ -182,6 +183,7 @@ def assert_close_to_dequantised(lm8, tokens):
     return got
 
 
+@pytest.mark.slow
 def test_tiny_logits_equal_the_dequantised_float_model(tiny_lm, qlm):
     tokens = np.arange(40, dtype=np.int32)[None] * 7 % 250
     got = assert_close_to_dequantised(qlm, tokens)
@@ -189,6 +191,7 @@ def test_tiny_logits_equal_the_dequantised_float_model(tiny_lm, qlm):
     assert np.abs(np.asarray(tiny_lm.forward(tokens)) - got).max() > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", quant.MODES)
 def test_fused_projections_are_the_same_product(tiny_lm, mode):
     """q/k/v and gate/up, calibrated on one input each, are stored as one weight
@@ -221,6 +224,7 @@ def test_projections_with_other_channels_stay_apart(tiny_lm):
     assert "wq+wk+wv" in q["layers"][1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["tiny_llama.gguf", "tiny_gemma3", "tiny_mixtral.gguf"])
 def test_load_int8_both_families_and_moe(path):
     """`load(weights="int8")`: projections int8 (MoE experts and norms stay float), logits
@@ -252,6 +256,7 @@ def test_int8_through_the_weight_cache(tmp_path, monkeypatch):
                                     for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_bfloat16_activations_with_int8_weights():
     qlm = load(DATA / "tiny_llama.gguf", weights="int8", dtype="bfloat16", cache=False)
     assert qlm.params["final_norm"].dtype == jnp.bfloat16 and qlm.params["embed"].dtype == jnp.bfloat16
@@ -307,6 +312,7 @@ def _decode_against_forward(lm, gen_out):
     return np.asarray(errs)
 
 
+@pytest.mark.slow
 def test_cached_decode_equals_own_forward_weight_only(qlm):
     """The int8 weights through the KV-cached decode: every branch's logprobs equal
     log_softmax of the same model's full forward to float32 rounding (weight-only
@@ -319,6 +325,7 @@ def test_cached_decode_equals_own_forward_weight_only(qlm):
     assert errs.size > 30 and errs.max() <= 1e-4, errs.max()
 
 
+@pytest.mark.slow
 def test_cached_decode_near_own_forward_w8a8(qlm, monkeypatch):
     """W8A8 (the default): the same comparison, bounded by the activation quantiser.
     W8A8 rounds each activation row to int8 (`round(x / a)`), a step function: the
@@ -341,6 +348,7 @@ def test_cached_decode_near_own_forward_w8a8(qlm, monkeypatch):
     assert errs.max() <= 0.25, errs.max()
 
 
+@pytest.mark.slow
 @pytest.mark.kernels
 def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm, monkeypatch):
     """Where the CPU kernel reads it, a W8A8 model's prefix KV is stored in float16
@@ -401,6 +409,7 @@ def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm, monkeypatch)
     assert np.all(np.isfinite(got))
 
 
+@pytest.mark.slow
 @pytest.mark.kernels
 def test_the_compiled_w8a8_step_reads_the_float16_prefix(qlm):
     """`step_cost.compile_decode_step` compiles the step the engine runs: for W8A8 its
@@ -419,6 +428,7 @@ def test_the_compiled_w8a8_step_reads_the_float16_prefix(qlm):
         assert calls[target] == qlm.config.n_layers and sum(calls.values()) == calls[target]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", quant.MODES)
 def test_off_the_cpu_the_int8_step_is_xla_products_of_int8_weights(mode, monkeypatch):
     """Where the default backend is a GPU (or a TPU) the kernels are off
@@ -449,6 +459,7 @@ def test_off_the_cpu_the_int8_step_is_xla_products_of_int8_weights(mode, monkeyp
     assert re.search(r"= (bf16|f32)\[[\d,]*\]\{[^}]*\} dot\(", text)
 
 
+@pytest.mark.slow
 def test_off_the_cpu_weight_only_decode_is_the_dequantised_model(qlm, monkeypatch):
     """The same XLA path run: the weight-only int8 model's cached decode scores its
     tokens as the float32 model on the dequantised weights does (its full forward),
@@ -466,6 +477,7 @@ def test_off_the_cpu_weight_only_decode_is_the_dequantised_model(qlm, monkeypatc
     assert errs.size > 30 and errs.max() <= 1e-4, errs.max()
 
 
+@pytest.mark.slow
 def test_the_bill_counts_the_weights_as_stored(tiny_lm, qlm, sampled):
     """An int8 model's bill reads its weights at their stored size (int8 + float32 scales,
     norms and biases in float32, and the outlier channels' float32 rows: an eighth of
@@ -488,6 +500,7 @@ def test_the_bill_counts_the_weights_as_stored(tiny_lm, qlm, sampled):
         - b.decode_steps * params * 4
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 @pytest.mark.parametrize("mode,atol", [("weight_only", 1e-5), ("w8a8", 0.05)])
 def test_mesh_equals_unsharded(qlm, mode, atol):
@@ -510,6 +523,7 @@ def test_mesh_equals_unsharded(qlm, mode, atol):
     assert_same_tokens_up_to_ties(lm8, ref, got, logprob_atol=atol)
 
 
+@pytest.mark.slow
 def test_shared_prefix_and_zero_bridge(qlm, sampled, monkeypatch):
     """Shared prefix = the prompts with the context prepended. Weight-only at float32's
     tolerance; W8A8 rounds x / s_x to an integer, and the two programs' attention sums
@@ -542,6 +556,7 @@ def test_shared_prefix_and_zero_bridge(qlm, sampled, monkeypatch):
 # The command line: `run --weights int8`, `model.weights` in a config file
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("compilation_cache_calls")
 def test_cli_weights_flag_and_config(tmp_path, monkeypatch):
     import json

@@ -73,6 +73,7 @@ def test_branches_end_at_different_lengths(tiny_lm, refs):
     assert len(set(lens.tolist())) > 2
 
 
+@pytest.mark.slow
 def test_shuffled_arrival_order(tiny_lm, refs):
     params = _params()
     s = engine.Session(tiny_lm, PROMPTS, params)
@@ -85,6 +86,7 @@ def test_shuffled_arrival_order(tiny_lm, refs):
     _assert_equal_per_prompt(tiny_lm, refs, got)
 
 
+@pytest.mark.slow
 def test_pool_with_stop_strings_min_tokens_penalties_logprobs(tiny_lm):
     params = _params(stop=["e", "lo"], min_tokens=3, repetition_penalty=1.3,
                      presence_penalty=0.4, frequency_penalty=0.2, logprobs=3,
@@ -101,6 +103,7 @@ def test_pool_with_stop_strings_min_tokens_penalties_logprobs(tiny_lm):
                                    atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pool_with_shared_prefix(tiny_lm):
     params = _params(n=4)
     ctx = "A common context: "
@@ -109,6 +112,7 @@ def test_pool_with_shared_prefix(tiny_lm):
     assert_same_tokens_up_to_ties(tiny_lm, ref, got)
 
 
+@pytest.mark.slow
 def test_pool_with_sliding_windows():
     from helpers import GEMMA_WINDOWS, tiny_gemma
 
@@ -128,6 +132,7 @@ def test_pool_with_sliding_windows():
     assert_same_tokens_up_to_ties(glm, ref, got)
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
 def test_pool_on_a_mesh(tiny_lm, shape):
@@ -141,6 +146,7 @@ def test_pool_on_a_mesh(tiny_lm, shape):
     assert_same_tokens_up_to_ties(tiny_lm, ref, got)
 
 
+@pytest.mark.slow
 def test_bridge_rows_refill_in_lockstep(tiny_lm):
     from jaxsample import bridge as bridge_lib
     from helpers import nonzero
@@ -182,6 +188,7 @@ def test_a_budget_below_one_row_and_one_slot_is_refused(tiny_lm):
         engine.generate(tiny_lm, PROMPTS, _params(), max_kv_bytes=0)
 
 
+@pytest.mark.slow
 def test_a_prompt_runs_in_several_rows_at_once(tiny_lm):
     """A free pool row takes the waiting branches of a prompt already in the
     pool (its own copy of the prefix): one prompt's 8 branches run in 4 rows
@@ -196,6 +203,7 @@ def test_a_prompt_runs_in_several_rows_at_once(tiny_lm):
     assert_same_tokens_up_to_ties(tiny_lm, ref, got)
 
 
+@pytest.mark.slow
 def test_compaction_packs_a_prompt_from_several_rows_into_one(tiny_lm):
     """One prompt's 8 branches run in 4 rows of 2 slots; the host ends one
     branch per row: compaction groups the 4 survivors by prompt, not by row,
@@ -228,6 +236,7 @@ def test_compaction_packs_a_prompt_from_several_rows_into_one(tiny_lm):
     assert got.bill.branch_steps == 3 * 4 * 2 + (T - 3) * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,shape", [({}, None),
                                          pytest.param({}, (2, 2), marks=pytest.mark.multidevice),
                                          ({"logprobs": 2, "presence_penalty": 0.7,
@@ -262,6 +271,7 @@ def test_a_prompts_last_branches_are_packed_to_free_rows(tiny_lm, extra, shape):
     np.testing.assert_array_equal(got.tokens[0, :2, :2], refs[0].tokens[0, :2, :2])
 
 
+@pytest.mark.slow
 def test_moves_of_one_boundary_never_chain(tiny_lm):
     """Many rows per prompt (4 prompts x 24 branches in 12 rows of 2): a row that
     takes a moved branch is never emptied in the same boundary (each move reads
@@ -283,6 +293,7 @@ def test_moves_of_one_boundary_never_chain(tiny_lm):
     assert ties <= 1
 
 
+@pytest.mark.slow
 def test_rows_shared_between_prompts_and_copies(tiny_lm, refs):
     """Prompts of different lengths in a pool of more rows than prompts: every
     free row takes a resident prompt's next branches; tokens as per prompt."""
@@ -349,6 +360,7 @@ def test_plan_sizes_the_pool_from_the_budget(tiny_lm):
     assert pool.kv_size(cfg, 10) == cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 4 * 10
 
 
+@pytest.mark.slow
 def test_a_pool_prefills_each_prompt_when_a_row_takes_it(tiny_lm, refs):
     """Lazy prefill: a pool's session prefills nothing up front; the round
     prefills its first rows, then each prompt as a row takes it, once (a
@@ -432,6 +444,7 @@ def test_requests_are_validated_before_any_compute(tiny_lm, bad, match):
     assert engine.PROGRAMS.compilations == before
 
 
+@pytest.mark.slow
 def test_llm_generate_and_chat_are_the_pool_in_input_order(tiny_lm):
     from jaxsample import LLM
 
@@ -452,6 +465,7 @@ def test_llm_generate_and_chat_are_the_pool_in_input_order(tiny_lm):
         llm.generate(PROMPTS, [params, params])
 
 
+@pytest.mark.slow
 def test_batch_branch_steps_by_hand():
     from jaxsample.engine.requests import batch_branch_steps
 

@@ -39,6 +39,7 @@ def test_chunked_equals_one_call(tiny_lm, temperature, chunk):
     assert chunked.bill.branch_steps == one.bill.branch_steps
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(1, 4), (2, 2)])
 def test_chunked_equals_one_call_on_a_mesh(tiny_lm, shape):
@@ -63,6 +64,7 @@ def _stopping_params(tiny_lm, n=8, T=24):
     return SamplingParams(n=n, max_new_tokens=T, seed=5, stop_token_ids=stops)
 
 
+@pytest.mark.slow
 def test_compaction_never_changes_a_branchs_tokens(tiny_lm):
     params = _stopping_params(tiny_lm)
     ref = engine.generate(tiny_lm, PROMPTS, params)
@@ -74,6 +76,7 @@ def test_compaction_never_changes_a_branchs_tokens(tiny_lm):
     assert got.bill.decoded_tokens_total == int(got.lengths.sum())
 
 
+@pytest.mark.slow
 def test_compaction_of_rows_whose_branches_are_done(tiny_lm):
     """The host ends rows 0 and 2 after 3 tokens: the state shrinks to row 1 alone."""
     params = SamplingParams(n=4, max_new_tokens=12, seed=5, stop_token_ids=[])
@@ -98,6 +101,7 @@ def test_compaction_of_rows_whose_branches_are_done(tiny_lm):
     assert got.bill.branch_steps == 3 * 3 * 4 + 9 * 1
 
 
+@pytest.mark.slow
 def test_a_stop_string_stops_the_decode(tiny_lm):
     """A stop string at token ~3 of a 64-token budget: decode steps far below 64."""
     free = engine.generate(tiny_lm, PROMPTS[:1], SamplingParams(n=1, max_new_tokens=64, seed=5,
@@ -133,6 +137,7 @@ def test_incremental_text_equals_decoding_everything():
         assert out == tok.decode(ids) == inc.text
 
 
+@pytest.mark.slow
 def test_rounds_over_one_prefill_equal_one_wide_call(tiny_lm):
     """Branches 0-3 then 4-7 over the same prefix cache equal generate(n=8)."""
     params = SamplingParams(n=8, max_new_tokens=10, seed=2)
@@ -150,6 +155,7 @@ def test_rounds_over_one_prefill_equal_one_wide_call(tiny_lm):
     assert got.bill.prompt_tokens_prefilled == ref.bill.prompt_tokens_prefilled  # prefilled once
 
 
+@pytest.mark.slow
 def test_top_logprobs_equal_the_forward_pass(tiny_lm):
     k = 5
     g = engine.generate(tiny_lm, PROMPTS, SamplingParams(n=2, max_new_tokens=8, seed=1,

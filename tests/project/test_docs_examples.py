@@ -101,6 +101,7 @@ def tiny_model(monkeypatch, tiny_lm):
     monkeypatch.setattr(loading, "load", load)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", marked(None), ids=_ids(marked(None)))
 def test_documented_examples_run_on_the_tiny_model(page, tiny_model, capsys):
     run_page(page, None)

@@ -166,6 +166,7 @@ def _assert_online_equals_offline(res, pool, extract, **kw):
     return differences
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule,confidence", [("esc", None), ("beta", None), ("none", None),
                                              ("beta", "deepconf-low"),
                                              ("none", "deepconf-high")])
@@ -246,6 +247,7 @@ def _stop_inside_min_tokens(tiny_lm, params, m):
     return seen.most_common(1)[0][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("confidence", [None, "deepconf-low"])
 def test_adaptive_answers_come_from_generation_texts(tiny_lm, confidence):
     m = 10
@@ -276,6 +278,7 @@ def _support_oracle(res, b, confidence):
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("confidence", [None, "deepconf-high"])
 def test_adaptive_support_is_the_winners_votes(tiny_lm, confidence):
     params = SamplingParams(max_new_tokens=6, seed=2, temperature=1.0)

@@ -209,6 +209,7 @@ _vote_inputs = st.integers(1, 3).flatmap(lambda b: st.integers(1, 8).flatmap(lam
              min_size=b, max_size=b))))
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None)
 @given(_vote_inputs, st.booleans())
 def test_vote_matches_reference(inputs, weighted):
@@ -217,6 +218,7 @@ def test_vote_matches_reference(inputs, weighted):
     _assert_vote(reducers.majority_vote(ids.astype(np.int32), valid, w), ref_vote(ids, valid, w))
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(_vote_inputs)
 def test_unit_weights_reproduce_counting(inputs):

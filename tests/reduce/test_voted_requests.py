@@ -28,6 +28,7 @@ PARAMS = SamplingParams(n=4, max_new_tokens=6, seed=3, temperature=1.0)
 ADAPTIVE = {"max_n": 8, "window": 2, "rule": "esc", "chunk_size": 2}
 
 
+@pytest.mark.slow
 def test_plain_requests_carry_the_vote_of_their_own_branches(tiny_lm):
     reqs = [Request(id=f"p{i}", prompt=p, params=PARAMS, extract=first_char)
             for i, p in enumerate(["one", "two two", "three"])]
@@ -44,6 +45,7 @@ def test_plain_requests_carry_the_vote_of_their_own_branches(tiny_lm):
         assert res.adaptive is None
 
 
+@pytest.mark.slow
 def test_an_adaptive_request_is_adaptive_self_consistency_at_its_index(tiny_lm):
     reqs = [Request(id="plain", prompt="hello", params=PARAMS),
             Request(id="a1", prompt="count: 1 2 3", params=PARAMS, adaptive=ADAPTIVE,
@@ -109,6 +111,7 @@ def test_compact_is_a_bool_or_none(tiny_lm, bad):
     assert engine.PROGRAMS.compilations == before
 
 
+@pytest.mark.slow
 def test_an_extractor_that_raises_is_named_with_its_request(tiny_lm):
     """A caller's extract callable is user code: its error names the request, the
     callable and the text, keeps the callable's exception as its cause, and the
@@ -135,6 +138,7 @@ def test_an_extractor_that_raises_is_named_with_its_request(tiny_lm):
         list(jaxsample.run_requests(tiny_lm, reqs))
 
 
+@pytest.mark.slow
 def test_a_pool_the_budget_cannot_hold_is_refused_before_anything_runs(tiny_lm):
     """Requests with different max_tokens share one pool, whose tails hold the longest:
     a budget that holds the short request's pool but not the mixed one refuses the
@@ -166,6 +170,7 @@ def test_a_pool_the_budget_cannot_hold_is_refused_before_anything_runs(tiny_lm):
     assert [r.id for r in engine.run_pool(tiny_lm, reqs[:1], max_kv_bytes=kv)] == ["a"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adaptive", [None, {"max_n": 7, "window": 7, "rule": "esc"}])
 def test_vote_shares_are_the_float32_values_the_command_line_writes(tiny_lm, adaptive):
     """3 of 7 branches: the float32 share 3/7 is 0.42857143 (its shortest decimal, what

@@ -226,6 +226,7 @@ SETTINGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_greedy_tokens_are_the_argmax_of_the_reference(tiny_lm, name):
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=T, seed=0, **SETTINGS[name])
@@ -234,6 +235,7 @@ def test_greedy_tokens_are_the_argmax_of_the_reference(tiny_lm, name):
     assert stats["changed"] > 0, f"{name} never changed a greedy decision: the test shows nothing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,filters", [
     ("all", dict(temperature=0.9)),
     ("repetition", dict(temperature=0.7, top_k=20)),
@@ -247,6 +249,7 @@ def test_sampled_tokens_are_the_reference_choice(tiny_lm, name, filters):
     assert stats["changed"] > 0
 
 
+@pytest.mark.slow
 def test_neutral_settings_change_nothing(tiny_lm):
     base = SamplingParams(n=4, max_new_tokens=T, seed=9)
     ref = engine.generate(tiny_lm, PROMPTS, base)
@@ -266,6 +269,7 @@ def test_neutral_settings_change_nothing(tiny_lm):
         assert_same_tokens_up_to_ties(tiny_lm, ref, got)
 
 
+@pytest.mark.slow
 def test_new_values_do_not_recompile(tiny_lm):
     base = SamplingParams(n=2, max_new_tokens=T, seed=1, repetition_penalty=1.2,
                           logit_bias={5: 1.0})
@@ -285,6 +289,7 @@ def test_chunked_equals_one_call_with_penalties(tiny_lm):
         _same(one, engine.generate(tiny_lm, PROMPTS, params, chunk_size=chunk))
 
 
+@pytest.mark.slow
 def test_compaction_with_penalties(tiny_lm):
     """Branches stop early (stop ids); compaction gathers counts by slot and the
     prompt mask by row: tokens equal the uncompacted run up to ties and the reference."""
@@ -301,6 +306,7 @@ def test_compaction_with_penalties(tiny_lm):
     check_against_reference(tiny_lm, got)
 
 
+@pytest.mark.slow
 def test_rounds_and_naive_with_penalties(tiny_lm):
     """Two rounds over one prefill and the naive engine (N prompt copies) decode with
     their own counts and prompt masks: the same tokens as one wide call."""
@@ -318,6 +324,7 @@ def test_rounds_and_naive_with_penalties(tiny_lm):
     assert_same_tokens_up_to_ties(tiny_lm, ref, naive_generate(tiny_lm, PROMPTS, params))
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 def test_penalties_on_a_mesh(tiny_lm):
     if jax.device_count() < 4:
@@ -338,6 +345,7 @@ def test_penalties_on_a_mesh(tiny_lm):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_min_tokens_no_branch_ends_before(tiny_lm):
     base = SamplingParams(n=8, max_new_tokens=T, seed=5, logit_bias={EOS: 6.0})
     free = engine.generate(tiny_lm, PROMPTS, base)
@@ -357,6 +365,7 @@ def test_min_tokens_no_branch_ends_before(tiny_lm):
                 assert s.lengths[b, n] > 6
 
 
+@pytest.mark.slow
 def test_ignore_eos_runs_to_the_budget(tiny_lm):
     base = SamplingParams(n=2, max_new_tokens=T, seed=1, logit_bias={EOS: 100.0})
     g = engine.generate(tiny_lm, PROMPTS, base)
@@ -392,6 +401,7 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 3])
 def test_prompt_logprobs_equal_log_softmax_of_the_forward_pass(tiny_lm, k):
     long = "The quick brown fox jumps over the lazy dog. " * 4  # 180 tokens: 3 blocks of 64
@@ -421,6 +431,7 @@ def test_prompt_logprobs_equal_log_softmax_of_the_forward_pass(tiny_lm, k):
     assert plain.prompt_token_logprobs is None and plain.outputs()[0].prompt_logprobs is None
 
 
+@pytest.mark.slow
 def test_outputs_are_vllm_request_outputs(tiny_lm):
     params = SamplingParams(n=3, max_new_tokens=8, seed=4, logprobs=2, stop_token_ids=[101])
     g = engine.generate(tiny_lm, PROMPTS, params)
@@ -468,6 +479,7 @@ def test_outputs_are_vllm_request_outputs(tiny_lm):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_chat_prompts_strings_and_message_lists(tiny_lm):
     tok = tiny_lm.tokenizer
     convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},

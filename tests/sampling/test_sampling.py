@@ -143,6 +143,7 @@ _PROP = settings(max_examples=60, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @_PROP
 @given(_problems(), st.integers(0, 2**31 - 1))
 def test_sampled_tokens_are_always_kept(problem, seed):
@@ -300,6 +301,7 @@ def _with_params(lm, **changes):
     return dataclasses.replace(lm, params={**lm.params, **changes})
 
 
+@pytest.mark.slow
 def test_generate_raises_on_all_nan_logits_and_ignores_one_nan_logit(tiny_lm):
     """generate never returns token 0 with logprob NaN: all-NaN logits are a NumericalError;
     a single NaN logit (a NaN row of the tied embedding) is only never sampled."""
@@ -359,6 +361,7 @@ def test_two_equally_likely_tokens_are_binomial(params):
     assert count + int(np.sum(tokens == 2)) >= n - 1
 
 
+@pytest.mark.slow
 def test_sampling_is_proportional_to_tempered_probs_after_top_k():
     n = 1024
     probs = np.array([0.5, 0.3, 0.2])
@@ -379,6 +382,7 @@ def test_filters_that_keep_everything_draw_like_no_filter():
     np.testing.assert_array_equal(on, off)
 
 
+@pytest.mark.slow
 def test_new_filter_values_do_not_recompile():
     traces = []
 
@@ -408,6 +412,7 @@ def test_unbatched_parameters_keep_a_real_cond_under_vmap():
     assert "cond[" in str(shared)
 
 
+@pytest.mark.slow
 def test_inside_jitted_while_loop_vmapped_over_branches():
     n_branches, steps, v, vocab_limit = 4, 6, 20, 17
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((steps, n_branches, v)),
@@ -542,6 +547,7 @@ def _assert_keep_equal_off_ambiguity(logits, params, vocab_limit, k0, eps=1e-4):
     return new, old, ambiguous
 
 
+@pytest.mark.slow
 @_PROP
 @given(_problems(), st.sampled_from([1, 2, 3, 5, V_SMALL]))
 def test_pre_selection_keeps_the_bisection_set(problem, k0):
@@ -593,6 +599,7 @@ def test_ties_at_the_cut_off_are_broken_by_index():
                 assert np.flatnonzero(new).tolist() == np.flatnonzero(old).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k0", [1, 2, 5])
 def test_pre_selection_on_nan_inf_and_padding_rows(k0):
     rows = [np.array([np.nan, 0.0, 1.0, np.nan, -1.0, np.nan, 80.0, 1e30], np.float32),
@@ -638,6 +645,7 @@ def _assert_same_draws_up_to_ties(logits, keys, temperature, tok_a, tok_b, tol=1
             assert abs(z[a] + g[a] - z[b] - g[b]) <= tol, (a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [(0.8, 0, 0.9, 0.0), (0.8, 5, 0.95, 0.05),
                                     (1.0, 0, 0.999, 0.0), (0.7, 20, 1.0, 0.0)])
 def test_pre_selection_draws_the_bisection_tokens(params):

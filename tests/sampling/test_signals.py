@@ -97,6 +97,7 @@ def check_against_forward(lm, g, min_tokens=20):
 # token_signals on hand-made distributions
 
 
+@pytest.mark.slow
 def test_token_signals_hand_made():
     V = 8
     x = np.array([2.0, 0.5, 2.0, -1.0, 0.0, 1.0, 9.0, np.nan], np.float32)  # 6, 7: padding
@@ -135,6 +136,7 @@ def test_signals_param_validated():
 # The engine: signals equal the forward oracle
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [
     SamplingParams(n=3, max_new_tokens=24, seed=3, temperature=0.0, signals=True),
     SamplingParams(n=3, max_new_tokens=24, seed=3, temperature=0.9, signals=True),
@@ -145,6 +147,7 @@ def test_signals_equal_the_forward(fam_lm, params):
     check_against_forward(fam_lm, g, min_tokens=9 * 10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [
     SamplingParams(n=3, max_new_tokens=16, seed=5, temperature=1.7, top_k=5, top_p=0.8,
                    min_p=0.05, signals=True),
@@ -162,6 +165,7 @@ def test_signals_are_those_of_the_raw_distribution(tiny_lm, params):
         assert np.isin(g.tokens, [101, 104]).mean() > 0.5
 
 
+@pytest.mark.slow
 def test_shared_equals_naive(fam_lm):
     params = SamplingParams(n=3, max_new_tokens=16, seed=9, temperature=0.9, signals=True)
     a = engine.generate(fam_lm, PROMPTS, params)
@@ -179,6 +183,7 @@ def _close_where_tokens_agree(a, b, atol=1e-5):
                                        atol=atol, rtol=0, err_msg=f"row {r} branch {n}")
 
 
+@pytest.mark.slow
 def test_chunked_and_compacted_equal_one_call(tiny_lm):
     params = SamplingParams(n=4, max_new_tokens=24, seed=2, temperature=0.9, signals=True,
                             stop_token_ids=[ord("e")])
@@ -193,6 +198,7 @@ def test_chunked_and_compacted_equal_one_call(tiny_lm):
     assert (one.lengths < 24).any()  # some branches stopped: compaction had work to do
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 def test_sharded_equals_unsharded(tiny_lm):
     """On a (data 2, branch 2) mesh, with compaction: the signals travel with their branch."""
@@ -205,6 +211,7 @@ def test_sharded_equals_unsharded(tiny_lm):
     _close_where_tokens_agree(one, got)
 
 
+@pytest.mark.slow
 def test_stream_and_stop_strings(tiny_lm):
     """The streamed Generation carries the signals; a stop string's cut zeroes them
     past the kept tokens."""
@@ -230,6 +237,7 @@ def off(tiny_lm):
     return engine.generate(tiny_lm, PROMPTS, OFF)
 
 
+@pytest.mark.slow
 def test_off_changes_nothing(tiny_lm, off):
     """Off: no signals, and the step carries no extra leaf (the program is the
     one from before the option; benchmarks/selection.py --hlo-check compares
@@ -315,6 +323,7 @@ def scored(tiny_lm):
     return engine.generate(tiny_lm, PROMPTS[:2], params)
 
 
+@pytest.mark.slow
 def test_branch_scores_by_name(scored, off):
     g = scored
     L = g.lengths
@@ -412,6 +421,7 @@ def test_confidence_vote_hand_made(top_percent):
     assert np.asarray(v.support)[3] == 0.0 and np.asarray(v.winner)[3] == 4
 
 
+@pytest.mark.slow
 def test_confidence_vote_random_pools():
     rng = np.random.default_rng(0)
     for trial in range(30):
@@ -491,6 +501,7 @@ def test_votes_jit_over_rows():
 # The command line: --select NAME
 
 
+@pytest.mark.slow
 def test_cli_select(scored, capsys):
     from jaxsample import cli
     from jaxsample.cli import config as config_lib
@@ -535,6 +546,7 @@ def pool16(tiny_lm):
                                                             temperature=0.8, n=16, signals=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("confidence", ["deepconf-low", "deepconf-high"])
 def test_adaptive_deepconf_on_signals_equals_offline(tiny_lm, pool16, confidence):
     import jaxsample

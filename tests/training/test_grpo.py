@@ -40,6 +40,7 @@ def nonzero_adapters(lm, cfg=LORA, seed=0):
 # LoRA
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["stacked", "list"])
 def test_untrained_adapter_is_the_base_and_apply_equals_merge(tiny_lm, layout):
     lm = tiny_lm if layout == "stacked" else dataclasses.replace(
@@ -61,6 +62,7 @@ def test_untrained_adapter_is_the_base_and_apply_equals_merge(tiny_lm, layout):
     assert lora.num_params(ad) == 2 * 4 * ((32 + 32) + (32 + 16) + (64 + 32))
 
 
+@pytest.mark.slow
 def test_lora_gradients_reach_only_the_adapters(tiny_lm):
     toks = np.random.RandomState(1).randint(0, 258, (2, 16)).astype(np.int32)
     zero = lora.init(tiny_lm.params, LORA, jax.random.key(0))
@@ -81,6 +83,7 @@ def test_lora_config_errors(kwargs, match):
         lora.LoraConfig(**kwargs)
 
 
+@pytest.mark.slow
 def test_lora_refuses_expert_weights():
     from jaxsample.models import llama
 
@@ -105,6 +108,7 @@ def test_pack_places_each_completion_after_its_prompt():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_behaviour_logprobs_are_the_sampling_distributions(tiny_lm, temperature):
     sp = SamplingParams(temperature=temperature, max_tokens=12, seed=4)
@@ -124,6 +128,7 @@ def test_rollout_behaviour_logprobs_are_the_sampling_distributions(tiny_lm, temp
     np.testing.assert_array_equal(np.asarray(b.behaviour)[~mask], 0.0)
 
 
+@pytest.mark.slow
 def test_rollout_with_new_weights_builds_no_program(tiny_lm):
     sp = SamplingParams(max_tokens=8, seed=0)
     ro.rollout(tiny_lm, tiny_lm.params, PROMPTS[:2], 2, sp)
@@ -136,6 +141,7 @@ def test_rollout_with_new_weights_builds_no_program(tiny_lm):
     np.testing.assert_array_equal(r.batch.completions, again.tokens)
 
 
+@pytest.mark.slow
 def test_rollout_through_the_engine_object_takes_new_weights_in_place(tiny_lm):
     """An `LLM` engine: the rollout hands it the weights (`update_weights`), builds no
     program, and samples what the bare model with those weights samples."""
@@ -188,6 +194,7 @@ def _loss_batch(seed=0):
     return batch, f(B, N, T) * 0.3 - 2
 
 
+@pytest.mark.slow
 def test_grpo_loss_is_the_formula():
     batch, lp = _loss_batch()
     eps, beta = 0.2, 0.05

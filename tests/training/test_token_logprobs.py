@@ -103,6 +103,7 @@ def test_bad_input_is_an_input_error(tiny_lm, kwargs, match):
         jaxsample.token_logprobs(model, tiny_lm.params, toks, **args)
 
 
+@pytest.mark.slow
 def test_logits_exist_one_chunk_at_a_time():
     """XLA's temporary bytes of the forward and of the gradient, against one `[B, S, V]`
     float32: a wide vocabulary so the logits dominate everything else."""
@@ -203,6 +204,7 @@ def sampler_gap(lm, mesh=None, n=3, max_tokens=10):
     return float(np.abs(got - gen.logprobs)[mask].max()), int(mask.sum())
 
 
+@pytest.mark.slow
 def test_agrees_with_the_sampler_tiny(tiny_lm):
     gap, _ = sampler_gap(tiny_lm)
     assert gap <= F32_BOUND
@@ -256,6 +258,7 @@ def _grouped_vs_packed(lm, params, temperature):
     return np.asarray(got), want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["stacked", "list"])
 def test_grouped_equals_packed_sequences(tiny_lm, layout):
     lm = tiny_lm if layout == "stacked" else dataclasses.replace(
