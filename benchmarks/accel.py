@@ -3,7 +3,7 @@ the prefill kernels, int8 weights, the Hugging Face peer and the attention kerne
 for random-weight Llama shapes of 1B and 8B (bfloat16), within one time budget.
 
 benchmarks/gpu_run.sh runs it (its header is the plan of the one GPU call);
-`--smoke` runs every part at tiny shapes on the CPU (tests/test_gpu_run.py), with
+`--smoke` runs every part at tiny shapes on the CPU (tests/kernels/test_gpu_run.py), with
 the CPU kernels off (`JAXSAMPLE_CPU_KERNELS=0`: int8 through XLA's products, the
 path off the CPU).
 Letters as in docs/ARCHITECTURE.md (P prompt tokens, N branches, T new tokens).

@@ -34,7 +34,7 @@ What it measures (letters as in models/families/llama.py: P prompt tokens, L lay
   layers). `--layer-check S` (default 8192) runs one attention layer at
   SmolLM2's H, K, D with random q, k, v through both kernels against a
   float64 numpy oracle: errors relative to max |v|, flagged against the
-  tests' bound 1e-5 (tests/test_flash_prefill.py).
+  tests' bound 1e-5 (tests/models/test_flash_prefill.py).
 
 Writes one JSON file (`--out`, default benchmarks/results/prefill.json) and
 prints a table.

@@ -12,7 +12,7 @@ Letters as in models/families/llama.py; Bridge-only letters:
     d  the Bridge's inner width (`BridgeConfig.dim`)
     h  Bridge heads (`BridgeConfig.n_heads`), c = d / h the Bridge head dim
 
-Properties (each is tested in tests/test_bridge.py):
+Properties (each is tested in tests/bridge/test_bridge.py):
 
 - Attention runs over the branches only, at one position (an N x N attention
   per position): no KV cache, no position encoding on the branch axis, so the

@@ -13,7 +13,7 @@
 
 Nothing here imports the engine's layers (`jaxsample.lm`, the engine, the
 caches): only the base modules below them (`jaxsample.errors`,
-`jaxsample.cache_paths`, `jaxsample.file_hashes`, ...; tests/test_layout.py
+`jaxsample.cache_paths`, `jaxsample.file_hashes`, ...; tests/project/test_layout.py
 holds the rule). A `LanguageModel` is built on top, by `jaxsample.loading`
 (and `jaxsample.tiny`, the tests' random model).
 """

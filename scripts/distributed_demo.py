@@ -5,7 +5,7 @@ The path to TPU pods and multi-host GPU: every process calls
 processes' devices, and calls `generate` with the same arguments. Each
 process prints the tokens as JSON on its last line.
 
-Usage (what tests/test_distributed.py runs):
+Usage (what tests/mesh/test_distributed.py runs):
     python scripts/distributed_demo.py --process-id 0 --num-processes 2 --port 12355 &
     python scripts/distributed_demo.py --process-id 1 --num-processes 2 --port 12355
     python scripts/distributed_demo.py --single      # the unsharded reference

@@ -1,4 +1,4 @@
-"""Write the Gemma 3 reference data tests/test_gemma3.py compares against.
+"""Write the Gemma 3 reference data tests/models/test_gemma3.py compares against.
 
 Needs torch, transformers and accelerate (never the tests) and the `gemma` extra:
 

@@ -7,7 +7,7 @@ index i) and writes one `ResultsFile` part (`cli.merge.part_path`); then
 `jaxsample merge --out OUT` joins the parts in request order. On a TPU pod or
 a SLURM GPU cluster, `jax.distributed.initialize()` takes no arguments.
 
-Usage (what tests/test_multihost_requests.py runs), CPU, loopback:
+Usage (what tests/mesh/test_multihost_requests.py runs), CPU, loopback:
     python scripts/multihost_requests.py --out /tmp/out.jsonl --process-id 0 --port 12356 &
     python scripts/multihost_requests.py --out /tmp/out.jsonl --process-id 1 --port 12356
     jaxsample merge --out /tmp/out.jsonl        # /tmp/out.jsonl.part-0000{0,1}-of-00002

@@ -32,7 +32,7 @@ exported first (traced and lowered once, written), then
 process reads the file instead of tracing, so both processes lower the same
 module and the compilation cache serves the second. The XLA program is the
 model's own (the exported function is inlined), so tokens and logprobs equal
-those of the plain `jit` path bit for bit (tests/test_exported.py).
+those of the plain `jit` path bit for bit (tests/engine/test_exported.py).
 Donation is that of the outer `jit`: donated buffers are still reused.
 
 An unreadable, truncated, corrupt or stale entry (its key text differs) is

@@ -16,7 +16,7 @@ hidden states `[B, S, E]` are split into `ceil((S - 1) / C)` chunks, a
 `jax.checkpoint` makes the backward pass recompute a chunk's logits instead
 of keeping them. The peak of logits-sized memory is therefore one chunk's
 `[B, C, V]` float32 and its cotangent, `2 * 4 * B * C * V` bytes, whatever S
-is (tests/test_token_logprobs.py bounds XLA's temporary bytes by it).
+is (tests/training/test_token_logprobs.py bounds XLA's temporary bytes by it).
 
 The arithmetic of one position is the sampler's (`engine.sampling.prepare`
 and `choose_token`): rows `>= vocab_limit` at -inf, the maximum subtracted,

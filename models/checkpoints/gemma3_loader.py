@@ -25,7 +25,7 @@ GGUF (`general.architecture = gemma3`, llama.cpp's `convert_hf_to_gguf.py`
   rotate-half, RoPE), unlike the `llama` architecture.
 
 Verified against transformers on the real Gemma 3 270M Q4_K_M file and on
-tiny random checkpoints (tests/test_gemma3.py).
+tiny random checkpoints (tests/models/test_gemma3.py).
 
 Hugging Face: `Gemma3ForCausalLM` (model_type `gemma3_text`: 270M, 1B and
 text-only exports) with either transformers 4's `rope_theta`,

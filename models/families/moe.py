@@ -14,7 +14,7 @@ experts, the top k probabilities and their experts, renormalised to sum to 1
 when `norm_topk` (Mixtral always; Qwen3-MoE when `norm_topk_prob`). Mixtral's
 paper writes the gate as "softmax over the top-k logits": the same numbers,
 since softmax(l)_i / sum_{j in top k} softmax(l)_j = exp(l_i) / sum_{j in top k}
-exp(l_j) (tests/test_moe.py checks both forms). Ties between router logits
+exp(l_j) (tests/models/test_moe.py checks both forms). Ties between router logits
 go to the lower expert index (`lax.top_k`).
 
 Expert compute (`expert_mix`): four implementations of the same sum
