@@ -147,11 +147,15 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
             info = _INFO[lm]
         else:  # the same weights' arrays, other switches
             lm = dataclasses.replace(base, cpu_kernels=cpu_kernels)
-            info = {**_INFO.get(base, {}), "seconds": time.perf_counter() - t0}
+            info = {k: v for k, v in _INFO.get(base, {}).items() if k not in _KERNEL_KEYS}
+            info["seconds"] = time.perf_counter() - t0
         lm = dataclasses.replace(lm, prefix_kv_dtype=prefix_kv_dtype)
         _INFO[lm] = {**info, **_kernel_info(lm)}
         variants[switches] = lm
     return variants[switches]
+
+
+_KERNEL_KEYS = ("cpu_kernels", "cpu_kernels_override")  # `_kernel_info`'s, per model
 
 
 def _kernel_info(lm: LanguageModel) -> dict:

@@ -122,8 +122,9 @@ class ModelConfig:
                               ("cpu_kernels", CPU_KERNELS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in allowed:
+                hint = " (YAML reads a bare off as false: write 'off')" if value is False else ""
                 raise ConfigError(f"model.{name} must be one of {_fmt(allowed)}, got "
-                                  f"{short_repr(value)}")
+                                  f"{short_repr(value)}{hint}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

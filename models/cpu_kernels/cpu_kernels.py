@@ -129,8 +129,11 @@ def override(choice: str) -> str | None:
     nothing: set to 0 (or off, false, no) it turns off the kernels that "auto" would
     run, so the model's int8 products are XLA's and a W8A8 model's prefix KV stays
     float32 (`engine.state.prefix_kv_dtype`): other numerics than the field asks for.
-    The ISA cap (avx2) changes no result and overrides no field: `isa` says it."""
-    if choice == "auto" and _env_off():
+    The variable is read once per process, when the kernels are first built (`enabled`,
+    called here): set later it overrides nothing. The ISA cap (avx2) changes no result
+    and overrides no field: `isa` says it."""
+    if choice == "auto" and _env_off() and not enabled() and _STATE["status"].startswith(
+            f"{ENV}="):
         return (f"{ENV}={os.environ[ENV]} overrides cpu_kernels='auto': the int8 products "
                 "run as XLA's dot_general and a W8A8 model's prefix KV stays float32")
     return None

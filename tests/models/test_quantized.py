@@ -581,9 +581,11 @@ def test_cli_weights_flag_and_config(tmp_path, monkeypatch):
                                     "--json", "--quiet"])
     assert code == 0, err
     assert seen[-1]["weights"] == "int8" and json.loads(out)
+    assert (seen[-1]["prefix_kv_dtype"], seen[-1]["cpu_kernels"]) == ("auto", "auto")
     code, out, err = main_captured(["run", "--model", gguf, "--prompt", "hi", "--n", "2",
                                     "--max-new-tokens", "4", "--seed", "0", "--weights",
-                                    "int8-weight-only", "--json", "--quiet"])
+                                    "int8-weight-only", "--cpu-kernels", "off", "--json",
+                                    "--quiet"])
     assert code == 0, err
-    assert seen[-1]["weights"] == "int8-weight-only"
+    assert seen[-1]["weights"] == "int8-weight-only" and seen[-1]["cpu_kernels"] == "off"
     assert json.loads(out)["weights"] == "int8-weight-only"
