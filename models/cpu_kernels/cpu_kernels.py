@@ -49,10 +49,18 @@ Built on first use in a process that runs an int8 model: `$CXX` (default
 and jaxlib's version; a `.sha256` beside it is checked before loading), or a
 temporary directory when the caches are off. The loaded library must pass a
 self-test against numpy before it is used. Where any of this fails (no
-compiler, not x86-64 with AVX2, `JAXSAMPLE_CPU_KERNELS=0`), one log line says
-why and the products stay XLA's `dot_general`: same results (bit for bit for
-W8A8), slower. Where JAX's default backend is not the CPU (a GPU, a TPU)
-nothing is built and the programs keep `dot_general` (`active()`).
+compiler, not x86-64 with AVX2), one log line says why and the products stay
+XLA's `dot_general`: same results (bit for bit for W8A8), slower. Where JAX's
+default backend is not the CPU (a GPU, a TPU) nothing is built and the
+programs keep `dot_general` (`active()`).
+
+Which models use them is each model's choice, `LanguageModel.cpu_kernels`
+("auto" or "off", `CHOICES`), carried to the traced code by its int8 weights
+(`quant.QuantizedWeight.kernels`): this module only says whether they can run
+in this process. `JAXSAMPLE_CPU_KERNELS=0` (`ENV`) keeps them unbuilt for the
+whole process, overriding "auto" (`override`: `jaxsample.loading.load_info`
+reports it and the load logs it); `avx2` caps the int8 product's instruction
+set (`isa`).
 
 Reference: the AVX2 int8 dot is ggml's sign trick (llama.cpp, ggml-cpu); the
 VNNI one the unsigned-offset form of oneDNN's u8 x s8 GEMMs; the FFI is XLA's
