@@ -17,7 +17,6 @@ before a crash, a timeout or an out-of-memory kill still come back.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -251,19 +250,6 @@ def int8_without_outliers(lm):
 
     params = jax.tree_util.tree_map(jnp.asarray, quant.quantize_params(lm.params))
     return dataclasses.replace(lm, params=params)
-
-
-@contextlib.contextmanager
-def prefix_kv_float32():
-    """Within the block, a W8A8 model's prefix KV is prefilled float32, as before
-    `engine.state.prefix_kv_dtype` stored it in float16 (the A/B of that change)."""
-    from jaxsample.engine import state
-
-    state.PREFIX_KV_FLOAT16 = False
-    try:
-        yield
-    finally:
-        state.PREFIX_KV_FLOAT16 = True
 
 
 # The 8B-class Llama (Llama-3.1-8B shapes, untied head).

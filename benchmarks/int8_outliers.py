@@ -49,7 +49,7 @@ def blocked_rows(block):
     import jax
     import jax.numpy as jnp
 
-    def rows(x, q, scale, *, transposed):
+    def rows(x, q, scale, *, transposed, kernels=True):  # kernels: unused (XLA only)
         one = x.shape[0] == 1
         xf = x.astype(jnp.float32)
         if one:

@@ -140,7 +140,7 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
     from jaxsample.loading import load
     from jaxsample.models.quantization import quant
 
-    from benchmarks.common import NoEosTokenizer, int8_without_outliers, prefix_kv_float32
+    from benchmarks.common import NoEosTokenizer, int8_without_outliers
 
     out = {}
     for name in models:
@@ -162,10 +162,9 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
         ref, ref_t = logits["float32"], toks["float32"]
         row = {}
         for k in ("int8 W8A8", "int8 weight-only"):  # the float16 prefix's own cost
-            if state.prefix_kv_dtype(lms[k].config, lms[k].params) is None:
+            if state.prefix_kv_dtype(lms[k].config, lms[k].params, lms[k].prefix_kv_dtype) is None:
                 continue  # stored float32 already (sliding windows, kernels off)
-            with prefix_kv_float32():
-                g32 = greedy(lms[k])
+            g32 = greedy(dataclasses.replace(lms[k], prefix_kv_dtype="model"))
             same = g32.tokens[:, 0] == toks[k]
             first = np.where(same.all(1), T, np.argmin(same, axis=1))
             agree = np.arange(T)[None] < first[:, None]  # tokens before the first divergence

@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 
-from benchmarks.common import prefix_kv_float32
 
 @contextlib.contextmanager
 def _old_prefix_attention():
@@ -98,9 +97,12 @@ PATCHES = {
     "now": contextlib.nullcontext,
     "while_loop_chunk": _while_loop_chunk,
     "old_prefix_attention": _old_prefix_attention,
-    "prefix_kv_float32": prefix_kv_float32,  # with --weights int8
+    "prefix_kv_float32": contextlib.nullcontext,  # with --weights int8: MODEL_SWITCHES
     "unfused_w8a8": _unfused_w8a8,  # with --weights int8
 }
+
+# Variants that are a model's switch, not a patch: the session's model gets these fields.
+MODEL_SWITCHES = {"prefix_kv_float32": {"prefix_kv_dtype": "model"}}
 
 
 def _decode(s, N, T, chunk=None):
@@ -146,7 +148,8 @@ def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=N
         for v in variants:  # prefill once; compile each variant (and warm up) under its patch
             session.PROGRAMS = programs[v]
             with PATCHES[v]():
-                sessions[v] = s = session.Session(lm, [ids], sp)
+                lm_v = dataclasses.replace(lm, **MODEL_SWITCHES.get(v, {}))
+                sessions[v] = s = session.Session(lm_v, [ids], sp)
                 _decode(s, N, T, chunk)
         for _ in range(reps):
             for v in variants:

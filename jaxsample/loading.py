@@ -9,6 +9,8 @@ fraction of a second instead of parsing and dequantising the file again.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import pathlib
 import re
@@ -23,9 +25,9 @@ from jaxsample import cache_paths, file_hashes
 from jaxsample import disk_cache as cache_lib
 from jaxsample import weight_cache
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
-from jaxsample.lm import LanguageModel
+from jaxsample.lm import CPU_KERNELS, PREFIX_KV_DTYPES, LanguageModel, check_switch
 from jaxsample.models.checkpoints import registry
-from jaxsample.models.cpu_kernels import cpu_kernels
+from jaxsample.models.cpu_kernels import cpu_kernels as kernel_lib
 from jaxsample.models.families import families
 from jaxsample.models.quantization import outliers, quant
 
@@ -40,12 +42,15 @@ WEIGHTS = (None, "int8", "int8-weight-only")  # the `weights=` values of `load`
 INT8_MODES = {"int8": "w8a8", "int8-weight-only": "weight_only"}
 
 # How each loaded model was read: {"weights": "cache" | "checkpoint", "seconds": ...,
-# "cache_entry": path or None}; see `load_info`.
+# "cache_entry": path or None, ...}; see `load_info`.
 _INFO: "weakref.WeakKeyDictionary[LanguageModel, dict]" = weakref.WeakKeyDictionary()
+
+log = logging.getLogger("jaxsample.cpu_kernels")
 
 
 def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32",
-         cache: bool | str | os.PathLike | None = None, weights: str | None = None) -> LanguageModel:
+         cache: bool | str | os.PathLike | None = None, weights: str | None = None,
+         prefix_kv_dtype: str = "auto", cpu_kernels: str = "auto") -> LanguageModel:
     """Load a language model with its own tokenizer.
 
     Args:
@@ -88,15 +93,27 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
         keeps the int8 weights and their channels beside the float32 ones
         (`weight_cache.int8_entry`, 150 MB for SmolLM2), so only the first
         int8 load calibrates and quantises.
+      prefix_kv_dtype: "auto" (default) or "model", the model's
+        `LanguageModel.prefix_kv_dtype`: the dtype of each prompt's stored KV
+        cache ("auto": float16 for `weights="int8"` on a float32 model where the
+        CPU attention kernel reads it, else the model's dtype; "model": always
+        the model's dtype).
+      cpu_kernels: "auto" (default) or "off", the model's
+        `LanguageModel.cpu_kernels`: whether its int8 products and prefix
+        attention may run as the CPU kernels (`models.cpu_kernels`; "off": XLA's
+        `dot_general`). The environment variable `JAXSAMPLE_CPU_KERNELS=0`
+        overrides "auto" for the process: `load_info` then says so and one
+        warning line (logger `jaxsample.cpu_kernels`) names it.
 
     Returns:
       A `LanguageModel`. Loads are also cached per (resolved path, the file's
       device, inode, size, mtime and ctime, dtype) for the process, so loading
-      twice is free.
+      twice is free (models differing only in `prefix_kv_dtype` or
+      `cpu_kernels` share their weights' arrays).
 
     Raises:
-      ConfigError: an unknown dtype or weights, or a cache that is not None, a bool
-        or a path (before any file is read).
+      ConfigError: an unknown dtype, weights, prefix_kv_dtype or cpu_kernels, or a
+        cache that is not None, a bool or a path (before any file is read).
       ModelLoadError: unknown name, missing path, unreadable or inconsistent
         checkpoint (the message names the file and lists the known names);
         UnsupportedModelError (a subclass) for architectures or options the
@@ -110,14 +127,51 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     _check_cache(cache)
     if not isinstance(weights, (str, type(None))) or weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
+    check_switch("prefix_kv_dtype", prefix_kv_dtype, PREFIX_KV_DTYPES)
+    check_switch("cpu_kernels", cpu_kernels, CPU_KERNELS)
     path, name = _resolve(name_or_path)
     # a rewritten file has a new stat id: a new key
     key = (str(path), file_hashes.stat_id(path.stat()), dtype, name, weights)
     if key not in _LOADED:  # the weights are the same with or without the cache
         if len(_LOADED) >= 4:
             _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = _load_uncached(*key[:4], _cache_base(cache), weights=weights)
-    return _LOADED[key]
+        _LOADED[key] = {}
+    variants = _LOADED[key]
+    switches = (prefix_kv_dtype, cpu_kernels)
+    if switches not in variants:
+        t0 = time.perf_counter()
+        base = next(iter(variants.values()), None)
+        if base is None:
+            lm = _load_uncached(*key[:4], _cache_base(cache), weights=weights,
+                                cpu_kernels=cpu_kernels)
+            info = _INFO[lm]
+        else:  # the same weights' arrays, other switches
+            lm = dataclasses.replace(base, cpu_kernels=cpu_kernels)
+            info = {k: v for k, v in _INFO.get(base, {}).items() if k not in _KERNEL_KEYS}
+            info["seconds"] = time.perf_counter() - t0
+        lm = dataclasses.replace(lm, prefix_kv_dtype=prefix_kv_dtype)
+        _INFO[lm] = {**info, **_kernel_info(lm)}
+        variants[switches] = lm
+    return variants[switches]
+
+
+_KERNEL_KEYS = ("cpu_kernels", "cpu_kernels_override")  # `_kernel_info`'s, per model
+
+
+def _kernel_info(lm: LanguageModel) -> dict:
+    """The CPU kernels' part of `load_info` for an int8 model (a float model's programs
+    never call them: {}), with one warning line when `JAXSAMPLE_CPU_KERNELS` overrides
+    its `cpu_kernels`."""
+    if not quant.is_quantized(lm.params):
+        return {}
+    if lm.cpu_kernels == "auto":
+        kernel_lib.active()  # built or loaded here, before any program traces them
+    out = {"cpu_kernels": "on" if quant.uses_cpu_kernels(lm.params) else "off"}
+    why = kernel_lib.override(lm.cpu_kernels)
+    if why is not None:
+        out["cpu_kernels_override"] = why
+        log.warning("jaxsample: warning: %s (model %s)", why, lm.name)
+    return out
 
 
 def read_config(name_or_path: str | os.PathLike | None = None, *,
@@ -197,7 +251,11 @@ def load_info(lm: LanguageModel) -> dict:
     """How `lm` was loaded: {"weights": "cache" or "checkpoint", "seconds": float,
     "cache_entry": the weight-cache file or None}, and for `weights="int8"`
     "quantized": "cache" (the int8 entry read back) or "calibrated" (calibrated
-    and quantised in this load); {} for models not made by `load`."""
+    and quantised in this load), "cpu_kernels": "on" or "off" (whether its programs
+    call the CPU kernels: its `cpu_kernels` field, where they build and the backend
+    is the CPU) and, only when `JAXSAMPLE_CPU_KERNELS` overrides that field,
+    "cpu_kernels_override": a sentence naming the variable and what it changes
+    (`models.cpu_kernels.cpu_kernels.override`); {} for models not made by `load`."""
     return dict(_INFO.get(lm, {}))
 
 
@@ -372,12 +430,14 @@ def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None, key):
     return cfg, params, tokenizer, info
 
 
-# Models loaded by this process: (path, stat id, dtype, name, weights) -> LanguageModel, at most 4.
-_LOADED: dict[tuple, LanguageModel] = {}
+# Models loaded by this process: (path, stat id, dtype, name, weights) -> {(prefix_kv_dtype,
+# cpu_kernels): LanguageModel} (one set of weights' arrays), at most 4 keys.
+_LOADED: dict[tuple, dict[tuple[str, str], LanguageModel]] = {}
 
 
 def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
-                   base: pathlib.Path | None, *, weights: str | None = None) -> LanguageModel:
+                   base: pathlib.Path | None, *, weights: str | None = None,
+                   cpu_kernels: str = "auto") -> LanguageModel:
     t0 = time.perf_counter()
     p = pathlib.Path(path)
     key = _cache_key(p, base)
@@ -402,11 +462,10 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
             info = {**info, **_store_int8(base, key, cfg, params, tokenizer)}
     if weights in INT8_MODES:
         params = quant.with_mode(quant.with_compute(params, dtype), INT8_MODES[weights])
-        cpu_kernels.active()  # built or loaded here, before any program traces them
     params = jax.tree_util.tree_map(
         lambda a: jnp.asarray(a, dtype=a.dtype if weights else cfg.jnp_dtype), params)
     lm = LanguageModel(config=cfg.replace(dtype=dtype), params=params, tokenizer=tokenizer,
-                       name=name or _file_name(p), source=path)
+                       name=name or _file_name(p), source=path, cpu_kernels=cpu_kernels)
     _INFO[lm] = {**info, "seconds": time.perf_counter() - t0}
     return lm
 

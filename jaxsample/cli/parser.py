@@ -161,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--weights", choices=config_lib.WEIGHTS[1:],
                      help="int8: int8 weights and activations (W8A8); int8-weight-only: int8 "
                           "weights in a float product (reproducible across meshes)")
+    run.add_argument("--prefix-kv-dtype", choices=config_lib.PREFIX_KV_DTYPES,
+                     help="the prompts' stored KV cache: auto (float16 for --weights int8 on "
+                          "the CPU kernels, else the model's dtype) or model (the model's "
+                          "dtype); default auto")
+    run.add_argument("--cpu-kernels", choices=config_lib.CPU_KERNELS,
+                     help="the int8 products' CPU kernels: auto (where they build) or off "
+                          "(XLA's products); JAXSAMPLE_CPU_KERNELS=0 overrides auto; "
+                          "default auto")
     # Sampling: None means "not given" so the config file's value stands.
     d = config_lib.DEFAULT_SAMPLING
     run.add_argument("--n", type=_int, help=f"branches N (default {d['n']})")

@@ -97,7 +97,8 @@ def suffix_attend(ctx_len, length, positions, ck, cv, window, scale):
 
 def prefill_suffix(cfg, params, ctx: ContextCache, tokens: jax.Array, lengths: jax.Array,
                    post_layer=None, bridge_params=None, prompt_logprobs: int = -1,
-                   vocab_limit: int | None = None, ctx_logits: jax.Array | None = None):
+                   vocab_limit: int | None = None, ctx_logits: jax.Array | None = None,
+                   prefix_kv_dtype: str = "auto"):
     """Prefill each prompt's own suffix once, after the common context.
 
     Row r's token j sits at position C + j and attends to every valid context
@@ -109,7 +110,7 @@ def prefill_suffix(cfg, params, ctx: ContextCache, tokens: jax.Array, lengths: j
       ctx: the `ContextCache` of `prefill_context`.
       tokens: `[R, P]` int32 right-padded suffixes; lengths: `[R]` int32 >= 1.
       params (list layout), post_layer, bridge_params, prompt_logprobs,
-        vocab_limit: as `prefill.prefill`.
+        vocab_limit, prefix_kv_dtype: as `prefill.prefill`.
       ctx_logits: `[V]` float32, the context's last-position logits (needed
         with prompt_logprobs: they score each suffix's first token).
     Returns:
@@ -143,5 +144,5 @@ def prefill_suffix(cfg, params, ctx: ContextCache, tokens: jax.Array, lengths: j
         return out
 
     out = jax.vmap(one)(tokens, lengths)
-    logits, (k, v) = out[0], stored_prefix(cfg, params, *out[1:3])
+    logits, (k, v) = out[0], stored_prefix(cfg, params, *out[1:3], prefix_kv_dtype)
     return (PrefixCache(k, v, lengths), logits) + tuple(out[3:])

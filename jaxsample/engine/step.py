@@ -57,7 +57,9 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
     self_mask = jnp.ones((1, 1), bool)
 
     base = 0 if context is None else context.length  # position of the prefix's slot 0
-    kernel = quant.is_quantized(params)  # the int8 step's prefix attention: the CPU kernel
+    # The int8 step's prefix attention: the CPU kernel, unless the model's
+    # `cpu_kernels` is "off" (its weights say so: `QuantizedWeight.kernels`).
+    kernel = quant.uses_cpu_kernels(params)
     if attention == "pallas":
         backend, interpret = kernels.kernel_backend()
 

@@ -49,10 +49,18 @@ Built on first use in a process that runs an int8 model: `$CXX` (default
 and jaxlib's version; a `.sha256` beside it is checked before loading), or a
 temporary directory when the caches are off. The loaded library must pass a
 self-test against numpy before it is used. Where any of this fails (no
-compiler, not x86-64 with AVX2, `JAXSAMPLE_CPU_KERNELS=0`), one log line says
-why and the products stay XLA's `dot_general`: same results (bit for bit for
-W8A8), slower. Where JAX's default backend is not the CPU (a GPU, a TPU)
-nothing is built and the programs keep `dot_general` (`active()`).
+compiler, not x86-64 with AVX2), one log line says why and the products stay
+XLA's `dot_general`: same results (bit for bit for W8A8), slower. Where JAX's
+default backend is not the CPU (a GPU, a TPU) nothing is built and the
+programs keep `dot_general` (`active()`).
+
+Which models use them is each model's choice, `LanguageModel.cpu_kernels`
+("auto" or "off", `CHOICES`), carried to the traced code by its int8 weights
+(`quant.QuantizedWeight.kernels`): this module only says whether they can run
+in this process. `JAXSAMPLE_CPU_KERNELS=0` (`ENV`) keeps them unbuilt for the
+whole process, overriding "auto" (`override`: `jaxsample.loading.load_info`
+reports it and the load logs it); `avx2` caps the int8 product's instruction
+set (`isa`).
 
 Reference: the AVX2 int8 dot is ggml's sign trick (llama.cpp, ggml-cpu); the
 VNNI one the unsigned-offset form of oneDNN's u8 x s8 GEMMs; the FFI is XLA's
@@ -81,9 +89,17 @@ import numpy as np
 
 from jaxsample import cache_paths
 
+CHOICES = ("auto", "off")
+"""A model's `cpu_kernels` (`LanguageModel.cpu_kernels`, carried to the traced code by
+its int8 weights, `quant.QuantizedWeight.kernels`): "auto" runs its products (and a
+W8A8 model's prefix attention) as these kernels where `active()`, "off" keeps XLA's
+`dot_general` in this model's programs whatever the process has built."""
+
 ENV = "JAXSAMPLE_CPU_KERNELS"
-"""Set to 0 / false / no / off to keep XLA's dot_general (the A/B of the benchmarks), or
-to avx2 to keep the kernels but not their AVX-512 VNNI int8 product (`isa`)."""
+"""The process's override of every model's `cpu_kernels`: 0 / false / no / off keeps XLA's
+dot_general (the A/B of the benchmarks) even for a model whose field is "auto" (which
+changes its numerics: `override`), avx2 keeps the kernels but not their AVX-512 VNNI int8
+product (`isa`: the same results bit for bit)."""
 ISAS = ("avx2", "avx512-vnni")
 """The int8 product's instruction sets, by level (`isa`, `use_isa`)."""
 
@@ -111,8 +127,28 @@ _ISA_LOCK = threading.RLock()  # one use_isa block at a time (the level is the p
 _ON = ("", "1", "on", "true", "yes")  # ENV values that keep the kernels on at the best ISA
 
 
+def _env_off() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def override(choice: str) -> str | None:
+    """What `JAXSAMPLE_CPU_KERNELS` overrides of a model whose `cpu_kernels` is `choice`
+    (one of `CHOICES`), as one sentence naming the variable, or None when it overrides
+    nothing: set to 0 (or off, false, no) it turns off the kernels that "auto" would
+    run, so the model's int8 products are XLA's and a W8A8 model's prefix KV stays
+    float32 (`engine.state.prefix_kv_dtype`): other numerics than the field asks for.
+    The variable is read once per process, when the kernels are first built (`enabled`,
+    called here): set later it overrides nothing. The ISA cap (avx2) changes no result
+    and overrides no field: `isa` says it."""
+    if choice == "auto" and _env_off() and not enabled() and _STATE["status"].startswith(
+            f"{ENV}="):
+        return (f"{ENV}={os.environ[ENV]} overrides cpu_kernels='auto': the int8 products "
+                "run as XLA's dot_general and a W8A8 model's prefix KV stays float32")
+    return None
+
+
 def _off_reason() -> str | None:
-    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    if _env_off():
         return f"{ENV}={os.environ[ENV]}"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"not x86-64 Linux ({platform.system()} {platform.machine()})"
@@ -286,8 +322,7 @@ def enabled() -> bool:
                 if isinstance(e, AttributeError):  # a library without our symbols
                     reason += "; `jaxsample cache clear --kernels` rebuilds them"
         _STATE["status"] = "on" if reason is None else reason
-        if reason is not None and os.environ.get(ENV, "").strip().lower() not in (
-                "0", "false", "no", "off"):
+        if reason is not None and not _env_off():
             log.warning("jaxsample: warning: int8 CPU kernels off (%s); int8 products run "
                         "as XLA's dot_general, slower", reason)
     return _STATE["status"] == "on"

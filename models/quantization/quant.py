@@ -66,6 +66,12 @@ class QuantizedWeight:
         "bfloat16"); `.dtype` answers it, so code that casts to the weight's
         dtype keeps the model dtype.
       mode: one of `MODES`.
+      kernels: whether its product may run as the CPU kernels' custom calls
+        (`cpu_kernels.active()` decides where they can); False keeps XLA's
+        `dot_general` on every backend. Set per model from
+        `LanguageModel.cpu_kernels` (`with_cpu_kernels`): it is static, part of the
+        pytree's structure, so programs traced with either value never share a
+        compiled or exported entry.
       outliers: None, or `(idx, keep, w)`: the input channels kept in float
         (`idx` int32 `[K]`; `keep` float32 `[in]`, 0 on those channels and 1
         elsewhere; `w` float32 `[K, out]`, their rows of the matrix this stands
@@ -76,22 +82,25 @@ class QuantizedWeight:
     """
 
     def __init__(self, q, scale, outliers=None, *, rows: bool = False,
-                 transposed: bool = False, compute: str = "float32", mode: str = DEFAULT_MODE):
+                 transposed: bool = False, compute: str = "float32", mode: str = DEFAULT_MODE,
+                 kernels: bool = True):
         self.q, self.scale, self.outliers = q, scale, outliers
         self.rows, self.transposed, self.compute, self.mode = rows, transposed, compute, mode
+        self.kernels = kernels
 
     def tree_flatten(self):
         return ((self.q, self.scale, self.outliers),
-                (self.rows, self.transposed, self.compute, self.mode))
+                (self.rows, self.transposed, self.compute, self.mode, self.kernels))
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
-        rows, transposed, compute, mode = aux
-        return cls(*leaves, rows=rows, transposed=transposed, compute=compute, mode=mode)
+        rows, transposed, compute, mode, kernels = aux
+        return cls(*leaves, rows=rows, transposed=transposed, compute=compute, mode=mode,
+                   kernels=kernels)
 
     def _replace(self, **changes) -> "QuantizedWeight":
         kw = dict(rows=self.rows, transposed=self.transposed, compute=self.compute,
-                  mode=self.mode)
+                  mode=self.mode, kernels=self.kernels)
         kw.update(changes)
         return QuantizedWeight(self.q, self.scale, self.outliers, **kw)
 
@@ -130,7 +139,8 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return (f"QuantizedWeight(shape={self.shape}, rows={self.rows}, "
-                f"transposed={self.transposed}, compute={self.compute!r}, mode={self.mode!r})")
+                f"transposed={self.transposed}, compute={self.compute!r}, mode={self.mode!r}, "
+                f"kernels={self.kernels})")
 
 
 def quantize(w, *, rows: bool = False, compute: str = "float32",
@@ -189,8 +199,9 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     """`x [..., in] @ w [in, out] -> [..., out]` for a float array or a `QuantizedWeight`.
 
     A float `w` is exactly `jnp.einsum("...e,ev->...v", x, w,
-    preferred_element_type=...)`. A quantised one runs in its `mode`; the
-    result has dtype `preferred_element_type`, else x's.
+    preferred_element_type=...)`. A quantised one runs in its `mode`, through the
+    CPU kernels where `w.kernels` and `cpu_kernels.active()`; the result has dtype
+    `preferred_element_type`, else x's.
     """
     if not isinstance(w, QuantizedWeight):
         if hasattr(w, "calibration_product"):  # models.quantization.outliers' probe
@@ -202,8 +213,9 @@ def matmul(x: jax.Array, w, preferred_element_type=None) -> jax.Array:
     dims = (((x.ndim - 1,), (1 if w.transposed else 0,)), ((), ()))
     extra = w.outliers or ()
     if w.mode == "w8a8":
-        return _w8a8_fn(bool(w.transposed))(x, w.q, w.scale, *extra).astype(out)
-    if w.transposed and x.dtype == jnp.float32 and cpu_kernels.active():
+        return _w8a8_fn(bool(w.transposed), bool(w.kernels))(x, w.q, w.scale,
+                                                              *extra).astype(out)
+    if w.transposed and w.kernels and x.dtype == jnp.float32 and cpu_kernels.active():
         y = cpu_kernels.f32_int8_dot(x.reshape(-1, x.shape[-1]), w.q)  # vmaps as one call
         y = y.reshape(x.shape[:-1] + y.shape[-1:])
     else:
@@ -222,14 +234,16 @@ def _outlier_part(x, idx, w_out):
     return jnp.einsum("...k,ko->...o", xo, w_out.astype(jnp.float32))
 
 
-def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool):
+def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool,
+               kernels: bool = True):
     """x `[M, in]` -> float32 `[M, out]`: x quantised per row, int8 x int8 -> int32 dot.
 
     A row's scale is `max |x| / 127` over its channels (outside the outlier
     channels), 1 for an all-zero row; a row holding a NaN or an infinity gives NaN
     outputs (its scale is NaN or inf, never replaced).
 
-    For a weight stored `[out, in]` with the CPU kernels on, the whole of it is
+    For a weight stored `[out, in]` with the CPU kernels on (and `kernels`, the
+    weight's `QuantizedWeight.kernels`), the whole of it is
     one custom call, `cpu_kernels.w8a8_dot` (the same steps: bit for bit without
     outlier channels, their float32 sum's rounding apart with them). Else XLA's
     expression (`w8a8_expression`), a single row padded with a zero row: XLA CPU
@@ -239,7 +253,7 @@ def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool
     faster (and faster than the float32 dot).
     """
     xf = x.astype(jnp.float32)
-    if transposed and cpu_kernels.uses_int8_kernel(*x.shape):
+    if transposed and kernels and cpu_kernels.uses_int8_kernel(*x.shape):
         return cpu_kernels.w8a8_dot(xf, q, scale, None if idx is None else (idx, keep, w_out))
     one = x.shape[0] == 1
     if one:
@@ -278,7 +292,7 @@ def w8a8_expression(xf, q, scale, idx=None, keep=None, w_out=None, *, transposed
 
 
 @functools.lru_cache(maxsize=None)
-def _w8a8_fn(transposed: bool):
+def _w8a8_fn(transposed: bool, kernels: bool = True):
     """The W8A8 product `f(x [..., in], q, scale[, idx, keep, w_out]) -> [..., out]`
     float32 (the outlier channels' leaves, if any), with a `custom_vmap` rule that folds
     vmapped axes of x into its rows (so the product sees the true row count of the
@@ -286,7 +300,7 @@ def _w8a8_fn(transposed: bool):
     x through the dequantised weights, as the float model's; none for the weights)."""
 
     def flat(x, *w):
-        y = _w8a8_rows(x.reshape(-1, x.shape[-1]), *w, transposed=transposed)
+        y = _w8a8_rows(x.reshape(-1, x.shape[-1]), *w, transposed=transposed, kernels=kernels)
         return y.reshape(x.shape[:-1] + y.shape[-1:])
 
     f = custom_batching.custom_vmap(flat)
@@ -517,6 +531,27 @@ def with_mode(params, mode: str):
     is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
     return jax.tree_util.tree_map(lambda a: a._replace(mode=mode) if is_q(a) else a, params,
                                   is_leaf=is_q)
+
+
+def with_cpu_kernels(params, on: bool):
+    """The same parameters with every `QuantizedWeight`'s `kernels` set to `on` (no
+    copy of any array); `params` itself when every one already says so (float
+    parameters included)."""
+    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_q)
+    if all(a.kernels == on for a in leaves if is_q(a)):
+        return params
+    return jax.tree_util.tree_map(lambda a: a._replace(kernels=on) if is_q(a) else a, params,
+                                  is_leaf=is_q)
+
+
+def uses_cpu_kernels(params) -> bool:
+    """Whether a program traced now over `params` may call the CPU kernels: a
+    `QuantizedWeight` leaf with `kernels` True and `cpu_kernels.active()` (the decode
+    step's prefix attention goes to the kernel then, `engine.step`)."""
+    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
+    return (any(a.kernels for a in jax.tree_util.tree_leaves(params, is_leaf=is_q) if is_q(a))
+            and cpu_kernels.active())
 
 
 def modes(params) -> set[str]:

@@ -568,6 +568,22 @@ def test_prompt_format_forces_the_reading(tmp_path):
     assert cli.read_requests(args, cfg)[0].prompt == "x"
 
 
+def test_int8_switch_flags_reach_the_model_config(tmp_path):
+    """--prefix-kv-dtype and --cpu-kernels set `ModelConfig`'s fields over a config
+    file's; other values are refused by the parser, naming the choices."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {weights: int8, prefix_kv_dtype: model}\n")
+    args = cli.build_parser().parse_args(["run", "--prompt", "x", "--config", str(f),
+                                          "--cpu-kernels", "off"])
+    m = cli.resolve_run_config(args).model
+    assert (m.weights, m.prefix_kv_dtype, m.cpu_kernels) == ("int8", "model", "off")
+    args = cli.build_parser().parse_args(["run", "--prompt", "x", "--prefix-kv-dtype", "model"])
+    m = cli.resolve_run_config(args).model
+    assert (m.weights, m.prefix_kv_dtype, m.cpu_kernels) == (None, "model", "auto")
+    code, out, err = _main_captured(["run", "--prompt", "x", "--cpu-kernels", "avx2"])
+    assert code == 2 and "--cpu-kernels" in err and "'auto', 'off'" in err
+
+
 # ---------------------------------------------------------------------------
 # Checks made from the model's metadata, before its weights load
 

@@ -48,6 +48,19 @@ def test_named_configs():
     assert gpu.model.dtype == "bfloat16" and gpu.mesh.branch > 1 and gpu.sampling.n >= 32
 
 
+def test_the_model_switches(tmp_path):
+    """model.prefix_kv_dtype and model.cpu_kernels: "auto" by default, read from a file,
+    round-tripped by to_dict."""
+    assert (config.RunConfig().model.prefix_kv_dtype, config.RunConfig().model.cpu_kernels) == (
+        "auto", "auto")
+    f = tmp_path / "switches.yaml"
+    f.write_text("model: {weights: int8, prefix_kv_dtype: model, cpu_kernels: 'off'}\n")
+    cfg = config.load_config(f)
+    assert (cfg.model.weights, cfg.model.prefix_kv_dtype, cfg.model.cpu_kernels) == (
+        "int8", "model", "off")
+    assert config.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
 def test_defaults_and_partial_files(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
@@ -67,6 +80,9 @@ def test_defaults_and_partial_files(tmp_path):
     ("modle: {}", ["unknown key 'modle'", "model, sampling"]),
     ("model: {nmae: x}", ["model.nmae", "name, dtype"]),
     ("model: {dtype: float16}", ["model.dtype", "float32, bfloat16", "float16"]),
+    ("model: {prefix_kv_dtype: float16}", ["model.prefix_kv_dtype", "auto, model", "float16"]),
+    ("model: {cpu_kernels: avx2}", ["model.cpu_kernels", "auto, off", "avx2"]),
+    ("model: {cpu_kernels: off}", ["model.cpu_kernels", "auto, off", "False", "write 'off'"]),
     ("sampling: {temprature: 1}", ["sampling.temprature", "temperature"]),
     ("sampling: {num_return_sequences: 4}", ["sampling.num_return_sequences", "use n"]),
     ("sampling: {do_sample: false}", ["sampling.do_sample", "temperature=0"]),

@@ -328,7 +328,7 @@ def test_cached_decode_equals_own_forward_weight_only(qlm):
 
 
 @pytest.mark.slow
-def test_cached_decode_near_own_forward_w8a8(qlm, monkeypatch):
+def test_cached_decode_near_own_forward_w8a8(qlm):
     """W8A8 (the default): the same comparison, bounded by the activation quantiser.
     W8A8 rounds each activation row to int8 (`round(x / a)`), a step function: the
     decode and the full forward compute x in a different order, so where x / a lies
@@ -342,9 +342,9 @@ def test_cached_decode_near_own_forward_w8a8(qlm, monkeypatch):
     prefix moves every later activation by its rounding, and W8A8 turns that into
     whole steps at many more elements (a median of 8e-3 nats here); its storage is
     checked against this path in `test_float16_prefix_is_the_float32_prefix_rounded`."""
-    monkeypatch.setattr(state, "PREFIX_KV_FLOAT16", False)
-    errs = _decode_against_forward(qlm, engine.generate(
-        qlm, PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=7)))
+    lm = dataclasses.replace(qlm, prefix_kv_dtype="model")
+    errs = _decode_against_forward(lm, engine.generate(
+        lm, PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=7)))
     assert errs.size > 30
     assert np.median(errs) <= 1e-4, np.median(errs)
     assert errs.max() <= 0.25, errs.max()
@@ -352,13 +352,13 @@ def test_cached_decode_near_own_forward_w8a8(qlm, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.kernels
-def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm, monkeypatch):
+def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm):
     """Where the CPU kernel reads it, a W8A8 model's prefix KV is stored in float16
     (`state.prefix_kv_dtype`): exactly the float32 prefill's K and V rounded to
     float16, and a decode step of 3 branches over it (the kernel widens each element
     exactly) equals, bit for bit, the same step over a float32 prefix holding those
     rounded values (the same kernel code on the same numbers). Values beyond float16's
-    range saturate. `PREFIX_KV_FLOAT16 = False` stores float32; weight-only int8 and
+    range saturate. `prefix_kv_dtype="model"` stores float32; weight-only int8 and
     a float32 model never store float16."""
     if not cpu_kernels.active():
         pytest.skip(f"the CPU kernels are off here ({cpu_kernels._STATE.get('status')})")
@@ -368,25 +368,26 @@ def test_float16_prefix_is_the_float32_prefix_rounded(tiny_lm, qlm, monkeypatch)
     ids = jnp.asarray(rng.integers(0, qlm.vocab_limit, (2, 16)), jnp.int32)
     lengths = jnp.asarray([16, 11], jnp.int32)
 
-    def prefix(params):  # a new function each call: traced under the knob's value now
-        return jax.jit(lambda p: prefill_fn(cfg, p, ids, lengths)[0])(params)
+    def prefix(params, kvd="auto"):  # the model's prefix_kv_dtype: a static argument
+        return jax.jit(lambda p: prefill_fn(cfg, p, ids, lengths, prefix_kv_dtype=kvd)[0])(params)
 
     ctx = jax.jit(lambda p: prefill_context(cfg, p, ids[0, :8], jnp.int32(8))[0])(w8)
 
-    def suffixes(params):  # the prompts' own caches after a common context (shared_prefix=)
-        return jax.jit(lambda p: prefill_suffix(cfg, p, ctx, ids, lengths)[0])(params)
+    def suffixes(params, kvd="auto"):  # the prompts' own caches after a common context
+        return jax.jit(lambda p: prefill_suffix(cfg, p, ctx, ids, lengths,
+                                                prefix_kv_dtype=kvd)[0])(params)
 
     half, half_s = prefix(w8), suffixes(w8)
     assert {a.dtype for a in half.k + half.v + half_s.k + half_s.v} == {jnp.dtype(jnp.float16)}
     assert {a.dtype for a in ctx.k + ctx.v} == {jnp.dtype(jnp.float32)}  # the context stays
-    monkeypatch.setattr(state, "PREFIX_KV_FLOAT16", False)
-    full, full_s = prefix(w8), suffixes(w8)
+    full, full_s = prefix(w8, "model"), suffixes(w8, "model")
     assert {a.dtype for a in full.k + full.v} == {jnp.dtype(jnp.float32)}
     for a, b in zip(half.k + half.v + half_s.k + half_s.v,
                     full.k + full.v + full_s.k + full_s.v):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.float16)))
-    monkeypatch.setattr(state, "PREFIX_KV_FLOAT16", True)
     assert state.prefix_kv_dtype(cfg, w8) == jnp.float16
+    assert state.prefix_kv_dtype(cfg, w8, "model") is None
+    assert state.prefix_kv_dtype(cfg, quant.with_cpu_kernels(w8, False)) is None
     assert state.prefix_kv_dtype(cfg, quant.with_mode(w8, "weight_only")) is None
     assert state.prefix_kv_dtype(tiny_lm.config, tiny_lm.params) is None
 
@@ -526,7 +527,7 @@ def test_mesh_equals_unsharded(qlm, mode, atol):
 
 
 @pytest.mark.slow
-def test_shared_prefix_and_zero_bridge(qlm, sampled, monkeypatch):
+def test_shared_prefix_and_zero_bridge(qlm, sampled):
     """Shared prefix = the prompts with the context prepended. Weight-only at float32's
     tolerance; W8A8 rounds x / s_x to an integer, and the two programs' attention sums
     differ in the last float32 bits, so an activation on a rounding tie flips one int8
@@ -536,15 +537,14 @@ def test_shared_prefix_and_zero_bridge(qlm, sampled, monkeypatch):
     its context positions in float16, the shared context stays float32), so the prefix
     is kept float32 here; its float16 storage is checked in
     `test_float16_prefix_is_the_float32_prefix_rounded`."""
-    monkeypatch.setattr(state, "PREFIX_KV_FLOAT16", False)
     context = "Few-shot context shared by all: 1+1=2. 2+3=5. Now: "
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=5)
     for mode, atol in (("weight_only", 1e-5), ("w8a8", 0.05)):
-        lm8 = dataclasses.replace(qlm, params=quant.with_mode(qlm.params, mode))
+        lm8 = dataclasses.replace(qlm, params=quant.with_mode(qlm.params, mode),
+                                  prefix_kv_dtype="model")
         got = engine.generate(lm8, PROMPTS, params, shared_prefix=context)
         ref = engine.generate(lm8, [context + p for p in PROMPTS], params)
         assert_same_tokens_up_to_ties(lm8, ref, got, logprob_atol=atol)
-    monkeypatch.setattr(state, "PREFIX_KV_FLOAT16", True)  # as `sampled` (float16 prefix)
     cfg = bridge_lib.BridgeConfig(dim=8, n_heads=2)
     zero = engine.generate(qlm, PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=12,
                                                         seed=7), bridge=bridge_lib.init(qlm, cfg))
@@ -581,9 +581,11 @@ def test_cli_weights_flag_and_config(tmp_path, monkeypatch):
                                     "--json", "--quiet"])
     assert code == 0, err
     assert seen[-1]["weights"] == "int8" and json.loads(out)
+    assert (seen[-1]["prefix_kv_dtype"], seen[-1]["cpu_kernels"]) == ("auto", "auto")
     code, out, err = main_captured(["run", "--model", gguf, "--prompt", "hi", "--n", "2",
                                     "--max-new-tokens", "4", "--seed", "0", "--weights",
-                                    "int8-weight-only", "--json", "--quiet"])
+                                    "int8-weight-only", "--cpu-kernels", "off", "--json",
+                                    "--quiet"])
     assert code == 0, err
-    assert seen[-1]["weights"] == "int8-weight-only"
+    assert seen[-1]["weights"] == "int8-weight-only" and seen[-1]["cpu_kernels"] == "off"
     assert json.loads(out)["weights"] == "int8-weight-only"
