@@ -3,7 +3,7 @@ the prefill kernels, int8 weights, the Hugging Face peer and the attention kerne
 for random-weight Llama shapes of 1B and 8B (bfloat16), within one time budget.
 
 benchmarks/gpu_run.sh runs it (its header is the plan of the one GPU call);
-`--smoke` runs every part at tiny shapes on the CPU (tests/test_gpu_run.py), with
+`--smoke` runs every part at tiny shapes on the CPU (tests/kernels/test_gpu_run.py), with
 the CPU kernels off (`JAXSAMPLE_CPU_KERNELS=0`: int8 through XLA's products, the
 path off the CPU).
 Letters as in docs/ARCHITECTURE.md (P prompt tokens, N branches, T new tokens).
@@ -120,8 +120,9 @@ def _lm(shapes, dtype, weights=None, seed=0):
     import jax
 
     from jaxsample.lm import LanguageModel
-    from jaxsample.models import cpu_kernels, llama
-    from jaxsample.models.tokenizer import ByteTokenizer
+    from jaxsample.models.cpu_kernels import cpu_kernels
+    from jaxsample.models.families import llama
+    from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
 
     cfg = llama.LlamaConfig(**shapes, dtype=dtype)
     t0 = time.perf_counter()
@@ -402,7 +403,7 @@ def _prefill(lm, P, kernel, repeats=3):
     import numpy as np
 
     from jaxsample.engine.prefill import prefill
-    from jaxsample.models import flash
+    from jaxsample.models.families import flash
 
     table = flash.BLOCKWISE_FROM
     flash.BLOCKWISE_FROM = tuple((b, 1 if kernel == "blockwise" else 2**31) for b, _ in table)

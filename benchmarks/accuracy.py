@@ -263,8 +263,9 @@ def main(argv=None):
     ap.add_argument("--weights", default=None,
                     choices=["int8", "int8-weight-only", "int8-no-outliers"],
                     help="load(weights='int8'): int8 projections, W8A8 (the default) or "
-                         "weight-only (quant.with_mode), models/quant.py; int8-no-outliers: "
-                         "W8A8 without the calibrated outlier channels (models/outliers.py)")
+                         "weight-only (quant.with_mode), models/quantization/quant.py; "
+                         "int8-no-outliers: W8A8 without the calibrated outlier channels "
+                         "(models/quantization/outliers.py)")
     ap.add_argument("--out", default=str(RESULTS / "accuracy.json"))
     ap.add_argument("--from-json", default=None, help="recompute tables/plot from a saved pool")
     ap.add_argument("--probe", default=None, help="comma-separated families to probe first")
@@ -291,7 +292,7 @@ def main(argv=None):
     if args.weights == "int8-weight-only":
         import dataclasses
 
-        from jaxsample.models import quant
+        from jaxsample.models.quantization import quant
 
         lm = dataclasses.replace(lm, params=quant.with_mode(lm.params, "weight_only"))
     elif args.weights == "int8-no-outliers":

@@ -99,7 +99,7 @@ def parse_args(argv=None):
 
 def load_model(args):
     if args.tiny:
-        from jaxsample.models.tiny import make_tiny_lm
+        from jaxsample.tiny import make_tiny_lm
 
         return make_tiny_lm()
     from jaxsample.loading import load

@@ -17,7 +17,6 @@ before a crash, a timeout or an out-of-memory kill still come back.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -242,28 +241,15 @@ class NoEosTokenizer:
 
 def int8_without_outliers(lm):
     """`lm` (float, list layout) quantised as `load(weights="int8")` did before its
-    outlier channels (`models.outliers`): every input channel through the int8 W8A8
+    outlier channels (`models.quantization.outliers`): every input channel through the int8 W8A8
     product. The baseline the outlier-channel benchmarks compare against."""
     import jax
     import jax.numpy as jnp
 
-    from jaxsample.models import quant
+    from jaxsample.models.quantization import quant
 
     params = jax.tree_util.tree_map(jnp.asarray, quant.quantize_params(lm.params))
     return dataclasses.replace(lm, params=params)
-
-
-@contextlib.contextmanager
-def prefix_kv_float32():
-    """Within the block, a W8A8 model's prefix KV is prefilled float32, as before
-    `engine.state.prefix_kv_dtype` stored it in float16 (the A/B of that change)."""
-    from jaxsample.engine import state
-
-    state.PREFIX_KV_FLOAT16 = False
-    try:
-        yield
-    finally:
-        state.PREFIX_KV_FLOAT16 = True
 
 
 # The 8B-class Llama (Llama-3.1-8B shapes, untied head).
@@ -295,7 +281,8 @@ def random_params(cfg, *, seed=0, weights=None):
     import jax
     import jax.numpy as jnp
 
-    from jaxsample.models import families, outliers, quant
+    from jaxsample.models.families import families
+    from jaxsample.models.quantization import outliers, quant
 
     fam = families.module_for(cfg)
     shapes = jax.eval_shape(lambda: fam.unstack_layers(fam.init_params(cfg, jax.random.key(0))))
@@ -370,8 +357,8 @@ def load_jax_model(model, dtype, weights=None):
         import numpy as np
 
         from jaxsample.lm import LanguageModel
-        from jaxsample.models import llama
-        from jaxsample.models.tokenizer import ByteTokenizer
+        from jaxsample.models.families import llama
+        from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
 
         if weights not in (None, "int8", "int8-weight-only"):
             raise ValueError(f"unknown weights {weights!r}")
@@ -380,7 +367,7 @@ def load_jax_model(model, dtype, weights=None):
         if weights in ("int8", "int8-weight-only"):
             import jax.numpy as jnp
 
-            from jaxsample.models import outliers, quant
+            from jaxsample.models.quantization import outliers, quant
 
             tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 256, dtype=np.int32)
             kept = outliers.outlier_channels(outliers.channel_maxima(cfg, params, tokens))

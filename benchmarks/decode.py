@@ -6,7 +6,7 @@ benchmarks/peers/llamacpp.py:
 `--llamacpp-bin DIR --llamacpp-model F32.gguf`, skipped with the reason in the
 row when absent) and the hardware limit (a memory-bandwidth roofline measured
 in the same run). Engine `jaxsample-int8`: the shared-prefix engine on
-`load(..., weights="int8")` (W8A8, models/quant.py); `jaxsample-int8-wo` on
+`load(..., weights="int8")` (W8A8, models/quantization/quant.py); `jaxsample-int8-wo` on
 `weights="int8-weight-only"`.
 
 The quantised side by side (issue 22 part 4: jaxsample float32 and int8
@@ -32,7 +32,7 @@ This module is the grid: it schedules one worker per cell (the worker
 protocol of benchmarks/common.py), adds the roofline, pairs the engines and
 prints the tables; the cells themselves live in benchmarks/peers/.
 
-How it measures (letters as in models/llama.py: P prompt tokens, N branches,
+How it measures (letters as in models/families/llama.py: P prompt tokens, N branches,
 T new tokens):
 
 * Every (engine, P, N) cell runs in a fresh subprocess (`--isolate cell`), so

@@ -188,7 +188,7 @@ def main(argv=None):
 
     jaxsample.enable_compilation_cache()
     if args.tiny:
-        from jaxsample.models.tiny import make_tiny_lm
+        from jaxsample.tiny import make_tiny_lm
 
         lm = make_tiny_lm()
     else:

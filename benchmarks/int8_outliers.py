@@ -1,12 +1,12 @@
 """Where W8A8's accuracy goes, and three known remedies measured (SmolLM2, CPU).
 
-The W8A8 product (`models.quant`, activations quantised per row) with every
+The W8A8 product (`models.quantization.quant`, activations quantised per row) with every
 input channel in int8 more than doubles weight-only's last-position logit
 error against float32 (docs/benchmarks.md, "Int8 weights"). The usual
 cause is activation outlier channels: one large channel sets a row's scale
 and flattens the others. Three remedies:
 
-* outlier channels (the library's, `models.outliers`, on by default in
+* outlier channels (the library's, `models.quantization.outliers`, on by default in
   `load(weights="int8")`): each projection's K largest input channels by
   calibration kept float; K = 16 as shipped, and 4, 8, 32;
 * activation blocks: each row's blocks of B input channels get their own
@@ -22,7 +22,7 @@ and flattens the others. Three remedies:
 Calibration (SmoothQuant's): the float32 model run on chat prompts of the
 bundled tasks (add1, word, compare; seed 1) and two long-answer prompts,
 joined into one sequence, recording max|x| per input channel at each
-projection (`models.outliers.channel_maxima`; the outlier channels use the
+projection (`models.quantization.outliers.channel_maxima`; the outlier channels use the
 library's own built-in calibration text). Evaluation: the 20 prompts of
 `benchmarks/quantized.py`, whose last-position logits are compared with
 float32's (max |diff| / std of the float32 logits, median and max over
@@ -49,7 +49,7 @@ def blocked_rows(block):
     import jax
     import jax.numpy as jnp
 
-    def rows(x, q, scale, *, transposed):
+    def rows(x, q, scale, *, transposed, kernels=True):  # kernels: unused (XLA only)
         one = x.shape[0] == 1
         xf = x.astype(jnp.float32)
         if one:
@@ -70,9 +70,10 @@ def blocked_rows(block):
 
 
 def calibrate(lm, texts):
-    """{(layer, key) or "head": max|x| per input channel}: `models.outliers.channel_maxima`
-    over the texts, each through the chat template, joined into one sequence."""
-    from jaxsample.models import outliers
+    """{(layer, key) or "head": max|x| per input channel}:
+    `models.quantization.outliers.channel_maxima` over the texts, each through the chat
+    template, joined into one sequence."""
+    from jaxsample.models.quantization import outliers
 
     tok = lm.tokenizer
     ids = [i for t in texts for i in tok.encode(
@@ -122,7 +123,7 @@ def main(argv=None):
     import jax.numpy as jnp
 
     from jaxsample.loading import load
-    from jaxsample.models import outliers, quant
+    from jaxsample.models.quantization import outliers, quant
 
     from benchmarks.quantized import PROMPTS
     from benchmarks.tasks import make_tasks

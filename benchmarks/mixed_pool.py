@@ -88,7 +88,7 @@ def worker(mode: str, model: str, count: int) -> dict:
     import jax
 
     from jaxsample import LLM, engine
-    from jaxsample.models.tiny import make_tiny_lm
+    from jaxsample.tiny import make_tiny_lm
 
     lm = make_tiny_lm() if model == "tiny" else None
     llm = LLM(lm if lm is not None else model, compilation_cache=False)

@@ -1,7 +1,7 @@
 """The MoE expert compute, three ways, side by side in one process (CPU).
 
 For T tokens (the N branches of a decode step, T = N), one Mixtral-like
-layer (X experts, top k, model dim E, expert width F): `models.moe.expert_mix`
+layer (X experts, top k, model dim E, expert width F): `models.families.moe.expert_mix`
 with impl "dense" (one-hot einsum over all experts), "gather" (each token's
 k expert matrices gathered) and "sorted" (assignments sorted by expert,
 `lax.ragged_dot`). Each jitted, warmed up, then timed interleaved (round
@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxsample.models import moe
+from jaxsample.models.families import moe
 
 
 def main():

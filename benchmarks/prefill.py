@@ -5,13 +5,13 @@ Usage (CPU, the embedded SmolLM2-135M-Instruct in float32):
     python -m benchmarks.prefill                     # P = 1024, 4096, 8192
     python -m benchmarks.prefill --prompt-lengths 256 --repeats 3 --out /tmp/p.json
 
-What it measures (letters as in models/llama.py: P prompt tokens, L layers):
+What it measures (letters as in models/families/llama.py: P prompt tokens, L layers):
 
 * Every (kernel, P) cell runs in a fresh subprocess (the worker protocol of
   benchmarks/common.py), so its peak resident set size is its own (polled
   every 5 ms during the timed calls, `common.PeakRSS`; on an accelerator
   `peak_bytes_in_use`). The
-  kernel is forced through `models.flash.BLOCKWISE_FROM` (dense: never
+  kernel is forced through `models.families.flash.BLOCKWISE_FROM` (dense: never
   blockwise) before anything is traced.
 * The program is the engine's prefill (`jaxsample.engine.prefill.prefill`,
   one right-padded prompt, last-position logits and the L-layer KV cache),
@@ -34,7 +34,7 @@ What it measures (letters as in models/llama.py: P prompt tokens, L layers):
   layers). `--layer-check S` (default 8192) runs one attention layer at
   SmolLM2's H, K, D with random q, k, v through both kernels against a
   float64 numpy oracle: errors relative to max |v|, flagged against the
-  tests' bound 1e-5 (tests/test_flash_prefill.py).
+  tests' bound 1e-5 (tests/models/test_flash_prefill.py).
 
 Writes one JSON file (`--out`, default benchmarks/results/prefill.json) and
 prints a table.
@@ -61,7 +61,7 @@ KERNELS = ("dense", "blockwise", "noattn")
 
 
 def _analytic(cfg, P, kernel, block):
-    from jaxsample.models import flash
+    from jaxsample.models.families import flash
 
     E, F, L = cfg.dim, cfg.ffn_dim, cfg.n_layers
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -82,7 +82,7 @@ def worker(spec):
     import jax
     import jax.numpy as jnp
 
-    from jaxsample.models import flash
+    from jaxsample.models.families import flash
 
     if spec["kernel"] == "dense":
         flash.BLOCKWISE_FROM = tuple((b, 2**31) for b, _ in flash.BLOCKWISE_FROM)
@@ -90,7 +90,7 @@ def worker(spec):
         flash.BLOCKWISE_FROM = tuple((b, 1) for b, _ in flash.BLOCKWISE_FROM)
         flash.BLOCK = spec["block"] or flash.BLOCK
     elif spec["kernel"] == "noattn":  # the identity on q: everything but the attention
-        from jaxsample.models import gemma3, llama
+        from jaxsample.models.families import gemma3, llama
 
         for fam in (llama, gemma3):
             fam.causal_attend = lambda *a, **k: (lambda q, k_, v: q)
@@ -138,7 +138,7 @@ def layer_check(spec):
     both kernels against a float64 numpy oracle, errors relative to max |v|."""
     import jax
 
-    from jaxsample.models import common
+    from jaxsample.models.families import common
 
     H, K, D, S = spec["H"], spec["K"], spec["D"], spec["P"]
     r = np.random.default_rng(2)
@@ -216,7 +216,7 @@ def main(argv=None):
     ap.add_argument("--prompt-lengths", default="1024,4096,8192")
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--block", type=int, default=None, help="blockwise block size "
-                    "(default models.flash.BLOCK)")
+                    "(default models.families.flash.BLOCK)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cell-timeout", type=float, default=1200)
     ap.add_argument("--check-rtol", type=float, default=1e-4)

@@ -4,8 +4,8 @@ HLO and the accuracy cost against float32, in one script (CPU).
 Four parts (`--parts`, default all):
 
 * speed: the decode step of SmolLM2 at P = 1024 for N = 1 and 16 with
-  float32, bfloat16, int8 weight-only and int8 W8A8 weights (`models.quant`
-  modes; both with `load`'s calibrated outlier channels, `models.outliers`)
+  float32, bfloat16, int8 weight-only and int8 W8A8 weights (`models.quantization.quant`
+  modes; both with `load`'s calibrated outlier channels, `models.quantization.outliers`)
   and W8A8 without outlier channels (every channel int8), one process, the variants alternated call by call (A B C D A B
   ...) as in `benchmarks/step_ablation.py`; a call's step time is its decode
   seconds / (T - 1) forward steps; medians over `--reps` calls and the ratio
@@ -63,7 +63,7 @@ PROMPTS = [
 
 def _variants():
     from jaxsample.loading import load
-    from jaxsample.models import quant
+    from jaxsample.models.quantization import quant
 
     from benchmarks.common import NoEosTokenizer, int8_without_outliers
 
@@ -103,10 +103,10 @@ def speed(P, Ns, T, reps):
 
 def hlo(P=1024, T=64):
     """Per variant: the N = 1 step's float32 weight copies, its dots by result type and
-    its calls of the int8 CPU kernels (`models.cpu_kernels`, when they are on)."""
+    its calls of the int8 CPU kernels (`models.cpu_kernels.cpu_kernels`, when they are on)."""
     from jaxsample.engine.step_cost import compile_decode_step
     from jaxsample.loading import read_config
-    from jaxsample.models import cpu_kernels
+    from jaxsample.models.cpu_kernels import cpu_kernels
 
     cfg = read_config(None)
     E, F, V = cfg.dim, cfg.ffn_dim, cfg.vocab_size
@@ -138,9 +138,9 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
     from jaxsample import SamplingParams, generate
     from jaxsample.engine import state
     from jaxsample.loading import load
-    from jaxsample.models import quant
+    from jaxsample.models.quantization import quant
 
-    from benchmarks.common import NoEosTokenizer, int8_without_outliers, prefix_kv_float32
+    from benchmarks.common import NoEosTokenizer, int8_without_outliers
 
     out = {}
     for name in models:
@@ -162,10 +162,9 @@ def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
         ref, ref_t = logits["float32"], toks["float32"]
         row = {}
         for k in ("int8 W8A8", "int8 weight-only"):  # the float16 prefix's own cost
-            if state.prefix_kv_dtype(lms[k].config, lms[k].params) is None:
+            if state.prefix_kv_dtype(lms[k].config, lms[k].params, lms[k].prefix_kv_dtype) is None:
                 continue  # stored float32 already (sliding windows, kernels off)
-            with prefix_kv_float32():
-                g32 = greedy(lms[k])
+            g32 = greedy(dataclasses.replace(lms[k], prefix_kv_dtype="model"))
             same = g32.tokens[:, 0] == toks[k]
             first = np.where(same.all(1), T, np.argmin(same, axis=1))
             agree = np.arange(T)[None] < first[:, None]  # tokens before the first divergence
@@ -207,7 +206,8 @@ def invariance(models=("smollm2-135m-instruct", "gemma3-270m")):
     import numpy as np
 
     from jaxsample.loading import load
-    from jaxsample.models import families, quant
+    from jaxsample.models.families import families
+    from jaxsample.models.quantization import quant
 
     out = {}
     for name in models:

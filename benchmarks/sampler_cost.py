@@ -120,7 +120,7 @@ def engine_steps(n: int) -> dict[int, float]:
 
     models = ["smollm2-135m-instruct"]
     try:
-        from jaxsample.models import registry
+        from jaxsample.models.checkpoints import registry
 
         registry.embedded_path(registry.GEMMA3_270M)
         models.append(registry.GEMMA3_270M)

@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         return python_main(args)
 
     # Warm the page cache with the GGUF and the code (not what is measured).
-    from jaxsample.models import registry
+    from jaxsample.models.checkpoints import registry
 
     gguf = pathlib.Path(args.model) if args.model else registry.embedded_path()
     gguf.read_bytes()

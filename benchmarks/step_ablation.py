@@ -26,14 +26,13 @@ import json
 import os
 import statistics
 
-from benchmarks.common import prefix_kv_float32
 
 @contextlib.contextmanager
 def _old_prefix_attention():
     """The prefix segment as a plain vmap of `partial_attention` (before
     engine/prefix_attention.py)."""
     from jaxsample.engine import step
-    from jaxsample.models import common
+    from jaxsample.models.families import common
 
     new = step.prefix_attention
     step.prefix_attention = lambda q, k, v, m, s: common.partial_attention(q, k, v, m[None], s)
@@ -46,7 +45,8 @@ def _old_prefix_attention():
 @contextlib.contextmanager
 def _unfused_w8a8():
     """W8A8's product as XLA's ops around the int8 custom call (before cpu_w8a8.cc)."""
-    from jaxsample.models import cpu_kernels, quant
+    from jaxsample.models.cpu_kernels import cpu_kernels
+    from jaxsample.models.quantization import quant
 
     new = cpu_kernels.w8a8_dot
 
@@ -97,9 +97,12 @@ PATCHES = {
     "now": contextlib.nullcontext,
     "while_loop_chunk": _while_loop_chunk,
     "old_prefix_attention": _old_prefix_attention,
-    "prefix_kv_float32": prefix_kv_float32,  # with --weights int8
+    "prefix_kv_float32": contextlib.nullcontext,  # with --weights int8: MODEL_SWITCHES
     "unfused_w8a8": _unfused_w8a8,  # with --weights int8
 }
+
+# Variants that are a model's switch, not a patch: the session's model gets these fields.
+MODEL_SWITCHES = {"prefix_kv_float32": {"prefix_kv_dtype": "model"}}
 
 
 def _decode(s, N, T, chunk=None):
@@ -145,7 +148,8 @@ def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=N
         for v in variants:  # prefill once; compile each variant (and warm up) under its patch
             session.PROGRAMS = programs[v]
             with PATCHES[v]():
-                sessions[v] = s = session.Session(lm, [ids], sp)
+                lm_v = dataclasses.replace(lm, **MODEL_SWITCHES.get(v, {}))
+                sessions[v] = s = session.Session(lm_v, [ids], sp)
                 _decode(s, N, T, chunk)
         for _ in range(reps):
             for v in variants:

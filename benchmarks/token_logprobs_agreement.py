@@ -44,9 +44,9 @@ def load(name: str, dtype: str):
 
     import jax
     import jax.numpy as jnp
-    from jaxsample.models.tiny import make_tiny_lm
 
     from jaxsample import loading
+    from jaxsample.tiny import make_tiny_lm
 
     if name == "smollm2":
         return loading.load(dtype=dtype)
@@ -116,7 +116,7 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--out", default="benchmarks/results/token_logprobs_agreement.json")
     args = p.parse_args(argv)
-    from jaxsample.models import cpu_kernels
+    from jaxsample.models.cpu_kernels import cpu_kernels
 
     from jaxsample.sharding import make_mesh
 

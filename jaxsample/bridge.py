@@ -7,12 +7,12 @@ same token position:
 
     h <- h + gate_l * W_O . Attn_over_branches(RMSNorm(h))
 
-Letters as in models/llama.py; Bridge-only letters:
+Letters as in models/families/llama.py; Bridge-only letters:
 
     d  the Bridge's inner width (`BridgeConfig.dim`)
     h  Bridge heads (`BridgeConfig.n_heads`), c = d / h the Bridge head dim
 
-Properties (each is tested in tests/test_bridge.py):
+Properties (each is tested in tests/bridge/test_bridge.py):
 
 - Attention runs over the branches only, at one position (an N x N attention
   per position): no KV cache, no position encoding on the branch axis, so the
@@ -30,7 +30,7 @@ Properties (each is tested in tests/test_bridge.py):
   is still computed there (one body for all layers); if you select few
   layers and care about that compute, use a narrow `dim`.
 
-Parameters (`Bridge.params`, every leaf stacked over L; `models.llama.run_layers`
+Parameters (`Bridge.params`, every leaf stacked over L; `models.families.llama.run_layers`
 takes layer l's slice, in its scan or its unrolled loop; float32 whatever the
 model dtype):
 
@@ -73,7 +73,7 @@ import numpy as np
 from flax import struct
 
 from jaxsample.sharding import branch_index, gather_branches
-from jaxsample.models import llama
+from jaxsample.models.families import llama
 
 __all__ = ["BridgeConfig", "Bridge", "init", "apply_block", "block_stats", "param_count",
            "param_fraction", "zeros_like_output", "self_only", "KINDS"]

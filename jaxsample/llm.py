@@ -72,7 +72,9 @@ _REFUSED = {
     "enable_lora": "LoRA adapters are not served; merge them into the weights and pass the "
                    "tree to llm.update_weights",
     "speculative_config": "speculative decoding is not implemented",
-    "kv_cache_dtype": "the KV cache takes the model's dtype (a W8A8 model's prefix float16)",
+    "kv_cache_dtype": "the branches' KV cache takes the model's dtype; the prompts' stored KV "
+                      "is LLM(model, prefix_kv_dtype='auto') (float16 for a W8A8 model on the "
+                      "CPU kernels) or 'model' (the model's dtype, vLLM's 'auto')",
     "max_num_seqs": "the pool's size comes from the KV budget: pass max_kv_bytes or "
                     "gpu_memory_utilization",
 }
@@ -88,6 +90,14 @@ class LLM:
         not on disk is refused: nothing is downloaded.
       dtype: "auto" (float32), "float32" or "bfloat16".
       weights: None, "int8" or "int8-weight-only" (`jaxsample.load`).
+      prefix_kv_dtype: None (default: "auto" when loading, a `LanguageModel`'s
+        own otherwise), "auto" or "model": the dtype each prompt's KV cache is
+        stored in (`LanguageModel.prefix_kv_dtype`; vLLM's `kv_cache_dtype`
+        names the dtype of the whole cache, and its "auto" is our "model").
+      cpu_kernels: None (default: "auto" when loading, a `LanguageModel`'s own
+        otherwise), "auto" or "off": whether the int8 products may run as the CPU
+        kernels (`LanguageModel.cpu_kernels`; `JAXSAMPLE_CPU_KERNELS=0` overrides
+        "auto", which `jaxsample.loading.load_info` reports).
       seed: the seed of requests whose SamplingParams have none (vLLM's `seed`;
         an int in [0, 2**32), default 0).
       mesh: a `jax.sharding.Mesh` with a "branch" axis (and optionally
@@ -110,7 +120,7 @@ class LLM:
         TPU, XLA on CPU), "xla" or "pallas" (`jaxsample.kernels`).
       compilation_cache: turn on JAX's persistent compilation cache and the
         engine's exported programs (`jaxsample.enable_compilation_cache`, in
-        `jaxsample.disk_cache.cache_dir()`) unless a compilation cache is
+        `jaxsample.cache_paths.cache_dir()`) unless a compilation cache is
         already configured, so the next process compiles nothing (default
         True; `JAXSAMPLE_NO_CACHE` also turns it off). This changes JAX's
         process-wide cache setting; importing jaxsample never does.
@@ -127,7 +137,8 @@ class LLM:
     """
 
     def __init__(self, model: Any = None, *, tokenizer=None, dtype: str = "auto",
-                 weights: str | None = None, seed: int = 0, mesh=None,
+                 weights: str | None = None, prefix_kv_dtype: str | None = None,
+                 cpu_kernels: str | None = None, seed: int = 0, mesh=None,
                  tensor_parallel_size: int = 1, max_kv_bytes: int | None = None,
                  gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
                  chunk_size: int | None = None, attention: str = "auto",
@@ -135,7 +146,7 @@ class LLM:
                  **vllm_kwargs):
         from jaxsample import loading
         from jaxsample.engine import inputs
-        from jaxsample.lm import LanguageModel
+        from jaxsample.lm import CPU_KERNELS, PREFIX_KV_DTYPES, LanguageModel
 
         for name, value in vllm_kwargs.items():
             if name in _REFUSED:
@@ -143,7 +154,7 @@ class LLM:
             if name not in _NOTED:
                 known = sorted(set(_NOTED) | set(_REFUSED))
                 raise InputError(f"LLM: unknown keyword {name!r}; jaxsample's are model, dtype, "
-                                 f"weights, seed, mesh, tensor_parallel_size, max_kv_bytes, "
+                                 f"weights, prefix_kv_dtype, cpu_kernels, seed, mesh, tensor_parallel_size, max_kv_bytes, "
                                  f"gpu_memory_utilization, max_model_len, chunk_size, attention, "
                                  f"compilation_cache, progress (vLLM keywords also understood: "
                                  f"{', '.join(known)})")
@@ -158,6 +169,11 @@ class LLM:
         if dtype not in ("auto", "float32", "bfloat16"):
             raise InputError(f"LLM(dtype=...) must be 'auto', 'float32' or 'bfloat16', got "
                              f"{dtype!r}")
+        for name, value, allowed in (("prefix_kv_dtype", prefix_kv_dtype, PREFIX_KV_DTYPES),
+                                     ("cpu_kernels", cpu_kernels, CPU_KERNELS)):
+            if value is not None and (not isinstance(value, str) or value not in allowed):
+                raise InputError(f"LLM({name}=...) must be None or one of "
+                                 f"{', '.join(map(repr, allowed))}, got {value!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise InputError(f"LLM(seed=...) must be an int in [0, 2**32), got {seed!r}")
         if progress not in (None, True, False):
@@ -190,10 +206,13 @@ class LLM:
             if weights is not None or dtype != "auto":
                 raise InputError("LLM: dtype= and weights= apply when loading; a loaded "
                                  "LanguageModel keeps its own")
-            lm = model
+            switches = {k: v for k, v in (("prefix_kv_dtype", prefix_kv_dtype),
+                                          ("cpu_kernels", cpu_kernels)) if v is not None}
+            lm = dataclasses.replace(model, **switches) if switches else model
         else:
             lm = loading.load(model, dtype="float32" if dtype == "auto" else dtype,
-                              weights=weights)
+                              weights=weights, prefix_kv_dtype=prefix_kv_dtype or "auto",
+                              cpu_kernels=cpu_kernels or "auto")
         if max_model_len is not None and max_model_len > lm.config.max_seq_len:
             raise InputError(f"LLM(max_model_len={max_model_len}) is longer than the model's "
                              f"context of {lm.config.max_seq_len} tokens")
@@ -269,7 +288,7 @@ class LLM:
         import numpy as np
 
         from jaxsample.engine import placement
-        from jaxsample.models import quant
+        from jaxsample.models.quantization import quant
 
         if quant.is_quantized(self.lm.params):
             raise InputError("update_weights: this engine holds int8 weights (weights='int8'); "

@@ -9,6 +9,8 @@ fraction of a second instead of parsing and dequantising the file again.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import pathlib
 import re
@@ -19,29 +21,36 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from jaxsample import cache_paths, file_hashes
 from jaxsample import disk_cache as cache_lib
 from jaxsample import weight_cache
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
-from jaxsample.lm import LanguageModel
-from jaxsample.models import cpu_kernels, families, outliers, quant, registry
+from jaxsample.lm import CPU_KERNELS, PREFIX_KV_DTYPES, LanguageModel, check_switch
+from jaxsample.models.checkpoints import registry
+from jaxsample.models.cpu_kernels import cpu_kernels as kernel_lib
+from jaxsample.models.families import families
+from jaxsample.models.quantization import outliers, quant
 
 if TYPE_CHECKING:
-    from jaxsample.models import llama
+    from jaxsample.models.families import llama
 
 _DTYPES = ("float32", "bfloat16")
 WEIGHTS = (None, "int8", "int8-weight-only")  # the `weights=` values of `load`
 
 
-# The int8 product of each `weights=` value (`models.quant.MODES`).
+# The int8 product of each `weights=` value (`models.quantization.quant.MODES`).
 INT8_MODES = {"int8": "w8a8", "int8-weight-only": "weight_only"}
 
 # How each loaded model was read: {"weights": "cache" | "checkpoint", "seconds": ...,
-# "cache_entry": path or None}; see `load_info`.
+# "cache_entry": path or None, ...}; see `load_info`.
 _INFO: "weakref.WeakKeyDictionary[LanguageModel, dict]" = weakref.WeakKeyDictionary()
+
+log = logging.getLogger("jaxsample.cpu_kernels")
 
 
 def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32",
-         cache: bool | str | os.PathLike | None = None, weights: str | None = None) -> LanguageModel:
+         cache: bool | str | os.PathLike | None = None, weights: str | None = None,
+         prefix_kv_dtype: str = "auto", cpu_kernels: str = "auto") -> LanguageModel:
     """Load a language model with its own tokenizer.
 
     Args:
@@ -54,7 +63,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
       dtype: "float32" (default) or "bfloat16" for weights and activations.
       cache: the weight cache for GGUF files of at least 16 MiB (smaller ones
         dequantise fast): None or True for the default directory
-        (`jaxsample.disk_cache.cache_dir()`: `$JAXSAMPLE_CACHE_DIR`, else
+        (`jaxsample.cache_paths.cache_dir()`: `$JAXSAMPLE_CACHE_DIR`, else
         `$XDG_CACHE_HOME/jaxsample`; off when `JAXSAMPLE_NO_CACHE` is set),
         False for none, or a directory. The first load writes the dequantised
         float32 weights (4 bytes per parameter: 0.5 GB for SmolLM2-135M) with
@@ -66,32 +75,45 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
       weights: None (default) keeps every weight in `dtype`; "int8" stores
         each projection (attention q/k/v/o, MLP gate/up/down, the output head
         and the embedding) as symmetric per-output-channel int8 with float32
-        scales (`models.quant`: 28% of float32's bytes on SmolLM2 with the
-        outlier channels below), multiplied as
+        scales (`models.quantization.quant`: 28% of float32's bytes on SmolLM2
+        with the outlier channels below), multiplied as
         int8 x int8 dots with the activations quantised per row (W8A8, the
         faster on XLA CPU); "int8-weight-only" stores the same weights in a
         float x int8 product (more accurate, a little slower on CPU, and
         unlike W8A8 it reproduces across batch shapes and meshes to float32
         rounding). On an x86-64 CPU with AVX2 both products run as
-        `models.cpu_kernels`' custom calls, compiled on first use. Both keep each projection's 16
-        largest input channels float, found by running the float model over a short built-in
-        calibration text (`models.outliers`, a few seconds on CPU),
-        which stay float: without them W8A8's last-position logit error
-        against float32 is more than twice as large (docs/benchmarks.md,
+        `models.cpu_kernels.cpu_kernels`' custom calls, compiled on first use.
+        Both keep each projection's 16 largest input channels float, found by
+        running the float model over a short built-in calibration text
+        (`models.quantization.outliers`, a few seconds on CPU), which stay float:
+        without them W8A8's last-position logit error against float32 is more
+        than twice as large (docs/benchmarks.md,
         "Int8 weights"). Norms, biases and MoE experts stay
         in `dtype`, which is also the activations' dtype. The weight cache
         keeps the int8 weights and their channels beside the float32 ones
         (`weight_cache.int8_entry`, 150 MB for SmolLM2), so only the first
         int8 load calibrates and quantises.
+      prefix_kv_dtype: "auto" (default) or "model", the model's
+        `LanguageModel.prefix_kv_dtype`: the dtype of each prompt's stored KV
+        cache ("auto": float16 for `weights="int8"` on a float32 model where the
+        CPU attention kernel reads it, else the model's dtype; "model": always
+        the model's dtype).
+      cpu_kernels: "auto" (default) or "off", the model's
+        `LanguageModel.cpu_kernels`: whether its int8 products and prefix
+        attention may run as the CPU kernels (`models.cpu_kernels`; "off": XLA's
+        `dot_general`). The environment variable `JAXSAMPLE_CPU_KERNELS=0`
+        overrides "auto" for the process: `load_info` then says so and one
+        warning line (logger `jaxsample.cpu_kernels`) names it.
 
     Returns:
       A `LanguageModel`. Loads are also cached per (resolved path, the file's
       device, inode, size, mtime and ctime, dtype) for the process, so loading
-      twice is free.
+      twice is free (models differing only in `prefix_kv_dtype` or
+      `cpu_kernels` share their weights' arrays).
 
     Raises:
-      ConfigError: an unknown dtype or weights, or a cache that is not None, a bool
-        or a path (before any file is read).
+      ConfigError: an unknown dtype, weights, prefix_kv_dtype or cpu_kernels, or a
+        cache that is not None, a bool or a path (before any file is read).
       ModelLoadError: unknown name, missing path, unreadable or inconsistent
         checkpoint (the message names the file and lists the known names);
         UnsupportedModelError (a subclass) for architectures or options the
@@ -105,13 +127,51 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     _check_cache(cache)
     if not isinstance(weights, (str, type(None))) or weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
+    check_switch("prefix_kv_dtype", prefix_kv_dtype, PREFIX_KV_DTYPES)
+    check_switch("cpu_kernels", cpu_kernels, CPU_KERNELS)
     path, name = _resolve(name_or_path)
-    key = (str(path), cache_lib.stat_id(path.stat()), dtype, name, weights)  # a rewrite: a new key
+    # a rewritten file has a new stat id: a new key
+    key = (str(path), file_hashes.stat_id(path.stat()), dtype, name, weights)
     if key not in _LOADED:  # the weights are the same with or without the cache
         if len(_LOADED) >= 4:
             _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = _load_uncached(*key[:4], _cache_base(cache), weights=weights)
-    return _LOADED[key]
+        _LOADED[key] = {}
+    variants = _LOADED[key]
+    switches = (prefix_kv_dtype, cpu_kernels)
+    if switches not in variants:
+        t0 = time.perf_counter()
+        base = next(iter(variants.values()), None)
+        if base is None:
+            lm = _load_uncached(*key[:4], _cache_base(cache), weights=weights,
+                                cpu_kernels=cpu_kernels)
+            info = _INFO[lm]
+        else:  # the same weights' arrays, other switches
+            lm = dataclasses.replace(base, cpu_kernels=cpu_kernels)
+            info = {k: v for k, v in _INFO.get(base, {}).items() if k not in _KERNEL_KEYS}
+            info["seconds"] = time.perf_counter() - t0
+        lm = dataclasses.replace(lm, prefix_kv_dtype=prefix_kv_dtype)
+        _INFO[lm] = {**info, **_kernel_info(lm)}
+        variants[switches] = lm
+    return variants[switches]
+
+
+_KERNEL_KEYS = ("cpu_kernels", "cpu_kernels_override")  # `_kernel_info`'s, per model
+
+
+def _kernel_info(lm: LanguageModel) -> dict:
+    """The CPU kernels' part of `load_info` for an int8 model (a float model's programs
+    never call them: {}), with one warning line when `JAXSAMPLE_CPU_KERNELS` overrides
+    its `cpu_kernels`."""
+    if not quant.is_quantized(lm.params):
+        return {}
+    if lm.cpu_kernels == "auto":
+        kernel_lib.active()  # built or loaded here, before any program traces them
+    out = {"cpu_kernels": "on" if quant.uses_cpu_kernels(lm.params) else "off"}
+    why = kernel_lib.override(lm.cpu_kernels)
+    if why is not None:
+        out["cpu_kernels_override"] = why
+        log.warning("jaxsample: warning: %s (model %s)", why, lm.name)
+    return out
 
 
 def read_config(name_or_path: str | os.PathLike | None = None, *,
@@ -153,15 +213,16 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
         if path.is_dir():
             import json
 
-            from jaxsample.models.hf_loader import config_from_hf
-            from jaxsample.models.tokenizer import CheckpointTokenizer
+            from jaxsample.models.checkpoints.hf_loader import config_from_hf
+            from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
             try:
                 hf = json.loads((path / "config.json").read_text())
             except (OSError, ValueError) as e:
                 raise ModelLoadError(f"{path / 'config.json'}: cannot read: {e}") from e
             if not isinstance(hf, dict):
                 raise ModelLoadError(f"{path / 'config.json'}: the top level must be a JSON object")
-            cfg = config_from_hf(hf, source)  # the loader's dispatch (models/architectures.py)
+            # the loader's dispatch (models/checkpoints/architectures.py)
+            cfg = config_from_hf(hf, source)
             return cfg, CheckpointTokenizer.from_hf_dir(path) if with_tokenizer else None
         if not _is_gguf(path):
             raise ModelLoadError(_not_a_checkpoint(path))
@@ -177,8 +238,8 @@ def _read_model(name_or_path, cache, *, with_tokenizer: bool):
                 return cfg, tok
             except (OSError, cache_lib.CacheMiss):
                 pass  # the load that follows warns about a bad entry and rewrites it
-        from jaxsample.models import gguf_loader
-        from jaxsample.models.tokenizer import CheckpointTokenizer
+        from jaxsample.models.checkpoints import gguf_loader
+        from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
 
         reader, meta = _read_header(path)
         tensors = {t.name: t for t in reader.tensors}
@@ -190,7 +251,11 @@ def load_info(lm: LanguageModel) -> dict:
     """How `lm` was loaded: {"weights": "cache" or "checkpoint", "seconds": float,
     "cache_entry": the weight-cache file or None}, and for `weights="int8"`
     "quantized": "cache" (the int8 entry read back) or "calibrated" (calibrated
-    and quantised in this load); {} for models not made by `load`."""
+    and quantised in this load), "cpu_kernels": "on" or "off" (whether its programs
+    call the CPU kernels: its `cpu_kernels` field, where they build and the backend
+    is the CPU) and, only when `JAXSAMPLE_CPU_KERNELS` overrides that field,
+    "cpu_kernels_override": a sentence naming the variable and what it changes
+    (`models.cpu_kernels.cpu_kernels.override`); {} for models not made by `load`."""
     return dict(_INFO.get(lm, {}))
 
 
@@ -271,7 +336,7 @@ def _cache_base(cache) -> pathlib.Path | None:
     if cache is False:
         return None
     if cache is None or cache is True:
-        return cache_lib.cache_dir()
+        return cache_paths.cache_dir()
     return pathlib.Path(cache).expanduser()
 
 
@@ -300,9 +365,9 @@ _CACHED_TOKENIZER: dict[tuple, object] = {}
 
 
 def _read_header(path: pathlib.Path):
-    from jaxsample.models import gguf_loader
+    from jaxsample.models.checkpoints import gguf_loader
 
-    key = (str(path), cache_lib.stat_id(path.stat()))
+    key = (str(path), file_hashes.stat_id(path.stat()))
     if key not in _HEADER:
         _HEADER.clear()
         _HEADER[key] = gguf_loader.read_gguf(path)
@@ -311,7 +376,7 @@ def _read_header(path: pathlib.Path):
 
 def _take_header(path: pathlib.Path):
     """The header `read_config` parsed for this file (then forgotten), or None."""
-    return _HEADER.pop((str(path), cache_lib.stat_id(path.stat())), None)
+    return _HEADER.pop((str(path), file_hashes.stat_id(path.stat())), None)
 
 
 def _is_gguf(p: pathlib.Path) -> bool:
@@ -341,7 +406,7 @@ def _cache_key(p: pathlib.Path, base: pathlib.Path | None):
 def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None, key):
     """(cfg, stacked numpy params, tokenizer, info) through the weight cache (`key`:
     `_cache_key`, None for none)."""
-    from jaxsample.models.gguf_loader import load_gguf
+    from jaxsample.models.checkpoints.gguf_loader import load_gguf
 
     info = {"weights": "checkpoint", "cache_entry": None}
     entry = None
@@ -365,12 +430,14 @@ def _load_gguf(p: pathlib.Path, dtype: str, base: pathlib.Path | None, key):
     return cfg, params, tokenizer, info
 
 
-# Models loaded by this process: (path, stat id, dtype, name, weights) -> LanguageModel, at most 4.
-_LOADED: dict[tuple, LanguageModel] = {}
+# Models loaded by this process: (path, stat id, dtype, name, weights) -> {(prefix_kv_dtype,
+# cpu_kernels): LanguageModel} (one set of weights' arrays), at most 4 keys.
+_LOADED: dict[tuple, dict[tuple[str, str], LanguageModel]] = {}
 
 
 def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
-                   base: pathlib.Path | None, *, weights: str | None = None) -> LanguageModel:
+                   base: pathlib.Path | None, *, weights: str | None = None,
+                   cpu_kernels: str = "auto") -> LanguageModel:
     t0 = time.perf_counter()
     p = pathlib.Path(path)
     key = _cache_key(p, base)
@@ -381,13 +448,13 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
         info = {"weights": "checkpoint", "cache_entry": None}
         with _backstop(p):
             if p.is_dir():
-                from jaxsample.models.hf_loader import load_hf_dir
+                from jaxsample.models.checkpoints.hf_loader import load_hf_dir
                 cfg, params, tokenizer = load_hf_dir(p, dtype=dtype)
             elif _is_gguf(p):
                 cfg, params, tokenizer, info = _load_gguf(p, dtype, base, key)
             else:
                 raise ModelLoadError(_not_a_checkpoint(p))
-        # The serving layout: one dict per layer (see models.llama.run_layers).
+        # The serving layout: one dict per layer (see models.families.llama.run_layers).
         params = families.module_for(cfg).unstack_layers(params)
         if weights in INT8_MODES:  # quantised from the float32 weights; leaves to device below
             params = quant.quantize_params(params, outliers=outliers.calibrate(cfg, params,
@@ -395,11 +462,10 @@ def _load_uncached(path: str, stamp: object, dtype: str, name: str | None,
             info = {**info, **_store_int8(base, key, cfg, params, tokenizer)}
     if weights in INT8_MODES:
         params = quant.with_mode(quant.with_compute(params, dtype), INT8_MODES[weights])
-        cpu_kernels.active()  # built or loaded here, before any program traces them
     params = jax.tree_util.tree_map(
         lambda a: jnp.asarray(a, dtype=a.dtype if weights else cfg.jnp_dtype), params)
     lm = LanguageModel(config=cfg.replace(dtype=dtype), params=params, tokenizer=tokenizer,
-                       name=name or _file_name(p), source=path)
+                       name=name or _file_name(p), source=path, cpu_kernels=cpu_kernels)
     _INFO[lm] = {**info, "seconds": time.perf_counter() - t0}
     return lm
 

@@ -3,10 +3,10 @@
 Used by `jaxsample.load` (`cache=` chooses; on by default). An entry holds the
 float32 weights in the loader's stacked layout, with the model config and the
 tokenizer in its header, keyed by the SHA-256 of the whole GGUF file and its
-size (`jaxsample.disk_cache.source_sha256`), plus `FORMAT`. `load(weights="int8")`
+size (`jaxsample.file_hashes.source_sha256`), plus `FORMAT`. `load(weights="int8")`
 keeps a second entry per file (`int8_entry`): the int8 weights, their scales
-and calibrated outlier channels (`models.quant.quantize_params`), keyed also by
-`INT8_FORMAT` and the calibration recipe (`models.outliers.RECIPE`), so a second
+and calibrated outlier channels (`models.quantization.quant.quantize_params`), keyed also by
+`INT8_FORMAT` and the calibration recipe (`models.quantization.outliers.RECIPE`), so a second
 int8 load skips the calibration forward and the quantisation. Each entry carries
 the CRC-32 of every tensor's bytes and the SHA-256 of its metadata (config,
 tokenizer, int8 layout: `meta_digest`), checked when it loads. An entry that
@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from jaxsample import disk_cache
-from jaxsample.disk_cache import CacheMiss, HASH_BLOCK_BYTES, STALE_TMP_S, log, read_header, source_sha256
+from jaxsample.disk_cache import CacheMiss, STALE_TMP_S, log, read_header
+from jaxsample.file_hashes import HASH_BLOCK_BYTES, source_sha256
 
 
 FORMAT = "jaxsample-gguf-weights-3"  # bump when the cached layout or the loader's output changes
@@ -110,7 +111,7 @@ def _config_to_json(cfg) -> str:
 
 
 def _config_from_json(text: str):
-    from jaxsample.models import gemma3, llama
+    from jaxsample.models.families import gemma3, llama
 
     d = json.loads(text)
     family = d.pop("family", "llama")
@@ -133,7 +134,7 @@ def _tokenizer_to_json(tok) -> str:
 def _tokenizer_from_json(text: str, source: str):
     import tokenizers
 
-    from jaxsample.models.tokenizer import CheckpointTokenizer
+    from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
 
     d = json.loads(text)
     return CheckpointTokenizer(
@@ -192,7 +193,7 @@ def _key_meta(key: WeightKey) -> dict[str, str]:
 
 
 def _int8_meta(key: WeightKey) -> dict[str, str]:
-    from jaxsample.models import outliers
+    from jaxsample.models.quantization import outliers
 
     return {"format": INT8_FORMAT, "size": str(key.size), "source_sha256": key.sha256,
             "recipe": outliers.RECIPE}
@@ -223,7 +224,8 @@ def store_int8(entry: pathlib.Path, key: WeightKey, cfg, params, tokenizer) -> b
     (list layout, numpy leaves, float leaves float32); the entry holds each
     `QuantizedWeight`'s q (int8), scale, and outlier channels (int32 idx, float32
     keep and w) as `<name>.<field>` tensors and its orientation in the metadata.
-    Its key adds `INT8_FORMAT` and the calibration recipe (`models.outliers.RECIPE`)."""
+    Its key adds `INT8_FORMAT` and the calibration recipe
+    (`models.quantization.outliers.RECIPE`)."""
     flat, kinds = _flatten_int8(params)
     return _write_entry(entry, key, flat, {**_int8_meta(key), "quantized": json.dumps(kinds)},
                         cfg, tokenizer)
@@ -370,7 +372,7 @@ def load_weights(entry: pathlib.Path, key: WeightKey, tokenizer=None, *, verify:
         malformed, a tensor whose bytes changed since it was written (a CRC-32
         mismatch), or tensors that do not match the stored config.
     """
-    from jaxsample.models import families
+    from jaxsample.models.families import families
 
     cfg, flat, tokenizer, _ = _map_entry(entry, key, _key_meta(key), tokenizer, ("F32",), verify)
     params = _unflatten(flat)
@@ -390,7 +392,7 @@ def load_int8(entry: pathlib.Path, key: WeightKey, *, verify: bool = True):
       CacheMiss: as `load_weights`, and for another `INT8_FORMAT` or calibration
         recipe, or int8 weights whose parts disagree with each other or the config.
     """
-    from jaxsample.models import families
+    from jaxsample.models.families import families
 
     cfg, flat, tokenizer, meta = _map_entry(entry, key, _int8_meta(key), None,
                                             ("F32", "I8", "I32"), verify)
@@ -409,7 +411,7 @@ _QW_FIELDS = ("q", "scale", "idx", "keep", "w_out")
 def _flatten_int8(params) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
     """List-layout params -> ({"embed.q": .., "layers.3.wq.scale": .., "final_norm": ..},
     {"embed": {"rows": .., "transposed": ..}, ...} for each QuantizedWeight)."""
-    from jaxsample.models import quant
+    from jaxsample.models.quantization import quant
 
     flat, kinds = {}, {}
 
@@ -434,7 +436,7 @@ def _flatten_int8(params) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
 
 def _unflatten_int8(flat: dict[str, np.ndarray], kinds: dict[str, dict]):
     """`_flatten_int8` inverted (with checks: ValueError/KeyError on any mismatch)."""
-    from jaxsample.models import quant
+    from jaxsample.models.quantization import quant
 
     parts: dict[str, dict] = {name: {} for name in kinds}
     leaves: dict[str, Any] = {}
@@ -477,7 +479,8 @@ def _shape_view(params, want):
     `param_shapes`), for `check_params`."""
     import jax
 
-    from jaxsample.models import common, quant
+    from jaxsample.models.families import common
+    from jaxsample.models.quantization import quant
 
     is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
     view = jax.tree_util.tree_map(

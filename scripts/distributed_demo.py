@@ -5,7 +5,7 @@ The path to TPU pods and multi-host GPU: every process calls
 processes' devices, and calls `generate` with the same arguments. Each
 process prints the tokens as JSON on its last line.
 
-Usage (what tests/test_distributed.py runs):
+Usage (what tests/mesh/test_distributed.py runs):
     python scripts/distributed_demo.py --process-id 0 --num-processes 2 --port 12355 &
     python scripts/distributed_demo.py --process-id 1 --num-processes 2 --port 12355
     python scripts/distributed_demo.py --single      # the unsharded reference
@@ -39,8 +39,8 @@ def main() -> None:
     from jaxsample import engine, sharding
     from jaxsample.lm import LanguageModel
     from jaxsample import SamplingParams
-    from jaxsample.models import llama
-    from jaxsample.models.tokenizer import ByteTokenizer
+    from jaxsample.models.families import llama
+    from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
 
     cfg = llama.LlamaConfig(vocab_size=264, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                             head_dim=8, ffn_dim=64, max_seq_len=256)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from jaxsample.engine.step_cost import compile_decode_step
 from jaxsample.loading import read_config
-from jaxsample.models import llama, tiny
+from jaxsample import tiny
+from jaxsample.models.families import llama
 
 
 def clean(text: str) -> str:

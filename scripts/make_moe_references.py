@@ -1,4 +1,4 @@
-"""Write the tiny mixture-of-experts checkpoints and references for tests/test_moe.py.
+"""Write the tiny mixture-of-experts checkpoints and references for tests/models/test_moe.py.
 
 Needs torch and transformers (not needed by the tests):
 

@@ -7,7 +7,7 @@ index i) and writes one `ResultsFile` part (`cli.merge.part_path`); then
 `jaxsample merge --out OUT` joins the parts in request order. On a TPU pod or
 a SLURM GPU cluster, `jax.distributed.initialize()` takes no arguments.
 
-Usage (what tests/test_multihost_requests.py runs), CPU, loopback:
+Usage (what tests/mesh/test_multihost_requests.py runs), CPU, loopback:
     python scripts/multihost_requests.py --out /tmp/out.jsonl --process-id 0 --port 12356 &
     python scripts/multihost_requests.py --out /tmp/out.jsonl --process-id 1 --port 12356
     jaxsample merge --out /tmp/out.jsonl        # /tmp/out.jsonl.part-0000{0,1}-of-00002
@@ -75,7 +75,7 @@ def main() -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                                num_processes=args.num_processes, process_id=args.process_id)
-    from jaxsample.models.tiny import make_tiny_lm
+    from jaxsample.tiny import make_tiny_lm
 
     # process_share's defaults are jax.process_index() / jax.process_count()
     path = run(make_tiny_lm(), args.out, None, None)

@@ -81,7 +81,7 @@ def _free_compiled_programs():
 def compilation_cache_calls(monkeypatch):
     """`jaxsample run` turns on JAX's persistent compilation cache for its process;
     in-process command-line tests record the calls instead of changing this test
-    process's JAX config (tests/test_cache.py runs the real thing in subprocesses).
+    process's JAX config (tests/load/test_caches.py runs the real thing in subprocesses).
     Returns the list of recorded (args, kwargs)."""
     from jaxsample import cli
 
@@ -92,7 +92,7 @@ def compilation_cache_calls(monkeypatch):
 
 
 from jaxsample.lm import LanguageModel  # noqa: E402
-from jaxsample.models.tiny import TINY, byte_tokenizer, make_tiny_lm  # noqa: E402,F401
+from jaxsample.tiny import TINY, byte_tokenizer, make_tiny_lm  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Helpers shared by several test modules: the Bridge builders, stop-id padding, the
 in-process command-line runner, the offline replay of adaptive self-consistency on
-a fixed pool, the hand-written cases in tests/data/cases/, and Ctrl-C as Python's
-default for tests that send it.
+a fixed pool, the hand-written cases in tests/data/cases/, Ctrl-C as Python's
+default for tests that send it, models built in place (int8, tiny Gemma 3) and the
+sampling filters' float64 oracle.
 
 Imported as `helpers` (tests/ is on sys.path, as for `ties` and `conftest`).
 """
@@ -9,9 +10,9 @@ Imported as `helpers` (tests/ is on sys.path, as for `ties` and `conftest`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
-import pathlib
 import signal
 
 import jax
@@ -22,11 +23,16 @@ from jaxsample import bridge as bridge_lib
 from jaxsample import engine
 from jaxsample.engine import sampling
 from jaxsample import SamplingParams
+from jaxsample.lm import LanguageModel
+from jaxsample import tiny
+from jaxsample.models.families import gemma3, llama
+from jaxsample.models.quantization import outliers, quant
+from paths import DATA
 
 # ---------------------------------------------------------------------------
 # The hand-written cases (tests/data/cases/, see its README.md)
 
-CASES_DIR = pathlib.Path(__file__).parent / "data" / "cases"
+CASES_DIR = DATA / "cases"
 
 
 def load_cases(name: str) -> dict:
@@ -154,7 +160,7 @@ def results_file_held(path, resume: bool = True, write: bool = False):
     assert p.returncode == 0
 
 
-# Per-token log-probabilities (tests/test_token_logprobs.py, tests/test_grpo.py)
+# Per-token log-probabilities (tests/training/test_token_logprobs.py, tests/training/test_grpo.py)
 
 
 def next_token_logprobs(lm, tokens, temperature=1.0):
@@ -170,7 +176,7 @@ def next_token_logprobs(lm, tokens, temperature=1.0):
 
 
 # ---------------------------------------------------------------------------
-# Ctrl-C (tests/test_cli_out.py, tests/test_results_file.py)
+# Ctrl-C (tests/cli/test_out_file.py, tests/cli/test_results_file.py)
 #
 # A shell starts a background job (`pytest ... &`) with SIGINT ignored, and children
 # inherit an ignored signal: Python then installs no KeyboardInterrupt handler and a
@@ -192,3 +198,75 @@ def sigint_raises_keyboard_interrupt():
         yield
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+# ---------------------------------------------------------------------------
+# Models built in place: int8 weights as `load(weights="int8")` makes them, and
+# tiny random Gemma 3 models with several patterns of sliding windows
+
+def int8_lm(lm: LanguageModel, mode: str = quant.DEFAULT_MODE) -> LanguageModel:
+    """As `load(weights="int8")` quantises: calibrated outlier channels kept float."""
+    params = llama.unstack_layers(lm.params)
+    kept = outliers.calibrate(lm.config, params, lm.tokenizer)
+    params = quant.quantize_params(params, mode=mode, outliers=kept)
+    return dataclasses.replace(lm, params=jax.tree_util.tree_map(jnp.asarray, params))
+
+
+GEMMA_WINDOWS = {"5 local : 1 global": gemma3.layer_pattern(6, 8),
+            "mixed windows": (8, None, 4, None, 8, 3),
+            "windows of 1 and 2": (1, None, 2, 8, None, 8)}
+
+
+def tiny_gemma(windows) -> LanguageModel:
+    cfg = gemma3.Gemma3Config(vocab_size=264, dim=32, n_layers=6, n_heads=4, n_kv_heads=2,
+                              head_dim=8, ffn_dim=64, layer_windows=windows,
+                              query_pre_attn_scalar=12.0, final_logit_softcapping=30.0,
+                              max_seq_len=256)
+    params = gemma3.init_params(cfg, jax.random.key(0), 0.3)
+    return LanguageModel(config=cfg, params=params, tokenizer=tiny.byte_tokenizer(), name="tiny-gemma")
+
+
+# ---------------------------------------------------------------------------
+# The sampling filters' float64 oracle (tests/sampling)
+
+def keep_reference(logits, temperature, top_k, top_p, min_p, vocab_limit, eps=1e-4):
+    """(keep [V] bool, ambiguous [V] bool): ambiguous tokens have a top-p or
+    min-p decision within eps of its boundary, where float32 may differ."""
+    v = logits.shape[0]
+    x = logits[:vocab_limit].astype(np.float64)
+    keep = np.zeros(v, bool)
+    ambiguous = np.zeros(v, bool)
+    if temperature == 0:
+        keep[int(np.argmax(x))] = True
+        return keep, ambiguous
+    z = (x - x.max()) / temperature
+    order = np.argsort(-z, kind="stable")
+    zs = z[order]
+    n = zs.shape[0]
+    k_keep = np.ones(n, bool)
+    amb_s = np.zeros(n, bool)
+    if 0 < top_k < n:
+        k_keep[top_k:] = False
+        # Values that float32 tempering may round together (or apart) at the cut-off:
+        # the float64 order there is not the device's. Exact float64 ties are not
+        # ambiguous (equal logits stay equal; the lower index ranks first).
+        cut = zs[top_k - 1]
+        near = np.abs(zs - cut) <= 1e-6 * max(1.0, abs(cut))
+        if near[:top_k].any() and near[top_k:].any() and not np.all(zs[near] == cut):
+            amb_s |= near
+    e = np.exp(zs) * k_keep
+    probs = e / e.sum()
+    above = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
+    keep_s = k_keep.copy()
+    if top_p < 1:
+        keep_s &= above < top_p
+        amb_s |= k_keep & (np.abs(above - top_p) < eps)
+    ratio = np.exp(zs - zs[0])
+    if min_p > 0:
+        amb_s |= keep_s & (np.abs(ratio - min_p) < eps * min_p)
+        keep_s &= ratio >= min_p
+    keep_s[0] = True
+    amb_s[0] &= top_k == 1 and amb_s[1:].any()  # the top token is always kept, unless tied
+    keep[order[keep_s]] = True
+    ambiguous[order[amb_s]] = True
+    return keep, ambiguous

@@ -33,7 +33,7 @@ def load(model, dtype):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     if model == "smollm2":
-        from jaxsample.models import registry
+        from jaxsample.models.checkpoints import registry
 
         path = registry.embedded_path(registry.DEFAULT_MODEL)
         m = transformers.AutoModelForCausalLM.from_pretrained(
@@ -138,7 +138,7 @@ def run_cell(handle, engine, P, N, T, args, plat):
 
 def _hf_cost_config(m):
     """A LlamaConfig for `jaxsample.cost` from the HF model's config (same shapes)."""
-    from jaxsample.models import llama
+    from jaxsample.models.families import llama
 
     c = m.config
     heads = c.num_attention_heads

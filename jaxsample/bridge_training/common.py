@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsample import bridge as bridge_lib
-from jaxsample.models import llama
+from jaxsample.models.families import llama
 from jaxsample.sharding import BRANCH_AXIS
 from jaxsample.training import checkpoints, grpo
 from jaxsample.training.checkpoints import TrainState, fingerprint, latest_step
@@ -87,7 +87,7 @@ def group_forward(cfg: llama.LlamaConfig, base_params, bconfig: bridge_lib.Bridg
       bparams: Bridge params (leaves `[L, ...]`), or None for the base model.
     Returns:
       (hidden `[N, S, E]` after the last block, before the final norm: apply
-      `models.llama.logits` to the positions you need; (k, v) `[N, L, S, K, D]` each).
+      `models.families.llama.logits` to the positions you need; (k, v) `[N, L, S, K, D]` each).
     """
     S = tokens.shape[1]
     positions = jnp.arange(S, dtype=jnp.int32)

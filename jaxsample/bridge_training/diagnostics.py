@@ -37,7 +37,7 @@ from jaxsample import bridge as bridge_lib
 from jaxsample.bridge_training import common as bt
 from jaxsample.bridge_training.common import Batch
 from jaxsample.sharding import BRANCH_AXIS
-from jaxsample.models import llama
+from jaxsample.models.families import llama
 
 __all__ = ["group_stats", "diagnose"]
 

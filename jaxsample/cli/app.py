@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from jaxsample import cost
+from jaxsample import cache_paths, cost
 from jaxsample import disk_cache as cache_lib
 from jaxsample.cli import config as config_lib
 from jaxsample.cli.console import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, dumps, json_record, print_run, stdout_console
@@ -123,11 +123,13 @@ def resolve_run_config(args: argparse.Namespace) -> config_lib.RunConfig:
         except ConfigError as e:
             flag = str(e).split(".", 1)[-1].split(" ", 1)[0]
             raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
-    if args.model is not None or args.dtype is not None or getattr(args, "weights", None):
-        cfg = cfg.replace(model=config_lib.ModelConfig(
-            name=args.model if args.model is not None else cfg.model.name,
+    switches = ("weights", "prefix_kv_dtype", "cpu_kernels")
+    if args.model is not None or args.dtype is not None or any(
+            getattr(args, k, None) for k in switches):
+        cfg = cfg.replace(model=dataclasses.replace(
+            cfg.model, name=args.model if args.model is not None else cfg.model.name,
             dtype=args.dtype or cfg.model.dtype,
-            weights=getattr(args, "weights", None) or cfg.model.weights))
+            **{k: getattr(args, k, None) or getattr(cfg.model, k) for k in switches}))
     if args.reduce is not None or args.extract is not None:
         cfg = cfg.replace(reducer=dataclasses.replace(
             cfg.reducer, kind=args.reduce or cfg.reducer.kind,
@@ -144,10 +146,12 @@ def resolve_run_config(args: argparse.Namespace) -> config_lib.RunConfig:
     return cfg
 
 
-def _load_model(name: str | None, dtype: str, *, use_cache: bool = True, weights=None):
+def _load_model(name: str | None, dtype: str, *, use_cache: bool = True, weights=None,
+                prefix_kv_dtype: str = "auto", cpu_kernels: str = "auto"):
     from jaxsample import loading
 
-    return loading.load(name, dtype=dtype, cache=None if use_cache else False, weights=weights)
+    return loading.load(name, dtype=dtype, cache=None if use_cache else False, weights=weights,
+                        prefix_kv_dtype=prefix_kv_dtype, cpu_kernels=cpu_kernels)
 
 
 def _model_header(cfg: config_lib.RunConfig, use_cache: bool):
@@ -162,7 +166,7 @@ def _run(args) -> int:
     cfg = resolve_run_config(args)
     requests = read_requests(args, cfg)
     shared = read_shared_prefix(args)
-    use_cache = not args.no_cache and not cache_lib.cache_disabled()
+    use_cache = not args.no_cache and not cache_paths.cache_disabled()
     if shared is not None and args.adaptive:
         raise InputError("--shared-prefix cannot be combined with --adaptive")
     if getattr(args, "out", None) is not None or args.resume:
@@ -214,11 +218,14 @@ def _run(args) -> int:
         if progress is not None:
             with progress.phase(f"loading {what}") as ph:
                 lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache,
-                                 weights=cfg.model.weights)
+                                 weights=cfg.model.weights,
+                                 prefix_kv_dtype=cfg.model.prefix_kv_dtype,
+                                 cpu_kernels=cfg.model.cpu_kernels)
                 ph.cancel()
         else:
             lm = _load_model(cfg.model.name, cfg.model.dtype, use_cache=use_cache,
-                             weights=cfg.model.weights)
+                             weights=cfg.model.weights, prefix_kv_dtype=cfg.model.prefix_kv_dtype,
+                             cpu_kernels=cfg.model.cpu_kernels)
     except BaseException:
         if results is not None:
             results.close(failed=True)
@@ -333,7 +340,7 @@ def _cache_command(args) -> int:
         print(dumps(info))
         return EXIT_OK
     fb = cost.format_bytes
-    off = f" (off: {cache_lib.ENV_OFF} is set)" if info["disabled"] else ""
+    off = f" (off: {cache_paths.ENV_OFF} is set)" if info["disabled"] else ""
     print(f"cache directory: {info['dir']}{off}" + ("" if info["exists"] else " (empty)"))
     print(f"weights: {len(info['weights'])} entries, {fb(info['weights_bytes'])}")
     for w in info["weights"]:

@@ -19,7 +19,9 @@ Fields of the sections:
 
     model.name        str or null   a model name or a checkpoint path (null: embedded)
     model.dtype       float32 | bfloat16
-    model.weights     null | int8 | int8-weight-only   (`load(weights=...)`, models/quant.py)
+    model.weights     null | int8 | int8-weight-only   (`load(weights=...)`, models/quantization/)
+    model.prefix_kv_dtype  auto | model   the prompts' stored KV dtype (`load(prefix_kv_dtype=...)`)
+    model.cpu_kernels auto | off          the int8 products' CPU kernels (`load(cpu_kernels=...)`)
     sampling.*        the fields of SamplingParams: n, temperature, top_k, top_p,
                       min_p, max_new_tokens (or vLLM's max_tokens), stop_token_ids,
                       stop, seed, logprobs, min_tokens, ignore_eos, presence_penalty,
@@ -54,6 +56,8 @@ from jaxsample.sampling_params import FOREIGN_KEYWORDS
 
 DTYPES = ("float32", "bfloat16")
 WEIGHTS = (None, "int8", "int8-weight-only")  # jaxsample.loading.WEIGHTS
+PREFIX_KV_DTYPES = ("auto", "model")  # jaxsample.lm.PREFIX_KV_DTYPES
+CPU_KERNELS = ("auto", "off")  # jaxsample.lm.CPU_KERNELS
 REDUCER_KINDS = ("vote", "best", "none")
 EXTRACT_KINDS = ("number", "boxed", "choice", "text", "auto")
 VOTE_WEIGHTS = (None, "mean_logprob")
@@ -91,11 +95,18 @@ class ModelConfig:
       dtype: "float32" or "bfloat16" (weights and activations).
       weights: None (weights in `dtype`), "int8" or "int8-weight-only"
         (`jaxsample.load(weights=...)`).
+      prefix_kv_dtype: "auto" or "model", the dtype each prompt's KV cache is
+        stored in (`jaxsample.LanguageModel.prefix_kv_dtype`: "auto" is float16
+        for an int8 W8A8 float32 model on the CPU kernels, "model" the model's dtype).
+      cpu_kernels: "auto" or "off", whether the int8 products may run as the
+        CPU kernels (`jaxsample.LanguageModel.cpu_kernels`).
     """
 
     name: str | None = None
     dtype: str = "float32"
     weights: str | None = None
+    prefix_kv_dtype: str = "auto"
+    cpu_kernels: str = "auto"
 
     def __post_init__(self):
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
@@ -107,6 +118,13 @@ class ModelConfig:
         if self.weights not in WEIGHTS:
             raise ConfigError(f"model.weights must be one of {_fmt(WEIGHTS)}, got "
                               f"{short_repr(self.weights)}")
+        for name, allowed in (("prefix_kv_dtype", PREFIX_KV_DTYPES),
+                              ("cpu_kernels", CPU_KERNELS)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:
+                hint = " (YAML reads a bare off as false: write 'off')" if value is False else ""
+                raise ConfigError(f"model.{name} must be one of {_fmt(allowed)}, got "
+                                  f"{short_repr(value)}{hint}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

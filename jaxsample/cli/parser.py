@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from jaxsample import disk_cache as cache_lib
+from jaxsample import cache_paths
 from jaxsample.cli import config as config_lib
-from jaxsample.models import registry
+from jaxsample.models.checkpoints import registry
 
 
 def _version_line() -> str:
@@ -148,8 +148,8 @@ def _add_run_parser(sub) -> None:
 
 
 def _add_input_args(run) -> None:
-    """`run`'s input: the prompt or prompt file, a shared prefix, the model and its
-    dtype and weights."""
+    """`run`'s input: the prompt or prompt file, a shared prefix, the model and how it
+    is loaded (dtype, weights, the prefix KV dtype, the CPU kernels)."""
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", metavar="F", type=_non_empty,
@@ -181,6 +181,14 @@ def _add_input_args(run) -> None:
     run.add_argument("--weights", choices=config_lib.WEIGHTS[1:],
                      help="int8: int8 weights and activations (W8A8); int8-weight-only: int8 "
                           "weights in a float product (reproducible across meshes)")
+    run.add_argument("--prefix-kv-dtype", choices=config_lib.PREFIX_KV_DTYPES,
+                     help="the prompts' stored KV cache: auto (float16 for --weights int8 on "
+                          "the CPU kernels, else the model's dtype) or model (the model's "
+                          "dtype); default auto")
+    run.add_argument("--cpu-kernels", choices=config_lib.CPU_KERNELS,
+                     help="the int8 products' CPU kernels: auto (where they build) or off "
+                          "(XLA's products); JAXSAMPLE_CPU_KERNELS=0 overrides auto; "
+                          "default auto")
 
 
 def _add_sampling_args(run) -> None:
@@ -244,8 +252,8 @@ def _add_output_args(run) -> None:
                      help="print one JSON object (one JSON line per request of a .jsonl file)")
     run.add_argument("--no-cache", action="store_true",
                      help="neither read nor write the compilation and weight caches "
-                          f"(also {cache_lib.ENV_OFF}=1; the directory is ${cache_lib.ENV_DIR}, "
-                          "else $XDG_CACHE_HOME/jaxsample)")
+                          f"(also {cache_paths.ENV_OFF}=1; the directory is "
+                          f"${cache_paths.ENV_DIR}, else $XDG_CACHE_HOME/jaxsample)")
     run.add_argument("-q", "--quiet", action="store_true",
                      help="no progress on stderr (loading, compiling, decoding)")
     run.add_argument("--out", metavar="FILE.jsonl", type=_non_empty,

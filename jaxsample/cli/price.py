@@ -22,8 +22,8 @@ def resolve_model_config(name: str | None):
       ModelLoadError / InputError: unknown name or unreadable checkpoint.
     """
     from jaxsample import loading
-    from jaxsample.models import registry
-    from jaxsample.models.llama import LlamaConfig
+    from jaxsample.models.checkpoints import registry
+    from jaxsample.models.families.llama import LlamaConfig
 
     key = registry.canonical_name(name or registry.DEFAULT_MODEL)
     if key in registry.PUBLISHED_SHAPES:

@@ -519,7 +519,7 @@ def measure_experts_touched(lm, generation) -> float:
     """The distinct experts per layer the router really chose per decode step, averaged.
 
     Replays the request teacher-forced (each branch's prompt + decoded tokens
-    through `models.llama.router_choices`, which routes exactly as the
+    through `models.families.llama.router_choices`, which routes exactly as the
     forward does): decode step t chooses token t of every branch and feeds it
     (position P + t) through the model; the tokens counted at step t are
     those of the branches with t < their decoded length; the count is the number of distinct experts among their k
@@ -537,7 +537,7 @@ def measure_experts_touched(lm, generation) -> float:
     import jax
     import jax.numpy as jnp
 
-    from jaxsample.models import llama
+    from jaxsample.models.families import llama
 
     cfg = lm.config
     if not getattr(cfg, "n_experts", 0):

@@ -1,6 +1,6 @@
 """Pricing ("price it properly"): what N branches over one shared prompt cost.
 
-`estimate` / `table`: an analytic model from a `models.llama.LlamaConfig`
+`estimate` / `table`: an analytic model from a `models.families.llama.LlamaConfig`
 and (P prompt tokens, T new tokens, N branches), comparing the shared-prefix
 engine against N separate retries (`bill.py` holds what one request measured).
 
@@ -10,7 +10,7 @@ times). It never saves the per-branch decode: every branch still runs its own
 forward pass for each of its tokens, so decode FLOPs are identical for both.
 Every report here shows exactly that.
 
-Counting conventions (letters as in `models/llama.py`):
+Counting conventions (letters as in `models/families/llama.py`):
 
 * One multiply-accumulate is 2 FLOPs. Norms, RoPE, softmax, SiLU, residual
   adds and biases are not counted (O(E) per token against O(E^2)).
@@ -50,7 +50,7 @@ Counting conventions (letters as in `models/llama.py`):
   layer as global (an upper bound for models with local layers).
 
 Sparse mixture of experts (`config.n_experts` = X > 0, k =
-`n_experts_per_tok`; `models.moe`): a layer holds X SwiGLU experts and a
+`n_experts_per_tok`; `models.families.moe`): a layer holds X SwiGLU experts and a
 router `[E, X]`; a token runs k of them, so the linear FLOPs per token count
 `3*E*F*k + E*X` for the FFN (an ideal sparse kernel; the CPU "loop" kernel
 runs a touched expert on all the call's tokens). A decode step reads the
@@ -367,7 +367,7 @@ def estimate(config, prompt_tokens: int, new_tokens: int, n: int,
     """Analytic cost of N branches over a shared prompt against separate retries.
 
     Args:
-      config: a `models.llama.LlamaConfig`.
+      config: a `models.families.llama.LlamaConfig`.
       prompt_tokens: P, tokens in the prompt (each prompt's own, after the
         context), an int in [0, 2**40) (`MAX_COUNT`).
       new_tokens: T, tokens decoded per branch, an int in [0, 2**40).

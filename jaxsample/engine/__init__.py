@@ -51,7 +51,7 @@ Data flow of one request, one file per stage:
     sampling/   token choice: logits processors, top-k / top-p / min-p, the draw
     step_cost.py  XLA's cost analysis of one compiled decode step
 
-Letters: see `models/llama.py` and `state.py`. Keys: branch key =
+Letters: see `models/families/llama.py` and `state.py`. Keys: branch key =
 fold_in(fold_in(key(seed), prompt_index), branch_index), folded with the
 token index each step (levanter's discipline), so tokens depend neither on
 the batch, the device mesh, the chunk size nor the slot a branch occupies.

@@ -17,7 +17,7 @@ from jaxsample.engine.round import Round
 from jaxsample.engine.session import Session
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
-from jaxsample.models import quant
+from jaxsample.models.quantization import quant
 from jaxsample.engine import sampling
 from jaxsample.sampling_params import SamplingParams
 from jaxsample.sampling_params import refuse_foreign_keywords

@@ -50,7 +50,7 @@ dicts), so `result_bytes` counts those as well.
 The per-slot and per-branch constants are upper bounds of measurements (XLA
 CPU's `memory_analysis()` of the decode program at two slot counts; tracemalloc
 and VmHWM of `run_requests` at two branch counts), checked by
-tests/test_host_memory.py, which bounds a real process's peak resident memory
+tests/pool/test_host_memory.py, which bounds a real process's peak resident memory
 by what `plan` and `result_bytes` count.
 
 Sources: vLLM's scheduler sizes its KV blocks from `gpu_memory_utilization`

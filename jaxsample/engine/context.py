@@ -11,7 +11,7 @@ et al. 2024, arXiv 2402.05099) splits every prompt into
     tails    [R, N, T] each branch's own tokens (the decode state)
 
 and every attention over them is partial softmaxes merged by log-sum-exp
-(`models.common.partial_attention` / `merge_attention`): context + suffix in
+(`models.families.common.partial_attention` / `merge_attention`): context + suffix in
 the suffix prefill; context + suffix + tail + the current token in the decode
 step (`step.branch_step`). The context is passed unbatched (in_axes None) to
 both the row and the branch vmap, so each step reads it once for all B x N
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxsample.engine import sampling
 from jaxsample.engine.prefill import keep_window, prefix_start, prompt_logprobs_of, stored_prefix
 from jaxsample.engine.state import ContextCache, PrefixCache, PromptLogprobs
-from jaxsample.models import common, families
+from jaxsample.models.families import common, families
 
 
 def prefill_context(cfg, params, tokens: jax.Array, length: jax.Array, post_layer=None,
@@ -97,7 +97,8 @@ def suffix_attend(ctx_len, length, positions, ck, cv, window, scale):
 
 def prefill_suffix(cfg, params, ctx: ContextCache, tokens: jax.Array, lengths: jax.Array,
                    post_layer=None, bridge_params=None, prompt_logprobs: int = -1,
-                   vocab_limit: int | None = None, ctx_logits: jax.Array | None = None):
+                   vocab_limit: int | None = None, ctx_logits: jax.Array | None = None,
+                   prefix_kv_dtype: str = "auto"):
     """Prefill each prompt's own suffix once, after the common context.
 
     Row r's token j sits at position C + j and attends to every valid context
@@ -109,7 +110,7 @@ def prefill_suffix(cfg, params, ctx: ContextCache, tokens: jax.Array, lengths: j
       ctx: the `ContextCache` of `prefill_context`.
       tokens: `[R, P]` int32 right-padded suffixes; lengths: `[R]` int32 >= 1.
       params (list layout), post_layer, bridge_params, prompt_logprobs,
-        vocab_limit: as `prefill.prefill`.
+        vocab_limit, prefix_kv_dtype: as `prefill.prefill`.
       ctx_logits: `[V]` float32, the context's last-position logits (needed
         with prompt_logprobs: they score each suffix's first token).
     Returns:
@@ -143,5 +144,5 @@ def prefill_suffix(cfg, params, ctx: ContextCache, tokens: jax.Array, lengths: j
         return out
 
     out = jax.vmap(one)(tokens, lengths)
-    logits, (k, v) = out[0], stored_prefix(cfg, params, *out[1:3])
+    logits, (k, v) = out[0], stored_prefix(cfg, params, *out[1:3], prefix_kv_dtype)
     return (PrefixCache(k, v, lengths), logits) + tuple(out[3:])

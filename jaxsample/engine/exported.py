@@ -22,9 +22,11 @@ trace-time module constants (`TRACE_KNOBS`), the jax/jaxlib and jaxsample
 versions, a SHA-256 of the library's source files (`source_digest`: any code
 change invalidates every entry), the platform and the devices, and, for a
 program with int8 arguments, the int8 CPU kernels' fingerprint
-(`models.cpu_kernels`: their custom calls are in the program, registered by
+(`models.cpu_kernels.cpu_kernels`: their custom calls are in the program, registered by
 any process whose key matches; `jax.export`'s check of custom-call targets is
-lifted for those two only).
+lifted for those two only). A model's switches are in the key too: its
+`cpu_kernels` through its int8 weights' static `QuantizedWeight.kernels` (the
+arguments' pytree structure), its `prefix_kv_dtype` in the engine's static key.
 
 A program is always built the same way when the exported cache is on:
 exported first (traced and lowered once, written), then
@@ -32,7 +34,7 @@ exported first (traced and lowered once, written), then
 process reads the file instead of tracing, so both processes lower the same
 module and the compilation cache serves the second. The XLA program is the
 model's own (the exported function is inlined), so tokens and logprobs equal
-those of the plain `jit` path bit for bit (tests/test_exported.py).
+those of the plain `jit` path bit for bit (tests/engine/test_exported.py).
 Donation is that of the outer `jit`: donated buffers are still reused.
 
 An unreadable, truncated, corrupt or stale entry (its key text differs) is
@@ -65,8 +67,8 @@ MAGIC = b"JAXSAMPLE-EXPORTED\n"
 
 SUFFIX = ".jaxexport"
 
-TRACE_KNOBS = ("jaxsample.models.flash", "jaxsample.models.moe", "jaxsample.models.common",
-               "jaxsample.models.cpu_kernels",
+TRACE_KNOBS = ("jaxsample.models.families.flash", "jaxsample.models.families.moe",
+               "jaxsample.models.families.common", "jaxsample.models.cpu_kernels.cpu_kernels",
                "jaxsample.engine.prefill", "jaxsample.engine.loop",
                "jaxsample.engine.state", "jaxsample.engine.sampling.select",
                "jaxsample.engine.sampling.logprobs", "jaxsample.bridge")
@@ -162,11 +164,19 @@ def entry_key(key, args, donate) -> str:
 
 def _kernels(args) -> str:
     """The int8 CPU kernels' fingerprint when an argument is int8 (its program may call
-    them: `models.cpu_kernels`), else "" (a float program never builds them)."""
+    them: `models.cpu_kernels.cpu_kernels`), else "" (a float program never builds them);
+    "off" for int8 weights whose model turned them off (`LanguageModel.cpu_kernels`: the
+    `QuantizedWeight.kernels` of every one False, which the arguments' pytree
+    structure in the key also says)."""
     if not any(getattr(a, "dtype", None) == jnp.int8 for a in jax.tree_util.tree_leaves(args)):
         return ""
-    from jaxsample.models import cpu_kernels
+    from jaxsample.models.cpu_kernels import cpu_kernels
+    from jaxsample.models.quantization import quant
 
+    is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
+    weights = [a for a in jax.tree_util.tree_leaves(args, is_leaf=is_q) if is_q(a)]
+    if weights and not any(w.kernels for w in weights):
+        return "off"
     return cpu_kernels.fingerprint()
 
 
@@ -348,7 +358,7 @@ def build(directory: pathlib.Path, key, fn, args, donate=(),
 
     t0 = time.perf_counter()
     try:
-        from jaxsample.models import cpu_kernels
+        from jaxsample.models.cpu_kernels import cpu_kernels
 
         checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in cpu_kernels.TARGETS]
         exp = jax.export.export(jax.jit(flat), disabled_checks=checks)(*leaves)

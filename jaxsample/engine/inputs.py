@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
-from jaxsample.models.tokenizer import is_chat_message
+from jaxsample.models.checkpoints.tokenizer import is_chat_message
 from jaxsample.sharding import BRANCH_AXIS, DATA_AXIS
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxsample.engine.state import SLOT_FIELDS, DecodeState, Knobs, Outputs, PrefixCache
 from jaxsample.lm import LanguageModel
-from jaxsample.models import families
+from jaxsample.models.families import families
 from jaxsample.sharding import BRANCH_AXIS
 
 _SERVING: "weakref.WeakKeyDictionary[LanguageModel, Any]" = weakref.WeakKeyDictionary()

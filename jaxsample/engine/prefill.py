@@ -6,17 +6,19 @@ import jax
 import jax.numpy as jnp
 
 from jaxsample.engine import sampling
-from jaxsample.engine.state import PrefixCache, PromptLogprobs, prefix_kv_dtype
-from jaxsample.models import families
+from jaxsample.engine import state
+from jaxsample.engine.state import PrefixCache, PromptLogprobs
+from jaxsample.models.families import families
 
 PROMPT_LOGPROB_BLOCK = 64  # positions whose [block, V] logits exist at once (per row)
 
 
-def stored_prefix(cfg, params, k, v):
-    """k, v (L x `[..., K, P_l, D]`) in `prefix_kv_dtype(cfg, params)`. Into float16,
+def stored_prefix(cfg, params, k, v, prefix_kv_dtype: str = "auto"):
+    """k, v (L x `[..., K, P_l, D]`) in `state.prefix_kv_dtype(cfg, params,
+    prefix_kv_dtype)` (the model's `LanguageModel.prefix_kv_dtype`). Into float16,
     values beyond its range saturate at +-65504 (never an inf that would turn every
     score of the row into NaN); a NaN stays NaN."""
-    dtype = prefix_kv_dtype(cfg, params)
+    dtype = state.prefix_kv_dtype(cfg, params, prefix_kv_dtype)
     if dtype is None:
         return tuple(k), tuple(v)
     top = float(jnp.finfo(dtype).max)
@@ -25,7 +27,8 @@ def stored_prefix(cfg, params, k, v):
 
 
 def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
-            bridge_params=None, prompt_logprobs: int = -1, vocab_limit: int | None = None):
+            bridge_params=None, prompt_logprobs: int = -1, vocab_limit: int | None = None,
+            prefix_kv_dtype: str = "auto"):
     """Prefill R right-padded prompts, once each.
 
     With a Bridge, every branch holds the same hidden state at prompt
@@ -34,7 +37,7 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
     this single copy (`post_layer` built with no branch axes).
 
     Args:
-      cfg: the model config (any family: `models.families.module_for`); local
+      cfg: the model config (any family: `models.families.families.module_for`); local
         (sliding-window) layers attend within their window.
       params: the model parameters (either layout, see `llama.run_layers`).
       tokens: `[R, P]` int32, right-padded; lengths: `[R]` int32, each >= 1.
@@ -46,6 +49,8 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
         prefill already has, in blocks of `PROMPT_LOGPROB_BLOCK` positions
         so that at most `[R, block, V]` float32 logits exist at once.
       vocab_limit: static, rows >= it are padding (needed with prompt_logprobs).
+      prefix_kv_dtype: static, the model's `LanguageModel.prefix_kv_dtype` ("auto" or
+        "model"), which `state.prefix_kv_dtype` resolves to the stored dtype.
     Returns:
       (PrefixCache with k, v L x `[R, K, P_l, D]` (in `state.prefix_kv_dtype`),
       last-position logits `[R, V]` float32): P_l = P on global layers,
@@ -73,7 +78,7 @@ def prefill(cfg, params, tokens: jax.Array, lengths: jax.Array, post_layer=None,
     if k_prompt >= 0 and vocab_limit is None:
         raise ValueError("prompt_logprobs needs vocab_limit")
     out = jax.vmap(one)(tokens, lengths)
-    logits, (k, v) = out[0], stored_prefix(cfg, params, *out[1:3])
+    logits, (k, v) = out[0], stored_prefix(cfg, params, *out[1:3], prefix_kv_dtype)
     return (PrefixCache(k, v, lengths), logits) + tuple(out[3:])
 
 

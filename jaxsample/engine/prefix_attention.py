@@ -22,7 +22,7 @@ concatenated rows: the same dot products, softmax and normalisation per
 (the matmul's blocking may differ).
 
 With `kernel=True` (the int8 decode step) that concatenated block goes to
-`models.cpu_kernels.segment_attention` on CPU: scores, softmax and the
+`models.cpu_kernels.cpu_kernels.segment_attention` on CPU: scores, softmax and the
 product with V in one pass over the prefix, split over the intra-op pool,
 faster on XLA CPU than its two batched dots and softmax (docs/ARCHITECTURE.md,
 "Attention over a shared prefix").
@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax
 from jax import custom_batching
 
-from jaxsample.models import common
+from jaxsample.models.families import common
 
 
 def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,

@@ -9,7 +9,7 @@ rows of their prompt) and when the live branches fit a smaller state
 (`Compaction`: gather indices and the new shape). It is numpy and Python
 only: no JAX, no device, no model. The runner (`round.Round`) applies its
 plans to the device state, so the scheduling can be tested on synthetic
-branch lengths (tests/test_scheduler.py).
+branch lengths (tests/pool/test_scheduler.py).
 
 The rules (continuous batching: vLLM's scheduler, JetStream's prefill /
 insert / generate, with the prefix shared by the slots of a row):

@@ -377,15 +377,17 @@ class Session:
             tokens[j, :len(ids)] = ids
             lengths[j] = len(ids)
         cfg, st, pk, vl = self.cfg, self.st, self.prompt_k, self.st.vocab_limit
+        kvd = self.lm.prefix_kv_dtype
         if self.context is None:
             fn = lambda p, t, n, b: prefill(cfg, p, t, n, st.post_layer(True, ()), b,
-                                            prompt_logprobs=pk, vocab_limit=vl)
+                                            prompt_logprobs=pk, vocab_limit=vl,
+                                            prefix_kv_dtype=kvd)
             extra_args, extra_specs = (), ()
             name = "prefill"
         else:  # the suffixes after the common context
             fn = lambda p, t, n, b, c, cl: prefill_suffix(
                 cfg, p, c, t, n, st.post_layer(True, ()), b, prompt_logprobs=pk,
-                vocab_limit=vl, ctx_logits=cl)
+                vocab_limit=vl, ctx_logits=cl, prefix_kv_dtype=kvd)
             extra_args = (self.context, self.context_last)
             extra_specs = () if self.m is None else (self.m.context_spec, self.m.Ps())
             name = "prefill_suffix"
@@ -399,7 +401,8 @@ class Session:
                              (m.prefix_spec, m.Ps(m.d)) + extra)
             args = (self.model_params, place(tokens, m.rows), place(lengths, m.rows),
                     self.bridge_dev) + extra_args
-        kv = str(prefix_kv_dtype(cfg, self.model_params))  # a knob flipped in a process
+        # The model's field and what it resolves to (the CPU kernels' state included).
+        kv = (kvd, str(prefix_kv_dtype(cfg, self.model_params, kvd)))
         prog = self.program((name, cfg, self.bridge_cfg, self.mesh, pk, vl, kv), fn, args)
         t0 = time.perf_counter()
         out = jax.block_until_ready(prog(*args))

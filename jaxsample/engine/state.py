@@ -1,6 +1,6 @@
 """The engine's typed state: the prefix cache, the decode state, the traced knobs.
 
-Letters (see `models/llama.py`): R decode rows (prompts, or prompt copies in
+Letters (see `models/families/llama.py`): R decode rows (prompts, or prompt copies in
 the naive baseline), N branch slots per row, P prefix bucket, T tail bucket,
 C common-context bucket (`generate(shared_prefix=...)`), L layers, K kv
 heads, D head dim, V logits rows, k top logprobs per token.
@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxsample.models import cpu_kernels, quant
+from jaxsample.lm import PREFIX_KV_DTYPES, check_switch
+from jaxsample.models.quantization import quant
 from jaxsample.sharding import BRANCH_AXIS
 
 MAX_STOP_IDS = 16  # stop ids are a fixed-size traced array (padded with -1)
@@ -24,7 +25,7 @@ class PrefixCache(NamedTuple):
     """The prompts' KV cache, stored once (no branch axis).
 
     k, v: tuples of L arrays `[R, K, P_l, D]` in the model dtype, or float16 for a
-      W8A8 model (`prefix_kv_dtype`); P_l = P, or the last min(P, w - 1)
+      W8A8 model whose `LanguageModel.prefix_kv_dtype` is "auto" (`prefix_kv_dtype`); P_l = P, or the last min(P, w - 1)
       positions on a local layer of window w (per layer, so
       the unrolled layer loop reads each layer's cache without a slice copy;
       kv-head-major, the layout the attention matmuls read without a
@@ -37,17 +38,14 @@ class PrefixCache(NamedTuple):
     lengths: jax.Array
 
 
-PREFIX_KV_FLOAT16 = True
-"""Store a W8A8 model's prefix KV cache in float16 where the CPU kernel reads it
-(`prefix_kv_dtype`). False keeps it float32 (the tests' exact oracle of the cached
-decode, the benchmarks' A/B); it is part of the exported programs' keys."""
-
-
-def prefix_kv_dtype(cfg, params):
-    """The dtype the prefix KV cache is stored in: float16 for a W8A8 float32 model
-    (`weights="int8"`, every quantised weight in mode "w8a8") whose decode step reads
-    the prefix through `cpu_kernels.segment_attention` (`cpu_kernels.active()`, every
-    layer global, D a multiple of 8, no score soft-cap), else None (the model's dtype).
+def prefix_kv_dtype(cfg, params, choice: str = "auto"):
+    """The dtype the prefix KV cache is stored in, for a model whose
+    `LanguageModel.prefix_kv_dtype` is `choice`: with "auto", float16 for a W8A8
+    float32 model (`weights="int8"`, every quantised weight in mode "w8a8") whose
+    decode step reads the prefix through `cpu_kernels.segment_attention`
+    (`quant.uses_cpu_kernels(params)`: its weights allow the kernels and
+    `cpu_kernels.active()`; every layer global, D a multiple of 8, no score soft-cap),
+    else None (the model's dtype); with "model", always None.
 
     The step of a one-branch decode streams the whole prefix once per step: 47 MB in
     float32 for SmolLM2 at P = 1024, a third of its int8 weights' bytes; float16 halves
@@ -57,14 +55,18 @@ def prefix_kv_dtype(cfg, params):
     much as any last-bit change does (W8A8 amplifies those: docs/benchmarks.md,
     "Int8 weights"), so it is tied to W8A8, the speed mode: weight-only int8
     (`"int8-weight-only"`), which reproduces to float32 rounding across meshes and
-    batches, and float32 models keep their dtype. `PREFIX_KV_FLOAT16 = False` turns
-    it off.
+    batches, and float32 models keep their dtype. "model" keeps a W8A8 model's prefix
+    float32 too (the exact oracle of its cached decode, the benchmarks' A/B).
+
+    Raises:
+      ConfigError: `choice` not one of `lm.PREFIX_KV_DTYPES`.
     """
+    check_switch("prefix_kv_dtype", choice, PREFIX_KV_DTYPES)
     windows = getattr(cfg, "layer_windows", ())
-    if (PREFIX_KV_FLOAT16 and jnp.dtype(cfg.jnp_dtype) == jnp.float32
+    if (choice == "auto" and jnp.dtype(cfg.jnp_dtype) == jnp.float32
             and all(w is None for w in windows) and cfg.head_dim % 8 == 0
             and getattr(cfg.attention_scale, "softcap", None) is None
-            and quant.modes(params) == {"w8a8"} and cpu_kernels.active()):
+            and quant.modes(params) == {"w8a8"} and quant.uses_cpu_kernels(params)):
         return jnp.float16
     return None
 
@@ -229,7 +231,7 @@ class Knobs(NamedTuple):
 class Static:
     """Everything that changes shapes or code, hence the compiled program."""
 
-    cfg: Any  # the model config (models.llama.LlamaConfig)
+    cfg: Any  # the model config (models.families.llama.LlamaConfig)
     n: int  # branch slots per row held by one device
     t_cap: int  # tail buffer length (a bucket >= max_new_tokens)
     vocab_limit: int

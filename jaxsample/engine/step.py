@@ -21,14 +21,15 @@ from jaxsample.engine.prefill import prefix_start
 from jaxsample.engine.prefix_attention import prefix_attention
 from jaxsample.engine.state import DecodeState, Knobs, Outputs, PrefixCache, Static
 from jaxsample.kernels.decode_attention import segment_attention
-from jaxsample.models import common, families, quant
+from jaxsample.models.families import common, families
+from jaxsample.models.quantization import quant
 
 
 def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, post_layer=None,
                 bridge_params=None, context=None, attention: str = "xla"):
     """One decode step of one branch (vmapped over branches and rows).
 
-    Any model family (`models.families.module_for(cfg)`). On a local layer of
+    Any model family (`models.families.families.module_for(cfg)`). On a local layer of
     window w (`cfg.layer_windows[l]`) the token at position p = C + prefix_len + t
     attends to positions in (p - w, p] only, across the context/prefix/tail
     boundaries.
@@ -56,7 +57,9 @@ def branch_step(cfg, params, token, position, t, pk, pv, prefix_len, tk, tv, pos
     self_mask = jnp.ones((1, 1), bool)
 
     base = 0 if context is None else context.length  # position of the prefix's slot 0
-    kernel = quant.is_quantized(params)  # the int8 step's prefix attention: the CPU kernel
+    # The int8 step's prefix attention: the CPU kernel, unless the model's
+    # `cpu_kernels` is "off" (its weights say so: `QuantizedWeight.kernels`).
+    kernel = quant.uses_cpu_kernels(params)
     if attention == "pallas":
         backend, interpret = kernels.kernel_backend()
 

@@ -38,7 +38,7 @@ both from XLA:
   embedding lookup of N > 1 tokens (a gather under the branch vmap) is
   charged the whole table (113 MB for SmolLM2) though it reads N rows.
 
-Letters as in `models/llama.py`.
+Letters as in `models/families/llama.py`.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def ideal_step_bytes(config, prompt_tokens: int, n: int, new_tokens: int) -> dic
     `decode_step_bytes_shared` (last step, context P + T) plus the logits.
 
     Args:
-      config: a model config (`models.llama.LlamaConfig`, `Gemma3Config`).
+      config: a model config (`models.families.llama.LlamaConfig`, `Gemma3Config`).
       prompt_tokens, n, new_tokens: P >= 0, N >= 1, T >= 0.
     Returns:
       dict with "weights", "prefix", "tails", "logits", "total" (bytes).
@@ -147,7 +147,7 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
       top_logprobs: k of the top logprobs recorded per token (0: none; with
         k > 0 the ranks are recorded too, as `SamplingParams(logprobs=k)`).
       weights: None, or "int8" for `load(..., weights="int8")`'s parameters
-        (`models.quant`), run in `mode` (default `quant.DEFAULT_MODE`).
+        (`models.quantization.quant`), run in `mode` (default `quant.DEFAULT_MODE`).
       chunk: compile the whole chunk, `loop.decode_chunk` (the step inside its
         loops), with the engine's `loop.compiler_options` for the default
         backend, instead of the loop body alone.
@@ -163,7 +163,7 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
     from jaxsample.engine.state import (MAX_STOP_IDS, Knobs, PrefixCache, Static,
                                         prefix_kv_dtype)
     from jaxsample.engine.step import branch_keys, make_step
-    from jaxsample.models import families
+    from jaxsample.models.families import families
 
     for name, v in (("prompt_tokens", prompt_tokens), ("n", n), ("new_tokens", new_tokens)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -180,7 +180,7 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
     params = jax.eval_shape(
         lambda: fam.unstack_layers(fam.init_params(config, jax.random.key(0))))
     if weights is not None:
-        from jaxsample.models import outliers, quant
+        from jaxsample.models.quantization import outliers, quant
         params = quant.quantize_params(params, compute=config.dtype, abstract=True,
                                        mode=mode or quant.DEFAULT_MODE,
                                        outliers=outliers.abstract_channels(params))
@@ -231,7 +231,7 @@ def decode_step_cost(config, prompt_tokens: int, n: int, new_tokens: int, *,
     """Bytes accessed and FLOPs of one compiled decode step (see the module docstring).
 
     Args:
-      config: a model config (`models.llama.LlamaConfig`, `Gemma3Config`).
+      config: a model config (`models.families.llama.LlamaConfig`, `Gemma3Config`).
       prompt_tokens: P, the prefix buffer length.
       n: N branches.
       new_tokens: T, the tail buffer length.

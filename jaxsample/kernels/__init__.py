@@ -13,7 +13,7 @@ The decode step's attention is chosen by the engine option `attention`
 (`resolve_attention`), part of the compiled program's key (`engine.state.Static`):
 "pallas" runs the kernels (in Pallas's interpreter on CPU, where the test suite
 checks them against the XLA path), "xla" the einsum path of
-`models.common.partial_attention`, "auto" the kernels on GPU and TPU and XLA on
+`models.families.common.partial_attention`, "auto" the kernels on GPU and TPU and XLA on
 CPU (where the int8 step keeps its own CPU kernel).
 """
 

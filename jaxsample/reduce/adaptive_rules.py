@@ -76,7 +76,7 @@ def dirichlet_leader_probability(counts: Sequence[int], points: int = 8193) -> f
     and F are Gamma densities and CDFs; for integer shapes F_i(x) = 1 -
     e^-x sum_{j < alpha_i} x^j / j!. Integrated with the trapezoid rule over
     [0, mean + 12 sd + 20] of G_0 (within 1e-5 of the exact Beta value for two
-    answers; see tests/test_adaptive.py).
+    answers; see tests/reduce/test_adaptive.py).
     """
     counts = [int(c) for c in counts]
     if not counts or any(c < 0 for c in counts):

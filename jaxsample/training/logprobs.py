@@ -16,7 +16,7 @@ hidden states `[B, S, E]` are split into `ceil((S - 1) / C)` chunks, a
 `jax.checkpoint` makes the backward pass recompute a chunk's logits instead
 of keeping them. The peak of logits-sized memory is therefore one chunk's
 `[B, C, V]` float32 and its cotangent, `2 * 4 * B * C * V` bytes, whatever S
-is (tests/test_token_logprobs.py bounds XLA's temporary bytes by it).
+is (tests/training/test_token_logprobs.py bounds XLA's temporary bytes by it).
 
 The arithmetic of one position is the sampler's (`engine.sampling.prepare`
 and `choose_token`): rows `>= vocab_limit` at -inf, the maximum subtracted,
@@ -40,7 +40,7 @@ import numpy as np
 
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
-from jaxsample.models import common, families
+from jaxsample.models.families import common, families
 
 # The default chunk: the largest C whose [B, C, V] float32 logits fit in this many bytes.
 LOGITS_CHUNK_BYTES = 64 << 20
@@ -161,7 +161,7 @@ def token_logprobs(model, params, tokens, *, temperature: float = 1.0,
         used, never its weights.
       params: the parameter pytree (the family's `param_shapes`, stacked or
         the list-of-layers layout; leaves may also be objects the families
-        multiply with `@`, such as `models.quant.QuantizedWeight` or
+        multiply with `@`, such as `models.quantization.quant.QuantizedWeight` or
         `jaxsample.training.lora` adapters).
       tokens: `[B, S]` integer token ids (cast to int32), S <= the context.
       temperature: a finite number > 0 (a Python number: it is the policy).
@@ -245,7 +245,7 @@ def group_token_logprobs(model, params, prompt, prompt_len, completions, *,
     per group instead of N. The prompt runs once with causal attention (the
     prefill); each completion attends to the prompt's keys and values
     (shared, not copied) and to its own, the two partial softmaxes merged by
-    log-sum-exp (`models.common.merge_attention`), sliding windows included.
+    log-sum-exp (`models.families.common.merge_attention`), sliding windows included.
     A pure function of `params`, differentiable; padding after a branch's
     end is scored too (the caller masks it).
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample.errors import InputError
-from jaxsample.models import quant
+from jaxsample.models.quantization import quant
 
 __all__ = ["LoraConfig", "LoraWeight", "init", "apply", "merge", "num_params"]
 
@@ -49,7 +49,7 @@ class LoraConfig:
       rank: r, an int >= 1.
       alpha: the update's scale is `alpha / rank` (a finite number > 0).
       targets: per-layer projection names, a non-empty subset of
-        `models.quant.PROJECTIONS` (wq, wk, wv, wo, w_gate, w_up, w_down).
+        `models.quantization.quant.PROJECTIONS` (wq, wk, wv, wo, w_gate, w_up, w_down).
     Raises:
       InputError: on construction, a field outside these rules.
     """

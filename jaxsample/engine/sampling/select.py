@@ -11,7 +11,7 @@ bisection over the int32 order keys of the tempered logits (32 passes of
 O(V) counting or summing, then ties at the cut-off broken by index with one
 cumsum). The sets are the same on every path up to the float32 rounding of
 the top-p sums (a boundary token whose mass above lies within rounding of
-p - 1e-6; tests/test_sampling.py compares the paths off those tokens). When
+p - 1e-6; tests/sampling/test_sampling.py compares the paths off those tokens). When
 every kept set lies within the candidates, the Gumbel noise is computed at
 the candidates' indices only (the same values `jax.random.gumbel(key, (V,))`
 has there: element i of a threefry-partitionable draw depends on i alone),

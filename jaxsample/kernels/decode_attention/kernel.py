@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from jaxsample.models import common
+from jaxsample.models.families import common
 
 BACKENDS = ("triton", "mosaic")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsample.models import common
+from jaxsample.models.families import common
 
 
 def segments(q, k, v, lo, hi, *, softcap: float | None = None):
