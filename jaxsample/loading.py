@@ -132,27 +132,41 @@ def load(name_or_path: str | os.PathLike | None = None, *, dtype: str = "float32
     path, name = _resolve(name_or_path)
     # a rewritten file has a new stat id: a new key
     key = (str(path), file_hashes.stat_id(path.stat()), dtype, name, weights)
+    variants = _variants(key)
+    switches = (prefix_kv_dtype, cpu_kernels)
+    if switches not in variants:
+        variants[switches] = _switched(key, variants, cache, weights, *switches)
+    return variants[switches]
+
+
+def _variants(key: tuple) -> dict:
+    """The process's models of one (path, stat id, dtype, name, weights) `key`, by their
+    switches (prefix_kv_dtype, cpu_kernels); the 4 latest keys are kept."""
     if key not in _LOADED:  # the weights are the same with or without the cache
         if len(_LOADED) >= 4:
             _LOADED.pop(next(iter(_LOADED)))
         _LOADED[key] = {}
-    variants = _LOADED[key]
-    switches = (prefix_kv_dtype, cpu_kernels)
-    if switches not in variants:
-        t0 = time.perf_counter()
-        base = next(iter(variants.values()), None)
-        if base is None:
-            lm = _load_uncached(*key[:4], _cache_base(cache), weights=weights,
-                                cpu_kernels=cpu_kernels)
-            info = _INFO[lm]
-        else:  # the same weights' arrays, other switches
-            lm = dataclasses.replace(base, cpu_kernels=cpu_kernels)
-            info = {k: v for k, v in _INFO.get(base, {}).items() if k not in _KERNEL_KEYS}
-            info["seconds"] = time.perf_counter() - t0
-        lm = dataclasses.replace(lm, prefix_kv_dtype=prefix_kv_dtype)
-        _INFO[lm] = {**info, **_kernel_info(lm)}
-        variants[switches] = lm
-    return variants[switches]
+    return _LOADED[key]
+
+
+def _switched(key: tuple, variants: dict, cache, weights, prefix_kv_dtype: str,
+              cpu_kernels: str) -> LanguageModel:
+    """The model of `key` with these switches, its `load_info` recorded: read from the
+    checkpoint (or the weight cache) for the key's first, else the same weights' arrays
+    as an earlier variant's."""
+    t0 = time.perf_counter()
+    base = next(iter(variants.values()), None)
+    if base is None:
+        lm = _load_uncached(*key[:4], _cache_base(cache), weights=weights,
+                            cpu_kernels=cpu_kernels)
+        info = _INFO[lm]
+    else:  # the same weights' arrays, other switches
+        lm = dataclasses.replace(base, cpu_kernels=cpu_kernels)
+        info = {k: v for k, v in _INFO.get(base, {}).items() if k not in _KERNEL_KEYS}
+        info["seconds"] = time.perf_counter() - t0
+    lm = dataclasses.replace(lm, prefix_kv_dtype=prefix_kv_dtype)
+    _INFO[lm] = {**info, **_kernel_info(lm)}
+    return lm
 
 
 _KERNEL_KEYS = ("cpu_kernels", "cpu_kernels_override")  # `_kernel_info`'s, per model
