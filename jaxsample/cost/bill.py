@@ -273,7 +273,8 @@ class Bill:
             f"prefill {self.prompt_tokens_if_separate} "
             f"({format_flops(self.prefill_flops_if_separate)})",
             f"decode: {self.decoded_tokens_total} tokens over {self.num_prompts * N} branches "
-            f"in {self.decode_steps} steps ({self.branch_steps} branch-steps computed; "
+            f"in {self.decode_steps} step{'s' if self.decode_steps != 1 else ''} "
+            f"({self.branch_steps} branch-steps computed; "
             f"{format_flops(self.decode_flops_shared)}); "
             f"the same for separate retries: sharing never saves per-branch decode"
             + (f"; {self.tokens_discarded} of them decoded after a stop string and dropped"
