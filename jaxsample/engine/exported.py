@@ -173,8 +173,7 @@ def _kernels(args) -> str:
     from jaxsample.models.cpu_kernels import cpu_kernels
     from jaxsample.models.quantization import quant
 
-    is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
-    weights = [a for a in jax.tree_util.tree_leaves(args, is_leaf=is_q) if is_q(a)]
+    weights = quant.quantized_weights(args)
     if weights and not any(w.kernels for w in weights):
         return "off"
     return cpu_kernels.fingerprint()

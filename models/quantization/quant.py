@@ -513,51 +513,56 @@ def check_quantized(w: QuantizedWeight, name: str = "weight") -> None:
                              f"{list(keep.shape)}, w {list(w_out.shape)})")
 
 
+def _is_q(a) -> bool:
+    return isinstance(a, QuantizedWeight)
+
+
+def quantized_weights(params) -> list[QuantizedWeight]:
+    """The `QuantizedWeight` leaves of `params`, in tree order (empty for float params)."""
+    return [a for a in jax.tree_util.tree_leaves(params, is_leaf=_is_q) if _is_q(a)]
+
+
+def _map_quantized(f, params, other=lambda a: a):
+    """`params` with `f` applied to each `QuantizedWeight` and `other` to every other leaf."""
+    return jax.tree_util.tree_map(lambda a: f(a) if _is_q(a) else other(a), params,
+                                  is_leaf=_is_q)
+
+
 def with_compute(params, compute: str):
     """The same parameters for activations of dtype `compute` ("float32" or
     "bfloat16"): each `QuantizedWeight` says so (its q and scale unchanged), the
     other (float) leaves are cast to it. Host numpy in, host numpy out."""
     dtype = common.DTYPES[compute]
-    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
-    return jax.tree_util.tree_map(
-        lambda a: a._replace(compute=compute) if is_q(a)
-        else np.asarray(jnp.asarray(a, dtype=dtype)), params, is_leaf=is_q)
+    return _map_quantized(lambda a: a._replace(compute=compute), params,
+                          lambda a: np.asarray(jnp.asarray(a, dtype=dtype)))
 
 
 def with_mode(params, mode: str):
     """The same parameters with every `QuantizedWeight` switched to `mode` (no copy)."""
     if mode not in MODES:
         raise ValueError(f"with_mode: mode must be one of {MODES}, got {mode!r}")
-    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
-    return jax.tree_util.tree_map(lambda a: a._replace(mode=mode) if is_q(a) else a, params,
-                                  is_leaf=is_q)
+    return _map_quantized(lambda a: a._replace(mode=mode), params)
 
 
 def with_cpu_kernels(params, on: bool):
     """The same parameters with every `QuantizedWeight`'s `kernels` set to `on` (no
     copy of any array); `params` itself when every one already says so (float
     parameters included)."""
-    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
-    leaves = jax.tree_util.tree_leaves(params, is_leaf=is_q)
-    if all(a.kernels == on for a in leaves if is_q(a)):
+    if all(a.kernels == on for a in quantized_weights(params)):
         return params
-    return jax.tree_util.tree_map(lambda a: a._replace(kernels=on) if is_q(a) else a, params,
-                                  is_leaf=is_q)
+    return _map_quantized(lambda a: a._replace(kernels=on), params)
 
 
 def uses_cpu_kernels(params) -> bool:
     """Whether a program traced now over `params` may call the CPU kernels: a
     `QuantizedWeight` leaf with `kernels` True and `cpu_kernels.active()` (the decode
     step's prefix attention goes to the kernel then, `engine.step`)."""
-    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
-    return (any(a.kernels for a in jax.tree_util.tree_leaves(params, is_leaf=is_q) if is_q(a))
-            and cpu_kernels.active())
+    return any(a.kernels for a in quantized_weights(params)) and cpu_kernels.active()
 
 
 def modes(params) -> set[str]:
     """The `mode`s of the `QuantizedWeight` leaves of `params` (empty for float params)."""
-    is_q = lambda a: isinstance(a, QuantizedWeight)  # noqa: E731
-    return {a.mode for a in jax.tree_util.tree_leaves(params, is_leaf=is_q) if is_q(a)}
+    return {a.mode for a in quantized_weights(params)}
 
 
 def is_quantized(params) -> bool:
