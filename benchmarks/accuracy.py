@@ -52,9 +52,8 @@ METRICS = ("pass@1", "maj@k", "best@k", "pass@k")  # pass@1 is flat in k (refere
 
 def _sample(lm, tasks, n, args, seed):
     """Generate N branches for every task; returns per-problem records and seconds."""
-    from jaxsample import generate, self_consistency
+    from jaxsample import SamplingParams, generate, self_consistency
     from jaxsample.reduce import answers
-    from jaxsample import SamplingParams
 
     params = SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=seed)
@@ -283,6 +282,7 @@ def main(argv=None):
         return
 
     import jax
+
     import jaxsample
     from benchmarks.tasks import make_tasks
 

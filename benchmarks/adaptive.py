@@ -51,10 +51,9 @@ _se = functools.partial(se, fewer=0.0)  # 0 for a single problem
 
 def _pool(lm, tasks, args, family_index, first=0):
     """The fixed pool: max_n branches per problem with top-20 logprobs; returns records, seconds."""
-    from jaxsample import generate
-    from jaxsample.reduce import answers
+    from jaxsample import SamplingParams, generate
     from jaxsample.reduce import adaptive_rules as stopping
-    from jaxsample import SamplingParams
+    from jaxsample.reduce import answers
 
     params = SamplingParams(n=args.max_n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, logprobs=20)
@@ -80,8 +79,7 @@ def _pool(lm, tasks, args, family_index, first=0):
 
 def _timed_fixed(lm, tasks, args, family_index, n, first=0):
     """Decode wall time and decoded tokens of fixed-N self-consistency (measured)."""
-    from jaxsample import generate
-    from jaxsample import SamplingParams
+    from jaxsample import SamplingParams, generate
 
     params = SamplingParams(n=n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -97,8 +95,7 @@ def _timed_fixed(lm, tasks, args, family_index, n, first=0):
 
 
 def _online(lm, tasks, args, family_index, rule, confidence, first=0):
-    from jaxsample import adaptive_self_consistency
-    from jaxsample import SamplingParams
+    from jaxsample import SamplingParams, adaptive_self_consistency
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)

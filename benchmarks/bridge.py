@@ -33,13 +33,15 @@ import time
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxsample.bridge_training.tasks import make_problems  # noqa: E402
-from jaxsample import bridge as bridge_lib, engine  # noqa: E402
-from jaxsample.reduce import answers  # noqa: E402
-from jaxsample.bridge_training import grpo as bridge_grpo  # noqa: E402
-from jaxsample import SamplingParams  # noqa: E402
-
 from benchmarks.common import se
+from jaxsample import (
+    SamplingParams,
+    engine,
+)
+from jaxsample import bridge as bridge_lib  # noqa: E402
+from jaxsample.bridge_training import grpo as bridge_grpo  # noqa: E402
+from jaxsample.bridge_training.tasks import make_problems  # noqa: E402
+from jaxsample.reduce import answers  # noqa: E402
 
 # cpu: the settings of the reported CPU run (docs/benchmarks.md, Bridge).
 # cpu-v1: the first CPU run, which collapsed both trained models to ~0 accuracy

@@ -47,18 +47,19 @@ import time
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxsample.bridge_training import coord_tasks as bridge_coord_tasks  # noqa: E402
-from jaxsample.bridge_training import tasks as bridge_tasks  # noqa: E402
 from benchmarks.bridge import load_model  # noqa: E402  (the same model for both scripts)
+from benchmarks.common import se
+from jaxsample import (
+    SamplingParams,
+    engine,
+)
 from jaxsample import bridge as bridge_lib  # noqa: E402
-from jaxsample.reduce import answers  # noqa: E402
+from jaxsample.bridge_training import coord_tasks as bridge_coord_tasks  # noqa: E402
 from jaxsample.bridge_training import diagnostics as bridge_diagnostics  # noqa: E402
 from jaxsample.bridge_training import grpo as bridge_grpo  # noqa: E402
-from jaxsample import engine  # noqa: E402
 from jaxsample.bridge_training import sft as bridge_sft  # noqa: E402
-from jaxsample import SamplingParams  # noqa: E402
-
-from benchmarks.common import se
+from jaxsample.bridge_training import tasks as bridge_tasks  # noqa: E402
+from jaxsample.reduce import answers  # noqa: E402
 
 TRAINED = ("bridge", "mlp", "nocross", "center")
 ATTENTION = ("bridge", "center")  # conditions with cross-branch attention (paired against the rest)

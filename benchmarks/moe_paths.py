@@ -20,7 +20,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-
 from jaxsample.models.families import moe
 
 

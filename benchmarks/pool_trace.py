@@ -46,10 +46,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import jaxsample
+    from benchmarks.scheduler import batch_kv_bytes, workload
     from jaxsample import SamplingParams
     from jaxsample.engine import round as round_lib
-
-    from benchmarks.scheduler import batch_kv_bytes, workload
 
     trace = []
     run, compact = round_lib.Round.run, round_lib.Round.compact

@@ -52,8 +52,18 @@ import time
 
 import numpy as np
 
-from benchmarks.common import (PeakRSS, cpu_model, device_mem, load_jax_model, md_table, now,
-                               prompt_ids, ru_maxrss_bytes, spawn, versions)
+from benchmarks.common import (
+    PeakRSS,
+    cpu_model,
+    device_mem,
+    load_jax_model,
+    md_table,
+    now,
+    prompt_ids,
+    ru_maxrss_bytes,
+    spawn,
+    versions,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -81,7 +91,6 @@ def _analytic(cfg, P, kernel, block):
 def worker(spec):
     import jax
     import jax.numpy as jnp
-
     from jaxsample.models.families import flash
 
     if spec["kernel"] == "dense":
@@ -137,7 +146,6 @@ def layer_check(spec):
     """One attention layer at the model's H, K, D and S = P (random q, k, v):
     both kernels against a float64 numpy oracle, errors relative to max |v|."""
     import jax
-
     from jaxsample.models.families import common
 
     H, K, D, S = spec["H"], spec["K"], spec["D"], spec["P"]

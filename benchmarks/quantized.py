@@ -62,10 +62,10 @@ PROMPTS = [
 
 
 def _variants():
-    from jaxsample.loading import load
     from jaxsample.models.quantization import quant
 
     from benchmarks.common import NoEosTokenizer, int8_without_outliers
+    from jaxsample.loading import load
 
     f32 = load(None, dtype="float32")
     q8 = load(None, weights="int8")
@@ -80,11 +80,10 @@ def _variants():
 
 def speed(P, Ns, T, reps):
     """{(variant, N): [step seconds per call]}, the variants interleaved call by call."""
-    from jaxsample import SamplingParams
-    from jaxsample.engine import session
-
     from benchmarks.common import prompt_ids
     from benchmarks.step_ablation import _decode
+    from jaxsample import SamplingParams
+    from jaxsample.engine import session
 
     lms = _variants()
     ids = prompt_ids(0, P, lms["float32"].vocab_limit)
@@ -104,9 +103,10 @@ def speed(P, Ns, T, reps):
 def hlo(P=1024, T=64):
     """Per variant: the N = 1 step's float32 weight copies, its dots by result type and
     its calls of the int8 CPU kernels (`models.cpu_kernels.cpu_kernels`, when they are on)."""
+    from jaxsample.models.cpu_kernels import cpu_kernels
+
     from jaxsample.engine.step_cost import compile_decode_step
     from jaxsample.loading import read_config
-    from jaxsample.models.cpu_kernels import cpu_kernels
 
     cfg = read_config(None)
     E, F, V = cfg.dim, cfg.ffn_dim, cfg.vocab_size
@@ -134,13 +134,12 @@ def hlo(P=1024, T=64):
 
 def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
     import numpy as np
-
-    from jaxsample import SamplingParams, generate
-    from jaxsample.engine import state
-    from jaxsample.loading import load
     from jaxsample.models.quantization import quant
 
     from benchmarks.common import NoEosTokenizer, int8_without_outliers
+    from jaxsample import SamplingParams, generate
+    from jaxsample.engine import state
+    from jaxsample.loading import load
 
     out = {}
     for name in models:
@@ -204,10 +203,10 @@ def invariance(models=("smollm2-135m-instruct", "gemma3-270m")):
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    from jaxsample.loading import load
     from jaxsample.models.families import families
     from jaxsample.models.quantization import quant
+
+    from jaxsample.loading import load
 
     out = {}
     for name in models:
@@ -242,7 +241,8 @@ def invariance(models=("smollm2-135m-instruct", "gemma3-270m")):
                           for i in (0, half)]),
                      "one-ulp norm weight": np.asarray(fwd(bump(lm.params), batch))[rows, last]}
             if mesh is not None:
-                from jax.sharding import NamedSharding, PartitionSpec as Ps
+                from jax.sharding import NamedSharding
+                from jax.sharding import PartitionSpec as Ps
                 g = jax.jit(jax.shard_map(lambda p, t: fwd(p, t), mesh=mesh,
                                           in_specs=(Ps(), Ps("d")), out_specs=Ps("d")))
                 other["shard_map over 2 devices"] = np.asarray(g(

@@ -106,12 +106,11 @@ def sampler_fn(V: int, vocab_limit: int, n: int):
 def run(Ps, Ns, T, reps, big, model=None):
     import dataclasses
 
+    from benchmarks.common import NoEosTokenizer, prompt_ids
+    from benchmarks.step_ablation import _decode
     from jaxsample import SamplingParams
     from jaxsample.engine import session
     from jaxsample.loading import load
-
-    from benchmarks.common import NoEosTokenizer, prompt_ids
-    from benchmarks.step_ablation import _decode
 
     lm = load(model, dtype="float32")
     lm = dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer))

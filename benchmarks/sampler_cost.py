@@ -104,8 +104,7 @@ def sampler_ms(V: int, vocab_limit: int, n: int, repeats: int, k0s: list[int]):
 
 
 def step_ms(lm, n: int, steps: int = 16) -> float:
-    from jaxsample import generate
-    from jaxsample import SamplingParams
+    from jaxsample import SamplingParams, generate
 
     params = SamplingParams(n=n, temperature=0.8, top_p=0.95, max_new_tokens=steps, seed=0,
                             stop_token_ids=[])

@@ -74,10 +74,9 @@ _se = functools.partial(se, fewer=0.0)  # 0 for a single problem
 
 
 def _pool(lm, tasks, args, family_index):
-    from jaxsample import generate
-    from jaxsample.reduce import answers
+    from jaxsample import SamplingParams, generate
     from jaxsample import reduce as reducers
-    from jaxsample import SamplingParams
+    from jaxsample.reduce import answers
 
     params = SamplingParams(n=args.max_n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, logprobs=20,
@@ -203,9 +202,8 @@ def deepconf_online(lm, args) -> dict:
     problems with `confidence_source="signals"` (no top-k copied) and "top_logprobs"
     (k = 20), alternated `--repeats` times in one process after a warm-up of each:
     decode seconds (medians), decoded tokens, branches drawn and accuracy."""
-    from jaxsample import SamplingParams, adaptive_self_consistency
-
     from benchmarks.tasks import make_tasks
+    from jaxsample import SamplingParams, adaptive_self_consistency
 
     tasks = make_tasks(args.families.split(",")[0], args.problems, args.task_seed)
     prompts = [t.prompt for t in tasks]
@@ -242,8 +240,7 @@ def deepconf_online(lm, args) -> dict:
 
 def overhead(lm, args) -> dict:
     """Decode seconds per step with signals off / on / logprobs=20, interleaved medians."""
-    from jaxsample import generate
-    from jaxsample import SamplingParams
+    from jaxsample import SamplingParams, generate
 
     base = SamplingParams(n=args.overhead_n, temperature=0.8, max_new_tokens=args.overhead_tokens,
                           seed=0, ignore_eos=True)

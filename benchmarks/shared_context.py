@@ -86,8 +86,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import jaxsample
-    from jaxsample import engine
-    from jaxsample import SamplingParams
+    from jaxsample import SamplingParams, engine
 
     lm = jaxsample.load(args.model) if args.model else jaxsample.load()
     tok = lm.tokenizer

@@ -31,8 +31,9 @@ import statistics
 def _old_prefix_attention():
     """The prefix segment as a plain vmap of `partial_attention` (before
     engine/prefix_attention.py)."""
-    from jaxsample.engine import step
     from jaxsample.models.families import common
+
+    from jaxsample.engine import step
 
     new = step.prefix_attention
     step.prefix_attention = lambda q, k, v, m, s: common.partial_attention(q, k, v, m[None], s)
@@ -125,12 +126,11 @@ def run(variants, P, Ns, T, reps, temperature=1.0, top_k=0, top_p=1.0, weights=N
     (a dict) is filled as the calls come, so a run cut short keeps what it measured."""
     import dataclasses
 
-    from jaxsample import disk_cache
+    from benchmarks.common import NoEosTokenizer
+    from benchmarks.common import prompt_ids as _prompt_ids
+    from jaxsample import SamplingParams, disk_cache
     from jaxsample.engine import loop, session
     from jaxsample.loading import load
-    from jaxsample import SamplingParams
-
-    from benchmarks.common import NoEosTokenizer, prompt_ids as _prompt_ids
 
     # Each variant's programs are traced under its patch: never read from the exported
     # programs on disk, whose keys cannot see a patch (the compilation cache can: its

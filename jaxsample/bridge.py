@@ -72,8 +72,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxsample.sharding import branch_index, gather_branches
 from jaxsample.models.families import llama
+from jaxsample.sharding import branch_index, gather_branches
 
 __all__ = ["BridgeConfig", "Bridge", "init", "apply_block", "block_stats", "param_count",
            "param_fraction", "zeros_like_output", "self_only", "KINDS"]

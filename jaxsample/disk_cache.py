@@ -43,7 +43,6 @@ from typing import Any
 from jaxsample import cache_paths, file_hashes, xla_cache
 from jaxsample.cache_files import atomic_write, in_the_way, log, warn_in_the_way  # noqa: F401
 
-
 ENV_NO_EXPORTED = "JAXSAMPLE_NO_EXPORTED"
 
 

@@ -346,8 +346,12 @@ class LLM:
         return ps
 
     def _pool(self, requests, use_tqdm, index_offset: int = 0):
-        from jaxsample.engine.requests import (check_requests, encode_requests, open_pool,
-                                               pool_results)
+        from jaxsample.engine.requests import (
+            check_requests,
+            encode_requests,
+            open_pool,
+            pool_results,
+        )
 
         reqs = check_requests(requests)
         session = open_pool(self.lm, reqs, encode_requests(self.lm, reqs),

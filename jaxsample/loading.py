@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from jaxsample import cache_paths, file_hashes
+from jaxsample import cache_paths, file_hashes, weight_cache
 from jaxsample import disk_cache as cache_lib
-from jaxsample import weight_cache
 from jaxsample.errors import ConfigError, JaxsampleError, ModelLoadError
 from jaxsample.lm import CPU_KERNELS, PREFIX_KV_DTYPES, LanguageModel, check_switch
 from jaxsample.models.checkpoints import registry

@@ -122,7 +122,8 @@ class Progress:
 
     def _ensure_live(self):
         if self._live is None:
-            from rich.progress import BarColumn, Progress as RichProgress, SpinnerColumn, TextColumn
+            from rich.progress import BarColumn, SpinnerColumn, TextColumn
+            from rich.progress import Progress as RichProgress
 
             self._live = RichProgress(
                 SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),

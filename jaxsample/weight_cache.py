@@ -34,12 +34,12 @@ import tempfile
 import time
 import zlib
 from typing import Any
+
 import numpy as np
 
 from jaxsample import disk_cache
-from jaxsample.disk_cache import CacheMiss, STALE_TMP_S, log, read_header
+from jaxsample.disk_cache import STALE_TMP_S, CacheMiss, log, read_header
 from jaxsample.file_hashes import HASH_BLOCK_BYTES, source_sha256
-
 
 FORMAT = "jaxsample-gguf-weights-3"  # bump when the cached layout or the loader's output changes
 INT8_FORMAT = "jaxsample-int8-weights-4"  # bump when quantize_params' output or its layout changes

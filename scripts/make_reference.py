@@ -42,6 +42,7 @@ What it writes (all small; about 1.5 MB in total):
 
 from __future__ import annotations
 
+import codecs
 import importlib.metadata
 import inspect
 import json
@@ -49,7 +50,6 @@ import pathlib
 import shutil
 import textwrap
 import this  # noqa: F401  (the Zen of Python, for a long prompt)
-import codecs
 
 import gguf
 import numpy as np

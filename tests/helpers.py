@@ -18,16 +18,14 @@ import signal
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jaxsample import bridge as bridge_lib
-from jaxsample import engine
-from jaxsample.engine import sampling
-from jaxsample import SamplingParams
-from jaxsample.lm import LanguageModel
-from jaxsample import tiny
 from jaxsample.models.families import gemma3, llama
 from jaxsample.models.quantization import outliers, quant
 from paths import DATA
+
+from jaxsample import SamplingParams, engine, tiny
+from jaxsample import bridge as bridge_lib
+from jaxsample.engine import sampling
+from jaxsample.lm import LanguageModel
 
 # ---------------------------------------------------------------------------
 # The hand-written cases (tests/data/cases/, see its README.md)
@@ -106,8 +104,8 @@ def replay_offline(pool, b, extract, *, max_n, window, rule, threshold=0.95, con
     (`source="top_logprobs"`) or its self-certainty signals (`source="signals"`).
     `extract(text)` -> answer or None; answers are normalised as
     `adaptive_self_consistency` normalises what a callable extractor returns."""
-    from jaxsample.reduce import answers
     from jaxsample.reduce import adaptive_rules as stopping
+    from jaxsample.reduce import answers
 
     ans = [None if (a := extract(t)) is None else (answers.normalize(a) or None)
            for t in pool.texts[b]]

@@ -45,7 +45,6 @@ def load(model, dtype, engine="jaxsample"):
 
 def _leaves(tree):
     import jax
-
     from jaxsample.models.quantization import quant
 
     is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
@@ -86,10 +85,9 @@ def run_cell(lm, engine, P, N, T, args, plat, generate_kw=None):
     `generate_kw`: more keyword arguments of `generate` (e.g. `attention=`); an
     option this engine does not have raises its TypeError."""
 
-    from jaxsample import cost
+    from jaxsample import SamplingParams, cost
     from jaxsample.engine import generate
     from jaxsample.engine.naive import naive_generate
-    from jaxsample import SamplingParams
 
     ids = common.prompt_ids(args.seed, P, lm.vocab_limit)
     params = SamplingParams(n=N, temperature=1.0, max_new_tokens=T, seed=args.seed)

@@ -36,8 +36,8 @@ import numpy as np
 from jaxsample import bridge as bridge_lib
 from jaxsample.bridge_training import common as bt
 from jaxsample.bridge_training.common import Batch
-from jaxsample.sharding import BRANCH_AXIS
 from jaxsample.models.families import llama
+from jaxsample.sharding import BRANCH_AXIS
 
 __all__ = ["group_stats", "diagnose"]
 

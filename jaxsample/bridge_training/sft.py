@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample import bridge as bridge_lib
-from jaxsample.bridge_training import common as bt
 from jaxsample import engine
-from jaxsample.bridge_training.grpo import score_group
+from jaxsample.bridge_training import common as bt
 from jaxsample.bridge_training.common import Batch, Problem
+from jaxsample.bridge_training.grpo import score_group
 from jaxsample.sampling_params import SamplingParams
 
 __all__ = ["SFTData", "filter_groups", "collect", "train_sft", "save_data", "load_data"]

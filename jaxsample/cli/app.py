@@ -30,11 +30,28 @@ from typing import Sequence
 from jaxsample import cache_paths, cost
 from jaxsample import disk_cache as cache_lib
 from jaxsample.cli import config as config_lib
-from jaxsample.cli.console import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, dumps, json_record, print_run, stdout_console
+from jaxsample.cli.batches import make_mesh, run_batch
+from jaxsample.cli.console import (
+    EXIT_BROKEN_PIPE,
+    EXIT_OK,
+    EXIT_USAGE,
+    dumps,
+    json_record,
+    print_run,
+    stdout_console,
+)
 from jaxsample.cli.parser import UsageError, build_parser
 from jaxsample.cli.price import price_command
-from jaxsample.cli.batches import make_mesh, run_batch
-from jaxsample.cli.requests import check_adaptive, check_kv_budget, check_requests, check_results, is_jsonl, read_requests, read_shared_prefix, group_requests
+from jaxsample.cli.requests import (
+    check_adaptive,
+    check_kv_budget,
+    check_requests,
+    check_results,
+    group_requests,
+    is_jsonl,
+    read_requests,
+    read_shared_prefix,
+)
 from jaxsample.errors import ConfigError, InputError, JaxsampleError
 
 

@@ -110,8 +110,8 @@ def reduce_one(gen, reducer: config_lib.ReducerConfig, b: int = 0, sc=None):
     answer; `sc` is the batch's `self_consistency` (computed here if None)."""
     import numpy as np
 
-    from jaxsample.reduce import answers as answers_lib
     from jaxsample import reduce as reducers
+    from jaxsample.reduce import answers as answers_lib
 
     texts = gen.texts[b]
     if reducer.kind == "vote":

@@ -15,7 +15,6 @@ from jaxsample.cli.parser import ADAPTIVE
 from jaxsample.errors import ConfigError, InputError, lone_surrogate, short_repr
 from jaxsample.sampling_params import FOREIGN_KEYWORDS
 
-
 PROMPT_FILE_LIMIT = 64 * 2**20  # bytes; a larger prompt file is an error, never truncated
 
 

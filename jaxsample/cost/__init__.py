@@ -8,15 +8,29 @@
     formatting.py  `format_bytes`, `format_flops`
 """
 
-from jaxsample.cost.bill import (AdaptiveSaving, Bill, PoolRun, make_bill,
-                                 measure_experts_touched)
+from jaxsample.cost.bill import AdaptiveSaving, Bill, PoolRun, make_bill, measure_experts_touched
 from jaxsample.cost.formatting import format_bytes, format_flops
-from jaxsample.cost.model import (DTYPE_BYTES, MAX_COUNT, CostEstimate, attention_flops_per_pair,
-                                  decode_flops, estimate, expected_experts_touched, expert_bytes,
-                                  kv_bytes, kv_bytes_per_token, linear_flops_per_token,
-                                  linear_params_per_layer, logits_flops_per_token, param_count,
-                                  prefill_flops, step_weight_bytes, suffix_prefill_flops, table,
-                                  weight_bytes)
+from jaxsample.cost.model import (
+    DTYPE_BYTES,
+    MAX_COUNT,
+    CostEstimate,
+    attention_flops_per_pair,
+    decode_flops,
+    estimate,
+    expected_experts_touched,
+    expert_bytes,
+    kv_bytes,
+    kv_bytes_per_token,
+    linear_flops_per_token,
+    linear_params_per_layer,
+    logits_flops_per_token,
+    param_count,
+    prefill_flops,
+    step_weight_bytes,
+    suffix_prefill_flops,
+    table,
+    weight_bytes,
+)
 
 __all__ = ["estimate", "table", "CostEstimate", "Bill", "AdaptiveSaving", "PoolRun",
            "make_bill", "measure_experts_touched",

@@ -21,9 +21,18 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from jaxsample.cost.formatting import format_bytes, format_flops
-from jaxsample.cost.model import (MAX_COUNT, check_count, decode_flops, resolve_dtype_bytes,
-                                  expected_experts_touched, kv_bytes_per_token, prefill_flops,
-                                  step_weight_bytes, suffix_prefill_flops, weight_bytes)
+from jaxsample.cost.model import (
+    MAX_COUNT,
+    check_count,
+    decode_flops,
+    expected_experts_touched,
+    kv_bytes_per_token,
+    prefill_flops,
+    resolve_dtype_bytes,
+    step_weight_bytes,
+    suffix_prefill_flops,
+    weight_bytes,
+)
 
 PARTS = ("adaptive", "pool")  # the optional parts of a `Bill`, None where they do not apply
 

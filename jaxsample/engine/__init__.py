@@ -62,16 +62,22 @@ of benchmarks and the oracle of tests.
 """
 
 from jaxsample.engine.api import STOP_CHUNK, finish, generate
-from jaxsample.engine.requests import Request, RequestResult, RequestRun, run_pool
+from jaxsample.engine.buckets import bucket, slot_bucket
 from jaxsample.engine.loop import PROGRAMS, compact, decode_chunk, init_state
 from jaxsample.engine.prefill import prefill
+from jaxsample.engine.requests import Request, RequestResult, RequestRun, run_pool
 from jaxsample.engine.round import Round
 from jaxsample.engine.session import Session, serving_params
-from jaxsample.engine.stream import StreamEvent, TextDelta, stream
-from jaxsample.engine.state import (MAX_STOP_IDS, ContextCache, DecodeState, Knobs, PrefixCache,
-                                    Static)
-from jaxsample.engine.buckets import bucket, slot_bucket
+from jaxsample.engine.state import (
+    MAX_STOP_IDS,
+    ContextCache,
+    DecodeState,
+    Knobs,
+    PrefixCache,
+    Static,
+)
 from jaxsample.engine.step import branch_step
+from jaxsample.engine.stream import StreamEvent, TextDelta, stream
 
 # What users call. The other names imported above (prefill, decode_chunk,
 # init_state, compact, branch_step, serving_params, PROGRAMS, bucket,

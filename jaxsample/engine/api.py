@@ -10,17 +10,16 @@ import numpy as np
 
 from jaxsample import cost
 from jaxsample import progress as progress_lib
+from jaxsample.engine import sampling
 from jaxsample.engine import stops as stops_lib
 from jaxsample.engine.inputs import check_int
-from jaxsample.errors import InputError
 from jaxsample.engine.round import Round
 from jaxsample.engine.session import Session
+from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
 from jaxsample.models.quantization import quant
-from jaxsample.engine import sampling
-from jaxsample.sampling_params import SamplingParams
-from jaxsample.sampling_params import refuse_foreign_keywords
+from jaxsample.sampling_params import SamplingParams, refuse_foreign_keywords
 
 STOP_CHUNK = 8  # decode steps between stop-string checks when stop strings are given
 

@@ -33,8 +33,15 @@ import numpy as np
 from jaxsample import disk_cache
 from jaxsample.engine import exported
 from jaxsample.engine.prefill import window_extent
-from jaxsample.engine.state import (ROW_FIELDS, SLOT_FIELDS, DecodeState, Knobs, Outputs,
-                                    PrefixCache, Static)
+from jaxsample.engine.state import (
+    ROW_FIELDS,
+    SLOT_FIELDS,
+    DecodeState,
+    Knobs,
+    Outputs,
+    PrefixCache,
+    Static,
+)
 from jaxsample.engine.step import all_done, branch_keys, make_step
 
 STEPS_PER_CHECK = 8

@@ -51,7 +51,8 @@ def params_on_mesh(lm: LanguageModel, mesh):
     """
     per_mesh = _ON_MESH.setdefault(lm, {})
     if mesh not in per_mesh:
-        from jax.sharding import NamedSharding, PartitionSpec as Ps
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as Ps
 
         params, rep = serving_params(lm), NamedSharding(mesh, Ps())
         if jax.process_count() == 1:  # device to device; several processes go through the host
@@ -100,7 +101,8 @@ class MeshLayout:
     """Shardings and shard_map wrappers of the engine's programs on a mesh."""
 
     def __init__(self, mesh, data_axis):
-        from jax.sharding import NamedSharding, PartitionSpec as Ps
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as Ps
 
         self.mesh, self.d = mesh, data_axis
         d, b = data_axis, BRANCH_AXIS

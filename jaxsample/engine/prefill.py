@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsample.engine import sampling
-from jaxsample.engine import state
+from jaxsample.engine import sampling, state
 from jaxsample.engine.state import PrefixCache, PromptLogprobs
 from jaxsample.models.families import families
 

@@ -19,13 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample.engine.buckets import bucket, slot_bucket
-from jaxsample.engine.loop import (compact, decode_chunk, empty_outputs, init_state, insert_rows,
-                                   move_slots, new_columns, refill)
+from jaxsample.engine.loop import (
+    compact,
+    decode_chunk,
+    empty_outputs,
+    init_state,
+    insert_rows,
+    move_slots,
+    new_columns,
+    refill,
+)
 from jaxsample.engine.placement import kv_bytes, to_host
 from jaxsample.engine.prefill import take_rows
 from jaxsample.engine.scheduler import Scheduler
 from jaxsample.engine.state import Static
 from jaxsample.sharding import BRANCH_AXIS
+
 
 class Round:
     """One decode state: rows x slots, decoded in chunks (see the module docstring).

@@ -18,18 +18,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample import kernels
-from jaxsample.engine import inputs
 from jaxsample.engine import budget as budget_lib
+from jaxsample.engine import inputs
+from jaxsample.engine.buckets import bucket
 from jaxsample.engine.context import prefill_context, prefill_suffix
 from jaxsample.engine.loop import PROGRAMS
-from jaxsample.engine.placement import (to_host, kv_bytes, MeshLayout, params_on_mesh, place,
-                                        serving_params)
+from jaxsample.engine.placement import (
+    MeshLayout,
+    kv_bytes,
+    params_on_mesh,
+    place,
+    serving_params,
+    to_host,
+)
 from jaxsample.engine.prefill import prefill
 from jaxsample.engine.round import Round
-from jaxsample.engine.buckets import bucket
-from jaxsample.engine.state import (MAX_STOP_IDS, Knobs, PrefixCache,
-                                    PromptLogprobs, Static,
-                                    prefix_kv_dtype)
+from jaxsample.engine.state import (
+    MAX_STOP_IDS,
+    Knobs,
+    PrefixCache,
+    PromptLogprobs,
+    Static,
+    prefix_kv_dtype,
+)
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
 from jaxsample.sampling_params import MAX_LOGPROBS, SamplingParams

@@ -160,8 +160,7 @@ def compile_decode_step(config, prompt_tokens: int, n: int, new_tokens: int, *,
       ValueError: P < 1, N < 1 or T < 1.
     """
     from jaxsample.engine import init_state
-    from jaxsample.engine.state import (MAX_STOP_IDS, Knobs, PrefixCache, Static,
-                                        prefix_kv_dtype)
+    from jaxsample.engine.state import MAX_STOP_IDS, Knobs, PrefixCache, Static, prefix_kv_dtype
     from jaxsample.engine.step import branch_keys, make_step
     from jaxsample.models.families import families
 

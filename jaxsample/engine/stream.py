@@ -22,8 +22,7 @@ from jaxsample.engine import api
 from jaxsample.engine import stops as stops_lib
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
-from jaxsample.sampling_params import SamplingParams
-from jaxsample.sampling_params import refuse_foreign_keywords
+from jaxsample.sampling_params import SamplingParams, refuse_foreign_keywords
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,11 +23,24 @@ Every reducer is written for static shapes, so it runs under `jit`, `vmap`
 and inside the decode loop.
 """
 
-from jaxsample.reduce.selection import (SCORE_NAMES, best_of_n, branch_scores, confidence_scores,
-                                        score_mean_logprob, score_sum_logprob, token_confidence)
+from jaxsample.reduce.selection import (
+    SCORE_NAMES,
+    best_of_n,
+    branch_scores,
+    confidence_scores,
+    score_mean_logprob,
+    score_sum_logprob,
+    token_confidence,
+)
 from jaxsample.reduce.self_consistency import SelfConsistency, self_consistency
-from jaxsample.reduce.vote import (Vote, borda_vote, confidence_vote, majority_vote,
-                                   weights_from_mean_logprob, weights_from_scores)
+from jaxsample.reduce.vote import (
+    Vote,
+    borda_vote,
+    confidence_vote,
+    majority_vote,
+    weights_from_mean_logprob,
+    weights_from_scores,
+)
 
 __all__ = ["Vote", "SelfConsistency", "best_of_n", "majority_vote", "self_consistency",
            "score_sum_logprob", "score_mean_logprob", "weights_from_mean_logprob",

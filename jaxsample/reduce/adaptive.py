@@ -16,9 +16,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from jaxsample.reduce import answers as answers_lib
 from jaxsample import cost
-from jaxsample.reduce import adaptive_rules as rules
 from jaxsample import progress as progress_lib
 from jaxsample.engine import stops as stops_lib
 from jaxsample.engine.api import final_text, finish, text_tokenizer
@@ -27,6 +25,8 @@ from jaxsample.engine.session import Session
 from jaxsample.errors import InputError
 from jaxsample.generation import Generation
 from jaxsample.lm import LanguageModel
+from jaxsample.reduce import adaptive_rules as rules
+from jaxsample.reduce import answers as answers_lib
 from jaxsample.sampling_params import MAX_LOGPROBS, SamplingParams, refuse_foreign_keywords
 
 

@@ -8,8 +8,14 @@ import re
 from decimal import MAX_EMAX, MIN_EMIN, Decimal, InvalidOperation, localcontext
 from fractions import Fraction
 
-from jaxsample.reduce.answer_text import convert_fracs, mixed_numbers, strip_emphasis, strip_outer_braces, trimmed, unwrap_commands
-
+from jaxsample.reduce.answer_text import (
+    convert_fracs,
+    mixed_numbers,
+    strip_emphasis,
+    strip_outer_braces,
+    trimmed,
+    unwrap_commands,
+)
 
 _MINUS_SIGNS = {"\u2212": "-", "\u2012": "-", "\u2013": "-", "\ufe63": "-", "\uff0d": "-"}
 

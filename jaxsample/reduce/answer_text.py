@@ -8,7 +8,6 @@ import bisect
 import re
 from fractions import Fraction
 
-
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 

@@ -27,8 +27,13 @@ import re
 
 from jaxsample.errors import ExtractError, short_repr
 from jaxsample.reduce.answer_normalize import normalize, unify_minus
-from jaxsample.reduce.answer_text import DTFRAC_RE, FRAC_DIGITS_RE, last_boxed, mixed_numbers, strip_emphasis
-
+from jaxsample.reduce.answer_text import (
+    DTFRAC_RE,
+    FRAC_DIGITS_RE,
+    last_boxed,
+    mixed_numbers,
+    strip_emphasis,
+)
 
 __all__ = ["KINDS", "extract", "normalize"]
 

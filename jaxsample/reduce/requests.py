@@ -15,8 +15,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 
-from jaxsample.engine.requests import (RequestResult, check_requests, encode_requests, open_pool,
-                                       pool_results)
+from jaxsample.engine.requests import (
+    RequestResult,
+    check_requests,
+    encode_requests,
+    open_pool,
+    pool_results,
+)
 from jaxsample.errors import ExtractError, InputError, short_repr
 from jaxsample.floats import shortest_float32
 from jaxsample.reduce import adaptive as adaptive_lib

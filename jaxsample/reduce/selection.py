@@ -9,6 +9,7 @@ confidence, arXiv 2508.15260). Conventions: `jaxsample.reduce`.
 from __future__ import annotations
 
 from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Sequence
+
 import jax
 import numpy as np
 

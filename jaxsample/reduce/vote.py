@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import math
 from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsample.reduce.arrays import check_2d, check_like, check_real, check_valid, exact_ranks, fits_32
+from jaxsample.reduce.arrays import (
+    check_2d,
+    check_like,
+    check_real,
+    check_valid,
+    exact_ranks,
+    fits_32,
+)
 
 
 class Vote(NamedTuple):

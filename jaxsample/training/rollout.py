@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample.engine.api import generate, run_generate
-from jaxsample.engine.sampling import pad_stop_ids
 from jaxsample.engine.buckets import bucket
+from jaxsample.engine.sampling import pad_stop_ids
 from jaxsample.engine.state import MAX_STOP_IDS
 from jaxsample.errors import InputError
 from jaxsample.generation import Generation

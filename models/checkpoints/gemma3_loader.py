@@ -49,12 +49,18 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from jaxsample.models.checkpoints import llama_config
+from jaxsample.models.checkpoints.loader_core import (
+    Architecture,
+    ConfigReader,
+    Tensor,
+    TensorTable,
+    gguf_attention,
+    gguf_embedding,
+)
+from jaxsample.models.families import gemma3
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models.checkpoints import llama_config
-from jaxsample.models.checkpoints.loader_core import (Architecture, ConfigReader, Tensor,
-                                                      TensorTable, gguf_attention, gguf_embedding)
-from jaxsample.models.families import gemma3
 
 GGUF_ARCH = "gemma3"
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)

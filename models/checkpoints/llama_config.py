@@ -10,14 +10,18 @@ from __future__ import annotations
 import itertools
 import math
 from typing import Any
-import numpy as np
 
-from jaxsample.errors import ModelLoadError, UnsupportedModelError
+import numpy as np
 from jaxsample.models.checkpoints import checks
-from jaxsample.models.checkpoints.loader_core import (ConfigReader, gguf_attention, gguf_embedding,
-                                                      hf_attention)
+from jaxsample.models.checkpoints.loader_core import (
+    ConfigReader,
+    gguf_attention,
+    gguf_embedding,
+    hf_attention,
+)
 from jaxsample.models.families import llama
 
+from jaxsample.errors import ModelLoadError, UnsupportedModelError
 
 HF_CLASSES = {
     "LlamaForCausalLM": "llama",

@@ -42,12 +42,14 @@ of hidden / heads); transformers 4's `rope_theta` / `rope_scaling` and 5's
 
 from __future__ import annotations
 
-
 from jaxsample.models.checkpoints.llama_config import HF_CLASSES, config_from_gguf, config_from_hf
-from jaxsample.models.checkpoints.loader_core import (Architecture, Tensor, TensorTable,
-                                                      unpermute_rope_rows)
+from jaxsample.models.checkpoints.loader_core import (
+    Architecture,
+    Tensor,
+    TensorTable,
+    unpermute_rope_rows,
+)
 from jaxsample.models.families import llama
-
 
 GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3moe")
 

@@ -49,11 +49,17 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jaxsample.models.families import common
 from jaxsample.models.families.common import (  # noqa: F401
-    AttendFn, Params, apply_rope, causal_attend, merge_attention, partial_attention, stack_layers,
-    unstack_layers)
+    AttendFn,
+    Params,
+    apply_rope,
+    causal_attend,
+    merge_attention,
+    partial_attention,
+    stack_layers,
+    unstack_layers,
+)
 from jaxsample.models.quantization import quant
 
 

@@ -35,14 +35,22 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jaxsample.models.families import common, moe
+
 # The shared building blocks this module uses, and those every family module
 # exposes (`models.families.families`: stack_layers, unstack_layers,
 # partial_attention, ...).
 from jaxsample.models.families.common import (  # noqa: F401
-    AttendFn, Params, apply_rope, causal_attend, merge_attention, partial_attention, rms_norm,
-    stack_layers, unstack_layers)
+    AttendFn,
+    Params,
+    apply_rope,
+    causal_attend,
+    merge_attention,
+    partial_attention,
+    rms_norm,
+    stack_layers,
+    unstack_layers,
+)
 from jaxsample.models.quantization import quant
 
 _DTYPES = common.DTYPES

@@ -194,7 +194,8 @@ def expert_parallel_ffn(mesh, expert_axis: str, *, k: int, norm_topk: bool,
     Raises:
       ValueError: (when called) X not a multiple of the expert axis size.
     """
-    from jax.sharding import NamedSharding, PartitionSpec as Ps
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as Ps
 
     n = mesh.shape[expert_axis]
     tok = Ps(token_axis, None)

@@ -32,7 +32,6 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jaxsample.models.families import common, families
 from jaxsample.models.quantization import quant
 

@@ -8,25 +8,22 @@ for a resumed one, hand-counted rewards, and the self-only block for attention m
 
 from __future__ import annotations
 
-
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import BRIDGE_PROMPTS, STOPS, nonzero
+from jaxsample.models.families import llama
+from ties import assert_same_tokens_up_to_ties
 
+from jaxsample import SamplingParams, engine
 from jaxsample import bridge as bridge_lib
-from jaxsample import engine
+from jaxsample.bridge_training import common as bridge_train
+from jaxsample.bridge_training import coord_tasks as bridge_coord_tasks
 from jaxsample.bridge_training import diagnostics as bridge_diagnostics
 from jaxsample.bridge_training import grpo as bridge_grpo
 from jaxsample.bridge_training import sft as bridge_sft
-from jaxsample.bridge_training import common as bridge_train
-from jaxsample.models.families import llama
-from jaxsample import SamplingParams
-import helpers
-from helpers import BRIDGE_PROMPTS, STOPS, nonzero
-from ties import assert_same_tokens_up_to_ties
-
-from jaxsample.bridge_training import coord_tasks as bridge_coord_tasks
 
 ATT = bridge_lib.BridgeConfig(dim=8, n_heads=2)
 MLP = bridge_lib.BridgeConfig(dim=8, n_heads=2, kind="mlp")

@@ -5,14 +5,13 @@ import json
 import os
 
 import pytest
+from helpers import main_captured as _main_captured
 
 from jaxsample import cli, cost
 from jaxsample.cli.config import DEFAULT_SAMPLING
-from helpers import main_captured as _main_captured
 
 QUESTION = "What is 3 + 4? Answer with a number."
 from paths import TINY_GGUF
-
 
 # In-process runs never change this process's JAX config (conftest.py).
 pytestmark = pytest.mark.usefixtures("compilation_cache_calls")

@@ -3,11 +3,11 @@
 import json
 
 import pytest
+from paths import ROOT
 
+from jaxsample import SamplingParams
 from jaxsample.cli import config
 from jaxsample.errors import ConfigError
-from jaxsample import SamplingParams
-from paths import ROOT
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 

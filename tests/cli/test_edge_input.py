@@ -14,14 +14,13 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from helpers import main_captured as _main
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paths import ROOT, TINY_GGUF
 
 from jaxsample import cli
-from helpers import main_captured as _main
 
-from paths import TINY_GGUF
-from paths import ROOT
 TINY_RUN = ["run", "--model", TINY_GGUF, "--n", "3", "--max-new-tokens", "7", "--seed", "0",
             "--quiet"]
 

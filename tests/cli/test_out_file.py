@@ -11,12 +11,12 @@ import sys
 import time
 
 import pytest
-
-from jaxsample import cli
 from helpers import main_captured as _main
 from helpers import results_file_held, sigint_default_in_child
-
 from paths import TINY_GGUF
+
+from jaxsample import cli
+
 FLAGS = ["--model", TINY_GGUF, "--n", "2", "--max-new-tokens", "6", "--temperature", "0.8"]
 
 # In-process runs never change this process's JAX config (conftest.py).
@@ -272,7 +272,6 @@ def _same_results_up_to_ties(lm, got, ref, temperature):
     import types
 
     import numpy as np
-
     from ties import assert_same_tokens_up_to_ties
 
     strip = lambda r: {k: v for k, v in json.loads(_comparable(r)).items()

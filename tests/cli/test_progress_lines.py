@@ -12,14 +12,12 @@ import sys
 import time
 
 import pytest
+from helpers import main_captured as _main
+from paths import TINY_GGUF
 
 import jaxsample
 from jaxsample import SamplingParams
 from jaxsample.progress import PREFIX, Progress
-from helpers import main_captured as _main
-
-from paths import TINY_GGUF
-
 
 # In-process runs never change this process's JAX config (conftest.py).
 pytestmark = pytest.mark.usefixtures("compilation_cache_calls")

@@ -10,11 +10,11 @@ import signal
 import time
 
 import pytest
+from helpers import results_file_held, sigint_raises_keyboard_interrupt
 
-from jaxsample.errors import InputError
 from jaxsample.cli.console import dumps
 from jaxsample.cli.results_file import ResultsFile
-from helpers import results_file_held, sigint_raises_keyboard_interrupt
+from jaxsample.errors import InputError
 
 
 def _lines(path):

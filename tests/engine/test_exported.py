@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import COMPILATION_CACHE_DIR
+
 from jaxsample import SamplingParams, cache_paths, disk_cache, engine
 from jaxsample.engine import exported
 from jaxsample.engine import round as round_mod
@@ -102,8 +102,8 @@ def test_int8_programs_calling_the_cpu_kernels_round_trip(tiny_lm, exported_dir,
     """An int8 (W8A8) model's programs hold the kernels' custom calls: exported past
     jax.export's check of custom-call targets, read back, the same tokens as the plain
     jit path."""
-    from jaxsample.models.cpu_kernels import cpu_kernels
     from helpers import int8_lm
+    from jaxsample.models.cpu_kernels import cpu_kernels
 
     qlm = int8_lm(tiny_lm)
     monkeypatch.setenv(disk_cache.ENV_NO_EXPORTED, "1")

@@ -12,14 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxsample.engine.naive import naive_generate
-from jaxsample import engine
-from jaxsample.engine import sampling
-from jaxsample.errors import InputError
-from jaxsample import SamplingParams
-from ties import assert_same_tokens_up_to_ties, rows
 from paths import DATA
+from ties import assert_same_tokens_up_to_ties, rows
+
+from jaxsample import SamplingParams, engine
+from jaxsample.engine import sampling
+from jaxsample.engine.naive import naive_generate
+from jaxsample.errors import InputError
 
 PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?"]
 

@@ -14,12 +14,12 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from ties import assert_same_tokens_up_to_ties
 
 import jaxsample
 from jaxsample import LLM, SamplingParams, engine
 from jaxsample.errors import InputError, ModelLoadError
 from jaxsample.tiny import make_tiny_lm
-from ties import assert_same_tokens_up_to_ties
 
 PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?", "xyz",
            "q", "0123456789"]

@@ -14,15 +14,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
-from jaxsample import bridge as bridge_lib
-from jaxsample import cost, engine
-from jaxsample.engine import inputs
-from jaxsample.errors import InputError
-from jaxsample import SamplingParams
+from conftest import byte_tokenizer
 from ties import assert_same_tokens_up_to_ties
 
-from conftest import byte_tokenizer
+from jaxsample import SamplingParams, cost, engine
+from jaxsample import bridge as bridge_lib
+from jaxsample.engine import inputs
+from jaxsample.errors import InputError
 
 CONTEXT = "Few-shot context shared by all: 1+1=2. 2+3=5. 4+4=8. 7+1=8. Now: "
 PROMPTS = ["3+3=", "a much longer question than the first one, 12+30=", "x"]
@@ -187,8 +185,9 @@ def test_chunks_compaction_stream_and_session(tiny_lm):
 
 @pytest.fixture(scope="module")
 def glm():
-    from jaxsample.lm import LanguageModel
     from jaxsample.models.families import gemma3
+
+    from jaxsample.lm import LanguageModel
 
     cfg = gemma3.Gemma3Config(vocab_size=264, dim=32, n_layers=6, n_heads=4, n_kv_heads=2,
                               head_dim=8, ffn_dim=64, layer_windows=(8, None, 4, None, 8, 3),

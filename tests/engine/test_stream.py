@@ -6,13 +6,14 @@ import io
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
 
 import jaxsample
 from jaxsample import SamplingParams
 from jaxsample.engine import stops
 from jaxsample.progress import PREFIX, Progress
-from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
 
 PROMPTS = ["hello", "wor", "The answer is"]
 

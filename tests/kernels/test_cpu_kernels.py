@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-
+from helpers import int8_lm
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jaxsample.models.cpu_kernels import cpu_kernels
 from jaxsample.models.families import families, llama
 from jaxsample.models.quantization import quant
-from helpers import int8_lm
 from paths import ROOT
 
 CAN_BUILD = (platform.system() == "Linux" and platform.machine() == "x86_64"
@@ -280,7 +280,8 @@ def test_under_vmap_and_a_mesh():
     np.testing.assert_array_equal(
         np.asarray(got), np.einsum("bmk,bnk->bmn", x.astype(np.int64), ws.astype(np.int64)))
     if jax.device_count() >= 2:
-        from jax.sharding import NamedSharding, PartitionSpec as Ps
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as Ps
         mesh = jax.make_mesh((2,), ("d",))
         g = jax.jit(jax.shard_map(cpu_kernels.int8_dot, mesh=mesh, in_specs=(Ps("d"), Ps()),
                                   out_specs=Ps("d")))
@@ -296,7 +297,8 @@ def test_gradients_inside_shard_map():
     on): equal to those of XLA's expressions, which the jvp rules use."""
     if jax.device_count() < 2:
         pytest.skip("needs 2 devices")
-    from jax.sharding import NamedSharding, PartitionSpec as Ps
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as Ps
     mesh = jax.make_mesh((2,), ("d",))
     rng = np.random.default_rng(4)
     x = rng.standard_normal((4, 40)).astype(np.float32)

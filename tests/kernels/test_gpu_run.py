@@ -17,11 +17,10 @@ import sys
 import time
 
 import pytest
+from paths import ROOT
 
 from jaxsample import engine
 from jaxsample.engine import loop
-
-from paths import ROOT
 
 
 @pytest.mark.slow

@@ -15,15 +15,14 @@ import warnings
 import jax
 import numpy as np
 import pytest
-
-from jaxsample import cache_paths, file_hashes, loading
-from jaxsample import disk_cache as cache
-from jaxsample import weight_cache
-
 from paths import DATA
+
+from jaxsample import cache_paths, file_hashes, loading, weight_cache
+from jaxsample import disk_cache as cache
+
 TINY_GGUF = DATA / "tiny_llama.gguf"
-from paths import ROOT
 from checkpoint_files import corruptions, poison_entry, rewrite_gguf, rewrite_in_place
+from paths import ROOT
 
 
 @pytest.fixture

@@ -7,12 +7,11 @@ import re
 
 import numpy as np
 import pytest
-
 from jaxsample.models.checkpoints import registry
 from jaxsample.models.checkpoints.gguf_loader import read_gguf
 from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
-
 from paths import DATA
+
 REF = json.loads((DATA / "smollm2_reference.json").read_text())
 TINY = np.load(DATA / "tiny_reference.npz")
 TINY_TEXTS = ["Hello tiny world!", "café ☕ 日本 🙂", "<|im_start|>user\nhi<|im_end|>\n", "x = 12345"]

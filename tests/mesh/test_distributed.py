@@ -10,9 +10,8 @@ import types
 
 import numpy as np
 import pytest
-
-from ties import assert_same_tokens_up_to_ties
 from paths import ROOT
+from ties import assert_same_tokens_up_to_ties
 
 SCRIPT = ROOT / "scripts" / "distributed_demo.py"
 

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import results_file_held
+from paths import ROOT
+from ties import assert_same_tokens_up_to_ties
 
 from jaxsample.cli.app import main
 from jaxsample.cli.merge import merge_parts, part_path
 from jaxsample.cli.results_file import ResultsFile
 from jaxsample.engine.shard_requests import process_share, run_share, share_bounds
 from jaxsample.errors import InputError
-from helpers import results_file_held
-from ties import assert_same_tokens_up_to_ties
-from paths import ROOT
 
 SCRIPT = ROOT / "scripts" / "multihost_requests.py"
 

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jaxsample.models.families import common, flash, gemma3, llama
 
 from jaxsample.engine.prefill import prefill as engine_prefill
-from jaxsample.models.families import common, flash, gemma3, llama
-from conftest import TINY
 
 RTOL = 1e-5
 ATOL = 1e-5

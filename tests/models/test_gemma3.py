@@ -26,16 +26,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checkpoint_files import load_uncached
+from jaxsample.models.checkpoints import gemma3_loader, gguf_loader, registry
+from jaxsample.models.checkpoints.tokenizer import GEMMA_CHAT_TEMPLATE, CheckpointTokenizer
+from jaxsample.models.families import common, families, gemma3
+from paths import DATA, ROOT
 
 from jaxsample import loading
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.models.checkpoints import gemma3_loader, gguf_loader, registry
-from jaxsample.models.families import common, families, gemma3
-from jaxsample.models.checkpoints.tokenizer import GEMMA_CHAT_TEMPLATE, CheckpointTokenizer
 
-from paths import DATA
-from paths import ROOT
-from checkpoint_files import load_uncached
 TINY = np.load(DATA / "tiny_gemma3_reference.npz")
 REF = json.loads((DATA / "gemma3_reference.json").read_text())
 LOGIT_ATOL = 1e-3  # float32; Gemma 3 270M logits are of order 10-30
@@ -714,8 +713,7 @@ def test_gemma_engine_greedy_and_long_prompt_logprobs(gemma_lm):
     """The shared-prefix engine on the real model: greedy continuations equal transformers'
     up to each one's first near-tie; on the 1,300-token prompt (past the 512 window) the
     sampled branches' logprobs equal the windowed forward pass at 1e-4."""
-    from jaxsample import engine
-    from jaxsample import SamplingParams
+    from jaxsample import SamplingParams, engine
 
     names = [n for n, p in REF["prompts"].items() if "greedy" in p]
     steps = len(REF["prompts"][names[0]]["greedy"]["ids"])

@@ -13,14 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxsample.engine.naive import naive_generate
-from jaxsample import engine
-from jaxsample.lm import LanguageModel
-from jaxsample import SamplingParams
 from helpers import GEMMA_WINDOWS, tiny_gemma
 from ties import assert_same_tokens_up_to_ties
 
+from jaxsample import SamplingParams, engine
+from jaxsample.engine.naive import naive_generate
+from jaxsample.lm import LanguageModel
 
 PROMPTS = ["a prompt longer than the window", "hi", "sliding windows, tails > 8"]
 

@@ -13,12 +13,12 @@ import json
 
 import numpy as np
 import pytest
-
-from jaxsample.loading import load
 from jaxsample.models.checkpoints import gguf_loader
 from jaxsample.models.families import llama
-
 from paths import DATA
+
+from jaxsample.loading import load
+
 REF = json.loads((DATA / "smollm2_reference.json").read_text())
 TINY = np.load(DATA / "tiny_reference.npz")
 LOGIT_ATOL = 1e-3  # float32; SmolLM2 logits are of order 10-30

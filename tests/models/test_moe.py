@@ -17,16 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxsample.engine.naive import naive_generate
-from jaxsample import cost, engine
-from jaxsample.errors import ModelLoadError, UnsupportedModelError
-from jaxsample.loading import load
 from jaxsample.models.families import llama, moe
-from jaxsample.sampling_params import SamplingParams
+from paths import DATA
 from ties import assert_same_tokens_up_to_ties
 
-from paths import DATA
+from jaxsample import cost, engine
+from jaxsample.engine.naive import naive_generate
+from jaxsample.errors import ModelLoadError, UnsupportedModelError
+from jaxsample.loading import load
+from jaxsample.sampling_params import SamplingParams
+
 REF = np.load(DATA / "tiny_moe_reference.npz")
 REL = 1e-4  # float32 logits against transformers, relative to the row's max |logit|
 

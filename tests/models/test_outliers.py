@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from jaxsample.models.families import llama
 from jaxsample.models.quantization import outliers, quant
 

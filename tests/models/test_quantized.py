@@ -19,22 +19,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxsample import bridge as bridge_lib
-from jaxsample import engine, SamplingParams
-from jaxsample.errors import ConfigError
-from jaxsample.loading import load
-from jaxsample.engine.context import prefill_context, prefill_suffix
-from jaxsample.engine.prefill import prefill as prefill_fn, stored_prefix
-from jaxsample.engine import state
-from jaxsample.engine.step import branch_step
+from helpers import int8_lm
 from jaxsample.models.cpu_kernels import cpu_kernels
 from jaxsample.models.families import common, llama
 from jaxsample.models.quantization import outliers, quant
-from helpers import int8_lm
+from paths import DATA
 from ties import assert_same_tokens_up_to_ties
 
-from paths import DATA
+from jaxsample import SamplingParams, engine
+from jaxsample import bridge as bridge_lib
+from jaxsample.engine import state
+from jaxsample.engine.context import prefill_context, prefill_suffix
+from jaxsample.engine.prefill import prefill as prefill_fn
+from jaxsample.engine.prefill import stored_prefix
+from jaxsample.engine.step import branch_step
+from jaxsample.errors import ConfigError
+from jaxsample.loading import load
+
 PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?"]
 EPS32 = float(np.finfo(np.float32).eps)
 is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
@@ -128,7 +129,8 @@ def test_w8a8_rows_are_independent_of_the_batch_and_the_mesh(kept):
     check(alone, batch.reshape(12, -1))
     check(vmapped, batch)
     if jax.device_count() >= 2:
-        from jax.sharding import NamedSharding, PartitionSpec as Ps
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as Ps
         mesh = jax.make_mesh((2,), ("d",))
         placement = getattr(jax, "shard_map", None)
         if placement is None:  # jax < 0.7
@@ -563,8 +565,9 @@ def test_shared_prefix_and_zero_bridge(qlm, sampled):
 def test_cli_weights_flag_and_config(tmp_path, monkeypatch):
     import json
 
-    from jaxsample import cli
     from helpers import main_captured
+
+    from jaxsample import cli
 
     gguf = str(DATA / "tiny_llama.gguf")
     code, out, err = main_captured(["run", "--model", gguf, "--prompt", "x", "--weights", "int4"])

@@ -18,10 +18,10 @@ import sys
 import time
 
 import pytest
+from paths import TINY_GGUF
 
 from jaxsample.engine import budget
 
-from paths import TINY_GGUF
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 # Runs one request twice (the second with its programs compiled), and reports the

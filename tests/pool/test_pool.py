@@ -15,12 +15,11 @@ import json
 import jax
 import numpy as np
 import pytest
+from ties import assert_same_tokens_up_to_ties, rows
 
-from jaxsample import engine
+from jaxsample import SamplingParams, engine
 from jaxsample.engine import api
 from jaxsample.errors import InputError
-from jaxsample import SamplingParams
-from ties import assert_same_tokens_up_to_ties, rows
 
 PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?"]
 STOPS = tuple(range(0, 256, 23))  # frequent stop ids: branches end at different lengths
@@ -150,8 +149,9 @@ def test_pool_on_a_mesh(tiny_lm, shape):
 
 @pytest.mark.slow
 def test_bridge_rows_refill_in_lockstep(tiny_lm):
-    from jaxsample import bridge as bridge_lib
     from helpers import nonzero
+
+    from jaxsample import bridge as bridge_lib
 
     b = nonzero(tiny_lm, bridge_lib.BridgeConfig(dim=8, n_heads=2))
     params = _params(n=3)

@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxsample import engine
-from jaxsample.errors import InputError
-from jaxsample import SamplingParams
 from ties import assert_same_tokens_up_to_ties, rows
+
+from jaxsample import SamplingParams, engine
+from jaxsample.errors import InputError
 
 PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?"]
 
@@ -126,8 +125,9 @@ def test_a_stop_string_stops_the_decode(tiny_lm):
 
 
 def test_incremental_text_equals_decoding_everything():
-    from jaxsample.engine.stops import IncrementalText
     from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
+
+    from jaxsample.engine.stops import IncrementalText
 
     tok = ByteTokenizer(vocab_size=258, eos_token_ids=(256,), pad_token_id=257)
     ids = list("naïve 日本 🙂 ok".encode())

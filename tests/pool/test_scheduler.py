@@ -13,10 +13,9 @@ import ast
 
 import numpy as np
 import pytest
+from paths import ROOT
 
 from jaxsample.engine.scheduler import COMPACT_FRACTION, Scheduler
-
-from paths import ROOT
 
 
 class Device:

@@ -30,8 +30,8 @@ import pathlib
 import re
 
 import pytest
-
 from paths import ROOT
+
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
 MARK = re.compile(r"^<!-- test(?::\s*(\w+))? -->$")
 FENCE = re.compile(r"^(`{3,})(\S*)")

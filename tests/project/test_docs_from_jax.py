@@ -8,9 +8,9 @@ import re
 import jax
 import numpy as np
 import pytest
+from paths import ROOT
 
 import jaxsample
-from paths import ROOT
 
 PAGE = ROOT / "docs" / "from_jax.md"
 

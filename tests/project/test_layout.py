@@ -21,7 +21,6 @@ import ast
 import pathlib
 
 import pytest
-
 from paths import ROOT
 
 # The stages in import order: a module may import its own stage and the stages

@@ -17,7 +17,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from paths import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]

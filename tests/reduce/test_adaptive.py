@@ -11,13 +11,12 @@ import math
 
 import numpy as np
 import pytest
+from helpers import replay_offline
 
 import jaxsample
-from jaxsample import engine
-from jaxsample.reduce import adaptive_rules as stopping
+from jaxsample import SamplingParams, engine
 from jaxsample.errors import InputError
-from jaxsample import SamplingParams
-from helpers import replay_offline
+from jaxsample.reduce import adaptive_rules as stopping
 
 # ---------------------------------------------------------------------------
 # Posterior probabilities against independent oracles

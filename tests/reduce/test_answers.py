@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from helpers import load_cases
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import load_cases
 from jaxsample.reduce import answer_text, answers
 
 # The hand-written cases, tests/data/cases/answers.json ("extract" and "equal").

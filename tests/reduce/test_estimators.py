@@ -9,12 +9,12 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from helpers import load_cases
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import load_cases
-from jaxsample.reduce import estimators
 from jaxsample import reduce as reducers
+from jaxsample.reduce import estimators
 
 # The hand-written cases, tests/data/cases/answers.json "pass_at_k".
 PASS_AT_K_CASES = load_cases("answers")["pass_at_k"]

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_cases
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from helpers import load_cases
 from jaxsample import reduce as reducers
 from jaxsample.generation import Generation
 

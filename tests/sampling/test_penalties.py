@@ -19,15 +19,14 @@ import json
 import jax
 import numpy as np
 import pytest
-
-from jaxsample.engine.naive import naive_generate
-from jaxsample import engine
-from jaxsample.cli import config
-from jaxsample.errors import ConfigError, InputError
-from jaxsample.generation import CompletionOutput, Logprob, RequestOutput
-from jaxsample import SamplingParams
 from helpers import keep_reference
 from ties import _gumbel, assert_same_tokens_up_to_ties, branch_key
+
+from jaxsample import SamplingParams, engine
+from jaxsample.cli import config
+from jaxsample.engine.naive import naive_generate
+from jaxsample.errors import ConfigError, InputError
+from jaxsample.generation import CompletionOutput, Logprob, RequestOutput
 
 PROMPTS = ["abababab cdcdcd abab", "Hello there, branch!"]
 T = 16

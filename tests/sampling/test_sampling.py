@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import keep_reference, load_cases
 from hypothesis import HealthCheck, assume, given, settings
 
-from helpers import keep_reference, load_cases
-from jaxsample.errors import ConfigError, JaxsampleError, NumericalError
 from jaxsample import SamplingParams
 from jaxsample.engine.sampling import check_logprobs, choose_token, is_stop, keep_mask, pad_stop_ids
+from jaxsample.errors import ConfigError, JaxsampleError, NumericalError
 
 # The hand-written cases, tests/data/cases/sampling.json ("cases" and "stops").
 _CASES = load_cases("sampling")

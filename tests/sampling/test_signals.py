@@ -17,19 +17,17 @@ import math
 import jax
 import numpy as np
 import pytest
-
-from jaxsample.engine.naive import naive_generate
-from jaxsample import engine
-from jaxsample import reduce as reducers
-from jaxsample.engine import sampling
-from jaxsample.errors import ConfigError
-from jaxsample.lm import LanguageModel
-from jaxsample.models.families import gemma3
-from jaxsample import SamplingParams
-from ties import assert_same_tokens_up_to_ties, first_difference
-
 from conftest import byte_tokenizer
 from helpers import replay_offline
+from jaxsample.models.families import gemma3
+from ties import assert_same_tokens_up_to_ties, first_difference
+
+from jaxsample import SamplingParams, engine
+from jaxsample import reduce as reducers
+from jaxsample.engine import sampling
+from jaxsample.engine.naive import naive_generate
+from jaxsample.errors import ConfigError
+from jaxsample.lm import LanguageModel
 
 PROMPTS = ["signals of the raw distribution", "hi", "a third prompt, longer than that"]
 

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from helpers import next_token_logprobs as reference
 from jaxsample.models.families import common
+from paths import ROOT
 
 import jaxsample
 from jaxsample import SamplingParams, engine
 from jaxsample.errors import InputError
 from jaxsample.training import checkpoints, grpo, lora
 from jaxsample.training import rollout as ro
-from paths import ROOT
 
 PROMPTS = ["Hello there, branch!", "ab", "xyz 123"]
 LORA = lora.LoraConfig(rank=4, alpha=8.0, targets=("wq", "wv", "w_down"))

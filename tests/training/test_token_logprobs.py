@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from helpers import next_token_logprobs as reference
 from jaxsample.models.families import common, llama
+from paths import DATA
 
 import jaxsample
 from jaxsample import SamplingParams, loading
@@ -31,7 +32,6 @@ from jaxsample.tiny import byte_tokenizer
 from jaxsample.training import rollout as ro
 from jaxsample.training.logprobs import group_token_logprobs
 
-from paths import DATA
 FAMILIES = ["tiny_llama", "tiny_llama3_untied", "tiny_qwen2", "tiny_qwen3", "tiny_phi3",
             "tiny_mixtral", "tiny_qwen3_moe", "tiny_gemma2", "tiny_gemma3", "tiny_gemma3_local"]
 # float32 on CPU: the prefill and decode reduce in another order than one causal forward

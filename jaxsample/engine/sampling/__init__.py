@@ -90,12 +90,17 @@ curious case of neural text degeneration" (nucleus sampling).
 """
 
 from jaxsample.engine.sampling.draw import choose_token
-from jaxsample.engine.sampling.logprobs import (NUM_SIGNALS, SIGNAL_NAMES, check_logprobs,
-                                                position_logprobs, token_rank, token_signals,
-                                                top_logprobs)
+from jaxsample.engine.sampling.logprobs import (
+    NUM_SIGNALS,
+    SIGNAL_NAMES,
+    check_logprobs,
+    position_logprobs,
+    token_rank,
+    token_signals,
+    top_logprobs,
+)
 from jaxsample.engine.sampling.processors import is_stop, pad_stop_ids, prepare, process_logits
-from jaxsample.engine.sampling.select import (MIN_P_TOL, TOP_CANDIDATES, TOP_P_TOL,
-                                              keep_mask)
+from jaxsample.engine.sampling.select import MIN_P_TOL, TOP_CANDIDATES, TOP_P_TOL, keep_mask
 
 __all__ = ["choose_token", "keep_mask", "process_logits", "prepare", "is_stop", "pad_stop_ids",
            "token_rank", "position_logprobs", "top_logprobs", "token_signals", "check_logprobs",

@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsample.engine.sampling.processors import first_argmax, prepare
-from jaxsample.engine.sampling.select import TOP_CANDIDATES, batch_rows, check_candidates, keep_set, one_row
+from jaxsample.engine.sampling.select import (
+    TOP_CANDIDATES,
+    batch_rows,
+    check_candidates,
+    keep_set,
+    one_row,
+)
 
 
 def _gumbel_at(data: jax.Array, idx: jax.Array) -> jax.Array:
