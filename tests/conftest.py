@@ -2,8 +2,9 @@
 
 The caches live in a temporary directory for the session (`TEST_CACHE_DIR`).
 
-Mesh tests need several CPU devices: XLA_FLAGS is set here, before JAX is
-imported by any test module, never in library code.
+Mesh tests need several CPU devices, and the suite compiles at XLA's lowest back-end
+optimisation level (tests/xla_flags.py): XLA_FLAGS is set here, before JAX is
+imported by any test module, never in library code. A value already set is kept.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from xla_flags import xla_flags
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Every cache the library writes (weights, compiled programs, the assembled Gemma

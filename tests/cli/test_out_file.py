@@ -14,6 +14,7 @@ import pytest
 from helpers import main_captured as _main
 from helpers import results_file_held, sigint_default_in_child
 from paths import TINY_GGUF
+from xla_flags import xla_flags
 
 from jaxsample import cli
 
@@ -392,7 +393,7 @@ def test_distributed_parts_merged_equal_a_single_process_run(tmp_path):
     argv = [sys.executable, "-m", "jaxsample", "run", "--prompt-file", str(reqs), "-q",
             "--model", TINY_GGUF, "--n", "2", "--max-new-tokens", "8", "--temperature", "0.8"]
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     out = tmp_path / "out.jsonl"
     procs = [subprocess.Popen(argv + ["--out", str(out), "--distributed", "--coordinator",
                                       f"127.0.0.1:{port}", "--num-processes", "2",

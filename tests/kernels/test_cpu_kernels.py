@@ -30,6 +30,7 @@ from jaxsample.models.cpu_kernels import cpu_kernels
 from jaxsample.models.families import families, llama
 from jaxsample.models.quantization import quant
 from paths import ROOT
+from xla_flags import xla_flags
 
 CAN_BUILD = (platform.system() == "Linux" and platform.machine() == "x86_64"
              and shutil.which("c++") is not None
@@ -579,7 +580,7 @@ def test_a_bad_cxx_or_a_mesh_at_the_first_call_never_raises(tmp_path):
             "    y = jax.jit(k.int8_dot)(np.ones((1, 4), np.int8), np.ones((3, 4), np.int8))\n"
             "print(k._STATE['status'], np.asarray(y).tolist())\n")
     r = _fresh(code, JAXSAMPLE_CACHE_DIR=str(tmp_path),
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=xla_flags(2))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[0] == "on" and "[[4, 4, 4]]" in r.stdout
 

@@ -18,6 +18,7 @@ import time
 
 import pytest
 from paths import ROOT
+from xla_flags import xla_flags
 
 from jaxsample import engine
 from jaxsample.engine import loop
@@ -57,7 +58,7 @@ def test_a_failing_engine_option_makes_the_later_parts_use_xlas_defaults():
 @pytest.mark.subprocess
 def test_the_smoke_run_measures_every_planned_cell(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as the run sees a machine
+    env["XLA_FLAGS"] = xla_flags(1)  # one CPU device, as the run sees a machine
     t0 = time.perf_counter()
     p = subprocess.run(["bash", "benchmarks/gpu_run.sh", "--smoke"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
