@@ -118,11 +118,11 @@ def _compilation_cache():
 def _lm(shapes, dtype, weights=None, seed=0):
     """(LanguageModel of random weights made on the device, seconds to make them)."""
     import jax
+
+    from jaxsample.lm import LanguageModel
     from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
     from jaxsample.models.cpu_kernels import cpu_kernels
     from jaxsample.models.families import llama
-
-    from jaxsample.lm import LanguageModel
 
     cfg = llama.LlamaConfig(**shapes, dtype=dtype)
     t0 = time.perf_counter()
@@ -401,9 +401,9 @@ def _prefill(lm, P, kernel, repeats=3):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jaxsample.models.families import flash
 
     from jaxsample.engine.prefill import prefill
+    from jaxsample.models.families import flash
 
     table = flash.BLOCKWISE_FROM
     flash.BLOCKWISE_FROM = tuple((b, 1 if kernel == "blockwise" else 2**31) for b, _ in table)

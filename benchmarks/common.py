@@ -245,6 +245,7 @@ def int8_without_outliers(lm):
     product. The baseline the outlier-channel benchmarks compare against."""
     import jax
     import jax.numpy as jnp
+
     from jaxsample.models.quantization import quant
 
     params = jax.tree_util.tree_map(jnp.asarray, quant.quantize_params(lm.params))
@@ -279,6 +280,7 @@ def random_params(cfg, *, seed=0, weights=None):
     """
     import jax
     import jax.numpy as jnp
+
     from jaxsample.models.families import families
     from jaxsample.models.quantization import outliers, quant
 
@@ -353,10 +355,10 @@ def load_jax_model(model, dtype, weights=None):
         lm = dataclasses.replace(lm, tokenizer=NoEosTokenizer(lm.tokenizer))
     elif model == "llama-1b":
         import numpy as np
-        from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
-        from jaxsample.models.families import llama
 
         from jaxsample.lm import LanguageModel
+        from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
+        from jaxsample.models.families import llama
 
         if weights not in (None, "int8", "int8-weight-only"):
             raise ValueError(f"unknown weights {weights!r}")
@@ -364,6 +366,7 @@ def load_jax_model(model, dtype, weights=None):
         params = jax.block_until_ready(random_params(cfg))
         if weights in ("int8", "int8-weight-only"):
             import jax.numpy as jnp
+
             from jaxsample.models.quantization import outliers, quant
 
             tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 256, dtype=np.int32)

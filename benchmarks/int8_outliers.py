@@ -121,11 +121,11 @@ def main(argv=None):
 
     import jax
     import jax.numpy as jnp
-    from jaxsample.models.quantization import outliers, quant
 
     from benchmarks.quantized import PROMPTS
     from benchmarks.tasks import make_tasks
     from jaxsample.loading import load
+    from jaxsample.models.quantization import outliers, quant
 
     f32, q8 = load(None), load(None, weights="int8")
     assert f32.config.arch == "llama", "SmoothQuant folding here is Llama's (RMSNorm gain)"

@@ -20,6 +20,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+
 from jaxsample.models.families import moe
 
 

@@ -91,6 +91,7 @@ def _analytic(cfg, P, kernel, block):
 def worker(spec):
     import jax
     import jax.numpy as jnp
+
     from jaxsample.models.families import flash
 
     if spec["kernel"] == "dense":
@@ -146,6 +147,7 @@ def layer_check(spec):
     """One attention layer at the model's H, K, D and S = P (random q, k, v):
     both kernels against a float64 numpy oracle, errors relative to max |v|."""
     import jax
+
     from jaxsample.models.families import common
 
     H, K, D, S = spec["H"], spec["K"], spec["D"], spec["P"]

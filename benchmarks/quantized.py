@@ -62,10 +62,9 @@ PROMPTS = [
 
 
 def _variants():
-    from jaxsample.models.quantization import quant
-
     from benchmarks.common import NoEosTokenizer, int8_without_outliers
     from jaxsample.loading import load
+    from jaxsample.models.quantization import quant
 
     f32 = load(None, dtype="float32")
     q8 = load(None, weights="int8")
@@ -103,10 +102,9 @@ def speed(P, Ns, T, reps):
 def hlo(P=1024, T=64):
     """Per variant: the N = 1 step's float32 weight copies, its dots by result type and
     its calls of the int8 CPU kernels (`models.cpu_kernels.cpu_kernels`, when they are on)."""
-    from jaxsample.models.cpu_kernels import cpu_kernels
-
     from jaxsample.engine.step_cost import compile_decode_step
     from jaxsample.loading import read_config
+    from jaxsample.models.cpu_kernels import cpu_kernels
 
     cfg = read_config(None)
     E, F, V = cfg.dim, cfg.ffn_dim, cfg.vocab_size
@@ -134,12 +132,12 @@ def hlo(P=1024, T=64):
 
 def accuracy(models=("smollm2-135m-instruct", "gemma3-270m"), T=32):
     import numpy as np
-    from jaxsample.models.quantization import quant
 
     from benchmarks.common import NoEosTokenizer, int8_without_outliers
     from jaxsample import SamplingParams, generate
     from jaxsample.engine import state
     from jaxsample.loading import load
+    from jaxsample.models.quantization import quant
 
     out = {}
     for name in models:
@@ -203,10 +201,10 @@ def invariance(models=("smollm2-135m-instruct", "gemma3-270m")):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jaxsample.models.families import families
-    from jaxsample.models.quantization import quant
 
     from jaxsample.loading import load
+    from jaxsample.models.families import families
+    from jaxsample.models.quantization import quant
 
     out = {}
     for name in models:

@@ -31,9 +31,8 @@ import statistics
 def _old_prefix_attention():
     """The prefix segment as a plain vmap of `partial_attention` (before
     engine/prefix_attention.py)."""
-    from jaxsample.models.families import common
-
     from jaxsample.engine import step
+    from jaxsample.models.families import common
 
     new = step.prefix_attention
     step.prefix_attention = lambda q, k, v, m, s: common.partial_attention(q, k, v, m[None], s)

@@ -117,7 +117,6 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results/token_logprobs_agreement.json")
     args = p.parse_args(argv)
     from jaxsample.models.cpu_kernels import cpu_kernels
-
     from jaxsample.sharding import make_mesh
 
     rows = []

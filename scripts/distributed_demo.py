@@ -36,11 +36,10 @@ def main() -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                                    num_processes=args.num_processes, process_id=args.process_id)
-    from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
-    from jaxsample.models.families import llama
-
     from jaxsample import SamplingParams, engine, sharding
     from jaxsample.lm import LanguageModel
+    from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
+    from jaxsample.models.families import llama
 
     cfg = llama.LlamaConfig(vocab_size=264, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                             head_dim=8, ffn_dim=64, max_seq_len=256)

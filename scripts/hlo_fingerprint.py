@@ -18,11 +18,11 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jaxsample.models.families import llama
 
 from jaxsample import tiny
 from jaxsample.engine.step_cost import compile_decode_step
 from jaxsample.loading import read_config
+from jaxsample.models.families import llama
 
 
 def clean(text: str) -> str:

@@ -13,9 +13,9 @@ import pathlib
 
 import gguf
 import numpy as np
-from jaxsample.models.checkpoints import registry
 
 from jaxsample import loading
+from jaxsample.models.checkpoints import registry
 
 
 def rewrite_gguf(src: pathlib.Path, dst: pathlib.Path, *, arch=None, drop=(), kv=None, tensors=None,

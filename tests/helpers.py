@@ -18,14 +18,14 @@ import signal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxsample.models.families import gemma3, llama
-from jaxsample.models.quantization import outliers, quant
 from paths import DATA
 
 from jaxsample import SamplingParams, engine, tiny
 from jaxsample import bridge as bridge_lib
 from jaxsample.engine import sampling
 from jaxsample.lm import LanguageModel
+from jaxsample.models.families import gemma3, llama
+from jaxsample.models.quantization import outliers, quant
 
 # ---------------------------------------------------------------------------
 # The hand-written cases (tests/data/cases/, see its README.md)

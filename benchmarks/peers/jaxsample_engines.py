@@ -45,6 +45,7 @@ def load(model, dtype, engine="jaxsample"):
 
 def _leaves(tree):
     import jax
+
     from jaxsample.models.quantization import quant
 
     is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731

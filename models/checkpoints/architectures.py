@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxsample.errors import ModelLoadError, UnsupportedModelError
 from jaxsample.models.checkpoints import checks, gemma3_loader, llama_loader
 from jaxsample.models.checkpoints.loader_core import Architecture
-
-from jaxsample.errors import ModelLoadError, UnsupportedModelError
 
 ARCHITECTURES: tuple[Architecture, ...] = (llama_loader.ARCHITECTURE, gemma3_loader.GEMMA2,
                                             gemma3_loader.ARCHITECTURE)

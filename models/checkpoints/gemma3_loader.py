@@ -49,6 +49,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from jaxsample.errors import ModelLoadError, UnsupportedModelError
 from jaxsample.models.checkpoints import llama_config
 from jaxsample.models.checkpoints.loader_core import (
     Architecture,
@@ -59,8 +61,6 @@ from jaxsample.models.checkpoints.loader_core import (
     gguf_embedding,
 )
 from jaxsample.models.families import gemma3
-
-from jaxsample.errors import ModelLoadError, UnsupportedModelError
 
 GGUF_ARCH = "gemma3"
 HF_ARCHITECTURES = ("Gemma3ForCausalLM",)

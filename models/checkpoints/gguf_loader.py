@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jaxsample.errors import ModelLoadError
 from jaxsample.models.checkpoints import architectures, loader_core
 from jaxsample.models.checkpoints.loader_core import (  # noqa: F401
     dequantize_tensor,
@@ -24,8 +25,6 @@ from jaxsample.models.checkpoints.loader_core import (  # noqa: F401
     unpermute_rope_rows,
 )
 from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
-
-from jaxsample.errors import ModelLoadError
 
 
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], source: str,

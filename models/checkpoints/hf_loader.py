@@ -17,11 +17,11 @@ import pathlib
 from typing import Any
 
 import numpy as np
+
+from jaxsample.errors import ModelLoadError
 from jaxsample.models.checkpoints import architectures, loader_core
 from jaxsample.models.checkpoints.loader_core import json_kind
 from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
-
-from jaxsample.errors import ModelLoadError
 
 
 def config_from_hf(hf: dict[str, Any], source: str, dtype: str = "float32"):

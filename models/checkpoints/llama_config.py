@@ -12,6 +12,8 @@ import math
 from typing import Any
 
 import numpy as np
+
+from jaxsample.errors import ModelLoadError, UnsupportedModelError
 from jaxsample.models.checkpoints import checks
 from jaxsample.models.checkpoints.loader_core import (
     ConfigReader,
@@ -20,8 +22,6 @@ from jaxsample.models.checkpoints.loader_core import (
     hf_attention,
 )
 from jaxsample.models.families import llama
-
-from jaxsample.errors import ModelLoadError, UnsupportedModelError
 
 HF_CLASSES = {
     "LlamaForCausalLM": "llama",

@@ -39,9 +39,9 @@ from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
-from jaxsample.models.checkpoints import checks
 
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
+from jaxsample.models.checkpoints import checks
 
 _MISSING = object()
 

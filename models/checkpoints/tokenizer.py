@@ -27,11 +27,11 @@ import pathlib
 from typing import Any, Mapping, Sequence
 
 import tokenizers
-from jaxsample.models.checkpoints import chat_template as template_lib
-from jaxsample.models.checkpoints import checks
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from jaxsample.errors import InputError, ModelLoadError, UnsupportedModelError, lone_surrogate
+from jaxsample.models.checkpoints import chat_template as template_lib
+from jaxsample.models.checkpoints import checks
 
 # llama.cpp token types (gguf.TokenType).
 _CONTROL, _USER_DEFINED = 3, 4

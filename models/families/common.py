@@ -29,6 +29,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jaxsample.models.cpu_kernels import cpu_kernels
 from jaxsample.models.families import flash
 

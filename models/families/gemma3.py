@@ -49,6 +49,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jaxsample.models.families import common
 from jaxsample.models.families.common import (  # noqa: F401
     AttendFn,

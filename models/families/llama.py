@@ -35,6 +35,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jaxsample.models.families import common, moe
 
 # The shared building blocks this module uses, and those every family module

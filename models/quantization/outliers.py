@@ -32,6 +32,7 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jaxsample.models.families import common, families
 from jaxsample.models.quantization import quant
 

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import custom_batching
+
 from jaxsample.models.cpu_kernels import cpu_kernels
 from jaxsample.models.families import common
 

@@ -25,13 +25,13 @@ import numpy as np
 import pytest
 from helpers import BRIDGE_PROMPTS as PROMPTS
 from helpers import STOPS, block_fn, layer_params, nonzero, sp, stop_array
-from jaxsample.models.families import llama
 from ties import assert_same_tokens_up_to_ties, rows
 
 from jaxsample import bridge as bridge_lib
 from jaxsample import engine
 from jaxsample.bridge_training import common as bridge_train
 from jaxsample.bridge_training import grpo as bridge_grpo
+from jaxsample.models.families import llama
 
 BCFG = bridge_lib.BridgeConfig(dim=8, n_heads=2)
 CCFG = bridge_lib.BridgeConfig(dim=8, n_heads=2, center=True)

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import BRIDGE_PROMPTS, STOPS, nonzero
-from jaxsample.models.families import llama
 from ties import assert_same_tokens_up_to_ties
 
 from jaxsample import SamplingParams, engine
@@ -24,6 +23,7 @@ from jaxsample.bridge_training import coord_tasks as bridge_coord_tasks
 from jaxsample.bridge_training import diagnostics as bridge_diagnostics
 from jaxsample.bridge_training import grpo as bridge_grpo
 from jaxsample.bridge_training import sft as bridge_sft
+from jaxsample.models.families import llama
 
 ATT = bridge_lib.BridgeConfig(dim=8, n_heads=2)
 MLP = bridge_lib.BridgeConfig(dim=8, n_heads=2, kind="mlp")

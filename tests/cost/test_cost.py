@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 import pytest
-from jaxsample.models.families.llama import LlamaConfig
 
 from jaxsample import cost
+from jaxsample.models.families.llama import LlamaConfig
 
 # L=2, E=8, H=2, K=1, D=4, F=16, V=10, tied embeddings, float32.
 TINY = LlamaConfig(vocab_size=10, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4,

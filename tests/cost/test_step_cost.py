@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxsample.models.families import common, llama
 
 from jaxsample.engine import step_cost
 from jaxsample.engine.prefix_attention import prefix_attention
+from jaxsample.models.families import common, llama
 
 # One head of D = 64: the softmax's passes over the scores [N*H, P] (XLA CPU does
 # not fuse them into the matmuls) stay small beside the prefix K/V [P, D], so the

@@ -103,6 +103,7 @@ def test_int8_programs_calling_the_cpu_kernels_round_trip(tiny_lm, exported_dir,
     jax.export's check of custom-call targets, read back, the same tokens as the plain
     jit path."""
     from helpers import int8_lm
+
     from jaxsample.models.cpu_kernels import cpu_kernels
 
     qlm = int8_lm(tiny_lm)

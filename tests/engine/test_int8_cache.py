@@ -12,10 +12,10 @@ import jax
 import numpy as np
 import pytest
 from checkpoint_files import corruptions, poison_entry
-from jaxsample.models.quantization import outliers, quant
 from paths import TINY_GGUF
 
 from jaxsample import loading, weight_cache
+from jaxsample.models.quantization import outliers, quant
 
 is_q = lambda a: isinstance(a, quant.QuantizedWeight)  # noqa: E731
 

@@ -185,9 +185,8 @@ def test_chunks_compaction_stream_and_session(tiny_lm):
 
 @pytest.fixture(scope="module")
 def glm():
-    from jaxsample.models.families import gemma3
-
     from jaxsample.lm import LanguageModel
+    from jaxsample.models.families import gemma3
 
     cfg = gemma3.Gemma3Config(vocab_size=264, dim=32, n_layers=6, n_heads=4, n_kv_heads=2,
                               head_dim=8, ffn_dim=64, layer_windows=(8, None, 4, None, 8, 3),

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
 
 import jaxsample
 from jaxsample import SamplingParams
 from jaxsample.engine import stops
+from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
 from jaxsample.progress import PREFIX, Progress
 
 PROMPTS = ["hello", "wor", "The answer is"]

@@ -15,15 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import int8_lm
-from jaxsample.models.cpu_kernels import cpu_kernels
-from jaxsample.models.families import families
-from jaxsample.models.quantization import quant
 from paths import DATA
 
 from jaxsample import LLM, SamplingParams, engine, loading
 from jaxsample.engine import exported, state
 from jaxsample.engine import session as session_mod
 from jaxsample.errors import ConfigError, InputError
+from jaxsample.models.cpu_kernels import cpu_kernels
+from jaxsample.models.families import families
+from jaxsample.models.quantization import quant
 
 PROMPTS = ["The capital of France is", "1 + 1 ="]
 PARAMS = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=3)

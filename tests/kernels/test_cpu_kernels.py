@@ -26,11 +26,12 @@ import pytest
 from helpers import int8_lm
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paths import ROOT
+from xla_flags import xla_flags
+
 from jaxsample.models.cpu_kernels import cpu_kernels
 from jaxsample.models.families import families, llama
 from jaxsample.models.quantization import quant
-from paths import ROOT
-from xla_flags import xla_flags
 
 CAN_BUILD = (platform.system() == "Linux" and platform.machine() == "x86_64"
              and shutil.which("c++") is not None

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jaxsample.models.families import common
 from ties import assert_same_tokens_up_to_ties
 
 from jaxsample import SamplingParams, engine, kernels
 from jaxsample.errors import InputError
 from jaxsample.kernels.decode_attention import kernel, reference, segment_attention
+from jaxsample.models.families import common
 
 pytestmark = pytest.mark.kernels
 

@@ -20,12 +20,12 @@ import jinja2
 import jinja2.sandbox
 import pytest
 from checkpoint_files import rewrite_gguf
-from jaxsample.models.checkpoints import chat_template
-from jaxsample.models.checkpoints.gguf_loader import read_gguf
-from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
 from paths import DATA
 
 from jaxsample.errors import InputError, ModelLoadError
+from jaxsample.models.checkpoints import chat_template
+from jaxsample.models.checkpoints.gguf_loader import read_gguf
+from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
 
 TINY_GGUF = DATA / "tiny_llama.gguf"
 MESSAGES = [{"role": "user", "content": "hi"}]

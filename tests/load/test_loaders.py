@@ -10,12 +10,12 @@ import gguf
 import numpy as np
 import pytest
 from checkpoint_files import rewrite_gguf
-from jaxsample.models.checkpoints import gguf_loader, llama_config, registry
-from jaxsample.models.families import llama
 from paths import DATA
 
 from jaxsample.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from jaxsample.loading import load
+from jaxsample.models.checkpoints import gguf_loader, llama_config, registry
+from jaxsample.models.families import llama
 
 TINY_GGUF = DATA / "tiny_llama.gguf"
 
@@ -143,9 +143,8 @@ def test_unsupported_architecture_lists_what_that_path_supports(tmp_path, monkey
     architecture on it is accepted by the dispatch."""
     import ast
 
-    from jaxsample.models.checkpoints import architectures, gguf_loader
-
     from jaxsample import cli, loading
+    from jaxsample.models.checkpoints import architectures, gguf_loader
 
     def supported(text):
         return ast.literal_eval(text[text.index("supported: ") + len("supported: "):].split("]")[0]

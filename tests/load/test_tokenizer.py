@@ -7,10 +7,11 @@ import re
 
 import numpy as np
 import pytest
+from paths import DATA
+
 from jaxsample.models.checkpoints import registry
 from jaxsample.models.checkpoints.gguf_loader import read_gguf
 from jaxsample.models.checkpoints.tokenizer import CheckpointTokenizer
-from paths import DATA
 
 REF = json.loads((DATA / "smollm2_reference.json").read_text())
 TINY = np.load(DATA / "tiny_reference.npz")

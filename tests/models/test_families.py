@@ -12,12 +12,12 @@ import types
 
 import numpy as np
 import pytest
-from jaxsample.models.checkpoints import architectures, loader_core
-from jaxsample.models.checkpoints.loader_core import Tensor, TensorTable
 from paths import ROOT
 
 from jaxsample.engine.naive import naive_generate
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
+from jaxsample.models.checkpoints import architectures, loader_core
+from jaxsample.models.checkpoints.loader_core import Tensor, TensorTable
 
 # ---------------------------------------------------------------------------
 # The copy loop on a toy family (fused rows, per-expert tensors, transforms)
@@ -119,7 +119,6 @@ import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jaxsample.models.families import common, families  # noqa: E402
 from paths import DATA
 from ties import assert_same_tokens_up_to_ties  # noqa: E402
 
@@ -130,6 +129,7 @@ from jaxsample import (  # noqa: E402
 )
 from jaxsample import bridge as bridge_lib  # noqa: E402
 from jaxsample import weight_cache as cache_lib  # noqa: E402
+from jaxsample.models.families import common, families  # noqa: E402
 
 FAMILIES = ["tiny_qwen3", "tiny_gemma2", "tiny_phi3"]
 GGUF_FAMILIES = FAMILIES

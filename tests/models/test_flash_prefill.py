@@ -20,9 +20,9 @@ import pytest
 from conftest import TINY
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jaxsample.models.families import common, flash, gemma3, llama
 
 from jaxsample.engine.prefill import prefill as engine_prefill
+from jaxsample.models.families import common, flash, gemma3, llama
 
 RTOL = 1e-5
 ATOL = 1e-5

@@ -27,13 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoint_files import load_uncached
-from jaxsample.models.checkpoints import gemma3_loader, gguf_loader, registry
-from jaxsample.models.checkpoints.tokenizer import GEMMA_CHAT_TEMPLATE, CheckpointTokenizer
-from jaxsample.models.families import common, families, gemma3
 from paths import DATA, ROOT
 
 from jaxsample import loading
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
+from jaxsample.models.checkpoints import gemma3_loader, gguf_loader, registry
+from jaxsample.models.checkpoints.tokenizer import GEMMA_CHAT_TEMPLATE, CheckpointTokenizer
+from jaxsample.models.families import common, families, gemma3
 
 TINY = np.load(DATA / "tiny_gemma3_reference.npz")
 REF = json.loads((DATA / "gemma3_reference.json").read_text())

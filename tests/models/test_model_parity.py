@@ -13,11 +13,11 @@ import json
 
 import numpy as np
 import pytest
-from jaxsample.models.checkpoints import gguf_loader
-from jaxsample.models.families import llama
 from paths import DATA
 
 from jaxsample.loading import load
+from jaxsample.models.checkpoints import gguf_loader
+from jaxsample.models.families import llama
 
 REF = json.loads((DATA / "smollm2_reference.json").read_text())
 TINY = np.load(DATA / "tiny_reference.npz")

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxsample.models.families import llama, moe
 from paths import DATA
 from ties import assert_same_tokens_up_to_ties
 
@@ -25,6 +24,7 @@ from jaxsample import cost, engine
 from jaxsample.engine.naive import naive_generate
 from jaxsample.errors import ModelLoadError, UnsupportedModelError
 from jaxsample.loading import load
+from jaxsample.models.families import llama, moe
 from jaxsample.sampling_params import SamplingParams
 
 REF = np.load(DATA / "tiny_moe_reference.npz")

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from jaxsample.models.families import llama
 from jaxsample.models.quantization import outliers, quant
 

@@ -20,9 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import int8_lm
-from jaxsample.models.cpu_kernels import cpu_kernels
-from jaxsample.models.families import common, llama
-from jaxsample.models.quantization import outliers, quant
 from paths import DATA
 from ties import assert_same_tokens_up_to_ties
 
@@ -35,6 +32,9 @@ from jaxsample.engine.prefill import stored_prefix
 from jaxsample.engine.step import branch_step
 from jaxsample.errors import ConfigError
 from jaxsample.loading import load
+from jaxsample.models.cpu_kernels import cpu_kernels
+from jaxsample.models.families import common, llama
+from jaxsample.models.quantization import outliers, quant
 
 PROMPTS = ["Hello there, branch!", "ab", "A somewhat longer prompt: 123 + 456 = ?"]
 EPS32 = float(np.finfo(np.float32).eps)

@@ -125,9 +125,8 @@ def test_a_stop_string_stops_the_decode(tiny_lm):
 
 
 def test_incremental_text_equals_decoding_everything():
-    from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
-
     from jaxsample.engine.stops import IncrementalText
+    from jaxsample.models.checkpoints.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer(vocab_size=258, eos_token_ids=(256,), pad_token_id=257)
     ids = list("naïve 日本 🙂 ok".encode())

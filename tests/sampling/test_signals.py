@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from conftest import byte_tokenizer
 from helpers import replay_offline
-from jaxsample.models.families import gemma3
 from ties import assert_same_tokens_up_to_ties, first_difference
 
 from jaxsample import SamplingParams, engine
@@ -28,6 +27,7 @@ from jaxsample.engine import sampling
 from jaxsample.engine.naive import naive_generate
 from jaxsample.errors import ConfigError
 from jaxsample.lm import LanguageModel
+from jaxsample.models.families import gemma3
 
 PROMPTS = ["signals of the raw distribution", "hi", "a third prompt, longer than that"]
 

@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import next_token_logprobs as reference
-from jaxsample.models.families import common
 from paths import ROOT
 
 import jaxsample
 from jaxsample import SamplingParams, engine
 from jaxsample.errors import InputError
+from jaxsample.models.families import common
 from jaxsample.training import checkpoints, grpo, lora
 from jaxsample.training import rollout as ro
 

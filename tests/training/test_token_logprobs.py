@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import next_token_logprobs as reference
-from jaxsample.models.families import common, llama
 from paths import DATA
 
 import jaxsample
 from jaxsample import SamplingParams, loading
 from jaxsample.errors import InputError
 from jaxsample.lm import LanguageModel
+from jaxsample.models.families import common, llama
 from jaxsample.tiny import byte_tokenizer
 from jaxsample.training import rollout as ro
 from jaxsample.training.logprobs import group_token_logprobs
