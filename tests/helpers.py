@@ -125,6 +125,20 @@ def replay_offline(pool, b, extract, *, max_n, window, rule, threshold=0.95, con
                            weights=weights, terminated=term, warmup=warmup if confidence else 0)
 
 
+
+def finish_in_rounds(s, rows: int, width: int, firsts, chunk: int):
+    """`engine.finish` of rounds over one `Session`'s prefill: for each first branch
+    index in `firsts`, a round of branches first .. first + width - 1 on rows
+    0 .. rows - 1, run `chunk` steps at a time to its end."""
+    rounds = []
+    for first in firsts:
+        rnd = s.round(range(rows), np.broadcast_to(first + np.arange(width, dtype=np.int32),
+                                                   (rows, width)))
+        while rnd.run(chunk):
+            pass
+        rounds.append(rnd)
+    return engine.finish(s, rounds)
+
 # ---------------------------------------------------------------------------
 # A second process holding a results file (tests of the one-writer lock)
 

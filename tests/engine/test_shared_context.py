@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import byte_tokenizer
+from helpers import finish_in_rounds
 from ties import assert_same_tokens_up_to_ties
 
 from jaxsample import SamplingParams, cost, engine
@@ -169,11 +170,7 @@ def test_chunks_compaction_stream_and_session(tiny_lm):
             assert text == gen.texts[b][n]
     # The resumable API: two rounds of branches over one prefill.
     s = engine.Session(tiny_lm, PROMPTS, params, shared_prefix=CONTEXT)
-    rounds = [s.round(range(3), np.broadcast_to(np.arange(k, k + 2), (3, 2))) for k in (0, 2)]
-    for r in rounds:
-        while r.run(5):
-            pass
-    two = engine.finish(s, rounds)
+    two = finish_in_rounds(s, rows=3, width=2, firsts=(0, 2), chunk=5)
     assert_close_generations(tiny_lm, one, two)
     assert two.bill.prompt_tokens_prefilled == one.bill.prompt_tokens_prefilled
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import finish_in_rounds
 from ties import assert_same_tokens_up_to_ties, rows
 
 from jaxsample import SamplingParams, engine
@@ -142,13 +143,7 @@ def test_rounds_over_one_prefill_equal_one_wide_call(tiny_lm):
     params = SamplingParams(n=8, max_new_tokens=10, seed=2)
     ref = engine.generate(tiny_lm, PROMPTS, params)
     s = engine.Session(tiny_lm, PROMPTS, params.replace(n=4))
-    rounds = []
-    for first in (0, 4):
-        rnd = s.round(range(3), np.broadcast_to(first + np.arange(4, dtype=np.int32), (3, 4)))
-        while rnd.run(4):
-            pass
-        rounds.append(rnd)
-    got = engine.finish(s, rounds)
+    got = finish_in_rounds(s, rows=3, width=4, firsts=(0, 4), chunk=4)
     assert got.tokens.shape == ref.tokens.shape
     assert_same_tokens_up_to_ties(tiny_lm, ref, got)
     assert got.bill.prompt_tokens_prefilled == ref.bill.prompt_tokens_prefilled  # prefilled once

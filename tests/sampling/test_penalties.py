@@ -19,7 +19,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import keep_reference
+from helpers import finish_in_rounds, keep_reference
 from ties import _gumbel, assert_same_tokens_up_to_ties, branch_key
 
 from jaxsample import SamplingParams, engine
@@ -313,13 +313,8 @@ def test_rounds_and_naive_with_penalties(tiny_lm):
                             presence_penalty=0.5)
     ref = engine.generate(tiny_lm, PROMPTS, params)
     s = engine.Session(tiny_lm, PROMPTS, params.replace(n=2))
-    rounds = []
-    for first in (0, 2):
-        rnd = s.round(range(2), np.broadcast_to(first + np.arange(2, dtype=np.int32), (2, 2)))
-        while rnd.run(5):
-            pass
-        rounds.append(rnd)
-    assert_same_tokens_up_to_ties(tiny_lm, ref, engine.finish(s, rounds))
+    got = finish_in_rounds(s, rows=2, width=2, firsts=(0, 2), chunk=5)
+    assert_same_tokens_up_to_ties(tiny_lm, ref, got)
     assert_same_tokens_up_to_ties(tiny_lm, ref, naive_generate(tiny_lm, PROMPTS, params))
 
 
