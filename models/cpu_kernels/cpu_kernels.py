@@ -140,9 +140,8 @@ def override(choice: str) -> str | None:
     The variable is read once per process, when the kernels are first built (`enabled`,
     called here): set later it overrides nothing. The ISA cap (avx2) changes no result
     and overrides no field: `isa` says it."""
-    if choice == "auto" and _env_off() and not enabled() and _STATE["status"].startswith(
-            f"{ENV}="):
-        return (f"{ENV}={os.environ[ENV]} overrides cpu_kernels='auto': the int8 products "
+    if choice == "auto" and not enabled() and _STATE["status"].startswith(f"{ENV}="):
+        return (f"{_STATE['status']} overrides cpu_kernels='auto': the int8 products "
                 "run as XLA's dot_general and a W8A8 model's prefix KV stays float32")
     return None
 

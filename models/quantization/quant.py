@@ -235,7 +235,7 @@ def _outlier_part(x, idx, w_out):
 
 
 def _w8a8_rows(x, q, scale, idx=None, keep=None, w_out=None, *, transposed: bool,
-               kernels: bool = True):
+               kernels: bool):
     """x `[M, in]` -> float32 `[M, out]`: x quantised per row, int8 x int8 -> int32 dot.
 
     A row's scale is `max |x| / 127` over its channels (outside the outlier
@@ -292,7 +292,7 @@ def w8a8_expression(xf, q, scale, idx=None, keep=None, w_out=None, *, transposed
 
 
 @functools.lru_cache(maxsize=None)
-def _w8a8_fn(transposed: bool, kernels: bool = True):
+def _w8a8_fn(transposed: bool, kernels: bool):
     """The W8A8 product `f(x [..., in], q, scale[, idx, keep, w_out]) -> [..., out]`
     float32 (the outlier channels' leaves, if any), with a `custom_vmap` rule that folds
     vmapped axes of x into its rows (so the product sees the true row count of the
@@ -567,4 +567,4 @@ def modes(params) -> set[str]:
 
 def is_quantized(params) -> bool:
     """Whether any leaf of `params` is a `QuantizedWeight`."""
-    return bool(modes(params))
+    return bool(quantized_weights(params))
