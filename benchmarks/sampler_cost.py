@@ -23,6 +23,7 @@ Gemma 3 270M (V = 262,144, when installed), to give each figure's share.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -45,6 +46,7 @@ def _icdf_choose(logits, key, temperature, vocab_limit, block=512):
     from jaxsample.engine import sampling
 
     _, z, _ = sampling.prepare(logits, temperature, vocab_limit)
+    block = math.gcd(z.shape[0], block)  # blocks that tile V
     e = jnp.exp(z).reshape(-1, block)
     c = jnp.cumsum(jnp.sum(e, axis=1))
     u = jax.random.uniform(key) * c[-1]

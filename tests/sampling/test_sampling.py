@@ -8,6 +8,7 @@ top-p prefix, inclusive min-p).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import hypothesis.strategies as st
@@ -695,11 +696,51 @@ def _enclosing(jaxpr, names, chain=()):
     return out
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_per_row_knobs_draw_the_bisection_tokens(flat):
+    """The engine's per-row settings (`any_sampling`, `any_filter` unbatched, the
+    knobs batched over rows): greedy rows, top-k rows and nucleus rows draw the
+    tokens of the bisection path, with the noise at the candidates (every set
+    fits) or over V (one nearly flat slot's nucleus does not fit in 16)."""
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal((3, 4, 64)) * 3).astype(np.float32)
+    if flat:
+        logits[2, 1] *= 0.02
+    knobs = (np.float32([0.0, 0.8, 1.0]), np.int32([0, 5, 0]), np.float32([1.0, 1.0, 0.9]),
+             np.float32([0.0, 0.0, 0.05]))
+    keys = jax.random.split(jax.random.key(5), 12).reshape(3, 4)
+
+    def draw(k0):
+        one = functools.partial(choose_token, vocab_limit=64, candidates=k0,
+                                any_sampling=jnp.bool_(True), any_filter=jnp.bool_(True))
+        rows = jax.vmap(jax.vmap(one, in_axes=(0, 0, None, None, None, None)))
+        return np.asarray(jax.jit(rows)(logits, keys, *knobs)[0])
+
+    new, old = draw((4, 16)), draw(0)
+    np.testing.assert_array_equal(new[0], logits[0].argmax(-1))  # greedy row
+    for r in (1, 2):
+        _assert_same_draws_up_to_ties(logits[r], keys[r], knobs[0][r], new[r], old[r])
+    assert (new[1, :, None] == np.argsort(-logits[1], -1)[:, :5]).any(-1).all()  # top-5
+
+
+def test_default_stages_follow_the_vocabulary():
+    """A default stage of K0 runs only at V >= VOCAB_PER_CANDIDATE * K0; stages
+    passed in are kept (clamped to V, sorted, 0 dropped)."""
+    from jaxsample.engine.sampling.select import VOCAB_PER_CANDIDATE, check_candidates
+
+    assert check_candidates(None, 264) == ()
+    assert check_candidates(None, VOCAB_PER_CANDIDATE * 256) == (256,)
+    assert check_candidates(None, 49152) == (256, 1024)
+    assert check_candidates((16, 8, 0), 64) == (8, 16)
+    assert check_candidates(1024, 64) == (64,)
+
+
 def test_fallback_stays_behind_a_real_cond_under_the_engines_vmap():
     """The bisection's loops sit inside the reduced fallback cond (inside the
     filters' cond): a batched predicate would have turned that cond into a
     select running the bisection on every step."""
-    choose = jax.vmap(jax.vmap(choose_token, in_axes=(0, 0, None, None, None, None, None)),
+    one = functools.partial(choose_token, candidates=(8, 16))
+    choose = jax.vmap(jax.vmap(one, in_axes=(0, 0, None, None, None, None, None)),
                       in_axes=(0, 0, None, None, None, None, None))
     keys = jax.random.split(jax.random.key(0), 6).reshape(2, 3)
     jaxpr = jax.make_jaxpr(lambda x, k, *a: choose(x, k, *a, 64))(

@@ -13,7 +13,6 @@ import numpy as np
 
 from jaxsample.engine.sampling.processors import first_argmax, prepare
 from jaxsample.engine.sampling.select import (
-    TOP_CANDIDATES,
     batch_rows,
     check_candidates,
     keep_set,
@@ -87,7 +86,7 @@ def _draw_rows(z, keep, data, *cands, impl, use_candidates: bool):
 def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
                  top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
                  vocab_limit: int, processed: jax.Array | None = None,
-                 candidates: int | tuple[int, ...] = TOP_CANDIDATES, *,
+                 candidates: int | tuple[int, ...] | None = None, *,
                  any_sampling: jax.Array | None = None,
                  any_filter: jax.Array | None = None,
                  with_processed: bool = False) -> tuple[jax.Array, ...]:
@@ -151,7 +150,6 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
     Raises:
       ValueError: logits is not 1-D, vocab_limit or candidates is out of range.
     """
-    candidates = check_candidates(candidates)
     if processed is not None:
         raw, _, raw_top = prepare(logits, 1.0, vocab_limit)
         _, z, greedy_tok = prepare(processed, temperature, vocab_limit)
@@ -161,6 +159,7 @@ def choose_token(logits: jax.Array, key: jax.Array, temperature: jax.Array,
         raw, z, greedy_tok = prepare(logits, temperature, vocab_limit)
         m = raw[greedy_tok]
         has_dist = m > -jnp.inf
+    candidates = check_candidates(candidates, z.shape[0])
     keep, cand = keep_set(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates,
                           any_filter)
     token = _draw(z, keep, greedy_tok, key, temperature, cand, any_sampling)

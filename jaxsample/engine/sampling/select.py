@@ -24,8 +24,12 @@ stages, and a row's result never depends on the other rows (it comes from
 the first stage it fits). At a large V the pre-selection is faster than the
 bisection over V whenever the kept sets fit in the candidates; a step with a
 row that needs the bisection costs more than the bisection alone (both stages
-and the full draw run too): docs/benchmarks.md, "The sampler at V = 262,144,
-and Gemma 3 parity" (benchmarks/sampler_cost.py). `candidates=0` selects the
+and the full draw run too). On a small vocabulary `lax.top_k` of K0 costs as
+much as the bisection's passes over V, so a default stage of K0 runs only
+where V >= 16 K0 (`VOCAB_PER_CANDIDATE`; below V = 4,096 there is none): the
+stages are most of the sampler's code, and code the step does not need still
+costs compile time (docs/benchmarks.md, "The sampler at V = 262,144, and
+Gemma 3 parity"; benchmarks/sampler_cost.py). `candidates=0` selects the
 bisection and the full draw alone (the reference path). Min-p is a single
 O(V) comparison. Top-k and top-p sit behind a `lax.cond` on the scalar
 parameters (also skipped when temperature == 0), so inactive filters cost
@@ -126,6 +130,13 @@ def _top_p_mask(z: jax.Array, kz: jax.Array, keep_k: jax.Array,
 # K0 of each stage: `lax.top_k` costs more the larger K0, so the first stage is the
 # smaller one (benchmarks/sampler_cost.py --candidates).
 TOP_CANDIDATES = (256, 1024)
+
+VOCAB_PER_CANDIDATE = 16
+"""A default stage of K0 candidates runs only where V >= VOCAB_PER_CANDIDATE * K0.
+Below that ratio the bisection over V costs no more per step than `lax.top_k`
+(K0 = 256: slower at V = 264 and 2,048, faster from 8,192 on; docs/benchmarks.md,
+"The sampler at V = 262,144, and Gemma 3 parity"), so the stage would only add
+code to compile."""
 
 
 def batch_rows(rows_fn):
@@ -236,9 +247,10 @@ def _rank_filter_rows(z, top_k, top_p, k_on, p_on, *, k0s: tuple[int, ...]):
 
 
 def keep_set(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
-             min_p, vocab_limit: int, candidates: int, any_filter=None):
+             min_p, vocab_limit: int, candidates: tuple[int, ...], any_filter=None):
     """[V] bool keep set of the sampling (temperature > 0) path, and the
-    candidates `(idx [K0] int32, ok bool)` (None on the bisection path).
+    candidates `(idx [K0] int32, ok bool)` per stage (None on the bisection
+    path). candidates: the stages, as `check_candidates` returns them.
 
     Top-k and top-p together run behind one `lax.cond` on the scalar
     parameters, so inactive filters cost nothing. `any_filter` (a bool
@@ -254,27 +266,29 @@ def keep_set(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
     min_p = jnp.asarray(min_p, jnp.float32)
     k_on = sampling & (top_k > 0) & (top_k < vocab_limit)
     p_on = sampling & (top_p < 1.0)
-    k0s = tuple(sorted({min(k, v) for k in candidates}))
+    k0s = candidates
     if not k0s:
-        # The bisection path (candidates=0): top-k and top-p each behind a cond.
+        # The bisection path: top-k and top-p each behind a cond of its own
+        # (selects under a vmap with per-row knobs, inside the batch-wide cond).
         # The order keys are computed inside each filter's branch.
-        keep = jax.lax.cond(k_on, lambda z, k: _top_k_mask(z, _order_keys(z), k),
-                            lambda z, k: jnp.ones((v,), bool), z, top_k)
-        keep = jax.lax.cond(p_on, lambda z, kk, p: _top_p_mask(z, _order_keys(z), kk, p),
-                            lambda z, kk, p: kk, z, keep, top_p)
-        cand = None
+        def on(z, k, p, k_on, p_on):
+            keep = jax.lax.cond(k_on, lambda z, k: _top_k_mask(z, _order_keys(z), k),
+                                lambda z, k: jnp.ones((v,), bool), z, k)
+            keep = jax.lax.cond(p_on, lambda z, kk, p: _top_p_mask(z, _order_keys(z), kk, p),
+                                lambda z, kk, p: kk, z, keep, p)
+            return keep, None
     else:
         rows = batch_rows(lambda *a: _rank_filter_rows(*a, k0s=k0s))
 
         def on(z, k, p, k_on, p_on):
             return one_row(rows, z, k, p, k_on, p_on)
 
-        def off(z, k, p, k_on, p_on):
-            return jnp.ones((v,), bool), tuple(
-                (jnp.zeros((k,), jnp.int32), jnp.bool_(False)) for k in k0s)
+    def off(z, k, p, k_on, p_on):
+        none_fit = tuple((jnp.zeros((k,), jnp.int32), jnp.bool_(False)) for k in k0s)
+        return jnp.ones((v,), bool), (none_fit if k0s else None)
 
-        pred = k_on | p_on if any_filter is None else jnp.asarray(any_filter, bool)
-        keep, cand = jax.lax.cond(pred, on, off, z, top_k, top_p, k_on, p_on)
+    pred = k_on | p_on if any_filter is None else jnp.asarray(any_filter, bool)
+    keep, cand = jax.lax.cond(pred, on, off, z, top_k, top_p, k_on, p_on)
     # min-p: prob_i / prob_max = exp(z_i - max z) = exp(z_i), the max token is
     # never filtered; log(0) = -inf keeps everything.
     keep &= z >= jnp.log(min_p) + jnp.log1p(-MIN_P_TOL)
@@ -282,18 +296,28 @@ def keep_set(z: jax.Array, greedy_tok: jax.Array, temperature, top_k, top_p,
     return keep | (jnp.arange(v) == greedy_tok), cand
 
 
-def check_candidates(candidates) -> tuple[int, ...]:
-    """The pre-selection stages as a tuple of ints > 0; () for the bisection."""
+def check_candidates(candidates, v: int) -> tuple[int, ...]:
+    """The pre-selection stages for V logits: K0 values in (0, V], increasing.
+
+    None gives the stages of `TOP_CANDIDATES` that V allows (K0 <=
+    V / `VOCAB_PER_CANDIDATE`; none below V = 4,096); an int or a tuple of
+    them is taken as given, each clamped to V; 0 or () gives () (the bisection).
+
+    Raises:
+      ValueError: candidates is not None, an int >= 0 or a tuple of them.
+    """
+    if candidates is None:
+        return tuple(k for k in TOP_CANDIDATES if k * VOCAB_PER_CANDIDATE <= v)
     ks = (candidates,) if is_int(candidates) else candidates
     if not isinstance(ks, (tuple, list)) or not all(is_int(k) and k >= 0 for k in ks):
-        raise ValueError("candidates must be a static int >= 0 or a tuple of them (0 or (): "
-                         f"the bisection path), got {candidates!r}")
-    return tuple(int(k) for k in ks if k > 0)
+        raise ValueError("candidates must be None, a static int >= 0 or a tuple of them "
+                         f"(0 or (): the bisection path), got {candidates!r}")
+    return tuple(sorted({min(int(k), v) for k in ks if k > 0}))
 
 
 def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
               top_p: jax.Array, min_p: jax.Array, vocab_limit: int,
-              candidates: int | tuple[int, ...] = TOP_CANDIDATES) -> jax.Array:
+              candidates: int | tuple[int, ...] | None = None) -> jax.Array:
     """The set of tokens `choose_token` may sample (see the table of `jaxsample.engine.sampling`).
 
     Args:
@@ -304,7 +328,8 @@ def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
       min_p: float32 scalar in [0, 1] (traced); 0 is off.
       vocab_limit: static int in [1, V]; rows >= vocab_limit are padding.
       candidates: static, the top-k pre-selection stages: an int K0 > 0 or
-        a tuple of them (`select.py`, "Cost"; default (256, 1024)); 0
+        a tuple of them (`select.py`, "Cost"); None (the default) takes the
+        stages of `TOP_CANDIDATES` that V allows (`check_candidates`); 0
         or () runs the bisection alone. The set is the same for every choice
         (up to float32 rounding of the top-p mass).
 
@@ -314,8 +339,8 @@ def keep_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     Raises:
       ValueError: logits is not 1-D, vocab_limit or candidates is out of range.
     """
-    candidates = check_candidates(candidates)
     _, z, greedy_tok = prepare(logits, temperature, vocab_limit)
+    candidates = check_candidates(candidates, z.shape[0])
     keep, _ = keep_set(z, greedy_tok, temperature, top_k, top_p, min_p, vocab_limit, candidates)
     greedy = jnp.arange(z.shape[0]) == greedy_tok
     return jnp.where(jnp.asarray(temperature) == 0, greedy, keep)
