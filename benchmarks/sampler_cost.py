@@ -5,7 +5,8 @@ Times `sampling.choose_token` vmapped over N rows of V synthetic logits
 `bisection` (candidates=0: the exact 32-pass bisection over V for top-k /
 top-p and V Gumbel draws per row, the code before the top-k pre-selection)
 and `K0=...` (`lax.top_k` pre-selection of K0 candidates, in stages joined
-by `+`: 256+1024 is the default; the bisection only as the last fallback,
+by `+`: 256+1024 is the default from V = 16,384, 256 alone from 4,096, none below
+(`select.VOCAB_PER_CANDIDATE`); the bisection only as the last fallback,
 Gumbel noise only at the candidates when the kept set fits in them). A measured,
 not adopted, alternative is timed beside them: `inverse CDF`, one uniform
 per row inverted through block sums of exp(z) over the kept set (a two-level
