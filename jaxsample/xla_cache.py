@@ -1,4 +1,5 @@
-"""JAX's persistent compilation cache, mended: an entry JAX cannot read is rewritten.
+"""JAX's persistent compilation cache, mended: entries are written whole, and an entry
+JAX cannot read is rewritten.
 
 Turned on by `jaxsample.disk_cache.enable_compilation_cache`; a wrapper of
 JAX's private `jax._src.lru_cache.LRUCache` (jax 0.10), left out on a JAX
@@ -13,7 +14,14 @@ from jaxsample.cache_files import atomic_write, in_the_way, log, warn_in_the_way
 
 
 def rewrite_unreadable_entries() -> bool:
-    """Make JAX's persistent cache replace an entry it could not read.
+    """Make JAX's persistent cache write each entry whole and replace one it could not read.
+
+    JAX writes a new entry in place (`pathlib.Path.write_bytes`), so a second
+    process compiling the same program can read it half-written: an unreadable
+    entry, a compile wasted. With eviction off (jaxsample's setting) a new entry
+    goes to a temporary file renamed into place (`atomic_write`), so a reader sees
+    the whole entry or none. With eviction on, JAX's own write stands (it holds
+    its lock and keeps the access times).
 
     JAX reads an entry before compiling and writes one after; a read that
     fails (a corrupt or truncated file) only warns, and the write then skips
@@ -52,7 +60,10 @@ def rewrite_unreadable_entries() -> bool:
     def put_rewriting(self, key, value):
         path = entry(self, key)
         if path not in read or not path.is_file():
-            return put(self, key, value)
+            if self.eviction_enabled or not key or path.exists():
+                return put(self, key, value)
+            atomic_write(path, value)
+            return None
         read.discard(path)
         if atomic_write(path, value):
             log.warning("jaxsample: warning: compilation cache entry %s was unusable; "

@@ -415,15 +415,23 @@ def test_enable_compilation_cache_off_and_unwritable(monkeypatch, tmp_path, capl
     assert "compilation cache off" in msgs[0] and "read-only" in msgs[1]
 
 
-def test_compilation_cache_rewrites_only_what_it_read_and_could_not_use(tmp_path, caplog):
+def test_compilation_cache_rewrites_only_what_it_read_and_could_not_use(tmp_path, caplog,
+                                                                        monkeypatch):
     """The wrapper of JAX's LRUCache (installed by tests/conftest.py's
     enable_compilation_cache): a key read here and written again (JAX compiled it: the
     file was unusable) is replaced atomically, with one line; a key another process
     wrote after this one found nothing is left as JAX leaves it, without a word; a
-    directory with files at an entry's path is a miss, named and left alone."""
+    directory with files at an entry's path is a miss, named and left alone; a new
+    key's entry is written to a temporary file and renamed (another process reads all
+    of it or nothing), where JAX writes the file in place."""
     from jax._src import lru_cache
 
     c = lru_cache.LRUCache(str(tmp_path), max_size=-1)
+    with monkeypatch.context() as m:  # JAX's in-place write is not taken
+        m.setattr(pathlib.Path, "write_bytes", lambda *a: pytest.fail("written in place"))
+        c.put("new", b"whole")
+    assert (tmp_path / "new-cache").read_bytes() == b"whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new-cache"]  # no temporary left
     assert c.get("raced") is None
     (tmp_path / "raced-cache").write_bytes(b"another process's")
     c.put("raced", b"ours")
