@@ -27,11 +27,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # This module may be imported twice in one process (as `conftest` by pytest and as
 # `tests.conftest` by a test module): the second import reuses the first's directory
 # (a marker naming this process), so the environment never moves under a test.
+# pytest-xdist's workers inherit the marker of the process that started them and
+# share its directory: a program one worker compiled, or a weights file it
+# converted, is read by the other (every cache file is written whole, then renamed).
+# The starting process removes the directory when it exits, after its workers.
 _MARK = "_JAXSAMPLE_TESTS_CACHE_OF_PID"
 _pid, _, _dir = os.environ.get(_MARK, "").partition(":")
 if os.environ.get("JAXSAMPLE_TEST_CACHE_DIR"):
     TEST_CACHE_DIR = os.environ["JAXSAMPLE_TEST_CACHE_DIR"]
-elif _pid == str(os.getpid()) and _dir:
+elif _dir and (_pid == str(os.getpid()) or os.environ.get("PYTEST_XDIST_WORKER")):
     TEST_CACHE_DIR = _dir
 else:
     TEST_CACHE_DIR = tempfile.mkdtemp(prefix="jaxsample-tests-cache-")
