@@ -21,7 +21,8 @@ def rewrite_unreadable_entries() -> bool:
     entry, a compile wasted. With eviction off (jaxsample's setting) a new entry
     goes to a temporary file renamed into place (`atomic_write`), so a reader sees
     the whole entry or none. With eviction on, JAX's own write stands (it holds
-    its lock and keeps the access times).
+    its lock and keeps the access times), and so does it where the temporary
+    file cannot be written (JAX then warns, as it would).
 
     JAX reads an entry before compiling and writes one after; a read that
     fails (a corrupt or truncated file) only warns, and the write then skips
@@ -60,9 +61,9 @@ def rewrite_unreadable_entries() -> bool:
     def put_rewriting(self, key, value):
         path = entry(self, key)
         if path not in read or not path.is_file():
-            if self.eviction_enabled or not key or path.exists():
-                return put(self, key, value)
-            atomic_write(path, value)
+            if self.eviction_enabled or not key or path.exists() or \
+                    not atomic_write(path, value):
+                return put(self, key, value)  # a write that fails is JAX's to warn of
             return None
         read.discard(path)
         if atomic_write(path, value):

@@ -426,12 +426,18 @@ def test_compilation_cache_rewrites_only_what_it_read_and_could_not_use(tmp_path
     of it or nothing), where JAX writes the file in place."""
     from jax._src import lru_cache
 
+    from jaxsample import xla_cache
+
     c = lru_cache.LRUCache(str(tmp_path), max_size=-1)
     with monkeypatch.context() as m:  # JAX's in-place write is not taken
         m.setattr(pathlib.Path, "write_bytes", lambda *a: pytest.fail("written in place"))
         c.put("new", b"whole")
     assert (tmp_path / "new-cache").read_bytes() == b"whole"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new-cache"]  # no temporary left
+    with monkeypatch.context() as m:  # no temporary file: JAX's own write (and warning)
+        m.setattr(xla_cache, "atomic_write", lambda *a: False)
+        c.put("fallback", b"in place")
+    assert (tmp_path / "fallback-cache").read_bytes() == b"in place"
     assert c.get("raced") is None
     (tmp_path / "raced-cache").write_bytes(b"another process's")
     c.put("raced", b"ours")
